@@ -1,0 +1,52 @@
+# relaunch — every target creates .venv and installs what it needs on a fresh machine.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha256sum | cut -c1-12)
+IMAGE ?= ghcr.io/relaunch/relaunch
+TAG ?= 0.1.0
+ARGS ?=
+
+.PHONY: help venv run test bench ui compile golden images clean
+
+help: ## list the targets
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  make %-10s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e '.[test]'
+	@rm -f $(VENV)/.installed-*; touch $@
+
+venv: $(STAMP) ## create .venv and install relaunch with its pinned dependencies
+
+run: $(STAMP) ## run the whole pipeline locally: 2 torchrun "nodes" on CPU, local store, local MLflow
+	$(BIN)/relaunch run $(ARGS)
+
+test: $(STAMP) ## run the whole test suite (starts its own S3, PostgreSQL and MLflow servers)
+	$(BIN)/python -m pytest $(ARGS)
+
+bench: $(STAMP) ## run the benchmarks; prints tables and writes bench-results/*.json
+	$(BIN)/python -m tests.bench $(ARGS)
+
+ui: $(STAMP) ## open the local MLflow UI on http://127.0.0.1:5000
+	$(BIN)/mlflow ui --backend-store-uri sqlite:///./.relaunch/mlflow.db --default-artifact-root ./.relaunch/mlartifacts --host 127.0.0.1 --port 5000
+
+compile: $(STAMP) ## compile the KFP and Argo definitions to build/
+	@mkdir -p build
+	$(BIN)/relaunch compile --target kfp -o build/pipeline.kfp.yaml
+	$(BIN)/relaunch compile --target argo -o build/workflow.argo.yaml
+	$(BIN)/relaunch compile --target argo-template -o build/workflowtemplate.argo.yaml
+	$(BIN)/relaunch compile --target argo-cron -o build/cronworkflow.argo.yaml
+
+golden: $(STAMP) ## regenerate tests/golden/ from the default config (review the diff!)
+	RELAUNCH_UPDATE_GOLDEN=1 $(BIN)/python -m pytest -q tests/pipelines -k golden
+
+images: ## build and push the CPU and CUDA images (needs docker; IMAGE=... TAG=...)
+	docker build -f images/Dockerfile -t $(IMAGE):$(TAG) .
+	docker build -f images/Dockerfile.cuda -t $(IMAGE):$(TAG)-cuda .
+	docker push $(IMAGE):$(TAG)
+	docker push $(IMAGE):$(TAG)-cuda
+
+clean: ## remove local state (.relaunch/) and build outputs, keep .venv
+	rm -rf .relaunch build bench-results

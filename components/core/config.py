@@ -1,0 +1,298 @@
+"""The one configuration model of relaunch, read by every step, the training entrypoint, the local
+run and the KFP/Argo definitions.
+
+Sources, later ones winning: the defaults below, a YAML file, ``--set dotted.key=value`` overrides.
+Unknown keys and wrong types are refused; every error names the field and the bad value in one line
+(:class:`~components.core.errors.BadInput`, exit code 2). Credentials never live here: they come from
+the environment (or Kubernetes Secrets mapped into it).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from components.core.errors import BadInput
+
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class StoreConfig(_Model):
+    uri: str = Field(
+        "./.relaunch/store",
+        description="Where datasets and checkpoints live: a path, file:///path, or s3://bucket/prefix "
+        "(endpoint and credentials from AWS_*/MINIO_* environment variables).",
+    )
+
+    @field_validator("uri")
+    @classmethod
+    def _uri_scheme(cls, v: str) -> str:
+        if not v:
+            raise ValueError("must not be empty; use a path, file:///path or s3://bucket/prefix")
+        if "://" in v:
+            scheme, rest = v.split("://", 1)
+            if scheme not in ("file", "s3"):
+                raise ValueError(f"scheme {scheme!r} is not supported; use a path, file:///path or s3://bucket/prefix")
+            if scheme == "s3" and not rest.split("/", 1)[0]:
+                raise ValueError("s3 URI has no bucket; write s3://bucket/prefix")
+            if scheme == "s3" and "@" in rest.split("/", 1)[0]:
+                raise ValueError("s3 URI must not carry credentials; set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY")
+        return v
+
+
+class TrackingConfig(_Model):
+    uri: str = Field(
+        "sqlite:///./.relaunch/mlflow.db",
+        description="MLflow tracking URI: sqlite:///file.db, postgresql+psycopg2://..., or http(s)://server.",
+    )
+    artifact_location: str | None = Field(
+        "./.relaunch/mlartifacts",
+        description="Artifact root for a newly created experiment (ignored when the server proxies artifacts).",
+    )
+    experiment: str = Field("relaunch", description="MLflow experiment name.")
+    run_id: str | None = Field(None, description="MLflow run to log into; decided by prepare when empty.")
+    run_name: str | None = Field(None, description="Display name of a newly created MLflow run.")
+    tensorboard_dir: str | None = Field(None, description="Also write TensorBoard events here when set.")
+
+    @field_validator("uri")
+    @classmethod
+    def _tracking_scheme(cls, v: str) -> str:
+        schemes = ("sqlite", "postgresql", "postgresql+psycopg2", "mysql", "http", "https", "file", "databricks")
+        scheme = v.split("://", 1)[0] if "://" in v else ""
+        if scheme.split("+")[0] not in {s.split("+")[0] for s in schemes}:
+            raise ValueError(f"unsupported tracking URI {v!r}; use sqlite:///path.db, postgresql+psycopg2://..., or http://host:port")
+        if re.match(r"^https?://[^/]*:[^/@]*@", v):
+            raise ValueError("tracking URI must not carry credentials; set MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD")
+        return v
+
+
+class DataConfig(_Model):
+    dataset: str = Field("digits", description="Dataset the task builds; the default task uses scikit-learn's bundled digits.")
+    version: str | None = Field(None, description="Content-addressed dataset version; set by prepare.")
+    val_fraction: float = Field(0.15, gt=0, lt=0.5, description="Fraction held out for validation.")
+    test_fraction: float = Field(0.15, gt=0, lt=0.5, description="Fraction held out for the final test.")
+    split_seed: int = Field(0, ge=0, description="Seed of the train/validation/test split.")
+
+
+class TrainConfig(_Model):
+    task: str = Field("components.tasks.digits:make_task", description="package.module:factory returning the Task.")
+    epochs: int = Field(4, ge=1, description="Passes over the training split.")
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (overrides epochs).")
+    global_batch_size: int = Field(64, ge=1, description="Samples per optimizer step across all ranks.")
+    lr: float = Field(0.05, gt=0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW/SGD weight decay.")
+    hidden_size: int = Field(128, ge=1, description="Width of the default task's hidden layer.")
+    seed: int = Field(0, ge=0, description="Seed of model init, data order and every RNG.")
+    deterministic: bool = Field(True, description="Deterministic algorithms, so a resumed run is bitwise equal.")
+    amp: bool = Field(False, description="Mixed precision (bf16 on CPU, fp16 + GradScaler on CUDA).")
+    step_sleep_seconds: float = Field(0.0, ge=0, description="Artificial delay per step (demos and benchmarks).")
+    checkpoint_every_steps: int | None = Field(20, ge=1, description="Save every N optimizer steps.")
+    checkpoint_every_seconds: float | None = Field(None, gt=0, description="Save at most every T seconds.")
+    checkpoint_at_epoch_end: bool = Field(True, description="Save when an epoch ends.")
+    async_save: bool = Field(True, description="Persist checkpoints in the background.")
+    keep_last: int = Field(3, ge=1, description="Committed checkpoints kept by recency.")
+    keep_best: int = Field(1, ge=0, description="Committed checkpoints kept by best_metric.")
+    best_metric: str = Field("val_loss", description="Metric that ranks checkpoints for keep_best.")
+    best_mode: Literal["min", "max"] = Field("min", description="Whether lower or higher best_metric is better.")
+    eval_every_steps: int | None = Field(None, ge=1, description="Validate every N steps (default: at each checkpoint).")
+    log_every_steps: int = Field(1, ge=1, description="Log per-step metrics every N steps.")
+    loss_spike_factor: float = Field(10.0, gt=1, description="A loss above factor x its running mean counts as a spike.")
+    hang_timeout_seconds: float = Field(300.0, gt=0, description="No step progress for this long: dump stacks, exit retryable.")
+    preempt_grace_seconds: float = Field(25.0, gt=0, description="Time after SIGTERM before SIGKILL (terminationGracePeriodSeconds - margin).")
+    process_group_timeout_seconds: float = Field(120.0, gt=0, description="torch.distributed collective timeout.")
+    resume_from: str | None = Field(None, description="Checkpoint URI to start from instead of the latest of this run.")
+    warm_start_model: str | None = Field(None, description="models:/name/version or models:/name@alias to initialise weights from.")
+
+
+class KubernetesConfig(_Model):
+    namespace: str = Field("relaunch", description="Namespace of the PyTorchJob and the pipeline pods.")
+    image: str = Field("ghcr.io/relaunch/relaunch:0.1.0", description="Image every step and worker runs.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    service_account: str = Field("relaunch-pipeline", description="ServiceAccount of the pipeline pods and workers.")
+    gpus_per_node: int = Field(0, ge=0, description="nvidia.com/gpu per replica; 0 trains on CPU with gloo.")
+    cpu: str = Field("2", description="CPU request and limit per replica.")
+    memory: str = Field("4Gi", description="Memory request and limit per replica.")
+    shm_size: str = Field("1Gi", description="Size of the /dev/shm emptyDir.")
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    store_secret: str = Field("relaunch-store", description="Secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY.")
+    tracking_secret: str | None = Field(
+        "relaunch-mlflow", description="Secret with MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (optional)."
+    )
+    store_endpoint: str | None = Field("http://minio.relaunch.svc:9000", description="AWS_ENDPOINT_URL given to pods.")
+    backoff_limit: int = Field(6, ge=0)
+    clean_pod_policy: Literal["None", "Running", "All"] = "None"
+    ttl_seconds_after_finished: int = Field(86400, ge=0)
+    active_deadline_seconds: int | None = Field(None, ge=1)
+    termination_grace_period_seconds: int = Field(30, ge=1)
+    wait_timeout_seconds: float = Field(86400.0, gt=0, description="How long launch waits for the job.")
+
+
+class LaunchConfig(_Model):
+    backend: Literal["local", "kubernetes"] = Field("local", description="Where training runs.")
+    nodes: int = Field(2, ge=1, description="Nodes (local: simulated node groups on this machine).")
+    procs_per_node: int = Field(1, ge=1, description="Training processes per node.")
+    max_restarts: int = Field(3, ge=0, description="torchrun/elastic restarts of the worker group.")
+    min_nodes: int | None = Field(None, ge=1, description="Elastic minimum; defaults to nodes.")
+    rdzv_port: int = Field(0, ge=0, le=65535, description="Local c10d rendezvous port; 0 picks a free one.")
+    monitor_interval_seconds: float = Field(0.5, gt=0, description="torchrun's worker-health poll interval.")
+    timeout_seconds: float = Field(3600.0, gt=0, description="Give up (retryable) after this long.")
+    inject_failure: str | None = Field(None, description="kill-worker@step=N, preempt@step=N or storage-outage@step=N.")
+    kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
+
+    @field_validator("inject_failure")
+    @classmethod
+    def _failure_spec(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"(kill-worker|preempt|storage-outage)@step=\d+", v):
+            raise ValueError(f"{v!r} is not a failure spec; use kill-worker@step=N, preempt@step=N or storage-outage@step=N")
+        return v
+
+    @model_validator(mode="after")
+    def _elastic_range(self) -> "LaunchConfig":
+        if self.min_nodes is not None and self.min_nodes > self.nodes:
+            raise ValueError(f"min_nodes={self.min_nodes} exceeds nodes={self.nodes}")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs_per_node
+
+
+class EvaluateConfig(_Model):
+    checkpoint: Literal["latest", "best"] = Field("latest", description="Which committed checkpoint to evaluate.")
+    split: Literal["test", "val"] = Field("test", description="Held-out split to evaluate on.")
+    gate_metric: str = Field("accuracy", description="Metric the register gate reads.")
+    gate_min: float = Field(0.5, description="Register only when gate_metric >= gate_min.")
+
+
+class RegistryConfig(_Model):
+    model_name: str = Field("relaunch-digits", description="Registered model name in the MLflow registry.")
+    champion_metric: str = Field("accuracy", description="Metric compared with the current champion.")
+    champion_mode: Literal["min", "max"] = "max"
+    champion_margin: float = Field(0.0, ge=0, description="New version must beat the champion by at least this.")
+
+
+class RelaunchConfig(_Model):
+    """The whole pipeline's configuration."""
+
+    name: str = Field("relaunch", description="Pipeline name: kebab-case, used in job and workflow names.")
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    launch: LaunchConfig = Field(default_factory=LaunchConfig)
+    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
+    registry: RegistryConfig = Field(default_factory=RegistryConfig)
+
+    @field_validator("name")
+    @classmethod
+    def _kebab(cls, v: str) -> str:
+        if not _NAME.match(v) or len(v) > 40:
+            raise ValueError(f"{v!r} must be kebab-case (a-z, 0-9, '-'), at most 40 characters")
+        return v
+
+    def to_json(self) -> str:
+        return self.model_dump_json()
+
+    @classmethod
+    def from_json(cls, text: str) -> "RelaunchConfig":
+        try:
+            return cls.model_validate_json(text)
+        except ValidationError as err:
+            raise BadInput(describe_validation_error(err)) from None
+
+
+def describe_validation_error(err: ValidationError) -> str:
+    """One line naming the first offending field, its value and what is expected."""
+    first = err.errors()[0]
+    field = ".".join(str(p) for p in first["loc"]) or "config"
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        return f"config: unknown key {field!r}; remove it or check the spelling (see README: configuration)"
+    value = first.get("input")
+    shown = "" if isinstance(value, dict) else f" (got {value!r})"
+    more = f" and {len(err.errors()) - 1} more error(s)" if len(err.errors()) > 1 else ""
+    return f"config: {field}: {msg}{shown}{more}"
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        return raw
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``dotted.key=value`` strings (values parsed as YAML scalars/collections) to ``data``."""
+    for item in overrides:
+        if "=" not in item:
+            raise BadInput(f"--set {item!r}: expected dotted.key=value, e.g. --set train.lr=0.1")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        if not all(parts):
+            raise BadInput(f"--set {item!r}: empty key segment; expected dotted.key=value")
+        node = data
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise BadInput(f"--set {item!r}: {part!r} is not a section")
+            node = child
+        node[parts[-1]] = _parse_value(raw)
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RelaunchConfig:
+    """Build and validate the configuration.
+
+    Args:
+        path: a YAML file, or None for the defaults.
+        overrides: ``dotted.key=value`` strings applied after the file.
+
+    Raises:
+        BadInput: unreadable file, invalid YAML, unknown key, wrong type or out-of-range value.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except FileNotFoundError:
+            raise BadInput(f"config file {str(p)!r} does not exist") from None
+        except yaml.YAMLError as err:
+            raise BadInput(f"config file {str(p)!r} is not valid YAML: {str(err).splitlines()[0]}") from None
+        except OSError as err:
+            raise BadInput(f"config file {str(p)!r} cannot be read: {err.strerror}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise BadInput(f"config file {str(p)!r} must hold a mapping at the top, got {type(loaded).__name__}")
+        data = loaded
+    data = apply_overrides(data, list(overrides or []))
+    try:
+        return RelaunchConfig.model_validate(data)
+    except ValidationError as err:
+        raise BadInput(describe_validation_error(err)) from None
+
+
+def config_from_cli(config: str | None, config_json: str | None, overrides: list[str] | None) -> RelaunchConfig:
+    """What every step CLI does: ``--config FILE`` or ``--config-json TEXT``, then ``--set`` overrides."""
+    if config_json:
+        try:
+            data = json.loads(config_json)
+        except json.JSONDecodeError as err:
+            raise BadInput(f"--config-json is not valid JSON: {err.msg} at position {err.pos}") from None
+        data = apply_overrides(data, list(overrides or []))
+        try:
+            return RelaunchConfig.model_validate(data)
+        except ValidationError as err:
+            raise BadInput(describe_validation_error(err)) from None
+    return load_config(config, overrides)

@@ -1,0 +1,72 @@
+"""The thin CLI every step shares: ``python -m components.<step> --config FILE | --config-json JSON
+[--set key=value ...] [--input name=value ...] [--outputs-dir DIR]``.
+
+It parses, calls the step's ``run(config, **inputs)``, and writes each output field to
+``DIR/<field>`` (strings as they are, anything else as JSON) for Argo output parameters, plus the
+whole outputs object as one JSON line on stdout. Errors follow the exit-code contract.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from components.core.config import config_from_cli
+from components.core.errors import BadInput, exit_on_error
+
+
+def outputs_as_dict(outputs: Any) -> dict[str, Any]:
+    if outputs is None:
+        return {}
+    if dataclasses.is_dataclass(outputs):
+        return dataclasses.asdict(outputs)
+    if hasattr(outputs, "model_dump"):
+        return outputs.model_dump()
+    if isinstance(outputs, dict):
+        return outputs
+    raise TypeError(f"step outputs must be a dataclass, pydantic model or dict, got {type(outputs).__name__}")
+
+
+def write_outputs(outputs: dict[str, Any], directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for key, value in outputs.items():
+        text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+        (directory / key).write_text(text)
+
+
+def step_main(step: str, run: Callable[..., Any], argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m components.<step>``; returns the process exit code."""
+
+    @exit_on_error(step)
+    def main() -> int:
+        parser = argparse.ArgumentParser(prog=f"python -m components.{step.replace('-', '_')}")
+        parser.add_argument("--config", help="YAML configuration file")
+        parser.add_argument("--config-json", help="the whole configuration as JSON (what pipelines pass)")
+        parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+        parser.add_argument("--input", dest="inputs", action="append", default=[], metavar="NAME=VALUE",
+                            help="an output of an earlier step")
+        parser.add_argument("--outputs-dir", type=Path, help="write each output to DIR/<name>")
+        args = parser.parse_args(argv)
+        config = config_from_cli(args.config, args.config_json, args.overrides)
+        inputs: dict[str, str] = {}
+        for item in args.inputs:
+            if "=" not in item:
+                raise BadInput(f"--input {item!r}: expected name=value")
+            name, value = item.split("=", 1)
+            inputs[name.replace("-", "_")] = value
+        outputs = outputs_as_dict(run(config, **inputs))
+        if args.outputs_dir:
+            write_outputs(outputs, args.outputs_dir)
+        print(json.dumps(outputs, sort_keys=True, default=str))
+        return 0
+
+    return main()
+
+
+def exit_with(code: int) -> None:
+    sys.stdout.flush()
+    sys.exit(code)

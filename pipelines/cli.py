@@ -1,0 +1,61 @@
+"""``relaunch``: the command line of the pipeline.
+
+    relaunch run [--config FILE] [--set key=value ...] [--inject-failure kill-worker@step=N]
+    relaunch checkpoints list|latest|verify --store URI [--json]
+    relaunch compile --target kfp|argo|argo-template|argo-cron -o FILE
+    relaunch submit --target kfp|argo        relaunch schedule --target kfp|argo --cron EXPR
+    relaunch render pytorchjob|slurm -o FILE
+
+Each subcommand lives in ``pipelines/commands/<name>.py`` with ``add_parser(subparsers)``; only the
+one asked for is imported, so ``relaunch checkpoints`` does not pay for importing kfp and hera.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from components.core.errors import exit_on_error
+
+COMMANDS: dict[str, str] = {
+    "run": "run the whole pipeline on this machine (kfp.local)",
+    "checkpoints": "list, locate and verify committed checkpoints in a store",
+    "compile": "compile the pipeline for Kubeflow Pipelines or Argo Workflows",
+    "submit": "submit one pipeline run to a cluster",
+    "schedule": "create a recurring run on a cluster",
+    "render": "write the PyTorchJob or Slurm script the launcher would submit",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's own exit code is 2 as well; keep one line
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = _Parser(prog="relaunch", description="Fault-tolerant, resumable PyTorch training pipelines.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name, help_text in COMMANDS.items():
+        if only is None or only == name:
+            module = importlib.import_module(f"pipelines.commands.{name}")
+            module.add_parser(sub, help_text)
+        else:
+            sub.add_parser(name, help=help_text)
+    return parser
+
+
+@exit_on_error("relaunch")
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    only = argv[0] if argv and argv[0] in COMMANDS else None
+    parser = build_parser(only)
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""Session-wide real services and the shared-schema locator; see tests/services.py."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.services import MlflowServer, Postgres, S3Server
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMAS = ROOT.parent / "shared" / "schemas"
+
+
+@pytest.fixture(scope="session")
+def schemas_dir() -> Path:
+    """``../shared/schemas``: skipped with a reason when absent, a failure when CI is set."""
+    if not SCHEMAS.is_dir():
+        if os.environ.get("CI"):
+            pytest.fail(f"CI is set but the upstream schemas are missing at {SCHEMAS}")
+        pytest.skip(f"upstream schemas not found at {SCHEMAS} (../shared beside the project)")
+    return SCHEMAS
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    server = S3Server().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch):
+    """Point the process environment at the test S3 server (credentials as a Secret would)."""
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    return s3_server
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    pg = Postgres().start()
+    yield pg
+    pg.stop()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(postgres):
+    """One real ``mlflow server`` per session (it takes 20-30 s to start), Postgres backend."""
+    backend = postgres.create_database("mlflow")
+    server = MlflowServer(backend_uri=backend, artifacts_dir=Path(tempfile.mkdtemp(prefix="mlflow-art-"))).start()
+    yield server
+    server.stop()
