@@ -116,24 +116,24 @@ class TrainConfig(_Model):
 class KubernetesConfig(_Model):
     namespace: str = Field("relaunch", description="Namespace of the PyTorchJob and the pipeline pods.")
     image: str = Field("ghcr.io/relaunch/relaunch:0.1.0", description="Image every step and worker runs.")
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent", description="imagePullPolicy of every pod.")
     service_account: str = Field("relaunch-pipeline", description="ServiceAccount of the pipeline pods and workers.")
     gpus_per_node: int = Field(0, ge=0, description="nvidia.com/gpu per replica; 0 trains on CPU with gloo.")
     cpu: str = Field("2", description="CPU request and limit per replica.")
     memory: str = Field("4Gi", description="Memory request and limit per replica.")
     shm_size: str = Field("1Gi", description="Size of the /dev/shm emptyDir.")
-    node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    node_selector: dict[str, str] = Field(default_factory=dict, description="nodeSelector of the training replicas.")
+    tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Tolerations of the training replicas.")
     store_secret: str = Field("relaunch-store", description="Secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY.")
     tracking_secret: str | None = Field(
         "relaunch-mlflow", description="Secret with MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (optional)."
     )
     store_endpoint: str | None = Field("http://minio.relaunch.svc:9000", description="AWS_ENDPOINT_URL given to pods.")
-    backoff_limit: int = Field(6, ge=0)
-    clean_pod_policy: Literal["None", "Running", "All"] = "None"
-    ttl_seconds_after_finished: int = Field(86400, ge=0)
-    active_deadline_seconds: int | None = Field(None, ge=1)
-    termination_grace_period_seconds: int = Field(30, ge=1)
+    backoff_limit: int = Field(6, ge=0, description="PyTorchJob runPolicy.backoffLimit: pod restarts before the job fails.")
+    clean_pod_policy: Literal["None", "Running", "All"] = Field("None", description="PyTorchJob runPolicy.cleanPodPolicy.")
+    ttl_seconds_after_finished: int = Field(86400, ge=0, description="Delete the finished PyTorchJob after this long.")
+    active_deadline_seconds: int | None = Field(None, ge=1, description="PyTorchJob runPolicy.activeDeadlineSeconds.")
+    termination_grace_period_seconds: int = Field(30, ge=1, description="Pod grace period between SIGTERM and SIGKILL.")
     wait_timeout_seconds: float = Field(86400.0, gt=0, description="How long launch waits for the job.")
 
 
@@ -177,7 +177,7 @@ class EvaluateConfig(_Model):
 class RegistryConfig(_Model):
     model_name: str = Field("relaunch-digits", description="Registered model name in the MLflow registry.")
     champion_metric: str = Field("accuracy", description="Metric compared with the current champion.")
-    champion_mode: Literal["min", "max"] = "max"
+    champion_mode: Literal["min", "max"] = Field("max", description="Whether lower or higher champion_metric is better.")
     champion_margin: float = Field(0.0, ge=0, description="New version must beat the champion by at least this.")
 
 
