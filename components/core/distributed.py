@@ -1,0 +1,149 @@
+"""The distributed environment as torchrun and the Kubeflow Training Operator set it, the process
+group, and the few collectives the trainer needs (rank-0 decisions broadcast to every rank).
+
+torchrun sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
+``MASTER_ADDR``/``MASTER_PORT``, ``TORCHELASTIC_RESTART_COUNT`` and ``TORCHELASTIC_RUN_ID``; the
+Training Operator sets ``PET_NNODES``, ``PET_NPROC_PER_NODE``, ``PET_NODE_RANK``, ``PET_MASTER_ADDR``,
+``PET_MASTER_PORT`` for torchrun to read. A plain ``python -m components.train`` is a world of one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from components.core.errors import BadInput, TransientFailure
+
+
+def _int(name: str, default: int, *fallbacks: str) -> int:
+    for key in (name, *fallbacks):
+        raw = os.environ.get(key)
+        if raw not in (None, ""):
+            try:
+                return int(raw)
+            except ValueError:
+                raise BadInput(f"environment variable {key}={raw!r} is not an integer") from None
+    return default
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Who this process is in the training job."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
+    nodes: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    restart_count: int = 0
+    elastic_run_id: str = ""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def launched(self) -> bool:
+        """Whether a launcher (torchrun) set the environment, rather than a plain single process."""
+        return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def read_env() -> DistEnv:
+    """Read the environment torchrun / the Training Operator set; defaults are a world of one.
+
+    Raises:
+        BadInput: a variable that is not an integer, or ranks out of range.
+    """
+    world = _int("WORLD_SIZE", 1)
+    rank = _int("RANK", 0)
+    local_world = _int("LOCAL_WORLD_SIZE", 1, "PET_NPROC_PER_NODE")
+    env = DistEnv(
+        rank=rank, world_size=world, local_rank=_int("LOCAL_RANK", 0), local_world_size=local_world,
+        node_rank=_int("GROUP_RANK", 0, "PET_NODE_RANK", "NODE_RANK"),
+        nodes=max(1, world // max(1, local_world)),
+        master_addr=os.environ.get("MASTER_ADDR") or os.environ.get("PET_MASTER_ADDR") or "127.0.0.1",
+        master_port=_int("MASTER_PORT", 0, "PET_MASTER_PORT"),
+        restart_count=_int("TORCHELASTIC_RESTART_COUNT", 0),
+        elastic_run_id=os.environ.get("TORCHELASTIC_RUN_ID", ""),
+    )
+    if not 0 <= env.rank < env.world_size:
+        raise BadInput(f"RANK={env.rank} is outside WORLD_SIZE={env.world_size}")
+    return env
+
+
+def backend() -> str:
+    """``nccl`` when CUDA is present, else ``gloo``."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def device(env: DistEnv) -> torch.device:
+    """This rank's device: ``cuda:<local_rank>`` when CUDA is present, else the CPU."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+        return torch.device("cuda", env.local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init(env: DistEnv, timeout_seconds: float) -> None:
+    """Initialise the default process group (also for a world of one, so collectives always work).
+
+    Raises:
+        TransientFailure: the rendezvous with the other ranks failed or timed out.
+    """
+    if dist.is_initialized():
+        return
+    if not env.launched:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+    try:
+        dist.init_process_group(backend=backend(), timeout=datetime.timedelta(seconds=timeout_seconds),
+                                rank=env.rank, world_size=env.world_size)
+    except (RuntimeError, TimeoutError, ConnectionError) as err:
+        raise TransientFailure(f"process group: rendezvous failed: {str(err).splitlines()[0][:200]}") from None
+
+
+def shutdown() -> None:
+    """Destroy the process group if there is one (idempotent)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` on every rank (plain Python values only)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """Element-wise sum over ranks of a few floats, in one collective (float64)."""
+    tensor = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        if backend() == "nccl":
+            tensor = tensor.cuda()
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor.cpu().tolist()
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

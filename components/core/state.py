@@ -1,0 +1,146 @@
+"""Everything a resume needs, as one DCP ``Stateful``.
+
+    state = TrainingState(model, optimizer, scheduler, scaler, extra={"sampler": sampler})
+    mgr.save(step, state)        # or mgr.load(state)
+
+Model and optimizer go through ``torch.distributed.checkpoint.state_dict.get_state_dict`` /
+``set_state_dict`` (which unwrap DDP and FSDP), so a checkpoint written by N ranks loads into M.
+RNG streams (python, numpy, torch CPU, every CUDA device) are captured per rank under
+``rng.rank<r>``: a rank restores its own stream; a rank that did not exist when the checkpoint was
+written keeps its fresh stream (:attr:`TrainingState.rng_restored` says which happened).
+``extra`` holds custom objects with ``state_dict()``/``load_state_dict()``; their state must be
+made of tensors and plain Python values (ints, floats, strings, lists, dicts), because non-tensor
+values load with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's RNG streams as tensors and plain values (``weights_only``-loadable)."""
+    version, internal, gauss = random.getstate()
+    np_state = np.random.get_state()
+    out: dict[str, Any] = {
+        "python_version": int(version),
+        "python_state": torch.tensor(internal, dtype=torch.int64),
+        "python_gauss": -1.0 if gauss is None else float(gauss),
+        "python_has_gauss": gauss is not None,
+        "numpy_keys": torch.from_numpy(np.asarray(np_state[1], dtype=np.int64).copy()),
+        "numpy_pos": int(np_state[2]),
+        "numpy_has_gauss": int(np_state[3]),
+        "numpy_gauss": float(np_state[4]),
+        "torch_cpu": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = {str(i): s for i, s in enumerate(torch.cuda.get_rng_state_all())}
+    return out
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Set this process's RNG streams from :func:`capture_rng` output."""
+    gauss = float(state["python_gauss"]) if bool(state["python_has_gauss"]) else None
+    random.setstate((int(state["python_version"]), tuple(int(x) for x in state["python_state"].tolist()), gauss))
+    np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), int(state["numpy_pos"]),
+                         int(state["numpy_has_gauss"]), float(state["numpy_gauss"])))
+    torch.set_rng_state(state["torch_cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        cuda = state["cuda"]
+        for i in range(min(len(cuda), torch.cuda.device_count())):
+            torch.cuda.set_rng_state(cuda[str(i)], i)
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """A short stable description of a model's parameter/buffer names, shapes and dtypes.
+
+    Stored in the checkpoint manifest; loading a checkpoint whose fingerprint differs is refused.
+    """
+    module = getattr(model, "module", model)  # DDP
+    items = [f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in module.state_dict().items()]
+    return "sha256:" + hashlib.sha256("\n".join(items).encode()).hexdigest()[:32]
+
+
+class TrainingState:
+    """A DCP ``Stateful`` bundling model, optimizer, scheduler, AMP scaler, counters, RNG and extras.
+
+    Attributes:
+        step: the global optimizer step the state is at.
+        epoch: the epoch.
+        samples_seen: global number of samples consumed (the data cursor).
+        sampler_epoch: the epoch the sampler was last set to.
+        rng_restored: after ``load_state_dict``, whether this rank's RNG streams were in the checkpoint.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 scheduler: Any = None, scaler: Any = None, extra: dict[str, Any] | None = None):
+        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self.extra = dict(extra or {})
+        self.step = 0
+        self.epoch = 0
+        self.samples_seen = 0
+        self.sampler_epoch = 0
+        self.rng_restored = False
+
+    def _model_optim(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        if self.optimizer is None:
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+            return get_model_state_dict(self.model), None
+        return get_state_dict(self.model, self.optimizer)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The nested state DCP saves; ``rng`` holds only this rank's streams."""
+        model_sd, optim_sd = self._model_optim()
+        sd: dict[str, Any] = {
+            "model": model_sd,
+            "progress": {"step": int(self.step), "epoch": int(self.epoch),
+                         "samples_seen": int(self.samples_seen), "sampler_epoch": int(self.sampler_epoch)},
+            "rng": {f"rank{_rank()}": capture_rng()},
+        }
+        if optim_sd is not None:
+            sd["optimizer"] = optim_sd
+        if self.scheduler is not None:
+            sd["scheduler"] = self.scheduler.state_dict()
+        if self.scaler is not None:
+            sd["scaler"] = self.scaler.state_dict()
+        if self.extra:
+            sd["extra"] = {name: obj.state_dict() for name, obj in self.extra.items()}
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore in place from a dict shaped like :meth:`state_dict` (``rng`` may be absent)."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        if self.optimizer is not None and "optimizer" in sd:
+            set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
+        else:
+            set_model_state_dict(self.model, sd["model"])
+        progress = sd.get("progress", {})
+        self.step = int(progress.get("step", 0))
+        self.epoch = int(progress.get("epoch", 0))
+        self.samples_seen = int(progress.get("samples_seen", 0))
+        self.sampler_epoch = int(progress.get("sampler_epoch", 0))
+        if self.scheduler is not None and "scheduler" in sd:
+            self.scheduler.load_state_dict(sd["scheduler"])
+        if self.scaler is not None and "scaler" in sd:
+            self.scaler.load_state_dict(sd["scaler"])
+        for name, obj in self.extra.items():
+            if name in sd.get("extra", {}):
+                obj.load_state_dict(sd["extra"][name])
+        mine = sd.get("rng", {}).get(f"rank{_rank()}")
+        self.rng_restored = mine is not None
+        if mine is not None:
+            restore_rng(mine)

@@ -1,0 +1,534 @@
+"""One small storage interface, two backends chosen by URI.
+
+    store = open_store("/shared/exp")              # or file:///shared/exp
+    store = open_store("s3://bucket/exp/run")      # endpoint and credentials from the environment
+
+Keys are ``/``-separated and relative to the store root. The filesystem backend writes atomically
+(temp file, fsync, rename, fsync of the directory); the S3 backend talks to any S3-compatible server
+through the ``minio`` client, uploads large files in parallel multipart parts and retries transient
+failures (connection reset, timeout, 5xx, SlowDown) with exponential backoff and full jitter, a
+bounded number of times, before raising :class:`TransientFailure` (exit 138). Permanent failures
+(403, NoSuchBucket, bad credentials, malformed URI) raise :class:`BadInput` (exit 2) at once.
+
+S3 configuration, from the environment only (never from arguments that end up in logs):
+``AWS_ENDPOINT_URL`` (``http(s)://host:port``; TLS from the scheme), ``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_REGION``/``AWS_DEFAULT_REGION``; or the MinIO
+equivalents ``MINIO_ENDPOINT`` (``host:port`` or a URL), ``MINIO_ACCESS_KEY``, ``MINIO_SECRET_KEY``,
+``MINIO_SECURE`` (``true``/``false``), ``MINIO_REGION``. Retry tuning: ``RELAUNCH_STORE_RETRIES``
+(attempts, default 8) and ``RELAUNCH_STORE_BACKOFF`` (first backoff in seconds, default 0.1).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import hashlib
+import os
+import random
+import shutil
+import tempfile
+import threading
+import time
+import urllib.parse
+from pathlib import Path
+from typing import Any, Callable, Iterable, Protocol, TypeVar, runtime_checkable
+
+from components.core.errors import BadInput, TransientFailure
+
+T = TypeVar("T")
+
+MULTIPART_THRESHOLD = 64 * 1024 * 1024
+PART_SIZE = 32 * 1024 * 1024
+PARALLEL_PARTS = 4
+
+
+class PreconditionFailed(BadInput):
+    """A conditional write lost: the key existed, or changed since it was read (a second writer)."""
+
+
+@runtime_checkable
+class Store(Protocol):
+    """What the checkpoint code needs from a storage backend; keys are relative to ``uri``."""
+
+    uri: str
+    stats: collections.Counter
+
+    def read_bytes(self, key: str) -> bytes: ...
+    def write_bytes(self, key: str, data: bytes, *, if_match: str | None = None) -> str | None: ...
+    def write_if_absent(self, key: str, data: bytes) -> bool: ...
+    def upload_file(self, key: str, path: str | os.PathLike) -> None: ...
+    def download_file(self, key: str, path: str | os.PathLike) -> None: ...
+    def exists(self, key: str) -> bool: ...
+    def etag(self, key: str) -> str | None: ...
+    def list(self, prefix: str = "", recursive: bool = True) -> list[str]: ...
+    def delete(self, key: str) -> None: ...
+    def delete_many(self, keys: Iterable[str]) -> None: ...
+    def uri_for(self, key: str) -> str: ...
+
+
+def _join(root: str, key: str) -> str:
+    return f"{root.rstrip('/')}/{key.lstrip('/')}" if key else root
+
+
+def _check_key(key: str) -> str:
+    if key.startswith("/") or any(part in ("..", ".") for part in key.split("/")):
+        raise BadInput(f"store key {key!r} must be relative and must not contain '.' or '..' parts")
+    return key
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class FileStore:
+    """A local or shared POSIX directory. Every write is atomic: readers see the old or the new file."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root).absolute()
+        self.uri = str(self.root)
+        self.stats: collections.Counter = collections.Counter()
+
+    def path(self, key: str) -> Path:
+        """The local path of ``key`` (DCP writes and reads there directly)."""
+        return self.root / _check_key(key) if key else self.root
+
+    def _count(self, op: str) -> None:
+        self.stats[op] += 1
+        self.stats["requests"] += 1
+
+    def read_bytes(self, key: str) -> bytes:
+        """The content of ``key``; FileNotFoundError if absent."""
+        self._count("read")
+        return self.path(key).read_bytes()
+
+    def _atomic_write(self, target: Path, writer: Callable[[Any], None]) -> None:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                writer(fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        _fsync_dir(target.parent)
+
+    def write_bytes(self, key: str, data: bytes, *, if_match: str | None = None) -> str:
+        """Atomically replace ``key``; with ``if_match`` only if its current etag is that one.
+        Returns the new etag. (The check and the rename are not one atomic step on POSIX: the lease
+        is what keeps a second writer out; this catches the slow, common races.)"""
+        self._count("write")
+        target = self.path(key)
+        if if_match is not None and _file_etag(target) != if_match:
+            raise PreconditionFailed(f"{self.uri_for(key)} changed since it was read (another writer?)")
+        self._atomic_write(target, lambda fh: fh.write(data))
+        return hashlib.sha256(data).hexdigest()
+
+    def write_if_absent(self, key: str, data: bytes) -> bool:
+        """Create ``key`` only if it does not exist (atomic: link(2) of a complete temp file)."""
+        self._count("write_if_absent")
+        target = self.path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            try:
+                os.link(tmp, target)
+            except FileExistsError:
+                return False
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        _fsync_dir(target.parent)
+        return True
+
+    def upload_file(self, key: str, path: str | os.PathLike) -> None:
+        """Copy a local file to ``key`` atomically."""
+        self._count("upload")
+        with open(path, "rb") as src:
+            self._atomic_write(self.path(key), lambda fh: shutil.copyfileobj(src, fh, 8 * 1024 * 1024))
+
+    def download_file(self, key: str, path: str | os.PathLike) -> None:
+        """Copy ``key`` to a local file; FileNotFoundError if absent."""
+        self._count("download")
+        shutil.copyfile(self.path(key), path)
+
+    def exists(self, key: str) -> bool:
+        self._count("exists")
+        return self.path(key).exists()
+
+    def etag(self, key: str) -> str | None:
+        """A version token of ``key`` (the sha256 of its content) or None if absent."""
+        self._count("etag")
+        return _file_etag(self.path(key))
+
+    def list(self, prefix: str = "", recursive: bool = True) -> list[str]:
+        """Keys under ``prefix`` (a directory prefix), sorted; non-recursive lists sub-directories
+        once, with a trailing ``/``. Temp files of interrupted atomic writes are not listed."""
+        self._count("list")
+        base = self.path(prefix.rstrip("/")) if prefix else self.root
+        if not base.is_dir():
+            return []
+        rel = lambda p: p.relative_to(self.root).as_posix()  # noqa: E731
+        out: list[str] = []
+        if recursive:
+            for dirpath, _dirs, files in os.walk(base):
+                out += [rel(Path(dirpath) / f) for f in files if not _is_tmp(f)]
+        else:
+            with os.scandir(base) as it:
+                for entry in it:
+                    if entry.is_dir():
+                        out.append(rel(Path(entry.path)) + "/")
+                    elif not _is_tmp(entry.name):
+                        out.append(rel(Path(entry.path)))
+        return sorted(out)
+
+    def delete(self, key: str) -> None:
+        """Remove ``key`` (no error if absent) and prune the directories it leaves empty."""
+        self._count("delete")
+        target = self.path(key)
+        with contextlib.suppress(FileNotFoundError):
+            target.unlink()
+        parent = target.parent
+        while parent != self.root and parent.is_dir():
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+            parent = parent.parent
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            self.delete(key)
+
+    def uri_for(self, key: str) -> str:
+        return _join(self.uri, key)
+
+
+def _is_tmp(name: str) -> bool:
+    return name.startswith(".") and name.endswith(".tmp")
+
+
+def _file_etag(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except FileNotFoundError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------- S3
+
+_TRANSIENT_CODES = {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "Throttling",
+                    "ThrottlingException", "RequestTimeTooSkewed", "OperationAborted", "ServerError"}
+_CREDENTIAL_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken",
+                     "ExpiredToken", "AllAccessDisabled", "AccountProblem"}
+
+
+def _env(*names: str) -> str | None:
+    for name in names:
+        if os.environ.get(name):
+            return os.environ[name]
+    return None
+
+
+def _s3_settings() -> dict[str, Any]:
+    endpoint = _env("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "MINIO_ENDPOINT")
+    if not endpoint:
+        raise BadInput("s3:// store needs an endpoint: set AWS_ENDPOINT_URL (or MINIO_ENDPOINT)")
+    secure_env = os.environ.get("MINIO_SECURE")
+    if "://" in endpoint:
+        parsed = urllib.parse.urlparse(endpoint)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise BadInput(f"AWS_ENDPOINT_URL {endpoint!r} is not http(s)://host[:port]")
+        secure, host = parsed.scheme == "https", parsed.netloc
+    else:
+        host = endpoint
+        secure = (secure_env or "true").lower() in ("1", "true", "yes", "on")
+    access = _env("AWS_ACCESS_KEY_ID", "MINIO_ACCESS_KEY", "MINIO_ROOT_USER")
+    secret = _env("AWS_SECRET_ACCESS_KEY", "MINIO_SECRET_KEY", "MINIO_ROOT_PASSWORD")
+    if bool(access) != bool(secret):
+        raise BadInput("S3 credentials incomplete: set both AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
+    return {"endpoint": host, "secure": secure, "access_key": access, "secret_key": secret,
+            "session_token": _env("AWS_SESSION_TOKEN"),
+            "region": _env("AWS_REGION", "AWS_DEFAULT_REGION", "MINIO_REGION") or "us-east-1",
+            "cert_check": (os.environ.get("RELAUNCH_S3_CERT_CHECK", "true").lower() != "false")}
+
+
+class S3Store:
+    """An S3-compatible bucket/prefix through ``minio``, with bounded retries of transient errors."""
+
+    def __init__(self, bucket: str, prefix: str, *, retries: int | None = None, backoff: float | None = None):
+        import urllib3
+        from minio import Minio
+
+        self.bucket, self.prefix = bucket, prefix.strip("/")
+        self.uri = f"s3://{bucket}/{self.prefix}".rstrip("/")
+        self.stats: collections.Counter = collections.Counter()
+        self._stats_lock = threading.Lock()
+        self.retries = int(retries if retries is not None else os.environ.get("RELAUNCH_STORE_RETRIES", 8))
+        self.backoff = float(backoff if backoff is not None else os.environ.get("RELAUNCH_STORE_BACKOFF", 0.1))
+        self.max_backoff = 5.0
+        s = _s3_settings()
+        self.endpoint = s["endpoint"]
+        http = urllib3.PoolManager(
+            timeout=urllib3.Timeout(connect=10, read=60), maxsize=16, retries=False,
+            cert_reqs="CERT_REQUIRED" if s["cert_check"] else "CERT_NONE",
+            ca_certs=os.environ.get("SSL_CERT_FILE") or _certifi_where())
+        self.client = Minio(s["endpoint"], access_key=s["access_key"], secret_key=s["secret_key"],
+                            session_token=s["session_token"], secure=s["secure"], region=s["region"],
+                            http_client=http)
+
+    # -- plumbing
+    def _name(self, key: str) -> str:
+        _check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _count(self, op: str, n: int = 1) -> None:
+        with self._stats_lock:
+            self.stats[op] += n
+            self.stats["requests"] += n
+
+    def _call(self, op: str, fn: Callable[[], T], *, key: str = "") -> T:
+        """Run one request with bounded retries of transient failures; map permanent ones."""
+        from minio.error import S3Error
+
+        delay = self.backoff
+        for attempt in range(1, self.retries + 1):
+            self._count(op)
+            try:
+                return fn()
+            except S3Error as err:
+                if err.code in ("NoSuchKey", "NoSuchUpload") or (err.code == "ResourceNotFound" and key):
+                    raise FileNotFoundError(self.uri_for(key)) from None
+                if err.code == "NoSuchBucket":
+                    raise BadInput(f"bucket {self.bucket!r} does not exist at {self.endpoint}; create it "
+                                   f"or fix the store URI") from None
+                if err.code in _CREDENTIAL_CODES:
+                    raise BadInput(f"S3 refused {op} on {self.uri_for(key)}: {err.code} (check "
+                                   f"AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY and the bucket policy)") from None
+                if err.code == "PreconditionFailed":
+                    raise PreconditionFailed(f"{self.uri_for(key)} exists or changed since it was read "
+                                             f"(another writer?)") from None
+                status = getattr(err.response, "status", 0) or 0
+                if err.code not in _TRANSIENT_CODES and status < 500:
+                    raise BadInput(f"S3 error on {op} {self.uri_for(key)}: {err.code}: {err.message}") from None
+                last: BaseException = err
+            except Exception as err:  # noqa: BLE001 - classified just below
+                if not _is_transient(err):
+                    raise
+                last = err
+            if attempt == self.retries:
+                break
+            sleep = random.uniform(0, delay)  # full jitter
+            with self._stats_lock:
+                self.stats["retries"] += 1
+                self.stats["retry_seconds"] += sleep
+            time.sleep(sleep)
+            delay = min(delay * 2, self.max_backoff)
+        raise TransientFailure(f"S3 {op} {self.uri_for(key)} failed {self.retries} times; last error: "
+                               f"{type(last).__name__}: {str(last)[:200]}")
+
+    # -- the interface
+    def check(self) -> None:
+        """One cheap request that proves endpoint, credentials and bucket."""
+        if not self._call("bucket_exists", lambda: self.client.bucket_exists(self.bucket)):
+            raise BadInput(f"bucket {self.bucket!r} does not exist at {self.endpoint}; create it or fix the store URI")
+
+    def read_bytes(self, key: str) -> bytes:
+        name = self._name(key)
+
+        def get() -> bytes:
+            resp = self.client.get_object(self.bucket, name)
+            try:
+                return resp.read()
+            finally:
+                resp.close()
+                resp.release_conn()
+
+        return self._call("get", get, key=key)
+
+    def write_bytes(self, key: str, data: bytes, *, if_match: str | None = None) -> str | None:
+        """PUT ``key``; with ``if_match`` only if its ETag is still that one. Returns the new ETag."""
+        headers = {"Content-Type": "application/octet-stream"}
+        if if_match is not None:
+            headers["If-Match"] = if_match
+        name = self._name(key)
+        result = self._call("put", lambda: self.client._put_object(self.bucket, name, data, headers=dict(headers)),
+                            key=key)
+        return getattr(result, "etag", None)
+
+    def write_if_absent(self, key: str, data: bytes) -> bool:
+        """Conditional create (``If-None-Match: *``). A retried request whose first attempt did land
+        reads as "existed": the caller compares content when that matters."""
+        name = self._name(key)
+        headers = {"Content-Type": "application/octet-stream", "If-None-Match": "*"}
+        try:
+            self._call("put", lambda: self.client._put_object(self.bucket, name, data, headers=dict(headers)), key=key)
+            return True
+        except PreconditionFailed:
+            return False
+
+    def upload_file(self, key: str, path: str | os.PathLike) -> None:
+        """Single PUT below 64 MiB, else parallel 32 MiB multipart parts, each retried on its own."""
+        size = os.path.getsize(path)
+        name = self._name(key)
+        if size < MULTIPART_THRESHOLD:
+            data = Path(path).read_bytes()
+            self._call("put", lambda: self.client._put_object(
+                self.bucket, name, data, headers={"Content-Type": "application/octet-stream"}), key=key)
+            return
+        from minio.datatypes import Part
+
+        upload_id = self._call("multipart_create", lambda: self.client._create_multipart_upload(
+            self.bucket, name, {"Content-Type": "application/octet-stream"}), key=key)
+        offsets = list(range(0, size, PART_SIZE))
+
+        def put_part(number: int, offset: int) -> Part:
+            with open(path, "rb") as fh:
+                fh.seek(offset)
+                chunk = fh.read(PART_SIZE)
+            etag = self._call("multipart_part", lambda: self.client._upload_part(
+                self.bucket, name, chunk, None, upload_id, number), key=key)
+            return Part(number, etag)
+
+        try:
+            with concurrent.futures.ThreadPoolExecutor(PARALLEL_PARTS) as pool:
+                parts = list(pool.map(put_part, range(1, len(offsets) + 1), offsets))
+            self._call("multipart_complete", lambda: self.client._complete_multipart_upload(
+                self.bucket, name, upload_id, parts), key=key)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self._count("multipart_abort")
+                self.client._abort_multipart_upload(self.bucket, name, upload_id)
+            raise
+
+    def download_file(self, key: str, path: str | os.PathLike) -> None:
+        name = self._name(key)
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.download")
+
+        def get() -> None:
+            resp = self.client.get_object(self.bucket, name)
+            try:
+                with open(tmp, "wb") as fh:
+                    for chunk in resp.stream(8 * 1024 * 1024):
+                        fh.write(chunk)
+            finally:
+                resp.close()
+                resp.release_conn()
+
+        self._call("get", get, key=key)
+        os.replace(tmp, path)
+
+    def exists(self, key: str) -> bool:
+        return self.etag(key) is not None
+
+    def etag(self, key: str) -> str | None:
+        name = self._name(key)
+        try:
+            return self._call("stat", lambda: self.client.stat_object(self.bucket, name), key=key).etag
+        except FileNotFoundError:
+            return None
+
+    def list(self, prefix: str = "", recursive: bool = True) -> list[str]:
+        """Keys under ``prefix`` relative to the root; non-recursive gives sub-"directories" with ``/``."""
+        full = self._name(prefix) if prefix else (self.prefix + "/" if self.prefix else "")
+        if prefix and prefix.endswith("/") and not full.endswith("/"):
+            full += "/"
+        if full and not full.endswith("/"):
+            full += "/"
+        strip = len(self.prefix) + 1 if self.prefix else 0
+
+        def listing() -> list[str]:
+            return [o.object_name[strip:] for o in
+                    self.client.list_objects(self.bucket, prefix=full, recursive=recursive)]
+
+        return sorted(self._call("list", listing, key=prefix))
+
+    def delete(self, key: str) -> None:
+        name = self._name(key)
+        self._call("delete", lambda: self.client.remove_object(self.bucket, name), key=key)
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        """Batched DeleteObjects (up to 1000 keys per request)."""
+        from minio.deleteobjects import DeleteObject
+
+        names = [self._name(k) for k in keys]
+        for i in range(0, len(names), 1000):
+            batch = names[i:i + 1000]
+            errors = self._call("delete_many", lambda: list(self.client.remove_objects(
+                self.bucket, [DeleteObject(n) for n in batch])))
+            if errors:
+                raise TransientFailure(f"S3 could not delete {len(errors)} objects, e.g. {errors[0]}")
+
+    def uri_for(self, key: str) -> str:
+        return _join(self.uri, key)
+
+
+def _certifi_where() -> str | None:
+    try:
+        import certifi
+
+        return certifi.where()
+    except ImportError:  # pragma: no cover - minio depends on certifi
+        return None
+
+
+def _is_transient(err: BaseException) -> bool:
+    import urllib3.exceptions as ue
+    from minio.error import InvalidResponseError, ServerError
+
+    if isinstance(err, ServerError):
+        return True
+    if isinstance(err, InvalidResponseError):  # a non-S3 body: a proxy or gateway in the way
+        return True
+    if isinstance(err, (ue.HTTPError, ConnectionError, TimeoutError)):
+        return not isinstance(err, ue.LocationValueError)
+    return isinstance(err, OSError) and not isinstance(err, (FileNotFoundError, PermissionError))
+
+
+def open_store(uri: str, *, retries: int | None = None, backoff: float | None = None) -> Store:
+    """Open the store at ``uri``: a path, ``file:///path`` or ``s3://bucket/prefix``.
+
+    The S3 backend is checked with one cheap request (bucket exists, credentials accepted).
+
+    Raises:
+        BadInput: malformed URI, unsupported scheme, missing bucket, rejected credentials.
+        TransientFailure: the endpoint could not be reached after the bounded retries.
+    """
+    if not isinstance(uri, str) or not uri.strip():
+        raise BadInput("store URI is empty; use a path, file:///path or s3://bucket/prefix")
+    if "://" not in uri:
+        return FileStore(uri)
+    scheme, rest = uri.split("://", 1)
+    if scheme == "file":
+        parsed = urllib.parse.urlparse(uri)
+        if parsed.netloc not in ("", "localhost") or not parsed.path:
+            raise BadInput(f"file URI {uri!r} must be file:///absolute/path")
+        return FileStore(urllib.parse.unquote(parsed.path))
+    if scheme == "s3":
+        bucket, _, prefix = rest.partition("/")
+        if not bucket:
+            raise BadInput(f"s3 URI {uri!r} has no bucket; write s3://bucket/prefix")
+        if "@" in bucket or ":" in bucket:
+            raise BadInput("s3 URI must not carry credentials or a port; set AWS_ENDPOINT_URL and "
+                           "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY")
+        if len(bucket) < 3 or len(bucket) > 63 or not all(c.islower() or c.isdigit() or c in "-." for c in bucket):
+            raise BadInput(f"s3 bucket name {bucket!r} is invalid (3-63 lowercase letters, digits, '-', '.')")
+        if any(p in ("..", ".") for p in prefix.split("/")):
+            raise BadInput(f"s3 URI {uri!r} must not contain '.' or '..' path parts")
+        store = S3Store(bucket, prefix, retries=retries, backoff=backoff)
+        store.check()
+        return store
+    raise BadInput(f"store URI scheme {scheme!r} is not supported; use a path, file:///path or s3://bucket/prefix")

@@ -1,0 +1,384 @@
+"""MLflow run life cycle across attempts, and a buffered asynchronous logger that survives the server
+being away and never logs a step twice.
+
+One MLflow run per training: :func:`ensure_run` finds or creates it before the first attempt (the
+pipeline's prepare step, or the trainer on its first start, which stores the id beside the
+checkpoints); every attempt logs into it. Only rank 0 talks to the server.
+
+Exactly-once metric points: a step recomputed after a crash is identical (exact resume), so the
+logger skips every (key, step) the server already holds. It asks the server for each key's highest
+logged step before it first sends that key, and again after any failed send (the failed request
+may have been applied), so neither a restart nor a retry duplicates a point.
+
+The tracking URI is ``MLFLOW_TRACKING_URI`` when set, else ``config.tracking.uri``; credentials come
+only from the environment (``MLFLOW_TRACKING_USERNAME``/``_PASSWORD``/``_TOKEN``).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from components.core.errors import BadInput, TransientFailure
+
+log = logging.getLogger(__name__)
+
+PIPELINE_RUN_TAG = "relaunch.pipeline_run_id"
+STATUSES = ("FINISHED", "FAILED", "KILLED", "RUNNING")
+_BATCH = 1000  # MLflow's log_batch limit on metrics per request
+
+
+def tracking_uri(config) -> str:
+    """``MLFLOW_TRACKING_URI`` from the environment when set, else ``config.tracking.uri``."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or config.tracking.uri
+
+
+def _client(uri: str):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def _describe(err: Exception) -> str:
+    return str(err).splitlines()[0][:300] if str(err) else type(err).__name__
+
+
+def _is_auth_error(err: Exception) -> bool:
+    text = str(err)
+    return any(s in text for s in ("401", "403", "Unauthorized", "Forbidden", "PERMISSION_DENIED", "UNAUTHENTICATED"))
+
+
+def _is_not_found(err: Exception) -> bool:
+    return "RESOURCE_DOES_NOT_EXIST" in str(err) or "not found" in str(err).lower()
+
+
+def _call(what: str, fn, *args, **kwargs):
+    """One client call, with the contract's errors: credentials -> BadInput, anything else -> TransientFailure."""
+    try:
+        return fn(*args, **kwargs)
+    except BadInput:
+        raise
+    except Exception as err:  # mlflow raises MlflowException, requests/sqlalchemy their own
+        if _is_auth_error(err):
+            raise BadInput(f"tracking: the server refused the credentials while trying to {what}; "
+                           "check MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD") from None
+        raise TransientFailure(f"tracking: could not {what}: {_describe(err)}") from None
+
+
+def _experiment_id(client, config) -> str:
+    name = config.tracking.experiment
+    found = _call(f"look up experiment {name!r}", client.get_experiment_by_name, name)
+    if found is not None:
+        return found.experiment_id
+    uri = tracking_uri(config)
+    # a server that proxies artifacts chooses the location itself
+    location = None if uri.startswith(("http://", "https://")) else config.tracking.artifact_location
+    if location and "://" not in location:
+        location = os.path.abspath(location)
+    try:
+        return client.create_experiment(name, artifact_location=location)
+    except Exception as err:  # another process created it first
+        found = client.get_experiment_by_name(name)
+        if found is None:
+            _call(f"create experiment {name!r}", lambda: (_ for _ in ()).throw(err))
+        return found.experiment_id
+
+
+def ensure_run(config, pipeline_run_id: str | None = None) -> str:
+    """Find or create the MLflow run of this training; returns its run id.
+
+    ``config.tracking.run_id`` wins when set (it must exist). Else, with ``pipeline_run_id``, the run
+    of ``config.tracking.experiment`` tagged ``relaunch.pipeline_run_id=<id>`` is returned, created
+    with that tag when there is none.
+
+    Raises:
+        BadInput: ``tracking.run_id`` does not exist, or the server refuses the credentials.
+        TransientFailure: the tracking server cannot be reached.
+    """
+    client = _client(tracking_uri(config))
+    if config.tracking.run_id:
+        try:
+            client.get_run(config.tracking.run_id)
+        except Exception as err:
+            if _is_auth_error(err):
+                raise BadInput("tracking: the server refused the credentials; check MLFLOW_TRACKING_USERNAME/"
+                               "MLFLOW_TRACKING_PASSWORD") from None
+            if _is_not_found(err):
+                raise BadInput(f"tracking.run_id: run {config.tracking.run_id!r} does not exist at "
+                               f"{tracking_uri(config)}; unset it to create one") from None
+            raise TransientFailure(f"tracking: could not read run {config.tracking.run_id}: {_describe(err)}") from None
+        return config.tracking.run_id
+    experiment_id = _experiment_id(client, config)
+    if pipeline_run_id:
+        found = _call("search runs", client.search_runs, [experiment_id],
+                      filter_string=f"tags.`{PIPELINE_RUN_TAG}` = '{pipeline_run_id}'", max_results=1)
+        if found:
+            return found[0].info.run_id
+    tags = {"relaunch.pipeline": config.name}
+    if pipeline_run_id:
+        tags[PIPELINE_RUN_TAG] = pipeline_run_id
+    run = _call("create a run", client.create_run, experiment_id, run_name=config.tracking.run_name, tags=tags)
+    return run.info.run_id
+
+
+def mark_run_finished(config, run_id: str, status: str, reason: str = "") -> None:
+    """Set the run's terminal status (FINISHED, FAILED or KILLED) and, when given, a reason tag.
+
+    Raises:
+        BadInput: an unknown status or refused credentials.
+        TransientFailure: the tracking server cannot be reached.
+    """
+    if status not in STATUSES:
+        raise BadInput(f"run status {status!r} is not one of {', '.join(STATUSES)}")
+    client = _client(tracking_uri(config))
+    if reason:
+        _call("tag the run", client.set_tag, run_id, "relaunch.end_reason", reason[:5000])
+    if status == "RUNNING":
+        _call("update the run", client.update_run, run_id, status="RUNNING")
+    else:
+        _call("end the run", client.set_terminated, run_id, status)
+
+
+# --------------------------------------------------------------------------------------------------
+# the asynchronous logger used by the trainer's rank 0
+
+
+@dataclass
+class _Op:
+    kind: str  # "metrics" | "tags" | "params" | "artifact" | "status"
+    payload: Any
+    attempts: int = 0
+
+
+@dataclass
+class LoggerStats:
+    """What the logger measured about itself; the trainer logs it at the end."""
+
+    main_thread_seconds: float = 0.0
+    calls: int = 0
+    points_sent: int = 0
+    points_skipped_as_logged: int = 0
+    lost_contact_events: int = 0
+    lost_contact_seconds: float = 0.0
+    failed_sends: int = 0
+    dropped_ops: int = field(default=0)
+
+
+class RunLogger:
+    """Buffered, asynchronous MLflow logging into one run, from one process.
+
+    ``log_metrics``/``set_tags``/``log_params``/``log_artifact``/``set_status`` only enqueue (a few
+    microseconds on the caller's thread). A daemon thread sends everything every ``flush_seconds``
+    as ``log_batch`` requests; when the server is away it keeps the buffer, retries with backoff,
+    prints one line on losing and on regaining contact, and tags the run with the time it was lost.
+    """
+
+    def __init__(self, uri: str, run_id: str, *, flush_seconds: float = 1.0, max_buffered_points: int = 2_000_000):
+        # fail fast inside each request and retry here instead: a dead server must not stall the buffer's owner
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+        self.uri = uri
+        self.run_id = run_id
+        self.flush_seconds = flush_seconds
+        self.max_buffered_points = max_buffered_points
+        self.stats = LoggerStats()
+        self._ops: collections.deque[_Op] = collections.deque()
+        self._metrics: list[tuple[str, float, int, int]] = []  # key, value, timestamp ms, step
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._closed = False
+        self._client = None
+        self._logged_max: dict[str, int] = {}
+        self._verified: set[str] = set()
+        self._lost_since: float | None = None
+        self._thread = threading.Thread(target=self._loop, name="relaunch-mlflow-logger", daemon=True)
+        self._thread.start()
+
+    # ---- caller side: enqueue only
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Queue one step's metrics (non-finite values are sent as MLflow stores them)."""
+        t0 = time.perf_counter()
+        now = int(time.time() * 1000)
+        with self._lock:
+            if len(self._metrics) + len(metrics) > self.max_buffered_points:
+                drop = len(self._metrics) + len(metrics) - self.max_buffered_points
+                del self._metrics[:drop]
+                self.stats.dropped_ops += drop
+            self._metrics.extend((k, float(v), now, int(step)) for k, v in metrics.items())
+            self._idle.clear()
+        self.stats.calls += 1
+        self.stats.main_thread_seconds += time.perf_counter() - t0
+
+    def _enqueue(self, kind: str, payload: Any) -> None:
+        with self._lock:
+            self._flush_metrics_into_ops()
+            self._ops.append(_Op(kind, payload))
+            self._idle.clear()
+        self._wake.set()
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        """Queue tags (values become strings)."""
+        self._enqueue("tags", {k: str(v) for k, v in tags.items()})
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        """Queue params; one already logged with another value becomes tag ``param.<key>.latest``."""
+        self._enqueue("params", {k: str(v)[:6000] for k, v in params.items()})
+
+    def log_artifact(self, local_path: str, artifact_path: str | None = None) -> None:
+        """Queue a file upload into the run's artifacts."""
+        self._enqueue("artifact", (local_path, artifact_path))
+
+    def set_status(self, status: str) -> None:
+        """Queue a status change: RUNNING, FINISHED, FAILED or KILLED."""
+        self._enqueue("status", status)
+
+    # ---- life cycle
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until everything queued so far was sent; False when the server stayed away."""
+        with self._lock:
+            self._flush_metrics_into_ops()
+        self._wake.set()
+        return self._idle.wait(timeout)
+
+    def close(self, timeout: float = 30.0) -> bool:
+        """Flush, then stop the thread; idempotent. Returns whether everything was sent."""
+        if self._closed:
+            return not self.pending()
+        done = self.flush(timeout)
+        self._closed = True
+        self._wake.set()
+        self._thread.join(2.0)
+        return done
+
+    def pending(self) -> int:
+        """Queued operations and metric points not yet sent."""
+        with self._lock:
+            return len(self._ops) + len(self._metrics)
+
+    @property
+    def connected(self) -> bool:
+        return self._lost_since is None
+
+    # ---- the sender thread
+
+    def _flush_metrics_into_ops(self) -> None:
+        if self._metrics:
+            self._ops.append(_Op("metrics", self._metrics))
+            self._metrics = []
+
+    def _loop(self) -> None:
+        backoff = 0.5
+        while True:
+            self._wake.wait(self.flush_seconds)
+            self._wake.clear()
+            with self._lock:
+                self._flush_metrics_into_ops()
+            while True:
+                with self._lock:
+                    op = self._ops[0] if self._ops else None
+                if op is None:
+                    if not self._metrics:
+                        self._idle.set()
+                    break
+                try:
+                    self._send(op)
+                except Exception as err:  # the server is away or answered 5xx: keep the op, retry later
+                    self._lost(err)
+                    op.attempts += 1
+                    if self._closed:
+                        return
+                    time.sleep(backoff)
+                    backoff = min(backoff * 2, 5.0)
+                    continue
+                backoff = 0.5
+                with self._lock:
+                    self._ops.popleft()
+                self._regained()
+            if self._closed:
+                return
+
+    def _lost(self, err: Exception) -> None:
+        self.stats.failed_sends += 1
+        self._verified.clear()  # a failed request may still have been applied: ask again before resending
+        if self._lost_since is None:
+            self._lost_since = time.monotonic()
+            self.stats.lost_contact_events += 1
+            print(f"relaunch: lost contact with the tracking server ({_describe(err)}); buffering", file=sys.stderr)
+
+    def _regained(self) -> None:
+        if self._lost_since is None:
+            return
+        gone = time.monotonic() - self._lost_since
+        self._lost_since = None
+        self.stats.lost_contact_seconds += gone
+        print(f"relaunch: tracking server back after {gone:.1f}s; flushing the buffer", file=sys.stderr)
+        self._ops.appendleft(_Op("tags", {"relaunch.tracking.lost_contact": "true",
+                                          "relaunch.tracking.lost_contact_seconds": f"{self.stats.lost_contact_seconds:.1f}",
+                                          "relaunch.tracking.lost_contact_events": str(self.stats.lost_contact_events)}))
+
+    def _get_client(self):
+        if self._client is None:
+            self._client = _client(self.uri)
+        return self._client
+
+    def _send(self, op: _Op) -> None:
+        client = self._get_client()
+        if op.kind == "metrics":
+            self._send_metrics(client, op)
+        elif op.kind == "tags":
+            from mlflow.entities import RunTag
+
+            client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in op.payload.items()])
+        elif op.kind == "params":
+            self._send_params(client, op.payload)
+        elif op.kind == "artifact":
+            client.log_artifact(self.run_id, op.payload[0], op.payload[1])
+        elif op.kind == "status":
+            if op.payload == "RUNNING":
+                client.update_run(self.run_id, status="RUNNING")
+            else:
+                client.set_terminated(self.run_id, op.payload)
+
+    def _send_metrics(self, client, op: _Op) -> None:
+        from mlflow.entities import Metric
+
+        points: list[tuple[str, float, int, int]] = op.payload
+        for key in {p[0] for p in points} - self._verified:
+            history = client.get_metric_history(self.run_id, key)
+            self._logged_max[key] = max((m.step for m in history), default=-1)
+            self._verified.add(key)
+        fresh = [p for p in points if p[3] > self._logged_max.get(p[0], -1)]
+        self.stats.points_skipped_as_logged += len(points) - len(fresh)
+        # one point per (key, step): the last one queued wins (there is only one in practice)
+        unique = {(k, s): (k, v, t, s) for k, v, t, s in fresh}
+        ordered = sorted(unique.values(), key=lambda p: (p[3], p[0]))
+        while ordered:
+            chunk, ordered = ordered[:_BATCH], ordered[_BATCH:]
+            client.log_batch(self.run_id, metrics=[Metric(k, v, t, s) for k, v, t, s in chunk])
+            for k, _, _, s in chunk:
+                self._logged_max[k] = max(self._logged_max.get(k, -1), s)
+            self.stats.points_sent += len(chunk)
+            op.payload = ordered  # what is left, should the next chunk fail
+
+    def _send_params(self, client, params: dict[str, str]) -> None:
+        from mlflow.entities import Param, RunTag
+
+        existing = client.get_run(self.run_id).data.params
+        new = {k: v for k, v in params.items() if k not in existing}
+        changed = {f"param.{k}.latest": v for k, v in params.items() if k in existing and existing[k] != v}
+        if new:
+            items = list(new.items())
+            for i in range(0, len(items), 100):
+                client.log_batch(self.run_id, params=[Param(k, v) for k, v in items[i:i + 100]])
+        if changed:
+            client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in changed.items()])

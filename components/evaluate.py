@@ -1,0 +1,119 @@
+"""Step 4, ``evaluate``: load the final (or best) committed checkpoint, compute the task's metrics on
+the held-out split, log them and a confusion-matrix image to the MLflow run, and give the register
+gate its verdict (``evaluate.gate_metric >= evaluate.gate_min``).
+
+    python -m components.evaluate --config-json "$(cat resolved.json)"
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from components.core.config import RelaunchConfig
+from components.core.errors import BadInput
+
+
+@dataclass
+class EvaluateOutputs:
+    metrics_json: str
+    passed: bool
+    checkpoint_uri: str
+    step: int
+
+
+def run(config: RelaunchConfig) -> EvaluateOutputs:
+    """Evaluate the checkpoint ``evaluate.checkpoint`` names on ``evaluate.split``.
+
+    Raises:
+        BadInput: there is no committed checkpoint, or the gate metric is not one the task computes.
+    """
+    from components.locate import checkpoint_manager
+    from components.tasks.base import load_task
+
+    task = load_task(config.train.task, config)
+    mgr = checkpoint_manager(config)
+    info = best_checkpoint(mgr, config) if config.evaluate.checkpoint == "best" else mgr.latest()
+    if info is None:
+        raise BadInput(f"evaluate: no committed checkpoint in {config.store.uri!r}; did launch run?")
+    model = load_model(task, mgr, info.step)
+    split = _split(config, task)
+    metrics = task.evaluate(model, split)
+    gate = config.evaluate.gate_metric
+    if gate not in metrics:
+        raise BadInput(f"evaluate.gate_metric: {gate!r} is not computed by the task (it gives {', '.join(metrics)})")
+    if config.tracking.run_id:
+        _log(config, metrics, info.step, task.predict(model, split["x"]), split["y"], info.uri)
+    return EvaluateOutputs(metrics_json=json.dumps(metrics, sort_keys=True), passed=metrics[gate] >= config.evaluate.gate_min,
+                           checkpoint_uri=info.uri, step=info.step)
+
+
+def best_checkpoint(mgr, config: RelaunchConfig):
+    """The committed checkpoint with the best ``train.best_metric`` (the newest when none has it)."""
+    metric, sign = config.train.best_metric, 1 if config.train.best_mode == "min" else -1
+    ranked = [c for c in mgr.list() if metric in c.metrics]
+    if not ranked:
+        return mgr.latest()
+    return min(ranked, key=lambda c: (sign * c.metrics[metric], -c.step))
+
+
+def load_model(task, mgr, step: int):
+    """The task's model with the weights of committed checkpoint ``step`` (nothing unpickled)."""
+    from components.core.state import TrainingState
+
+    model = task.build_model()
+    mgr.load(TrainingState(model), step=step)
+    return model.eval()
+
+
+def _split(config: RelaunchConfig, task) -> dict:
+    if config.data.version:
+        from components.core.datasets import read_dataset
+        from components.core.storage import open_store
+
+        return read_dataset(open_store(config.store.uri), config.data.version)[config.evaluate.split]
+    return task.build_splits()[config.evaluate.split]
+
+
+def _log(config: RelaunchConfig, metrics: dict, step: int, predicted, actual, checkpoint_uri: str) -> None:
+    from mlflow.entities import Metric
+
+    from components.core.tracking import _call, _client, tracking_uri
+
+    client, run_id = _client(tracking_uri(config)), config.tracking.run_id
+    now = int(time.time() * 1000)
+    prefix = f"eval_{config.evaluate.split}_"
+    _call("log evaluation metrics", client.log_batch, run_id,
+          metrics=[Metric(prefix + k, float(v), now, step) for k, v in metrics.items()])
+    _call("tag the run", client.set_tag, run_id, "relaunch.evaluated_checkpoint", checkpoint_uri)
+    with tempfile.TemporaryDirectory() as tmp:
+        png = Path(tmp) / f"confusion_matrix_{config.evaluate.split}.png"
+        confusion_png(actual, predicted, png, title=f"{config.evaluate.split} split, step {step}")
+        (Path(tmp) / "metrics.json").write_text(json.dumps({"step": step, "checkpoint_uri": checkpoint_uri, **metrics}, indent=2))
+        _call("upload the confusion matrix", client.log_artifact, run_id, str(png), "evaluation")
+        _call("upload the metrics", client.log_artifact, run_id, str(Path(tmp) / "metrics.json"), "evaluation")
+
+
+def confusion_png(actual, predicted, path: Path, title: str) -> None:
+    """Draw the confusion matrix of ``actual`` vs ``predicted`` labels into ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from sklearn.metrics import ConfusionMatrixDisplay
+
+    fig, ax = plt.subplots(figsize=(6, 6))
+    ConfusionMatrixDisplay.from_predictions(actual, predicted, ax=ax, colorbar=False)
+    ax.set_title(title)
+    fig.savefig(path, dpi=80, bbox_inches="tight")
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    from components.core.stepcli import step_main
+
+    sys.exit(step_main("evaluate", run))

@@ -1,0 +1,75 @@
+"""Step 3, ``launch``: run the training with the backend ``launch.backend`` names and wait for it.
+
+``local`` starts torchrun agents on this machine (:mod:`components.launchers.local`); ``kubernetes``
+submits one PyTorchJob (:mod:`components.launchers.kubernetes`). Both are one function with the same
+shape; this step only picks it, reads the trainer's summary from the store, and fails with the
+contract's exit code when the training did not end well (a retried launch resumes from the latest
+checkpoint, because the trainer always does).
+
+    python -m components.launch --config configs/local.yaml --input pipeline_run_id=manual
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from dataclasses import dataclass
+
+from components.core.config import RelaunchConfig
+from components.core.errors import RelaunchError
+
+
+@dataclass
+class LaunchOutputs:
+    exit_code: int
+    restarts: int
+    resumed_from_steps: str  # JSON list: the step each attempt started from (-1 = fresh)
+    train_seconds: float
+    duration_seconds: float
+    ettr: float
+    last_checkpoint_uri: str
+    job_name: str
+
+
+class LaunchFailed(RelaunchError):
+    """The training ended with a non-zero code of the contract; the step exits with that code."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.exit_code = code
+
+
+def run(config: RelaunchConfig, resume_from: str = "", pipeline_run_id: str = "") -> LaunchOutputs:
+    """Launch the training and wait for its end.
+
+    Raises:
+        LaunchFailed: the training's exit code (retryable ones make the pipeline retry this step).
+    """
+    backend = importlib.import_module(f"components.launchers.{config.launch.backend}")
+    result = backend.launch(config, pipeline_run_id=pipeline_run_id, resume_from=resume_from or None)
+    if result.exit_code != 0:
+        raise LaunchFailed(result.exit_code, result.message or f"training failed with exit code {result.exit_code}")
+    summary = read_summary(config)
+    return LaunchOutputs(
+        exit_code=0, restarts=result.restarts,
+        resumed_from_steps=json.dumps(summary.get("resumed_from_steps", result.resumed_from_steps)),
+        train_seconds=float(summary.get("train_seconds", 0.0)), duration_seconds=result.duration_seconds,
+        ettr=float(summary.get("ettr", 0.0)), last_checkpoint_uri=str(summary.get("last_checkpoint_uri") or ""),
+        job_name=result.job_name or "")
+
+
+def read_summary(config: RelaunchConfig) -> dict:
+    """The trainer's ``runs/summary.json`` in the store ({} when it wrote none)."""
+    from components.core.storage import open_store
+
+    try:
+        return json.loads(open_store(config.store.uri).read_bytes("runs/summary.json"))
+    except (FileNotFoundError, ValueError):
+        return {}
+
+
+if __name__ == "__main__":
+    from components.core.stepcli import step_main
+
+    sys.exit(step_main("launch", run))

@@ -1,0 +1,244 @@
+"""Launch backend ``local``: ``nodes`` torchrun agents on this machine, ``procs_per_node`` workers
+each, meeting at a c10d rendezvous on 127.0.0.1 — the same elastic machinery as on a cluster, with
+processes standing in for nodes. What it runs, per simulated node ``i`` (agent 0 hosts the store):
+
+    python -m torch.distributed.run --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d \\
+        --rdzv-endpoint=127.0.0.1:PORT --rdzv-id=JOB --rdzv-conf=is_host=true \\
+        --max-restarts=3 --monitor-interval=0.5 -m components.train --config-json '{...}'
+
+It streams the agents' output, turns rank 0's ``RELAUNCH_PROGRESS`` lines into a progress bar, and
+maps the outcome to the exit-code contract: torchrun exits 1 for any worker failure, so the code of
+the worker that ended the attempt is read back from the store (``runs/exit.json``, written by the
+trainer) or, failing that, from torchrun's failure report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from components.core.config import RelaunchConfig
+from components.core.exitcodes import ExitCode, normalize
+from components.launchers import LaunchResult
+
+_LINE = re.compile(r"RELAUNCH_(PROGRESS|RESUMED|SUMMARY) (\{.*\})\s*$")
+_TORCHRUN_EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
+AGENT_GRACE_SECONDS = 30.0  # once one agent ended badly, how long the others get to notice
+
+
+def build_commands(config: RelaunchConfig, *, job_id: str, port: int) -> list[list[str]]:
+    """The torchrun command of each simulated node (side-effect free)."""
+    launch = config.launch
+    nnodes = f"{launch.min_nodes}:{launch.nodes}" if launch.min_nodes else str(launch.nodes)
+    return [[sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+             f"--nproc-per-node={launch.procs_per_node}", "--rdzv-backend=c10d",
+             f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job_id}",
+             f"--rdzv-conf=is_host={'true' if node == 0 else 'false'}",
+             f"--max-restarts={launch.max_restarts}", f"--monitor-interval={launch.monitor_interval_seconds}",
+             "-m", "components.train", "--config-json", config.to_json()]
+            for node in range(launch.nodes)]
+
+
+def launch(config: RelaunchConfig, *, pipeline_run_id: str, resume_from: str | None) -> LaunchResult:
+    """Run the training to its end on this machine and report how it ended."""
+    config = config.model_copy(deep=True)
+    if resume_from:
+        config.train.resume_from = resume_from
+    job_id = re.sub(r"[^a-zA-Z0-9-]", "-", f"{config.name}-{pipeline_run_id or 'manual'}")[:60]
+    commands = build_commands(config, job_id=job_id, port=config.launch.rdzv_port or _free_port())
+    started = time.time()
+    watch = _Watch(ProgressReporter.for_environment())
+    agents = [_start(cmd, node, watch) for node, cmd in enumerate(commands)]
+    codes, timed_out = _wait(agents, config.launch.timeout_seconds)
+    watch.close()
+    duration = time.time() - started
+    if timed_out:
+        return LaunchResult(ExitCode.RETRY_ME, f"training did not finish within launch.timeout_seconds="
+                            f"{config.launch.timeout_seconds:g}; stopped it", watch.restarts, watch.resumed, duration, job_id)
+    code = _outcome(config, codes, watch, started)
+    message = "" if code == 0 else watch.failure_message(code)
+    return LaunchResult(code, message, watch.restarts, watch.resumed, duration, job_id)
+
+
+def _free_port() -> int:
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(cmd: list[str], node: int, watch: "_Watch") -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RELAUNCH_NODE": str(node)}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                            env=env, start_new_session=True)
+    threading.Thread(target=watch.follow, args=(proc, node), daemon=True, name=f"agent-{node}-reader").start()
+    return proc
+
+
+def _wait(agents: list[subprocess.Popen], timeout: float) -> tuple[list[int], bool]:
+    """Wait for every agent; once one fails, the others get a grace period, then are stopped."""
+    deadline = time.monotonic() + timeout
+    failed_at: float | None = None
+    try:
+        while any(a.poll() is None for a in agents):
+            now = time.monotonic()
+            if failed_at is None and any(a.poll() not in (None, 0) for a in agents):
+                failed_at = now
+            if now > deadline or (failed_at is not None and now - failed_at > AGENT_GRACE_SECONDS):
+                _stop(agents)
+                return [a.wait() for a in agents], now > deadline
+            time.sleep(0.2)
+    except BaseException:  # SIGTERM/Ctrl-C of the launch step: take the agents down with us
+        _stop(agents)
+        raise
+    return [a.returncode for a in agents], False
+
+
+def _stop(agents: list[subprocess.Popen]) -> None:
+    for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
+        for a in agents:
+            if a.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(a.pid, sig)
+        end = time.monotonic() + wait
+        while time.monotonic() < end and any(a.poll() is None for a in agents):
+            time.sleep(0.1)
+
+
+def _outcome(config: RelaunchConfig, codes: list[int], watch: "_Watch", started: float) -> int:
+    if all(c == 0 for c in codes):
+        return ExitCode.OK
+    worst = next(c for c in codes if c != 0)
+    if worst < 0:  # an agent itself was killed by a signal
+        return normalize(worst)
+    from components.core.errors import RelaunchError
+    from components.core.goodput import mapped_exit_code
+    from components.core.storage import open_store
+
+    try:
+        return mapped_exit_code(open_store(config.store.uri), worst, started)
+    except RelaunchError:  # the store is what failed: fall back to torchrun's own failure report
+        return normalize(watch.worker_exit_code) if watch.worker_exit_code else ExitCode.RETRY_ME
+
+
+@dataclass
+class _Watch:
+    """Reads every agent's output: echoes it, feeds the progress bar, remembers restarts and failures."""
+
+    reporter: "ProgressReporter"
+    restarts: int = 0
+    resumed: list[int] = field(default_factory=list)
+    worker_exit_code: int | None = None
+    tail: list[str] = field(default_factory=list)
+    _attempts: set = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _readers: list[threading.Thread] = field(default_factory=list)
+
+    def follow(self, proc: subprocess.Popen, node: int) -> None:
+        self._readers.append(threading.current_thread())
+        assert proc.stdout is not None
+        for line in iter(proc.stdout.readline, ""):
+            self.handle(line.rstrip("\n"), node)
+
+    def handle(self, line: str, node: int) -> None:
+        match = _LINE.search(line)
+        with self._lock:
+            if match:
+                kind, payload = match.group(1), _json(match.group(2))
+                if kind == "RESUMED":
+                    attempt = payload.get("attempt", len(self._attempts))
+                    if attempt not in self._attempts and self._attempts:
+                        self.restarts += 1
+                    self._attempts.add(attempt)
+                    self.resumed.append(int(payload.get("step", -1)))
+                    self.reporter.event("resumed", **payload)
+                elif kind == "PROGRESS":
+                    self.reporter.event("progress", **payload)
+                    return
+                else:
+                    self.reporter.event("summary", **payload)
+            code = _TORCHRUN_EXITCODE.search(line)
+            if code and self.worker_exit_code is None and int(code.group(1)) != 0:
+                self.worker_exit_code = int(code.group(1))
+            self.tail = (self.tail + [f"[node{node}] {line}"])[-40:]
+        self.reporter.log(f"[node{node}] {line}")
+
+    def failure_message(self, code: int) -> str:
+        interesting = [t for t in self.tail if "error" in t.lower() or "relaunch" in t.lower()]
+        last = (interesting or self.tail or ["(no output)"])[-1]
+        return f"training ended with exit code {code}: {last.strip()[:300]}"
+
+    def close(self) -> None:
+        for t in self._readers:
+            t.join(5.0)
+        self.reporter.close()
+
+
+def _json(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+class ProgressReporter:
+    """Where training progress goes: the ``relaunch run`` event file when ``RELAUNCH_EVENTS`` is set
+    (the parent draws the bar), else a rich progress bar on a terminal, else a line per 10%."""
+
+    def __init__(self, events_path: str | None):
+        self.events_path = events_path
+        self._bar = None
+        self._task = None
+        self._last_tenth = -1
+        self._last_event = 0.0
+        if not events_path and sys.stderr.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._bar = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[info]}"), TimeRemainingColumn(), transient=False)
+            self._bar.start()
+
+    @classmethod
+    def for_environment(cls) -> "ProgressReporter":
+        return cls(os.environ.get("RELAUNCH_EVENTS"))
+
+    def event(self, kind: str, **payload) -> None:
+        step, total = int(payload.get("step", 0)), int(payload.get("total_steps") or 0)
+        throttled = kind == "progress" and step != total and time.monotonic() - self._last_event < 0.25
+        if self.events_path and not throttled:
+            self._last_event = time.monotonic()
+            with open(self.events_path, "a") as fh:
+                fh.write(json.dumps({"kind": kind, "time": time.time(), **payload}, default=str) + "\n")
+        if kind != "progress":
+            return
+        info = f"loss {payload['loss']:.4f}" if isinstance(payload.get("loss"), (int, float)) else ""
+        if self._bar is not None:
+            if self._task is None:
+                self._task = self._bar.add_task("train", total=total or None, info=info)
+            self._bar.update(self._task, completed=step, total=total or None, info=info)
+        elif not self.events_path and total:
+            tenth = step * 10 // total
+            if tenth != self._last_tenth:
+                self._last_tenth = tenth
+                print(f"training: step {step}/{total} {info}", file=sys.stderr, flush=True)
+
+    def log(self, line: str) -> None:
+        if self._bar is not None:
+            self._bar.console.print(line, markup=False, highlight=False)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None

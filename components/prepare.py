@@ -1,0 +1,191 @@
+"""Step 1, ``prepare``: build the task's data splits, store them under a content-addressed dataset
+version (reused when it exists), open the MLflow run of this pipeline run, and hand every later step
+the *resolved* configuration (``data.version`` and ``tracking.run_id`` filled in).
+
+    python -m components.prepare --config configs/local.yaml --input pipeline_run_id=manual
+
+The typed pipeline parameters (``epochs``, ``nodes``, ...) arrive here as inputs and are folded into
+the configuration: the value that means "keep the configuration's" is 0 for numbers and "" for text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from components.core.config import RelaunchConfig, apply_overrides
+from components.core.errors import BadInput, TransientFailure
+
+PIPELINE_OVERRIDES: dict[str, str] = {
+    "epochs": "train.epochs",
+    "max_steps": "train.max_steps",
+    "learning_rate": "train.lr",
+    "nodes": "launch.nodes",
+    "procs_per_node": "launch.procs_per_node",
+    "inject_failure": "launch.inject_failure",
+    "resume_from": "train.resume_from",
+    "warm_start_model": "train.warm_start_model",
+    "run_name": "tracking.run_name",
+}
+"""Pipeline parameter -> configuration field; the one table the KFP/Argo parameters are built from."""
+
+
+@dataclass
+class PrepareOutputs:
+    config_json: str
+    run_id: str
+    dataset_version: str
+    dataset_uri: str
+
+
+def run(config: RelaunchConfig, pipeline_run_id: str = "", **overrides: Any) -> PrepareOutputs:
+    """Build or reuse the dataset, open the MLflow run, return the resolved configuration.
+
+    Args:
+        config: the pipeline's configuration.
+        pipeline_run_id: the orchestrator's run id; the MLflow run is found or created by it.
+        **overrides: pipeline parameters named in :data:`PIPELINE_OVERRIDES` (0 or "" keeps the value).
+
+    Raises:
+        BadInput: an override, the task, the store or the tracking URI is wrong.
+        TransientFailure: the store or tracking server could not be reached.
+    """
+    from components.core.datasets import dataset_uri, write_dataset
+    from components.core.storage import open_store
+    from components.core.tracking import ensure_run
+    from components.tasks.base import load_task
+
+    config = fold_overrides(config, overrides)
+    task = load_task(config.train.task, config)
+    store = open_store(config.store.uri)
+    version = write_dataset(store, task.build_splits())
+    run_id = ensure_run(config, pipeline_run_id=pipeline_run_id or None)
+    resolved = config.model_copy(deep=True)
+    resolved.data.version = version
+    resolved.tracking.run_id = run_id
+    _log_config(resolved)
+    return PrepareOutputs(config_json=resolved.to_json(), run_id=run_id, dataset_version=version,
+                          dataset_uri=dataset_uri(store, version))
+
+
+def check_inputs(config: RelaunchConfig) -> None:
+    """Refuse, before anything starts, what the pipeline would fail on later; reads, never writes.
+
+    Checks the task imports, the store answers (bucket, credentials), the tracking URI is usable, and
+    ``train.resume_from`` / ``train.warm_start_model`` name what they should.
+
+    Raises:
+        BadInput: one line naming the field and what is wrong.
+    """
+    from components.core.storage import open_store
+    from components.tasks.base import load_task
+
+    load_task(config.train.task, config)
+    try:
+        open_store(config.store.uri, retries=2, backoff=0.1)
+    except TransientFailure as err:
+        raise BadInput(f"store.uri: {config.store.uri!r} cannot be reached ({err}); check AWS_ENDPOINT_URL") from None
+    _check_tracking(config)
+    if config.train.resume_from:
+        from components.locate import verify_checkpoint_uri
+
+        verify_checkpoint_uri(config.train.resume_from)
+    if config.train.warm_start_model:
+        from components.locate import _MODEL_URI
+
+        if not _MODEL_URI.match(config.train.warm_start_model):
+            raise BadInput(f"train.warm_start_model: {config.train.warm_start_model!r} is not "
+                           "models:/name/version or models:/name@alias")
+
+
+def _check_tracking(config: RelaunchConfig) -> None:
+    import urllib.error
+    import urllib.request
+    from pathlib import Path
+
+    from components.core.tracking import tracking_uri
+
+    uri = tracking_uri(config)
+    if uri.startswith(("http://", "https://")):
+        try:
+            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=5):
+                return
+        except urllib.error.HTTPError as err:
+            if err.code in (401, 403):
+                raise BadInput(f"tracking.uri: {uri} refused the credentials (HTTP {err.code}); "
+                               "check MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD") from None
+            raise BadInput(f"tracking.uri: {uri} answered HTTP {err.code} to /health; is it an MLflow server?") from None
+        except (urllib.error.URLError, OSError) as err:
+            reason = getattr(err, "reason", err)
+            raise BadInput(f"tracking.uri: cannot reach the MLflow server at {uri} ({reason})") from None
+    elif uri.startswith("sqlite:///"):
+        parent = Path(uri.removeprefix("sqlite:///")).resolve().parent
+        existing = next((p for p in (parent, *parent.parents) if p.exists()), None)
+        if existing is None or not existing.is_dir() or not os.access(existing, os.W_OK):
+            raise BadInput(f"tracking.uri: cannot create the MLflow database under {parent}")
+    elif uri.startswith("postgresql"):
+        import sqlalchemy
+
+        try:
+            with sqlalchemy.create_engine(uri, connect_args={"connect_timeout": 5}).connect():
+                return
+        except Exception as err:  # sqlalchemy/psycopg2 errors: unreachable host, bad credentials, no database
+            first = str(err).splitlines()[0][:200]
+            raise BadInput(f"tracking.uri: cannot connect to the tracking database ({first})") from None
+
+
+def fold_overrides(config: RelaunchConfig, overrides: dict[str, Any]) -> RelaunchConfig:
+    """Apply the pipeline parameters that differ from their "keep" value; refuse unknown ones."""
+    unknown = sorted(set(overrides) - set(PIPELINE_OVERRIDES))
+    if unknown:
+        raise BadInput(f"prepare: unknown input(s) {', '.join(unknown)}; known: {', '.join(PIPELINE_OVERRIDES)}")
+    items = [f"{PIPELINE_OVERRIDES[k]}={json.dumps(v) if not isinstance(v, str) else v}"
+             for k, v in overrides.items() if v not in (None, "", 0, 0.0, "0", "0.0")]
+    if not items:
+        return config
+    return _validated(apply_overrides(json.loads(config.to_json()), items))
+
+
+def _validated(data: dict[str, Any]) -> RelaunchConfig:
+    from pydantic import ValidationError
+
+    from components.core.config import describe_validation_error
+
+    try:
+        return RelaunchConfig.model_validate(data)
+    except ValidationError as err:
+        raise BadInput(describe_validation_error(err)) from None
+
+
+def _log_config(config: RelaunchConfig) -> None:
+    """The resolved configuration as MLflow params (flattened) and a JSON artifact-free tag."""
+    from components.core.tracking import _call, _client, tracking_uri
+
+    client = _client(tracking_uri(config))
+    flat = _flatten(json.loads(config.to_json()))
+    existing = _call("read the run", client.get_run, config.tracking.run_id).data.params
+    from mlflow.entities import Param
+
+    fresh = [Param(k, str(v)[:6000]) for k, v in flat.items() if k not in existing and v is not None]
+    for i in range(0, len(fresh), 100):
+        _call("log params", client.log_batch, config.tracking.run_id, params=fresh[i:i + 100])
+    _call("tag the run", client.set_tag, config.tracking.run_id, "relaunch.dataset_version", config.data.version)
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+if __name__ == "__main__":
+    from components.core.stepcli import step_main
+
+    sys.exit(step_main("prepare", run))

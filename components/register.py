@@ -1,0 +1,206 @@
+"""Step 5, ``register``: a model version in the MLflow registry for the evaluated checkpoint.
+
+The version is linked to the run and tagged with the checkpoint URI, the dataset version, the git
+commit and the metrics; it gets the alias ``challenger``; ``champion`` moves to it only when its
+``registry.champion_metric`` beats the current champion's by ``registry.champion_margin`` (else the
+version's ``relaunch.champion_decision`` tag says why not). The checkpoint is pinned so retention
+never deletes what a registered version points at. Runs only when evaluate's gate passed.
+
+The model is logged so that loading it unpickles nothing: weights in ``model.safetensors``, the
+task spec and configuration as JSON, and this module as the pyfunc ``loader_module``
+(``mlflow.pyfunc.load_model("models:/relaunch-digits@champion").predict(x)``).
+
+    python -m components.register --config-json "$(cat resolved.json)" \\
+        --input checkpoint_uri=... --input metrics_json='{"accuracy": 0.95}'
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from components.core.config import RelaunchConfig
+from components.core.errors import BadInput
+
+TAG = "relaunch."
+
+
+@dataclass
+class RegisterOutputs:
+    model_name: str
+    version: str
+    aliases: str  # JSON list of the aliases this version holds
+    champion_version: str
+    champion_decision: str
+
+
+def run(config: RelaunchConfig, checkpoint_uri: str, metrics_json: str) -> RegisterOutputs:
+    """Register (or, on a retry, find) the version of ``checkpoint_uri`` and decide the aliases.
+
+    Raises:
+        BadInput: the metrics lack ``registry.champion_metric``, or there is no MLflow run.
+    """
+    from components.core.tracking import _call, _client, tracking_uri
+
+    metrics = json.loads(metrics_json)
+    name, metric = config.registry.model_name, config.registry.champion_metric
+    if metric not in metrics:
+        raise BadInput(f"registry.champion_metric: {metric!r} is not among the metrics {sorted(metrics)}")
+    if not config.tracking.run_id:
+        raise BadInput("register: tracking.run_id is empty; run prepare first (it opens the MLflow run)")
+    client = _client(tracking_uri(config))
+    version = _existing_version(client, config, checkpoint_uri) or _register(client, config, checkpoint_uri, metrics)
+    _call("set alias challenger", client.set_registered_model_alias, name, "challenger", version)
+    champion, decision = _decide_champion(client, config, version, float(metrics[metric]))
+    _call("tag the version", client.set_model_version_tag, name, version, TAG + "champion_decision", decision)
+    _pin(checkpoint_uri, f"registered as {name} v{version}")
+    aliases = _call("read the version", client.get_model_version, name, version).aliases
+    return RegisterOutputs(model_name=name, version=version, aliases=json.dumps(sorted(aliases)),
+                           champion_version=champion, champion_decision=decision)
+
+
+def _existing_version(client, config: RelaunchConfig, checkpoint_uri: str) -> str | None:
+    """A version this run already registered for this checkpoint (a retried register step)."""
+    from components.core.tracking import _call
+
+    try:
+        found = _call("search model versions", client.search_model_versions,
+                      f"name = '{config.registry.model_name}' and run_id = '{config.tracking.run_id}'")
+    except BadInput:
+        raise
+    except Exception:  # no registered model of that name yet
+        return None
+    for v in found:
+        if v.tags.get(TAG + "checkpoint_uri") == checkpoint_uri:
+            return str(v.version)
+    return None
+
+
+def _register(client, config: RelaunchConfig, checkpoint_uri: str, metrics: dict) -> str:
+    import mlflow
+
+    from components.core.tracking import _call, tracking_uri
+
+    with tempfile.TemporaryDirectory() as tmp:
+        _save_model(config, checkpoint_uri, Path(tmp) / "model")
+        _call("upload the model", client.log_artifacts, config.tracking.run_id, str(Path(tmp) / "model"), "model")
+    tags = {TAG + "checkpoint_uri": checkpoint_uri, TAG + "dataset_version": config.data.version or "",
+            TAG + "git_commit": git_commit(), TAG + "task": config.train.task,
+            **{f"{TAG}metric.{k}": str(v) for k, v in metrics.items()}}
+    mlflow.set_tracking_uri(tracking_uri(config))
+    mlflow.set_registry_uri(tracking_uri(config))
+    version = _call("register the model", mlflow.register_model, f"runs:/{config.tracking.run_id}/model",
+                    config.registry.model_name, tags=tags)
+    return str(version.version)
+
+
+def _save_model(config: RelaunchConfig, checkpoint_uri: str, path: Path) -> None:
+    """An MLflow pyfunc model directory: safetensors weights, the config as JSON, our code."""
+    import mlflow
+    import numpy as np
+    from mlflow.models import infer_signature
+    from safetensors.torch import save_file
+
+    import components
+    from components.core.checkpoint import CheckpointManager, parse_checkpoint_uri
+    from components.core.storage import open_store
+    from components.evaluate import load_model
+    from components.tasks.base import load_task
+
+    store_uri, step = parse_checkpoint_uri(checkpoint_uri)
+    task = load_task(config.train.task, config)
+    model = load_model(task, CheckpointManager(open_store(store_uri), async_save=False), step)
+    data = Path(tempfile.mkdtemp(prefix="relaunch-model-"))
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(data / "model.safetensors"))
+    (data / "config.json").write_text(config.to_json())
+    x = np.asarray(task.build_splits()["test"]["x"][:2])
+    import torch
+
+    mlflow.pyfunc.save_model(
+        str(path), loader_module="components.register", data_path=str(data),
+        code_paths=[str(Path(components.__file__).parent)],
+        signature=infer_signature(x, task.predict(model, x)),
+        pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "safetensors", "numpy", "pydantic>=2",
+                          "pyyaml", "scikit-learn"])
+
+
+class _LoadedModel:
+    """What ``mlflow.pyfunc.load_model`` returns through :func:`_load_pyfunc`."""
+
+    def __init__(self, task, model):
+        self.task, self.model = task, model
+
+    def predict(self, model_input, params=None):
+        import numpy as np
+
+        return self.task.predict(self.model, np.asarray(model_input, dtype=np.float32))
+
+
+def _load_pyfunc(data_path: str) -> _LoadedModel:
+    """MLflow's loader hook: rebuild the task's model and load the safetensors weights."""
+    from safetensors.torch import load_file
+
+    from components.core.config import RelaunchConfig
+    from components.tasks.base import load_task
+
+    root = Path(data_path)
+    config = RelaunchConfig.from_json((root / "config.json").read_text())
+    task = load_task(config.train.task, config)
+    model = task.build_model()
+    model.load_state_dict(load_file(str(root / "model.safetensors")))
+    return _LoadedModel(task, model.eval())
+
+
+def _decide_champion(client, config: RelaunchConfig, version: str, value: float) -> tuple[str, str]:
+    """Move ``champion`` to ``version`` when it beats the current one by the margin; say why either way."""
+    from components.core.tracking import _call
+
+    reg = config.registry
+    try:
+        current = client.get_model_version_by_alias(reg.model_name, "champion")
+    except Exception:  # no champion yet (MlflowException RESOURCE_DOES_NOT_EXIST)
+        current = None
+    if current is not None and str(current.version) == version:
+        return version, f"already champion ({reg.champion_metric}={value:g})"
+    if current is not None:
+        best = float(current.tags.get(f"{TAG}metric.{reg.champion_metric}", "nan"))
+        better = value > best + reg.champion_margin if reg.champion_mode == "max" else value < best - reg.champion_margin
+        if not better:
+            return str(current.version), (f"not promoted: {reg.champion_metric}={value:g} does not beat champion "
+                                          f"v{current.version}'s {best:g} by the margin {reg.champion_margin:g}")
+        why = f"promoted: {reg.champion_metric}={value:g} beats v{current.version}'s {best:g} by more than {reg.champion_margin:g}"
+    else:
+        why = f"promoted: first version with {reg.champion_metric}={value:g}"
+    _call("set alias champion", client.set_registered_model_alias, reg.model_name, "champion", version)
+    return version, why
+
+
+def _pin(checkpoint_uri: str, reason: str) -> None:
+    from components.core.checkpoint import CheckpointManager, parse_checkpoint_uri
+    from components.core.storage import open_store
+
+    store_uri, step = parse_checkpoint_uri(checkpoint_uri)
+    CheckpointManager(open_store(store_uri), async_save=False).pin(step, reason)
+
+
+def git_commit() -> str:
+    """``RELAUNCH_GIT_COMMIT`` (set in images), else the checkout's HEAD, else "unknown"."""
+    if os.environ.get("RELAUNCH_GIT_COMMIT"):
+        return os.environ["RELAUNCH_GIT_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 else "unknown"
+
+
+if __name__ == "__main__":
+    from components.core.stepcli import step_main
+
+    sys.exit(step_main("register", run))

@@ -1,0 +1,85 @@
+"""``relaunch checkpoints list|latest|verify --store URI [--step N] [--json]``.
+
+    relaunch checkpoints list   --store s3://bucket/exp/run            # every committed checkpoint
+    relaunch checkpoints latest --store ./.relaunch/store --json       # what a resume would load
+    relaunch checkpoints verify --store /shared/exp --step 1200        # re-hash every file
+
+Read-only: never takes the write lease, never deletes. Exit 2 on bad input (malformed URI, missing
+bucket, no checkpoint to verify, a checkpoint that does not verify).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from components.core.errors import BadInput, CorruptCheckpoint
+
+
+def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
+    p = sub.add_parser("checkpoints", help=help_text, description=help_text)
+    p.add_argument("action", choices=["list", "latest", "verify"])
+    p.add_argument("--store", required=True, help="store root: a path, file:///path or s3://bucket/prefix")
+    p.add_argument("--step", type=int, help="checkpoint step (verify; default: the latest)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=checkpoints)
+
+
+def checkpoints(args: argparse.Namespace) -> int:
+    """Run one ``relaunch checkpoints`` action; returns the exit code."""
+    from components.core.checkpoint import CheckpointManager
+
+    mgr = CheckpointManager(args.store, async_save=False)
+    try:
+        if args.action == "list":
+            infos = mgr.list()
+            pins = mgr.pins()
+            rows = [{**i.to_dict(), "pinned": pins.get(i.step, [])} for i in infos]
+            _print(rows, args.json, empty=f"no checkpoints in {mgr.store.uri}")
+            return 0
+        if args.action == "latest":
+            info = mgr.latest()
+            if info is None:
+                if args.json:
+                    print("null")
+                else:
+                    print(f"no committed checkpoint in {mgr.store.uri}")
+                return 0
+            _print([info.to_dict()], args.json, single=True)
+            return 0
+        step = args.step
+        if step is None:
+            latest = mgr.latest()
+            if latest is None:
+                raise BadInput(f"no committed checkpoint to verify in {mgr.store.uri}")
+            step = latest.step
+        try:
+            info = mgr.verify(step)
+        except CorruptCheckpoint as err:
+            if args.json:
+                print(json.dumps({"step": step, "ok": False, "error": str(err)}))
+            raise
+        _print([{**info.to_dict(), "ok": True}], args.json, single=True)
+        return 0
+    finally:
+        mgr.close()
+
+
+def _print(rows: list[dict], as_json: bool, *, single: bool = False, empty: str = "") -> None:
+    if as_json:
+        print(json.dumps(rows[0] if single else rows, indent=2, sort_keys=True))
+        return
+    if not rows:
+        print(empty)
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table()
+    columns = ["step", "epoch", "world_size", "created_at", "metrics", "uri"] + \
+              [c for c in ("pinned", "ok") if c in rows[0]]
+    for c in columns:
+        table.add_column(c)
+    for r in rows:
+        table.add_row(*(json.dumps(r[c]) if isinstance(r[c], (dict, list)) else str(r[c]) for c in columns))
+    Console(width=200).print(table)

@@ -1,0 +1,65 @@
+"""What every KFP component body calls: the step's ``run`` with the contract's exit codes.
+
+A lightweight component's body is only ``from pipelines.kfp_entry import call`` and
+``return call("<step>", config_json, **inputs)``; this turns the JSON configuration into the model,
+runs the step, and returns its outputs as the tuple KFP expects (fields in declaration order). A
+:class:`RelaunchError` becomes one line on stderr and the process exits with its code (KFP's
+executor does not catch ``SystemExit``, and ``sh -c`` passes the code on), so the local
+runner (and a reader of the pod's log) can tell a permanent failure from a retryable one. When
+``RELAUNCH_EVENTS`` names a file (``relaunch run`` sets it), start/end events are appended to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+from components.core.exitcodes import ExitCode
+
+MODULES: dict[str, str] = {
+    "prepare": "components.prepare",
+    "locate-latest-checkpoint": "components.locate",
+    "launch": "components.launch",
+    "evaluate": "components.evaluate",
+    "register": "components.register",
+    "finalize": "components.finalize",
+}
+
+
+def emit(kind: str, **payload: Any) -> None:
+    """Append one event to ``$RELAUNCH_EVENTS`` (no-op when unset)."""
+    path = os.environ.get("RELAUNCH_EVENTS")
+    if path:
+        with open(path, "a") as fh:
+            fh.write(json.dumps({"kind": kind, "time": time.time(), **payload}, default=str) + "\n")
+
+
+def call(step: str, config_json: str, **inputs: Any) -> tuple:
+    """Run step ``step`` on the configuration ``config_json``; exit with the contract's code on error."""
+    from components.core.config import RelaunchConfig
+    from components.core.errors import RelaunchError
+
+    emit("step-start", step=step)
+    try:
+        config = RelaunchConfig.from_json(config_json)
+        outputs = importlib.import_module(MODULES[step]).run(config, **inputs)
+    except RelaunchError as err:
+        _fail(step, int(err.exit_code), str(err))
+    except Exception as err:  # a bug: keep the traceback in the step's log, exit 1
+        traceback.print_exc()
+        _fail(step, ExitCode.BUG, f"{type(err).__name__}: {err}")
+    values = dataclasses.asdict(outputs)
+    emit("step-end", step=step, exit_code=0, outputs=values)
+    return tuple(values.values())
+
+
+def _fail(step: str, code: int, message: str) -> None:
+    emit("step-end", step=step, exit_code=code, message=message)
+    print(f"{step}: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(code)

@@ -1,0 +1,182 @@
+"""Fault injection for the checkpoint tests: a Store wrapper that crashes at its k-th operation, and a
+TCP proxy that resets connections and answers 503 SlowDown between the S3 client and the S3 server.
+Both fake the *outside* (a dying process, a flaky network), never our own code.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import struct
+import threading
+from collections import Counter
+from typing import Any
+
+OPS = ("read_bytes", "write_bytes", "write_if_absent", "upload_file", "download_file", "exists", "etag",
+       "list", "delete", "delete_many")
+
+
+class InjectedCrash(Exception):
+    """The simulated death of the process at a storage operation."""
+
+
+class FaultyStore:
+    """Delegates to ``inner``; operation number ``crash_at`` (1-based) and every later one fail, as
+    if the process had died there. ``kill=True`` sends a real SIGKILL to this process instead."""
+
+    def __init__(self, inner: Any, crash_at: int | None = None, kill: bool = False):
+        self.inner, self.crash_at, self.kill = inner, crash_at, kill
+        self.uri = inner.uri
+        self.stats = inner.stats
+        self.ops: list[str] = []
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        target = getattr(self.inner, name)
+        if name not in OPS:
+            return target
+
+        def op(*args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                self.ops.append(f"{name}({args[0] if args else ''})")
+                n = len(self.ops)
+            if self.crash_at is not None and n >= self.crash_at:
+                if self.kill:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise InjectedCrash(f"injected crash at storage op #{n}: {self.ops[-1]}")
+            return target(*args, **kwargs)
+
+        return op
+
+
+_SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+             b"<Message>Please reduce your request rate.</Message><Resource>/</Resource>"
+             b"<RequestId>fault-proxy</RequestId><HostId>fault-proxy</HostId></Error>")
+
+
+class FaultProxy:
+    """A TCP proxy in front of an HTTP server. Every request gets its own connection (the proxy adds
+    ``Connection: close`` to responses); per request it draws: reset before forwarding
+    (``p_reset``), forward then reset instead of answering (``p_reset_after``: the request landed, the
+    answer is lost), answer ``503 SlowDown`` (``p_slowdown``), or pass through."""
+
+    def __init__(self, upstream_port: int, *, p_reset: float = 0.1, p_reset_after: float = 0.03,
+                 p_slowdown: float = 0.07, seed: int = 0):
+        self.upstream_port = upstream_port
+        self.p_reset, self.p_reset_after, self.p_slowdown = p_reset, p_reset_after, p_slowdown
+        self.rng = random.Random(seed)
+        self.counts: Counter = Counter()
+        self._lock = threading.Lock()
+        self._sock = socket.socket()
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(128)
+        self.port = self._sock.getsockname()[1]
+        self._stop = False
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "FaultProxy":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop = True
+        self._sock.close()
+
+    def _serve(self) -> None:
+        while not self._stop:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _draw(self) -> str:
+        with self._lock:
+            x = self.rng.random()
+        if x < self.p_reset:
+            return "reset"
+        if x < self.p_reset + self.p_reset_after:
+            return "reset_after"
+        if x < self.p_reset + self.p_reset_after + self.p_slowdown:
+            return "slowdown"
+        return "pass"
+
+    def _count(self, what: str) -> None:
+        with self._lock:
+            self.counts[what] += 1
+
+    def _handle(self, conn: socket.socket) -> None:
+        self._count("connections")
+        try:
+            request = _read_request(conn)
+            if request is None:
+                conn.close()
+                return
+            self._count("requests")
+            fate = self._draw()
+            self._count(fate)
+            if fate == "reset":
+                _reset(conn)
+                return
+            if fate == "slowdown":
+                conn.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"
+                             b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(_SLOWDOWN) + _SLOWDOWN)
+                conn.close()
+                return
+            with socket.create_connection(("127.0.0.1", self.upstream_port), timeout=60) as up:
+                up.sendall(request)
+                response = _read_all(up)
+            if fate == "reset_after":
+                _reset(conn)
+                return
+            head, sep, body = response.partition(b"\r\n")
+            conn.sendall(head + b"\r\nConnection: close" + sep + body)
+            conn.close()
+        except OSError:
+            conn.close()
+
+
+def _reset(conn: socket.socket) -> None:
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    conn.close()
+
+
+def _read_request(conn: socket.socket) -> bytes | None:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return None
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = 0
+    lines = head.split(b"\r\n")
+    kept = [lines[0]]
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value.strip())
+        if name.strip().lower() == b"connection":
+            continue
+        kept.append(line)
+    kept.append(b"Connection: close")
+    while len(body) < length:
+        chunk = conn.recv(min(1 << 20, length - len(body)))
+        if not chunk:
+            return None
+        body += chunk
+    return b"\r\n".join(kept) + b"\r\n\r\n" + body
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    parts = []
+    while chunk := sock.recv(1 << 20):
+        parts.append(chunk)
+    return b"".join(parts)

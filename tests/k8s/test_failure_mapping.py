@@ -1,0 +1,76 @@
+"""How a finished PyTorchJob maps to the exit-code contract: conditions, container exit codes and
+pod reasons (the evidence the Training Operator and the kubelet leave behind)."""
+
+from __future__ import annotations
+
+import pytest
+
+from components.core.exitcodes import PERMANENT, RETRYABLE, ExitCode
+from components.launchers.kubernetes import failure_exit_code, job_state, unstartable_reason
+from tests.k8s.conftest import condition, terminated
+
+FAILED = {"status": {"conditions": [condition("Running"), condition("Failed", "PyTorchJob failed")]}}
+
+
+def pod(name: str, status: dict) -> dict:
+    return {"metadata": {"name": name}, "status": status}
+
+
+@pytest.mark.parametrize(("pods", "expected"), [
+    ([pod("m", terminated(137, "OOMKilled"))], ExitCode.KILLED),
+    ([pod("m", terminated(1, "OOMKilled"))], ExitCode.KILLED),  # OOMKilled wins over the runtime's code
+    ([pod("m", {"phase": "Failed", "reason": "Evicted", "message": "low memory"})], ExitCode.PREEMPTED),
+    ([pod("m", {"phase": "Failed", "reason": "NodeShutdown"})], ExitCode.PREEMPTED),
+    ([pod("m", terminated(143))], ExitCode.PREEMPTED),
+    ([pod("m", terminated(138))], ExitCode.RETRY_ME),
+    ([pod("m", terminated(2))], ExitCode.BAD_INPUT),
+    ([pod("m", terminated(3))], ExitCode.DIVERGED),
+    ([pod("m", terminated(139))], ExitCode.SEGFAULT),
+    ([pod("m", terminated(137, "OOMKilled")), pod("w", terminated(2))], ExitCode.BAD_INPUT),  # permanent wins
+    ([pod("m", terminated(0, "Completed")), pod("w", terminated(143))], ExitCode.PREEMPTED),
+    ([pod("m", terminated(42))], ExitCode.BUG),  # outside the contract: never retried
+    ([], ExitCode.BUG),
+])
+def test_a_failed_job_maps_to_the_exit_code_its_pods_left(pods, expected):
+    code, message = failure_exit_code(FAILED, pods)
+    assert code == expected
+    assert "conditions:" in message
+
+
+def test_every_code_of_the_contract_survives_the_mapping_unchanged():
+    for code in sorted(PERMANENT | RETRYABLE):
+        assert failure_exit_code(FAILED, [pod("m", terminated(code))])[0] == code
+
+
+def test_a_job_past_its_active_deadline_is_a_retryable_timeout():
+    job = {"status": {"conditions": [condition("Failed", "PyTorchJob relaunch is active more than specified deadline",
+                                               reason="DeadlineExceeded")]}}
+    assert failure_exit_code(job, [])[0] == ExitCode.RETRY_ME
+
+
+def test_a_container_restarted_in_place_reports_its_last_termination():
+    status = {"phase": "Running", "containerStatuses": [{"name": "pytorch", "state": {"running": {}},
+              "lastState": {"terminated": {"exitCode": 2, "reason": "Error"}}}]}
+    assert failure_exit_code(FAILED, [pod("m", status)])[0] == ExitCode.BAD_INPUT
+
+
+@pytest.mark.parametrize(("conditions", "phase"), [
+    ([], "Pending"),
+    ([condition("Created")], "Pending"),
+    ([condition("Created"), condition("Running")], "Running"),
+    ([condition("Running"), condition("Restarting"), condition("Running")], "Running"),
+    ([condition("Running"), condition("Succeeded")], "Succeeded"),
+    ([condition("Running"), condition("Failed")], "Failed"),
+    ([condition("Running"), {"type": "Failed", "status": "False"}], "Running"),
+])
+def test_the_job_phase_is_read_from_its_newest_true_condition(conditions, phase):
+    assert job_state({"status": {"conditions": conditions}}).phase == phase
+
+
+@pytest.mark.parametrize(("reason", "fatal"), [
+    ("CreateContainerConfigError", True), ("InvalidImageName", True),
+    ("ContainerCreating", False), ("ImagePullBackOff", False),  # a registry hiccup may pass
+])
+def test_only_containers_that_can_never_start_stop_the_wait(reason, fatal):
+    pods = [pod("m", {"phase": "Pending", "containerStatuses": [{"name": "pytorch", "state": {"waiting": {"reason": reason}}}]})]
+    assert (unstartable_reason(pods) is not None) == fatal

@@ -1,0 +1,39 @@
+"""User tasks written for the tests: the digits task with a sample tracer, a NaN, or a slow save."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from components.tasks.digits import DigitsTask
+
+
+class TracingTask(DigitsTask):
+    """Appends (rank, world size, step, sample indices) of every batch to $TRACE_DIR/<pid>.jsonl."""
+
+    def loss(self, model, batch):
+        folder = os.environ["TRACE_DIR"]
+        with open(os.path.join(folder, f"{os.getpid()}.jsonl"), "a") as fh:
+            fh.write(json.dumps({"rank": int(os.environ.get("RANK", 0)), "world": int(os.environ.get("WORLD_SIZE", 1)),
+                                 "step": int(batch["step"]), "index": batch["index"].tolist()}) + "\n")
+        return super().loss(model, batch)
+
+
+class NanTask(DigitsTask):
+    """The loss becomes NaN from step $NAN_AT_STEP on."""
+
+    def loss(self, model, batch):
+        loss = super().loss(model, batch)
+        if int(batch["step"]) >= int(os.environ.get("NAN_AT_STEP", "25")):
+            return loss * torch.tensor(float("nan"))
+        return loss
+
+
+def tracing_task(config):
+    return TracingTask(config)
+
+
+def nan_task(config):
+    return NanTask(config)
