@@ -39,10 +39,10 @@ def run(config: RelaunchConfig) -> LocateOutputs:
         return LocateOutputs(checkpoint_uri=latest.uri, step=latest.step, source="latest")
     if config.train.resume_from:
         return LocateOutputs(checkpoint_uri=config.train.resume_from,
-                             step=verify_checkpoint_uri(config.train.resume_from), source="resume_from")
+                             step=verify_checkpoint_uri(config.train.resume_from, config), source="resume_from")
     if config.train.warm_start_model:
         uri = warm_start_checkpoint(config)
-        return LocateOutputs(checkpoint_uri=uri, step=verify_checkpoint_uri(uri), source="warm_start")
+        return LocateOutputs(checkpoint_uri=uri, step=verify_checkpoint_uri(uri, config), source="warm_start")
     return LocateOutputs(checkpoint_uri="", step=-1, source="none")
 
 
@@ -56,16 +56,29 @@ def checkpoint_manager(config: RelaunchConfig, *, async_save: bool = False):
                              best_metric=t.best_metric, mode=t.best_mode, async_save=async_save)
 
 
-def verify_checkpoint_uri(uri: str) -> int:
-    """The step of the committed checkpoint at ``uri``; BadInput when it is not one of ours."""
-    from components.core.checkpoint import CheckpointManager, parse_checkpoint_uri
+def verify_checkpoint_uri(uri: str, config: RelaunchConfig | None = None) -> int:
+    """The step of the committed checkpoint at ``uri``; BadInput when it is not one of ours, or (with
+    ``config``) when it holds another model than the task builds."""
+    import json
+
+    from components.core.checkpoint import MANIFEST, CheckpointManager, parse_checkpoint_uri, step_key
     from components.core.errors import CorruptCheckpoint
 
     store_uri, step = parse_checkpoint_uri(uri)
+    mgr = CheckpointManager(store_uri, async_save=False)
     try:
-        CheckpointManager(store_uri, async_save=False).verify(step)
+        mgr.verify(step)
     except (CorruptCheckpoint, FileNotFoundError) as err:
         raise BadInput(f"train.resume_from: {uri!r} is not a committed relaunch checkpoint ({err})") from None
+    if config is not None:
+        from components.core.state import model_fingerprint
+        from components.tasks.base import load_task
+
+        theirs = json.loads(mgr.store.read_bytes(f"{step_key(step)}/{MANIFEST}")).get("model_fingerprint")
+        mine = model_fingerprint(load_task(config.train.task, config).build_model())
+        if theirs and theirs != mine:
+            raise BadInput(f"train.resume_from: {uri!r} holds another model (fingerprint {theirs}, the task "
+                           f"builds {mine}); check train.task and its sizes")
     return step
 
 

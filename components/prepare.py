@@ -92,7 +92,7 @@ def check_inputs(config: RelaunchConfig) -> None:
     if config.train.resume_from:
         from components.locate import verify_checkpoint_uri
 
-        verify_checkpoint_uri(config.train.resume_from)
+        verify_checkpoint_uri(config.train.resume_from, config)
     if config.train.warm_start_model:
         from components.locate import _MODEL_URI
 

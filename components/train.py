@@ -41,7 +41,7 @@ from components.core import distributed as distr  # noqa: E402
 from components.core import goodput  # noqa: E402
 from components.core.config import RelaunchConfig, config_from_cli  # noqa: E402
 from components.core.errors import BadInput, Diverged, Preempted, RelaunchError, TransientFailure, exit_on_error  # noqa: E402
-from components.core.exitcodes import RETRYABLE, ExitCode  # noqa: E402
+from components.core.exitcodes import PERMANENT, RETRYABLE, ExitCode  # noqa: E402
 from components.core.health import SpikeDetector, Watchdog, is_finite  # noqa: E402
 from components.tasks.base import load_task  # noqa: E402
 
@@ -212,6 +212,19 @@ def _params(config: RelaunchConfig, env: distr.DistEnv, dataset: str) -> dict:
             "torch_version": torch.__version__, "cuda_version": torch.version.cuda or "none"}
 
 
+def _refuse_permanent_restart(env: distr.DistEnv, store) -> None:
+    """torchrun restarts a worker group whatever its exit code; a permanent failure (bad input, a
+    divergence, a bug) of this same torchrun run ends the restart at once with the same code."""
+    if env.restart_count == 0 or not env.elastic_run_id:
+        return
+    record = goodput.read_exit_record(store)
+    if record and record.get("elastic_run_id") == env.elastic_run_id and record.get("exit_code") in PERMANENT:
+        err = {ExitCode.BAD_INPUT: BadInput, ExitCode.DIVERGED: Diverged}.get(record["exit_code"], RelaunchError)(
+            f"not restarting after a permanent failure: {record.get('reason', '')}")
+        err.exit_code = int(record["exit_code"])
+        raise err
+
+
 def _peer_failure(err: BaseException) -> bool:
     """Whether ``err`` is a collective that broke because another rank went away."""
     dist_error = getattr(torch.distributed, "DistError", ())
@@ -282,6 +295,7 @@ class Training:
         self.device = distr.device(env)
         task = load_task(self.t.task, self.config)
         raw_store = open_store(self.config.store.uri)
+        _refuse_permanent_restart(env, raw_store)
         pids = [os.getpid()]
         if env.world_size > 1:
             gathered: list = [None] * env.world_size
@@ -591,7 +605,7 @@ class Training:
             train_seconds=round(self.train_seconds, 3), ettr=report.get("ettr") if report else None,
             goodput=report or {}, final_metrics=self.final_metrics)
         if self.env.is_main:
-            goodput.write_exit_record(self.store, self.attempt, code, reason)
+            goodput.write_exit_record(self.store, self.attempt, code, reason, self.env.elastic_run_id)
             self.store.write_bytes(goodput.SUMMARY_KEY, json.dumps(asdict(summary), indent=2, default=str).encode())
             emit("SUMMARY", asdict(summary))
         return summary

@@ -756,6 +756,7 @@ class CheckpointManager:
 
     def _dcp_load(self, state: Any, local: Path, info: CheckpointInfo) -> None:
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.stateful import Stateful
 
         metadata = read_metadata(local)
@@ -773,7 +774,11 @@ class CheckpointManager:
                      process_group=self._group)
         except CorruptCheckpoint:
             raise
-        except Exception as err:  # noqa: BLE001 - DCP wraps per-rank errors in CheckpointException
+        except (Exception, CheckpointException) as err:  # DCP wraps per-rank errors (a BaseException)
+            for failure in getattr(err, "failures", {}).values():
+                original = failure[0] if isinstance(failure, tuple) else failure
+                if isinstance(original, RelaunchError):
+                    raise original from None
             text = str(err)
             if "CorruptCheckpoint" in text or "weights_only" in text or "unsafe" in text:
                 raise CorruptCheckpoint(f"{info.uri}: {text.splitlines()[0][:300]}") from None

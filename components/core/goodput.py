@@ -187,10 +187,10 @@ def plot_goodput(report: dict[str, Any], loss_curve: list[tuple[int, float]], pa
     return path
 
 
-def write_exit_record(store, attempt: int, exit_code: int, reason: str) -> None:
+def write_exit_record(store, attempt: int, exit_code: int, reason: str, elastic_run_id: str = "") -> None:
     """How this attempt ended (rank 0, every ending under our control)."""
     store.write_bytes(EXIT_KEY, json.dumps({"attempt": attempt, "exit_code": int(exit_code), "reason": reason,
-                                            "time": time.time()}).encode())
+                                            "time": time.time(), "elastic_run_id": elastic_run_id}).encode())
 
 
 def read_exit_record(store) -> dict[str, Any] | None:

@@ -514,7 +514,8 @@ class Launcher:
             try:
                 self.jobs.follow_log(f"{name}-master-0", lambda line: print(f"[master] {line}", file=sys.stderr, flush=True))
             except Exception as err:  # noqa: BLE001 - the log is a courtesy; the watch decides the outcome
-                self.say(f"master log unavailable: {type(err).__name__}: {err}")
+                reason = getattr(err, "status", None) or str(err).splitlines()[0][:200]
+                self.say(f"master log unavailable: {type(err).__name__} {reason}")
 
         self._log_thread = threading.Thread(target=follow, name=f"log-{name}", daemon=True)
         self._log_thread.start()

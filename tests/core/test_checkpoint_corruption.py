@@ -1,0 +1,108 @@
+"""Corruption: each kind of damage is detected, locate falls back to the previous good checkpoint,
+and nothing committed is deleted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from components.core.checkpoint import CheckpointManager, step_key
+from components.core.errors import CorruptCheckpoint
+from components.core.storage import open_store
+from tests.core.helpers import make_state, s3_root, train_steps
+
+
+def _flip_byte(store, key):
+    data = bytearray(store.read_bytes(key))
+    data[len(data) // 2] ^= 0xFF
+    store.write_bytes(key, bytes(data))
+
+
+def _truncate(store, key):
+    store.write_bytes(key, store.read_bytes(key)[:-7])
+
+
+def _bad_sha_manifest(store, key):
+    manifest = json.loads(store.read_bytes(f"{key}/MANIFEST.json"))
+    name = next(iter(manifest["files"]))
+    manifest["files"][name]["sha256"] = "0" * 64
+    store.write_bytes(f"{key}/MANIFEST.json", json.dumps(manifest).encode())
+
+
+DAMAGE = {
+    "a flipped byte in a shard": lambda s, k: _flip_byte(s, f"{k}/__0_0.distcp"),
+    "a truncated shard": lambda s, k: _truncate(s, f"{k}/__0_0.distcp"),
+    "a truncated .metadata": lambda s, k: _truncate(s, f"{k}/.metadata"),
+    "a missing manifest": lambda s, k: s.delete(f"{k}/MANIFEST.json"),
+    "a manifest whose sha256 does not match": _bad_sha_manifest,
+    "a manifest of garbage JSON": lambda s, k: s.write_bytes(f"{k}/MANIFEST.json", b"{not json"),
+    "latest.json pointing at a deleted directory": lambda s, k: s.delete_many(s.list(k + "/")),
+    "latest.json of garbage JSON": lambda s, k: s.write_bytes("checkpoints/latest.json", b"\x00garbage"),
+    "a missing shard": lambda s, k: s.delete(f"{k}/__0_0.distcp"),
+}
+POINTER_ONLY = {"latest.json of garbage JSON"}
+
+
+def _two_checkpoints(root):
+    state = make_state()
+    mgr = CheckpointManager(root, keep_last=0, owner="corrupt-test")
+    train_steps(state, 2)
+    mgr.save(2000, state)
+    mgr.wait()
+    good = [p.detach().clone() for p in state.model.parameters()]
+    train_steps(state, 2)
+    mgr.save(10000, state)
+    mgr.wait()
+    mgr.close()
+    return good
+
+
+@pytest.fixture(params=["fs", "s3"])
+def root(request, tmp_path):
+    if request.param == "fs":
+        return str(tmp_path / "store")
+    return s3_root(request.getfixturevalue("s3_env"), "corrupt")
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE), ids=list(DAMAGE))
+def test_damage_is_detected_and_locate_falls_back_to_the_previous_good_checkpoint(root, damage):
+    good = _two_checkpoints(root)
+    store = open_store(root)
+    DAMAGE[damage](store, step_key(10000))
+    files_before = set(store.list())
+    mgr = CheckpointManager(root)
+    info = mgr.latest()
+    if damage in POINTER_ONLY:
+        assert info.step == 10000  # the pointer is a hint: the newest valid checkpoint is found anyway
+    else:
+        assert info.step == 2000
+        with pytest.raises(CorruptCheckpoint):
+            mgr.verify(10000)
+        state = make_state(seed=5)
+        mgr.load(state)
+        assert all((a == b).all() for a, b in zip(state.model.parameters(), good))
+    mgr.close()
+    assert set(store.list()) == files_before  # reading never deletes anything
+
+
+def test_an_explicit_load_of_a_corrupt_checkpoint_raises_instead_of_loading(tmp_path):
+    root = str(tmp_path / "store")
+    _two_checkpoints(root)
+    _flip_byte(open_store(root), f"{step_key(10000)}/__0_0.distcp")
+    with pytest.raises(CorruptCheckpoint, match="sha256"):
+        CheckpointManager(root).load(make_state(), step=10000)
+
+
+def test_retention_after_corruption_never_deletes_a_committed_checkpoint(tmp_path):
+    root = str(tmp_path / "store")
+    _two_checkpoints(root)
+    store = open_store(root)
+    _flip_byte(store, f"{step_key(10000)}/__0_0.distcp")
+    state = make_state()
+    mgr = CheckpointManager(root, keep_last=0, owner="corrupt-test")
+    mgr.load(state)
+    mgr.save(10001, state)
+    mgr.wait()
+    assert [i.step for i in mgr.list()] == [2000, 10000, 10001]
+    mgr.close()

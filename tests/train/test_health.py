@@ -1,0 +1,55 @@
+"""Divergence and a tracking server that goes away, with real torchrun and real MLflow servers."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from components.core import goodput
+from components.core.checkpoint import CheckpointManager
+from components.core.storage import open_store
+from tests.services import MlflowServer
+from tests.train.conftest import metric_steps, mlflow_runs, run_torchrun, start_torchrun, train_config
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_nan_loss_exits_3_keeps_the_last_good_checkpoint_untouched_and_fails_the_run(tmp_path, tracking):
+    config = train_config(tmp_path, tracking, task="tests.train.tasks:nan_task", checkpoint_at_epoch_end=False)
+    run = run_torchrun(config, tmp_path, max_restarts=1, env={"NAN_AT_STEP": "25"})
+
+    store = open_store(config["store"]["uri"])
+    assert goodput.mapped_exit_code(store, run.proc.returncode, run.started_at) == 3, run.output()[-3000:]
+    assert "non-finite loss at step 25" in run.output()
+    assert "not restarting after a permanent failure" in run.output(), "torchrun's restart ends at once"
+    manager = CheckpointManager(store)
+    assert [c.step for c in manager.list()] == [10, 20]
+    assert manager.verify(20).step == 20 and manager.latest().step == 20
+    [mlrun] = mlflow_runs(tracking, config["tracking"]["experiment"])
+    assert mlrun.info.status == "FAILED"
+    assert "diverged" in mlrun.data.tags["relaunch.end_reason"]
+
+
+def test_training_continues_while_mlflow_is_down_and_its_metrics_arrive_after_it_returns(tmp_path, postgres):
+    server = MlflowServer(backend_uri=postgres.create_database(f"outage_{uuid.uuid4().hex[:8]}"),
+                          artifacts_dir=tmp_path / "artifacts").start()
+    try:
+        steps = 240
+        config = train_config(tmp_path, server.uri, max_steps=steps, step_sleep_seconds=0.04,
+                              checkpoint_every_steps=60)
+        run = start_torchrun(config, tmp_path)
+        run.wait_for("PROGRESS", lambda r: r["step"] >= 10)
+        server.stop()
+        down_at = run.records("PROGRESS")[-1]["step"]
+        run.wait_for("PROGRESS", lambda r: r["step"] >= down_at + 40, timeout=60)  # still training
+        server.start()
+        assert run.wait() == 0, run.output()[-3000:]
+        assert "lost contact with the tracking server" in run.output()
+
+        [mlrun] = mlflow_runs(server.uri, config["tracking"]["experiment"])
+        assert mlrun.info.status == "FINISHED"
+        assert sorted(metric_steps(server.uri, mlrun.info.run_id)) == list(range(1, steps + 1))
+        assert mlrun.data.tags["relaunch.tracking.lost_contact"] == "true"
+    finally:
+        server.stop()
