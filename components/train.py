@@ -82,9 +82,16 @@ class PreemptionFlag:
         self.at: float | None = None
 
     def install(self) -> "PreemptionFlag":
+        """From the training loop's start: outside it, a process may sit in a C-level collective or
+        rendezvous where a Python handler never runs, so there the default (terminate) is kept."""
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._handle)
         return self
+
+    @staticmethod
+    def uninstall() -> None:
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_DFL)
 
     def _handle(self, signum, _frame) -> None:
         if self.signum is None:
@@ -159,7 +166,12 @@ def _seed(config: RelaunchConfig) -> None:
     torch.manual_seed(seed)
     if config.train.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
+        if torch.cuda.is_available() or "torch._inductor" in sys.modules:
+            torch.use_deterministic_algorithms(True)
+        else:
+            # the public call imports torch._inductor (~3 s per restarted worker) only to set a flag
+            # that matters to torch.compile; eager CPU ops read this one
+            torch._C._set_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
 
 
@@ -245,7 +257,7 @@ class Training:
         self.env: distr.DistEnv | None = None
         self._pending: dict[int, tuple[float, float]] = {}
         self.last_committed = None  # CheckpointInfo of the newest committed checkpoint known here
-        self.preempt = PreemptionFlag().install()
+        self.preempt = PreemptionFlag()
         self.logger = None
         self.log = None  # rank 0's AttemptLog
         self.attempt = 0
@@ -382,6 +394,7 @@ class Training:
                 "step": torch.tensor(step, dtype=torch.int64)}
 
     def loop(self) -> None:
+        self.preempt.install()
         watchdog = Watchdog(self.t.hang_timeout_seconds).start()
         if self.log:
             self.log.record.loop_start = time.time()
@@ -543,6 +556,7 @@ class Training:
 
     def finish(self) -> TrainSummary:
         self.save(wait=True)
+        self.preempt.uninstall()
         self.final_metrics = self.evaluate()
         self.manager.close()
         if not self.env.is_main:
@@ -577,6 +591,7 @@ class Training:
     def fail(self, err: RelaunchError) -> TrainSummary:
         """Record how the attempt ended, tell MLflow (FAILED when permanent, KILLED when preempted; a
         retryable failure leaves the run RUNNING for the next attempt), re-raise for the exit code."""
+        self.preempt.uninstall()
         status = "KILLED" if isinstance(err, Preempted) else None if err.exit_code in RETRYABLE else "FAILED"
         if self.manager is not None:
             try:

@@ -237,6 +237,7 @@ class CheckpointManager:
         self.stall_seconds_total = 0.0
         self._token = uuid.uuid4().hex
         self._lease_etag: str | None = None
+        self._lease_checked = False
         self._latest_etag: str | None = None
         self._latest_known = False
         self._manifests: dict[int, dict[str, Any]] = {}
@@ -255,6 +256,32 @@ class CheckpointManager:
             self._group, self.rank, self.world_size = None, 0, 1
         self._direct = type(self.store) is FileStore  # DCP writes straight into the shared directory
 
+    @classmethod
+    def from_config(cls, config: Any, **overrides: Any) -> "CheckpointManager":
+        """The manager of "this training": store from ``config.store.uri``, retention from
+        ``config.train`` (keep_last, keep_best, best_metric, best_mode, async_save); keyword
+        ``overrides`` win (e.g. ``async_save=False`` for a read-only step, ``owner=run_id``)."""
+        train = config.train
+        kwargs: dict[str, Any] = dict(keep_last=train.keep_last, keep_best=train.keep_best,
+                                      best_metric=train.best_metric,
+                                      mode=train.best_mode, async_save=train.async_save)
+        kwargs.update(overrides)
+        return cls(config.store.uri, **kwargs)
+
+    def best(self, metric: str | None = None, mode: str | None = None) -> CheckpointInfo | None:
+        """The committed checkpoint with the best ``metric`` (default: ``best_metric``/``mode``) whose
+        files verify; ties go to the newer step; None when no checkpoint has the metric."""
+        self._guard()
+        metric, mode = metric or self.best_metric, mode or self.mode
+        if not metric:
+            raise BadInput("best() needs a metric name (best_metric)")
+        scored = [i for i in self.list() if metric in i.metrics]
+        scored.sort(key=lambda i: (i.metrics[metric] if mode == "min" else -i.metrics[metric], -i.step))
+        for info in scored:
+            if self._verify_quiet(info.step) is not None:
+                return info
+        return None
+
     # ------------------------------------------------------------------ public API
     def save(self, step: int, state: Any, metrics: dict | None = None, epoch: int = 0) -> None:
         """Snapshot ``state`` to CPU and persist it as checkpoint ``step`` (every rank calls it).
@@ -272,7 +299,9 @@ class CheckpointManager:
                 from components.core.state import model_fingerprint
 
                 self.model_fingerprint = model_fingerprint(state.model)
-            self._agree(self._rank0(self._take_lease))
+            if self._lease_etag is None and not self._lease_checked:
+                self._agree(self._rank0(self._take_lease))  # a second writer is refused right here
+                self._lease_checked = True
             if epoch == 0 and hasattr(state, "epoch"):
                 epoch = int(state.epoch)
             job = _Job(step, int(epoch), self._snapshot(state),
@@ -557,6 +586,8 @@ class CheckpointManager:
         return self._agree(self._rank0(lambda: self._commit(job, files)))
 
     def _preflight(self, step: int) -> None:
+        if self._lease_etag is not None:
+            self._take_lease()  # renewal, off the training thread
         key = step_key(step)
         if self.store.exists(f"{key}/{MANIFEST}"):
             raise BadInput(f"checkpoint {self.store.uri_for(key)} is already committed; refusing to "

@@ -88,6 +88,7 @@ def _wait(agents: list[subprocess.Popen], timeout: float) -> tuple[list[int], bo
     """Wait for every agent; once one fails, the others get a grace period, then are stopped."""
     deadline = time.monotonic() + timeout
     failed_at: float | None = None
+    previous = signal.signal(signal.SIGTERM, _raise_preempted) if threading.current_thread() is threading.main_thread() else None
     try:
         while any(a.poll() is None for a in agents):
             now = time.monotonic()
@@ -100,7 +101,16 @@ def _wait(agents: list[subprocess.Popen], timeout: float) -> tuple[list[int], bo
     except BaseException:  # SIGTERM/Ctrl-C of the launch step: take the agents down with us
         _stop(agents)
         raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return [a.returncode for a in agents], False
+
+
+def _raise_preempted(signum, frame) -> None:
+    from components.core.errors import Preempted
+
+    raise Preempted("the launch step was sent SIGTERM; stopped the training (its last checkpoint stands)")
 
 
 def _stop(agents: list[subprocess.Popen]) -> None:

@@ -25,11 +25,11 @@ def _run(args: list[str], nproc: int, env: dict | None = None) -> None:
     if nproc == 1:
         cmd = [sys.executable, "-m", "tests.core.resume_worker", *args]
     else:
-        cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", str(nproc),
-               "--master-addr", "127.0.0.1", "--master-port", "0", "-m", "tests.core.resume_worker", *args]
+        cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", str(nproc),
+               "-m", "tests.core.resume_worker", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
                                                **(env or {})},
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 

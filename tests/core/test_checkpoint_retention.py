@@ -121,3 +121,17 @@ def test_load_by_uri_restores_that_checkpoint(tmp_path):
     state = make_state(seed=7)
     info = CheckpointManager(str(tmp_path / "elsewhere")).load(state, uri=mgr.list()[0].uri)
     assert info.step == 1 and state.step == 1
+
+
+def test_best_is_the_verified_checkpoint_with_the_best_metric_and_the_newer_wins_a_tie(tmp_path):
+    from components.core.config import RelaunchConfig
+
+    config = RelaunchConfig.model_validate({"store": {"uri": str(tmp_path)},
+                                            "train": {"keep_last": 3, "keep_best": 0}})
+    mgr = CheckpointManager.from_config(config, async_save=False)
+    assert (mgr.keep_last, mgr.best_metric, mgr.mode) == (3, "val_loss", "min")
+    _save_all(mgr, [(1, 0.3), (2, 0.2), (3, 0.2)])
+    assert mgr.best().step == 3
+    mgr.store.write_bytes(f"{step_key(3)}/__0_0.distcp", b"broken")
+    assert mgr.best().step == 2
+    assert mgr.best(mode="max").step == 1

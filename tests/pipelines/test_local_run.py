@@ -5,9 +5,11 @@ permanent failures that must stop the pipeline at once."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -25,8 +27,26 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def relaunch_run(cwd: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([RELAUNCH, "run", *TINY, *args], cwd=cwd, capture_output=True, text=True, timeout=280,
-                          env={**os.environ, **(env or {})})
+    """``relaunch run`` as a user types it, in its own process group so a hang takes everything down."""
+    proc = subprocess.Popen([RELAUNCH, "run", *TINY, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, **(env or {})}, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _kill_agents(cwd)
+        out, err = proc.communicate()
+        pytest.fail(f"relaunch run did not finish in 240 s; log under {cwd}/.relaunch/runs\n{out[-2000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _kill_agents(cwd: Path) -> None:
+    """torchrun agents live in their own sessions: find ours by working directory and stop them."""
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/cwd") == str(cwd):
+                    os.kill(int(pid), signal.SIGKILL)
 
 
 def events(cwd: Path) -> list[dict]:
@@ -106,7 +126,8 @@ def test_the_output_is_a_line_per_step_and_a_summary_with_the_restart(embedded):
 def test_the_pipeline_runs_against_s3_and_an_mlflow_server_on_postgres(tmp_path, s3_env, mlflow_server):
     s3_env.create_bucket("relaunch-e2e")
     out = relaunch_run(tmp_path, "--set", "train.max_steps=20", "--set", "store.uri=s3://relaunch-e2e/run",
-                       "--set", f"tracking.uri={mlflow_server.uri}", "--set", "registry.model_name=e2e-digits")
+                       "--set", f"tracking.uri={mlflow_server.uri}", "--set", "registry.model_name=e2e-digits",
+                       "--set", "evaluate.gate_min=0.1")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert summary_of("s3://relaunch-e2e/run")["last_committed_step"] == 20
     client = MlflowClient(mlflow_server.uri)

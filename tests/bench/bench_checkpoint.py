@@ -1,0 +1,186 @@
+"""Checkpoint core: stall, throughput and locate, measured side by side in one run.
+
+- stall: seconds the training thread is blocked by ``CheckpointManager.save`` (async) divided by the
+  seed's synchronous way (``torch.save`` of the whole state to a local file, then upload to the store)
+  for the same state (256 MiB; 32 MiB with --quick). Goal <= 0.02.
+- throughput: raw sequential write (with fsync) / read of the same number of bytes to the same place,
+  divided by our save (end to end: snapshot, DCP write, fsync, sha256, manifest, pointer) / restore
+  (locate with full sha256 verification + DCP load). Goal >= 0.9 on the filesystem.
+- locate: store requests and seconds of ``latest()`` with 10 and with 10,000 checkpoints present
+  (S3: 10 and 1,000; --quick: 10 and 1,000 / 100). Goal: the same small number of requests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from components.core.checkpoint import CheckpointManager, step_key
+from components.core.storage import open_store
+
+
+def _state(total_bytes: int) -> dict[str, dict[str, torch.Tensor]]:
+    n = 16
+    per = total_bytes // n // 4
+    g = torch.Generator().manual_seed(0)
+    return {"model": {f"layer{i}.weight": torch.randn(per, generator=g) for i in range(n)}}
+
+
+def _nbytes(state) -> int:
+    return sum(t.numel() * t.element_size() for t in state["model"].values())
+
+
+def _log(msg: str) -> None:
+    print(f"  bench_checkpoint: {msg}", file=sys.stderr, flush=True)
+
+
+def _stall_and_throughput(root: str, state, work: Path, label: str) -> list[dict]:
+    store = open_store(root)
+    nbytes = _nbytes(state)
+    # the seed's way: torch.save the whole state, then upload it
+    t0 = time.perf_counter()
+    local = work / "seed.pt"
+    torch.save(state, local)
+    store.upload_file("seed/state.pt", local)
+    seed_seconds = time.perf_counter() - t0
+    store.delete("seed/state.pt")
+
+    mgr = CheckpointManager(store, keep_last=1, owner="bench", cache_dir=work / "cache")
+    mgr.save(1, state)  # warm-up: allocates the reusable snapshot buffers
+    mgr.wait()
+    stall = []
+    save_seconds = []
+    for step in (2, 3):
+        t0 = time.perf_counter()
+        mgr.save(step, state)
+        stall.append(time.perf_counter() - t0)
+        mgr.wait()
+        save_seconds.append(time.perf_counter() - t0)
+    stall_s, save_s = min(stall), min(save_seconds)
+    t0 = time.perf_counter()
+    target = {"model": {k: torch.empty_like(v) for k, v in state["model"].items()}}
+    CheckpointManager(root, cache_dir=work / "cache2").load(target)
+    load_s = time.perf_counter() - t0
+    assert all(torch.equal(target["model"][k], v) for k, v in state["model"].items())
+    mgr.close()
+
+    # raw sequential write (fsync) and read of the same bytes to the same place
+    blob = b"".join(t.numpy().tobytes() for t in state["model"].values())
+    raw_local = work / "raw.bin"
+    t0 = time.perf_counter()
+    with open(raw_local, "wb") as fh:
+        for i in range(0, len(blob), 8 << 20):
+            fh.write(blob[i:i + (8 << 20)])
+        fh.flush()
+        os.fsync(fh.fileno())
+    if not hasattr(store, "path"):  # S3: the same bytes as one plain upload
+        store.upload_file("raw/raw.bin", raw_local)
+    raw_write = time.perf_counter() - t0
+    if hasattr(store, "path"):  # the same place: write straight into the store's directory
+        t0 = time.perf_counter()
+        dest = store.path("raw/raw.bin")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with open(dest, "wb") as fh:
+            for i in range(0, len(blob), 8 << 20):
+                fh.write(blob[i:i + (8 << 20)])
+            fh.flush()
+            os.fsync(fh.fileno())
+        raw_write = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        with open(dest, "rb") as fh:
+            while fh.read(8 << 20):
+                pass
+        raw_read = time.perf_counter() - t0
+    else:
+        t0 = time.perf_counter()
+        store.download_file("raw/raw.bin", work / "raw-back.bin")
+        raw_read = time.perf_counter() - t0
+    store.delete("raw/raw.bin")
+    mib = nbytes / 2**20
+    return [
+        {"metric": f"stall ratio ({label})", "value": stall_s / seed_seconds, "goal": "<= 0.02",
+         "detail": f"save() blocked {stall_s * 1e3:.1f} ms vs torch.save+upload {seed_seconds:.2f} s, {mib:.0f} MiB"},
+        {"metric": f"save throughput ratio ({label})", "value": raw_write / save_s, "goal": ">= 0.9 (fs)",
+         "detail": f"raw write {raw_write:.2f} s vs save end to end {save_s:.2f} s"},
+        {"metric": f"restore throughput ratio ({label})", "value": raw_read / load_s, "goal": ">= 0.9 (fs)",
+         "detail": f"raw read {raw_read:.2f} s vs verify+load {load_s:.2f} s"},
+    ]
+
+
+def _fake_checkpoints(root: str, n: int) -> None:
+    """n tiny committed checkpoints (a data file and a valid manifest each) and a pointer."""
+    store = open_store(root)
+    data = b"x" * 64
+    digest = hashlib.sha256(data).hexdigest()
+    body = b""
+    for step in range(1, n + 1):
+        key = step_key(step * 10)
+        manifest = {"format_version": 1, "step": step * 10, "epoch": 0, "world_size": 1, "created_at": "",
+                    "files": {"__0_0.distcp": {"size": len(data), "sha256": digest}}, "metrics": {}}
+        body = json.dumps(manifest).encode()
+        if hasattr(store, "path"):
+            d = store.path(key)
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "__0_0.distcp").write_bytes(data)
+            (d / "MANIFEST.json").write_bytes(body)
+        else:
+            store.write_bytes(f"{key}/__0_0.distcp", data)
+            store.write_bytes(f"{key}/MANIFEST.json", body)
+    store.write_bytes("checkpoints/latest.json", json.dumps(
+        {"step": n * 10, "path": step_key(n * 10), "manifest_sha256": hashlib.sha256(body).hexdigest()}).encode())
+
+
+def _locate(root: str, n: int, label: str) -> dict:
+    _fake_checkpoints(root, n)
+    mgr = CheckpointManager(root)
+    before = mgr.store.stats["requests"]
+    t0 = time.perf_counter()
+    info = mgr.latest()
+    seconds = time.perf_counter() - t0
+    assert info.step == n * 10
+    mgr.close()
+    return {"metric": f"locate requests ({label}, {n} checkpoints)", "value": mgr.store.stats["requests"] - before,
+            "goal": "same for both", "detail": f"{seconds * 1e3:.1f} ms"}
+
+
+def run(quick: bool) -> list[dict]:
+    """Rows of the benchmark table (see the module docstring)."""
+    size = (32 if quick else 256) << 20
+    work = Path(tempfile.mkdtemp(prefix="bench-ckpt-"))
+    rows: list[dict] = []
+    server = None
+    try:
+        state = _state(size)
+        _log(f"stall/throughput on the filesystem, {size >> 20} MiB")
+        rows += _stall_and_throughput(str(work / "fs-store"), state, work, "fs")
+        for n in (10, 1000 if quick else 10000):
+            _log(f"locate on the filesystem with {n} checkpoints")
+            rows.append(_locate(str(work / f"locate-{n}"), n, "fs"))
+        try:
+            from tests.services import S3Server
+
+            server = S3Server().start()
+            server.create_bucket("bench")
+            os.environ.update(server.env())
+        except Exception as err:  # noqa: BLE001 - S3 rows are optional where moto cannot start
+            _log(f"S3 server unavailable, S3 rows skipped: {err}")
+            server = None
+        if server:
+            _log("stall/throughput on S3 (moto over HTTP)")
+            rows += _stall_and_throughput("s3://bench/run", state, work, "s3")
+            for n in (10, 100 if quick else 1000):
+                _log(f"locate on S3 with {n} checkpoints")
+                rows.append(_locate(f"s3://bench/locate-{n}", n, "s3"))
+    finally:
+        if server:
+            server.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    return rows

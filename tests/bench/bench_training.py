@@ -1,0 +1,193 @@
+"""Training under fire: ETTR with a SIGKILL every T s, MTTR, and MLflow logging overhead per step.
+
+Side by side in one run: the same 2-process CPU training (torchrun, gloo, digits MLP, async
+checkpoints every few seconds) once undisturbed and once with one worker SIGKILLed every T seconds
+(torchrun restarts the group; the trainer resumes from the latest committed checkpoint). ETTR is
+the trainer's own goodput report (productive time / wall time, from its per-attempt records in the
+store); ``wall ratio`` is the undisturbed wall time over the disturbed one for the same work. MTTR is
+kill -> first completed step of the resumed attempt. The logging overhead is measured in-process:
+the same training step loop with and without ``RunLogger.log_metrics`` feeding a real ``mlflow
+server``, plus the logger's own main-thread time per call.
+
+Full mode: T = 60 s, 5 kills (about 15 minutes). Quick mode scales T down to 8 s (5 kills): the
+restart cost is then a much larger share of each interval, so its ETTR is far below the 60 s one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+RDZV_CONF = "join_timeout=30,last_call_timeout=1,close_timeout=2"
+
+
+def _children(pid: int) -> list[int]:
+    """torchrun's worker processes (its children running components.train)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = [int(p) for p in (task / "children").read_text().split()]
+        except OSError:
+            continue
+        for child in children:
+            try:
+                if b"components.train" in Path(f"/proc/{child}/cmdline").read_bytes():
+                    out.append(child)
+            except OSError:
+                continue
+    return out
+
+
+def _torchrun(config: dict, log: Path, max_restarts: int) -> subprocess.Popen:
+    from tests.services import free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_TRACKING_URI", "RELAUNCH_"))}
+    env.update({"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"})
+    argv = [str(BIN / "torchrun"), "--nnodes=1", "--nproc-per-node=2", f"--max-restarts={max_restarts}",
+            "--monitor-interval=0.2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+            f"--rdzv-id={uuid.uuid4().hex[:8]}", f"--rdzv-conf={RDZV_CONF}", "--shutdown-timeout=10",
+            "-m", "components.train", "--config-json", json.dumps(config)]
+    return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _training(config: dict, workdir: Path, *, kill_every: float | None, kills: int) -> dict:
+    from components.core import goodput
+    from components.core.storage import open_store
+
+    rng = random.Random(0)
+    log = workdir / ("killed.log" if kill_every else "plain.log")
+    started = time.time()
+    proc = _torchrun(config, log, max_restarts=kills + 3)
+    kill_times: list[float] = []
+    while proc.poll() is None:
+        last = kill_times[-1] if kill_times else started
+        if kill_every and len(kill_times) < kills and time.time() - last >= kill_every:
+            workers = _children(proc.pid)
+            if workers:
+                os.kill(rng.choice(workers), signal.SIGKILL)
+                kill_times.append(time.time())
+        time.sleep(0.02)
+    wall = time.time() - started
+    if proc.returncode != 0:
+        raise RuntimeError(f"training failed ({proc.returncode}); see {log}")
+    store = open_store(config["store"]["uri"])
+    attempts = goodput.load_attempts(store)
+    report = goodput.goodput_report(attempts)
+    mttr = []
+    for t in kill_times:
+        after = [a for a in attempts if a.start > t and a.first_step_time]
+        if after:
+            mttr.append(after[0].first_step_time - t)
+    return {"wall": wall, "report": report, "kills": len(kill_times), "mttr": mttr, "attempts": len(attempts)}
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def _logging_overhead(tracking_uri: str, steps: int) -> dict:
+    """Step time of the digits training loop with and without per-step MLflow logging (same process)."""
+    import torch
+
+    from components.core.config import RelaunchConfig
+    from components.core.tracking import RunLogger, ensure_run
+    from components.tasks.digits import make_task
+
+    config = RelaunchConfig.model_validate({"tracking": {"uri": tracking_uri, "experiment": "bench-logging"}})
+    task = make_task(config)
+    split = task.build_splits()["train"]
+    x, y = torch.from_numpy(split["x"]), torch.from_numpy(split["y"])
+    run_id = ensure_run(config)
+    logger = RunLogger(tracking_uri, run_id)
+    logger.flush(30)  # mlflow imported and connected before timing
+
+    def loop(log: bool) -> float:
+        torch.manual_seed(0)
+        model = task.build_model()
+        optimizer = task.build_optimizer(model)
+        began = time.perf_counter()
+        for step in range(steps):
+            idx = torch.arange(step * 64, step * 64 + 64) % len(x)
+            loss = task.loss(model, {"x": x[idx], "y": y[idx]})
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            value = float(loss)
+            if log:
+                logger.log_metrics({"train/loss": value, "train/lr": 0.05, "train/grad_norm": 1.0,
+                                    "train/step_seconds": 0.001, "train/samples_per_second": 64000.0,
+                                    "train/epoch": 0.0, "health/loss_spikes": 0.0, "health/amp_overflows": 0.0}, step)
+        return (time.perf_counter() - began) / steps
+
+    rounds = [(loop(False), loop(True)) for _ in range(3)]  # interleaved, so drift hits both alike
+    logger.close(60)
+    plain = statistics.median(r[0] for r in rounds)
+    logged = statistics.median(r[1] for r in rounds)
+    return {"step_seconds": plain, "logged_step_seconds": logged,
+            "main_thread_seconds_per_call": logger.stats.main_thread_seconds / max(1, logger.stats.calls),
+            "points_sent": logger.stats.points_sent}
+
+
+def run(quick: bool) -> list[dict]:
+    from tests.services import MlflowServer
+
+    kill_every, kills = (8.0, 5) if quick else (60.0, 5)
+    workdir = Path(tempfile.mkdtemp(prefix="bench-training-"))
+    server = MlflowServer(backend_uri=f"sqlite:///{workdir / 'mlflow.db'}", artifacts_dir=workdir / "artifacts").start()
+    try:
+        step_sleep = 0.02
+        steps = int((kills + 1) * kill_every / (step_sleep + 0.004))
+
+        def config(name: str) -> dict:
+            return {"store": {"uri": str(workdir / name)},
+                    "tracking": {"uri": server.uri, "experiment": f"bench-{name}"},
+                    "train": {"max_steps": steps, "step_sleep_seconds": step_sleep, "checkpoint_every_steps": None,
+                              "checkpoint_every_seconds": 2.0 if quick else 5.0, "checkpoint_at_epoch_end": False,
+                              "log_every_steps": 1}}
+
+        plain = _training(config("plain"), workdir, kill_every=None, kills=0)
+        killed = _training(config("killed"), workdir, kill_every=kill_every, kills=kills)
+        logging = _logging_overhead(server.uri, 300 if quick else 2000)
+    finally:
+        server.stop()
+    overhead = (logging["logged_step_seconds"] - logging["step_seconds"]) / logging["step_seconds"]
+    return [
+        {"metric": f"ETTR, SIGKILL every {kill_every:.0f}s ({killed['kills']} kills)", "value": killed["report"]["ettr"],
+         "goal": ">= 0.90" + (" (at 60 s)" if quick else ""), "detail": json.dumps(
+             {k: round(v, 2) for k, v in killed["report"].items() if isinstance(v, float)})},
+        {"metric": "ETTR, undisturbed", "value": plain["report"]["ettr"], "goal": "-",
+         "detail": json.dumps({k: round(v, 2) for k, v in plain["report"].items() if isinstance(v, float)})},
+        {"metric": "wall ratio undisturbed / disturbed (same work)", "value": plain["wall"] / killed["wall"],
+         "goal": ">= 0.90" + (" (at 60 s)" if quick else ""),
+         "detail": f"{plain['wall']:.1f}s vs {killed['wall']:.1f}s, {steps} steps"},
+        {"metric": "MTTR p50 (kill -> first step after resume, s)", "value": _percentile(killed["mttr"], 0.5),
+         "goal": "-", "detail": json.dumps([round(m, 2) for m in killed["mttr"]])},
+        {"metric": "MTTR p95 (s)", "value": _percentile(killed["mttr"], 0.95), "goal": "<= 5",
+         "detail": "torchrun --monitor-interval=0.2, rdzv last_call_timeout=1 close_timeout=2"},
+        {"metric": "MLflow logging overhead / step time", "value": overhead, "goal": "<= 0.01",
+         "detail": f"step {logging['step_seconds'] * 1e3:.3f} ms plain, {logging['logged_step_seconds'] * 1e3:.3f} ms "
+                   f"logged; main thread {logging['main_thread_seconds_per_call'] * 1e6:.1f} us/call"},
+        {"metric": "MLflow main-thread cost / step time", "value":
+            logging["main_thread_seconds_per_call"] / logging["step_seconds"], "goal": "<= 0.01",
+         "detail": f"{logging['points_sent']} points sent"},
+    ]
+
+
+if __name__ == "__main__":
+    for row in run(quick="--quick" in sys.argv):
+        print(row)

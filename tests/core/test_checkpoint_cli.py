@@ -1,0 +1,62 @@
+"""``relaunch checkpoints list|latest|verify``: JSON out, exit 2 on bad input, never writes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from components.core.checkpoint import CheckpointManager, step_key
+from components.core.storage import open_store
+from pipelines.cli import main
+from tests.core.helpers import make_state, train_steps
+
+
+@pytest.fixture
+def root(tmp_path):
+    mgr = CheckpointManager(str(tmp_path / "store"), keep_last=0)
+    state = make_state()
+    for step in (9000, 10000):
+        train_steps(state, 1)
+        mgr.save(step, state, metrics={"val_loss": step / 1e4})
+        mgr.wait()
+    mgr.pin(9000, "registered")
+    mgr.close()
+    return str(tmp_path / "store")
+
+
+def test_list_latest_and_verify_print_json(root, capsys):
+    assert main(["checkpoints", "list", "--store", root, "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [r["step"] for r in listed] == [9000, 10000] and listed[0]["pinned"] == ["registered"]
+    assert main(["checkpoints", "latest", "--store", root, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 10000
+    assert main(["checkpoints", "verify", "--store", root, "--step", "9000", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] is True
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["checkpoints", "verify", "--store", "s3://"], "no bucket"),
+    (["checkpoints", "latest", "--store", "gs://b/x"], "not supported"),
+    (["checkpoints", "verify", "--step", "5"], "--store"),
+    (["checkpoints", "frobnicate", "--store", "/tmp/x"], "invalid choice"),
+])
+def test_bad_input_exits_2_with_one_line(argv, message):
+    proc = subprocess.run([sys.executable, "-m", "pipelines.cli", *argv], capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) <= 2
+
+
+def test_verify_of_a_missing_or_corrupt_checkpoint_exits_2(root, tmp_path, capsys):
+    assert main(["checkpoints", "verify", "--store", root, "--step", "1"]) == 2
+    assert main(["checkpoints", "verify", "--store", str(tmp_path / "empty")]) == 2
+    store = open_store(root)
+    store.write_bytes(f"{step_key(10000)}/__0_0.distcp", b"tampered")
+    before = set(store.list())
+    assert main(["checkpoints", "verify", "--store", root, "--step", "10000"]) == 2
+    assert "__0_0.distcp has 8 bytes, the manifest says" in capsys.readouterr().err
+    assert main(["checkpoints", "latest", "--store", root, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 9000
+    assert set(store.list()) == before
