@@ -466,6 +466,8 @@ class Training:
         spike = self.spikes.update(loss)
         if not self.env.is_main:
             return
+        if self.logger.fatal:
+            raise BadInput(self.logger.fatal)
         self.log.step_done(self.step)
         if self.step % self.t.log_every_steps and self.step != self.total_steps:
             return

@@ -54,6 +54,12 @@ def _is_auth_error(err: Exception) -> bool:
     return any(s in text for s in ("401", "403", "Unauthorized", "Forbidden", "PERMISSION_DENIED", "UNAUTHENTICATED"))
 
 
+def _is_rejected(err: Exception) -> bool:
+    """An answer of the server that refuses the request itself (4xx other than auth)."""
+    code = getattr(err, "error_code", "")
+    return code in ("INVALID_PARAMETER_VALUE", "BAD_REQUEST", "RESOURCE_ALREADY_EXISTS", "INVALID_STATE")
+
+
 def _is_not_found(err: Exception) -> bool:
     return "RESOURCE_DOES_NOT_EXIST" in str(err) or "not found" in str(err).lower()
 
@@ -199,6 +205,7 @@ class RunLogger:
         self._logged_max: dict[str, int] = {}
         self._verified: set[str] = set()
         self._lost_since: float | None = None
+        self.fatal: str | None = None  # set when retrying cannot help (credentials refused)
         self._thread = threading.Thread(target=self._loop, name="relaunch-mlflow-logger", daemon=True)
         self._thread.start()
 
@@ -293,6 +300,19 @@ class RunLogger:
                 try:
                     self._send(op)
                 except Exception as err:  # the server is away or answered 5xx: keep the op, retry later
+                    if _is_auth_error(err) or getattr(err, "error_code", "") == "RESOURCE_DOES_NOT_EXIST":
+                        self.fatal = (f"tracking: run {self.run_id} does not exist at {self.uri}"
+                                      if not _is_auth_error(err) else "tracking: the server refused the "
+                                      "credentials; check MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD")
+                        self._idle.set()
+                        return
+                    if _is_rejected(err):  # the server answered and refused this op: retrying cannot help
+                        print(f"relaunch: tracking server rejected a {op.kind} update: {_describe(err)}",
+                              file=sys.stderr)
+                        self.stats.dropped_ops += 1
+                        with self._lock:
+                            self._ops.popleft()
+                        continue
                     self._lost(err)
                     op.attempts += 1
                     if self._closed:

@@ -79,7 +79,10 @@ def load_task(spec: str, config: "RelaunchConfig") -> Task:
     factory: Callable[..., object] | None = getattr(module, attr, None)
     if not callable(factory):
         raise BadInput(f"train.task: module {module_name!r} has no callable {attr!r}")
-    task = factory(config)
+    try:
+        task = factory(config)
+    except TypeError as err:  # a factory with another signature: the spec names the wrong thing
+        raise BadInput(f"train.task: {spec!r} cannot be called as factory(config): {err}") from None
     missing = [m for m in ("build_splits", "build_model", "build_optimizer", "build_scheduler", "loss",
                            "evaluate", "predict") if not callable(getattr(task, m, None))]
     if missing:

@@ -105,7 +105,7 @@ def test_one_model_version_is_registered_as_challenger_and_champion_and_its_chec
     client = MlflowClient(f"sqlite:///{cwd}/.relaunch/mlflow.db")
     versions = client.search_model_versions("name = 'relaunch-digits'")
     assert len(versions) == 1
-    assert sorted(versions[0].aliases) == ["challenger", "champion"]
+    assert sorted(client.get_model_version("relaunch-digits", versions[0].version).aliases) == ["challenger", "champion"]
     assert versions[0].tags["relaunch.checkpoint_uri"].endswith("checkpoints/step-000000000040")
     assert list((cwd / ".relaunch/store/checkpoints/pins").iterdir())
 
