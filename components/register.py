@@ -65,20 +65,13 @@ def run(config: RelaunchConfig, checkpoint_uri: str, metrics_json: str) -> Regis
 
 
 def _existing_version(client, config: RelaunchConfig, checkpoint_uri: str) -> str | None:
-    """A version this run already registered for this checkpoint (a retried register step)."""
+    """The version already registered for this checkpoint (a retried register step, or a re-run of a
+    finished training): one checkpoint, one version."""
     from components.core.tracking import _call
 
-    try:
-        found = _call("search model versions", client.search_model_versions,
-                      f"name = '{config.registry.model_name}' and run_id = '{config.tracking.run_id}'")
-    except BadInput:
-        raise
-    except Exception:  # no registered model of that name yet
-        return None
-    for v in found:
-        if v.tags.get(TAG + "checkpoint_uri") == checkpoint_uri:
-            return str(v.version)
-    return None
+    found = _call("search model versions", client.search_model_versions, f"name = '{config.registry.model_name}'")
+    return next((str(v.version) for v in sorted(found, key=lambda v: int(v.version))
+                 if v.tags.get(TAG + "checkpoint_uri") == checkpoint_uri), None)
 
 
 def _register(client, config: RelaunchConfig, checkpoint_uri: str, metrics: dict) -> str:

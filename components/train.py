@@ -46,6 +46,9 @@ from components.core.health import SpikeDetector, Watchdog, is_finite  # noqa: E
 from components.tasks.base import load_task  # noqa: E402
 
 
+PENDING_METRICS_KEY = "runs/metrics-pending.json"
+
+
 @dataclass
 class TrainSummary:
     """What an attempt reports (``runs/summary.json``, ``RELAUNCH_SUMMARY``, the step's outputs)."""
@@ -257,6 +260,7 @@ class Training:
         self.env: distr.DistEnv | None = None
         self._pending: dict[int, tuple[float, float]] = {}
         self.last_committed = None  # CheckpointInfo of the newest committed checkpoint known here
+        self.recent: list = []  # rank 0: [step, metrics] not yet confirmed by the tracking server
         self.preempt = PreemptionFlag()
         self.logger = None
         self.log = None  # rank 0's AttemptLog
@@ -368,7 +372,8 @@ class Training:
     def _start_tracking(self, uri: str | None) -> None:
         from components.core.tracking import RunLogger, tracking_uri
 
-        self.logger = RunLogger(tracking_uri(self.config), self.run_id)
+        self.logger = RunLogger(tracking_uri(self.config), self.run_id, defer_start=True)
+        self._requeue_pending_metrics()
         if self.attempt > 1:
             self.logger.set_status("RUNNING")
         self.logger.log_params(_params(self.config, self.env, self.dataset))
@@ -382,6 +387,23 @@ class Training:
             self.tb = SummaryWriter(self.config.tracking.tensorboard_dir)
         else:
             self.tb = None
+
+    def _requeue_pending_metrics(self) -> None:
+        """Metric points of steps up to the resumed checkpoint that an earlier attempt may not have
+        sent (it was killed with them in its buffer): queue them again; the logger skips those the
+        server has. Steps after the checkpoint are recomputed and logged anew."""
+        try:
+            pending = json.loads(self.store.read_bytes(PENDING_METRICS_KEY))
+        except FileNotFoundError:
+            return
+        for step, metrics in pending.get("points", []):
+            if step <= self.resumed_from:
+                self.logger.log_metrics(metrics, step)
+
+    def _save_pending_metrics(self) -> None:
+        """Before a checkpoint: persist the points the server has not confirmed yet (rank 0)."""
+        self.recent = [p for p in self.recent if p[0] > self.logger.confirmed_step]
+        self.store.write_bytes(PENDING_METRICS_KEY, json.dumps({"through_step": self.step, "points": self.recent}).encode())
 
     # ---- the loop
 
@@ -468,6 +490,8 @@ class Training:
             return
         if self.logger.fatal:
             raise BadInput(self.logger.fatal)
+        if self.step == self.resumed_from + 2:
+            self.logger.start()  # after the first step of this attempt has completed and been timed
         self.log.step_done(self.step)
         if self.step % self.t.log_every_steps and self.step != self.total_steps:
             return
@@ -480,6 +504,7 @@ class Training:
             print(f"relaunch: loss spike at step {self.step}: {loss:.4g} > {self.t.loss_spike_factor} x running mean",
                   file=sys.stderr, flush=True)
         self.logger.log_metrics(metrics, self.step)
+        self.recent.append([self.step, metrics])
         if self.tb is not None:
             for key, value in metrics.items():
                 self.tb.add_scalar(key, value, self.step)
@@ -512,6 +537,8 @@ class Training:
         if self.env.is_main:
             emit("SAVING", {"step": self.step, "attempt": self.attempt})
             self.logger.log_metrics(metrics, self.step)
+            self.recent.append([self.step, metrics])
+            self._save_pending_metrics()
         began = time.perf_counter()
         step_done_at = time.time()
         self._note_commit(self.manager.wait())  # the previous async save commits here (save() waits too)
@@ -598,7 +625,7 @@ class Training:
         if self.manager is not None:
             try:
                 self.manager.close()  # lets an in-flight save of a good state finish
-            except RelaunchError as close_err:
+            except Exception as close_err:  # noqa: BLE001 - cleanup after a failure; the first error wins
                 print(f"relaunch: closing the checkpoint manager: {close_err}", file=sys.stderr)
         if self.env is not None and self.env.is_main and self.store is not None:
             if self.log:
@@ -607,7 +634,10 @@ class Training:
                 self.logger.set_tags({"relaunch.end_reason": str(err)[:5000]})
                 if status:
                     self.logger.set_status(status)
-                self.logger.close(timeout=5 if isinstance(err, Preempted) else 15)
+                # told to go (a peer died, torchrun is stopping us): do not linger; unsent points of
+                # committed steps are in runs/metrics-pending.json for the next attempt
+                hurry = status is None or (self.preempt.raised and not isinstance(err, Preempted))
+                self.logger.close(timeout=1 if hurry else 5 if isinstance(err, Preempted) else 15)
             self._summary(err.exit_code, str(err))
         raise err
 

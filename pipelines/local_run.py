@@ -227,6 +227,9 @@ class _View:
         mark = "[green]✓[/]" if rec.exit_code == 0 else "[red]✗[/]"
         detail = _detail(step, rec) if rec.exit_code == 0 else f"exit {rec.exit_code}: {rec.message}"
         self._print(f"  {mark} {step:<26} {rec.seconds:6.1f}s  {detail}")
+        if step == "evaluate" and rec.exit_code == 0 and not rec.outputs.get("passed"):
+            self.steps["register"].state = "skipped"
+            self._print(f"  [yellow]–[/] {'register':<26} {'':>7}  skipped: the evaluation gate failed")
 
     def _progress_update(self, ev: dict[str, Any]) -> None:
         total, step = int(ev.get("total_steps") or 0), int(ev.get("step", 0))

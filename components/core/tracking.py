@@ -185,7 +185,8 @@ class RunLogger:
     prints one line on losing and on regaining contact, and tags the run with the time it was lost.
     """
 
-    def __init__(self, uri: str, run_id: str, *, flush_seconds: float = 1.0, max_buffered_points: int = 2_000_000):
+    def __init__(self, uri: str, run_id: str, *, flush_seconds: float = 1.0, max_buffered_points: int = 2_000_000,
+                 defer_start: bool = False):
         # fail fast inside each request and retry here instead: a dead server must not stall the buffer's owner
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
@@ -206,8 +207,17 @@ class RunLogger:
         self._verified: set[str] = set()
         self._lost_since: float | None = None
         self.fatal: str | None = None  # set when retrying cannot help (credentials refused)
+        self.confirmed_step = -1  # every metric point up to this step has been accepted by the server
+        self._go = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="relaunch-mlflow-logger", daemon=True)
         self._thread.start()
+        if not defer_start:
+            self.start()
+
+    def start(self) -> None:
+        """Let the sender thread begin (it imports mlflow: deferred until the first step is done, so a
+        restarted worker's first step does not wait for that import)."""
+        self._go.set()
 
     # ---- caller side: enqueue only
 
@@ -254,6 +264,7 @@ class RunLogger:
         """Wait until everything queued so far was sent; False when the server stayed away."""
         with self._lock:
             self._flush_metrics_into_ops()
+        self.start()
         self._wake.set()
         return self._idle.wait(timeout)
 
@@ -285,6 +296,7 @@ class RunLogger:
 
     def _loop(self) -> None:
         backoff = 0.5
+        self._go.wait()
         while True:
             self._wake.wait(self.flush_seconds)
             self._wake.clear()
@@ -373,6 +385,7 @@ class RunLogger:
         from mlflow.entities import Metric
 
         points: list[tuple[str, float, int, int]] = op.payload
+        newest = max((p[3] for p in points), default=-1)
         for key in {p[0] for p in points} - self._verified:
             history = client.get_metric_history(self.run_id, key)
             self._logged_max[key] = max((m.step for m in history), default=-1)
@@ -389,6 +402,7 @@ class RunLogger:
                 self._logged_max[k] = max(self._logged_max.get(k, -1), s)
             self.stats.points_sent += len(chunk)
             op.payload = ordered  # what is left, should the next chunk fail
+        self.confirmed_step = max(self.confirmed_step, newest)
 
     def _send_params(self, client, params: dict[str, str]) -> None:
         from mlflow.entities import Param, RunTag

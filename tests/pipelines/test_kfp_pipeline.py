@@ -139,8 +139,20 @@ def test_component_outputs_match_the_step_outputs_in_order(compiled, component, 
     assert list(fn.__annotations__["return"]._fields) == fields
 
 
+class _GoldenDumper(yaml.SafeDumper):
+    """Our own string style: importing hera swaps SafeDumper's global str representer, which would
+    make the golden depend on which tests ran first."""
+
+
+def _literal_when_multiline(dumper, data: str):
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style="|" if "\n" in data else None)
+
+
+_GoldenDumper.add_representer(str, _literal_when_multiline)
+
+
 def test_the_golden_yaml_matches_the_default_pipeline(compiled):
-    text = yaml.safe_dump(compiled, sort_keys=True)
+    text = yaml.dump(compiled, Dumper=_GoldenDumper, sort_keys=True, width=1000)
     if os.environ.get("RELAUNCH_UPDATE_GOLDEN"):
         GOLDEN.parent.mkdir(parents=True, exist_ok=True)
         GOLDEN.write_text(text)

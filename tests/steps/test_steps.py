@@ -1,0 +1,131 @@
+"""The steps one by one, in-process against a real file store and a real MLflow (sqlite): prepare's
+dataset reuse and run identity, the pipeline parameters it folds in, locate's choices, evaluate's gate,
+and the local launcher's commands."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from components import evaluate, locate, prepare
+from components.core.checkpoint import CheckpointManager
+from components.core.config import RelaunchConfig
+from components.core.errors import BadInput
+from components.core.state import TrainingState
+from components.launchers.local import build_commands
+from components.tasks.base import load_task
+
+
+@pytest.fixture
+def config(tmp_path) -> RelaunchConfig:
+    return RelaunchConfig.model_validate({
+        "store": {"uri": str(tmp_path / "store")},
+        "tracking": {"uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "artifact_location": str(tmp_path / "art")},
+        "train": {"hidden_size": 8},
+    })
+
+
+@pytest.mark.parametrize("overrides, field, expected", [
+    ({"epochs": 0}, "train.epochs", 4),
+    ({"epochs": 7}, "train.epochs", 7),
+    ({"epochs": "7"}, "train.epochs", 7),
+    ({"nodes": 3, "procs_per_node": 2}, "launch.nodes", 3),
+    ({"learning_rate": 0.0}, "train.lr", 0.05),
+    ({"learning_rate": 0.2}, "train.lr", 0.2),
+    ({"inject_failure": ""}, "launch.inject_failure", None),
+    ({"inject_failure": "preempt@step=4"}, "launch.inject_failure", "preempt@step=4"),
+    ({"run_name": "nightly"}, "tracking.run_name", "nightly"),
+])
+def test_pipeline_parameters_override_the_config_unless_they_hold_the_keep_value(overrides, field, expected):
+    folded = prepare.fold_overrides(RelaunchConfig(), overrides)
+    section, key = field.split(".")
+    assert getattr(getattr(folded, section), key) == expected
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"epochs": -3}, "train.epochs"),
+    ({"nodes": "many"}, "launch.nodes"),
+    ({"inject_failure": "explode"}, "not a failure spec"),
+    ({"colour": "blue"}, r"unknown input\(s\) colour"),
+])
+def test_bad_pipeline_parameters_are_bad_input(overrides, message):
+    with pytest.raises(BadInput, match=message):
+        prepare.fold_overrides(RelaunchConfig(), overrides)
+
+
+def test_prepare_reuses_the_dataset_version_and_the_run_of_the_same_pipeline_run(config):
+    first = prepare.run(config, pipeline_run_id="p-1")
+    again = prepare.run(config, pipeline_run_id="p-1")
+    other = prepare.run(config, pipeline_run_id="p-2")
+    assert first.dataset_version == again.dataset_version == other.dataset_version
+    assert first.run_id == again.run_id != other.run_id
+    resolved = RelaunchConfig.from_json(first.config_json)
+    assert resolved.data.version == first.dataset_version and resolved.tracking.run_id == first.run_id
+
+
+def _save(config: RelaunchConfig, step: int, hidden: int | None = None) -> CheckpointManager:
+    cfg = config if hidden is None else config.model_copy(update={"train": config.train.model_copy(update={"hidden_size": hidden})})
+    mgr = CheckpointManager(cfg.store.uri, async_save=False)
+    torch.manual_seed(step)
+    mgr.save(step, TrainingState(load_task(cfg.train.task, cfg).build_model()), metrics={"val_loss": 1.0 / step})
+    return mgr
+
+
+def test_locate_finds_nothing_in_an_empty_store(config):
+    assert locate.run(config) == locate.LocateOutputs(checkpoint_uri="", step=-1, source="none")
+
+
+def test_locate_prefers_the_latest_checkpoint_of_this_training_over_resume_from(config, tmp_path):
+    other = config.model_copy(update={"store": config.store.model_copy(update={"uri": str(tmp_path / "other")})})
+    elsewhere = _save(other, 3).latest().uri
+    with_resume = config.model_copy(update={"train": config.train.model_copy(update={"resume_from": elsewhere})})
+    assert locate.run(with_resume) == locate.LocateOutputs(elsewhere, 3, "resume_from")
+    _save(config, 5)
+    found = locate.run(with_resume)
+    assert (found.step, found.source) == (5, "latest")
+
+
+def test_evaluate_gives_the_gate_verdict_on_the_latest_checkpoint(config):
+    _save(config, 5)
+    out = evaluate.run(config)
+    metrics = json.loads(out.metrics_json)
+    assert out.step == 5 and set(metrics) == {"accuracy", "loss"}
+    assert out.passed == (metrics["accuracy"] >= config.evaluate.gate_min)
+    strict = config.model_copy(update={"evaluate": config.evaluate.model_copy(update={"gate_min": 1.01})})
+    assert evaluate.run(strict).passed is False
+
+
+def test_evaluate_refuses_a_gate_metric_the_task_does_not_compute(config):
+    _save(config, 5)
+    odd = config.model_copy(update={"evaluate": config.evaluate.model_copy(update={"gate_metric": "f1"})})
+    with pytest.raises(BadInput, match="'f1' is not computed"):
+        evaluate.run(odd)
+
+
+def test_evaluate_without_a_checkpoint_is_bad_input(config):
+    with pytest.raises(BadInput, match="no committed checkpoint"):
+        evaluate.run(config)
+
+
+@pytest.mark.parametrize("nodes, procs, min_nodes, nnodes", [(2, 1, None, "2"), (3, 2, None, "3"), (4, 1, 2, "2:4")])
+def test_the_local_launcher_starts_one_torchrun_agent_per_simulated_node(nodes, procs, min_nodes, nnodes):
+    config = RelaunchConfig.model_validate({"launch": {"nodes": nodes, "procs_per_node": procs, "min_nodes": min_nodes}})
+    commands = build_commands(config, job_id="job-1", port=29555)
+    assert len(commands) == nodes
+    for node, cmd in enumerate(commands):
+        assert f"--nnodes={nnodes}" in cmd and f"--nproc-per-node={procs}" in cmd
+        assert "--rdzv-backend=c10d" in cmd and "--rdzv-endpoint=127.0.0.1:29555" in cmd
+        assert f"--rdzv-conf=is_host={'true' if node == 0 else 'false'}" in cmd
+        assert "--max-restarts=3" in cmd and cmd[-4:] == ["-m", "components.train", "--config-json", config.to_json()]
+
+
+@pytest.mark.parametrize("path", ["configs/local.yaml"])
+def test_the_example_configs_are_valid(path):
+    from pathlib import Path
+
+    from components.core.config import load_config
+
+    root = Path(__file__).resolve().parents[2]
+    assert load_config(root / path) == RelaunchConfig()  # local.yaml spells out the embedded defaults
