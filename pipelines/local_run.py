@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -64,6 +63,7 @@ def install_local_fixes() -> None:
             _last_code.value = None
             outputs, status = execute(task_name=task_name, task_spec=once, **kwargs)
             code = ExitCode.OK if status.name == "SUCCESS" else normalize(_last_code.value or ExitCode.BUG)
+            _emit("attempt-end", step=task_name, exit_code=code)
             if code == ExitCode.OK or attempt >= policy.max_retry_count or not is_retryable(code):
                 return outputs, status
             delay = min(policy.backoff_duration.seconds * (policy.backoff_factor or 2.0) ** attempt,
@@ -138,22 +138,29 @@ def run_pipeline(config: RelaunchConfig, *, console=None, state_dir: str | Path 
     events.touch()
     install_local_fixes()
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(Path(state_dir) / "kfp-local"),
-               raise_on_error=False)
+               raise_on_error=True)
     view = _View(console, events, run_dir / "pipeline.log")
     started = time.time()
     previous = os.environ.get("RELAUNCH_EVENTS")
     os.environ["RELAUNCH_EVENTS"] = str(events.resolve())
     view.start()
+    pipeline_error = ""
     try:
         with open(run_dir / "pipeline.log", "a") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
             relaunch_pipeline(config_json=config.to_json())
+    except RuntimeError as err:  # kfp.local's "pipeline finished with status FAILURE"; the step said why
+        pipeline_error = str(err)
     finally:
         if previous is None:
             os.environ.pop("RELAUNCH_EVENTS", None)
         else:
             os.environ["RELAUNCH_EVENTS"] = previous
         view.stop()
-    failed = next((s for s in STEPS[:-1] if view.steps[s].state == "failed"), None)
+    failed = next((s for s in STEPS if view.steps[s].state == "failed"), None)
+    if failed is None and pipeline_error:  # no step reported: kfp.local itself failed
+        failed = "finalize"
+        view.steps[failed].state, view.steps[failed].exit_code = "failed", ExitCode.BUG
+        view.steps[failed].message = f"{pipeline_error} (see {run_dir / 'pipeline.log'})"
     code = 0 if failed is None else int(view.steps[failed].exit_code or ExitCode.BUG)
     return RunResult(exit_code=code, seconds=time.time() - started, steps=view.steps, run_dir=run_dir,
                      resumed=view.resumed, failed_step=failed)
@@ -207,6 +214,11 @@ class _View:
             rec.state, rec.attempts, rec.started = "running", rec.attempts + 1, ev["time"]
         elif kind == "step-end" and step in self.steps:
             self._step_end(self.steps[step], step, ev)
+        elif kind == "attempt-end" and step in self.steps and ev["exit_code"] and self.steps[step].state == "running":
+            rec = self.steps[step]  # the step's process ended without reporting: killed, or kfp.local failed it
+            rec.state, rec.exit_code, rec.seconds = "failed", ev["exit_code"], ev["time"] - rec.started
+            rec.message = f"its process ended without a report ({MEANING.get(ev['exit_code'], 'unknown code')})"
+            self._print(f"  [red]✗[/] {step:<26} {rec.seconds:6.1f}s  exit {rec.exit_code}: {rec.message}")
         elif kind == "retry":
             code = ev["exit_code"]
             self._print(f"  [yellow]↻[/] {ev['step']:<26} retry {ev['attempt']}/{ev['limit']} in {ev['delay']:.0f}s "
@@ -260,7 +272,7 @@ def _detail(step: str, rec: StepRecord) -> str:
         return f"{o.get('source')}: step {o.get('step')}" if o.get("checkpoint_uri") else "no checkpoint: fresh start"
     if step == "launch":
         return (f"{o.get('train_seconds', 0):.1f}s training, {o.get('restarts', 0)} restart(s), "
-                f"ETTR {o.get('ettr', 0):.2f}")
+                f"ETTR {o.get('ettr', 0):.3f}")
     if step == "evaluate":
         return f"{_metrics(o.get('metrics_json'))} at step {o.get('step')}, gate {'passed' if o.get('passed') else 'failed'}"
     if step == "register":

@@ -296,3 +296,37 @@ def config_from_cli(config: str | None, config_json: str | None, overrides: list
         except ValidationError as err:
             raise BadInput(describe_validation_error(err)) from None
     return load_config(config, overrides)
+
+
+def config_reference_markdown() -> str:
+    """The README's configuration table, generated from the model so the docs cannot drift."""
+    rows = ["| field | default | meaning |", "|---|---|---|"]
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            annotation = field.annotation
+            if isinstance(annotation, type) and issubclass(annotation, _Model):
+                walk(annotation, f"{prefix}{name}.")
+                continue
+            default = field.get_default(call_default_factory=True)
+            shown = "—" if default is None else f"`{json.dumps(default)}`"
+            rows.append(f"| `{prefix}{name}` | {shown} | {field.description or ''} |")
+
+    walk(RelaunchConfig, "")
+    return "\n".join(rows)
+
+
+def exit_code_markdown() -> str:
+    """The README's exit-code table, generated from :mod:`components.core.exitcodes`."""
+    from components.core.exitcodes import MEANING, RETRYABLE
+
+    rows = ["| code | meaning | retried |", "|---|---|---|"]
+    for code, meaning in sorted(MEANING.items()):
+        rows.append(f"| {int(code)} | {meaning} | {'yes' if code in RETRYABLE else ('—' if code == 0 else 'no')} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":  # python -m components.core.config  → the README tables
+    print(config_reference_markdown())
+    print()
+    print(exit_code_markdown())

@@ -165,10 +165,10 @@ class _Watch:
             if match:
                 kind, payload = match.group(1), _json(match.group(2))
                 if kind == "RESUMED":
-                    attempt = payload.get("attempt", len(self._attempts))
-                    if attempt not in self._attempts and self._attempts:
-                        self.restarts += 1
-                    self._attempts.add(attempt)
+                    # attempt numbers count every start of this training; one that died before rank 0
+                    # printed leaves a gap, which is still a restart
+                    self._attempts.add(int(payload.get("attempt", len(self._attempts) + 1)))
+                    self.restarts = max(self._attempts) - min(self._attempts)
                     self.resumed.append(int(payload.get("step", -1)))
                     self.reporter.event("resumed", **payload)
                 elif kind == "PROGRESS":

@@ -41,7 +41,7 @@ def history(setup):
     config, mgr, uris = setup
     out = {}
     for label, step, accuracy in (("first", 10, 0.90), ("worse", 11, 0.80), ("better", 12, 0.95)):
-        out[label] = register.run(config, uris.get(step) or f"{mgr.store.uri}/checkpoints/step-{step:012d}",
+        out[label] = register.run(config, uris[step],
                                   json.dumps({"accuracy": accuracy, "loss": 0.1}))
     return out
 
@@ -91,8 +91,8 @@ def test_registered_checkpoints_are_pinned_and_survive_retention(setup, history)
 
 
 def test_a_retried_register_finds_its_version_instead_of_adding_one(setup, history):
-    config, mgr, uris = setup
-    again = register.run(config, history["better"] and _uri(mgr, 12), json.dumps({"accuracy": 0.95}))
+    config, mgr, _ = setup
+    again = register.run(config, _uri(mgr, 12), json.dumps({"accuracy": 0.95}))
     assert again.version == "3"
 
 

@@ -1,0 +1,91 @@
+"""The fast load path: tensors read straight into their destination, several files per rank for a
+large state, and one sha256 pass for latest() then load() — without letting changed bytes through."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+import components.core.checkpoint as checkpoint
+from components.core.checkpoint import CheckpointManager, step_key
+from components.core.errors import CorruptCheckpoint
+from components.core.storage import open_store
+from tests.core.helpers import make_state, train_steps
+
+TENSORS = {
+    "float32 matrix": torch.randn(5, 7),
+    "bfloat16 vector": torch.randn(33).to(torch.bfloat16),
+    "int64 counter (0-dim)": torch.tensor(12345, dtype=torch.int64),
+    "bool mask": torch.rand(3, 4) > 0.5,
+    "empty tensor": torch.empty(0, 3),
+    "float64 4-d": torch.randn(2, 3, 2, 2, dtype=torch.float64),
+}
+
+
+def _save(root, state, step=1):
+    with CheckpointManager(root, owner="load-path-test", async_save=False) as mgr:
+        mgr.save(step, state)
+
+
+def test_every_dtype_and_shape_loads_back_bitwise_into_existing_tensors(tmp_path):
+    root = str(tmp_path / "store")
+    _save(root, {"t": dict(TENSORS)})
+    target = {"t": {k: torch.zeros_like(v) for k, v in TENSORS.items()}}
+    keep = {k: v for k, v in target["t"].items()}
+    CheckpointManager(root).load(target)
+    for name, original in TENSORS.items():
+        assert target["t"][name].dtype == original.dtype and torch.equal(target["t"][name], original), name
+        assert target["t"][name].data_ptr() == keep[name].data_ptr() or original.numel() == 0, name
+
+
+def test_a_non_contiguous_destination_is_filled_correctly(tmp_path):
+    root = str(tmp_path / "store")
+    source = torch.arange(12.0).reshape(3, 4)
+    _save(root, {"w": source})
+    holder = torch.zeros(4, 3)
+    target = {"w": holder.t()}  # a transposed view: not contiguous, so not read in place
+    CheckpointManager(root).load(target)
+    assert torch.equal(target["w"], source)
+
+
+def test_a_large_state_is_split_into_several_files_per_rank_and_loads_back(tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoint, "_SPLIT_BYTES", 1)
+    monkeypatch.setattr(checkpoint, "_IO_THREADS", 2)
+    root = str(tmp_path / "store")
+    state = make_state(width=64)
+    train_steps(state, 2)
+    _save(root, state, step=2)
+    names = set(open_store(root).list(step_key(2) + "/"))
+    assert {f"{step_key(2)}/__0_0.distcp", f"{step_key(2)}/__0_1.distcp"} <= names
+    fresh = make_state(seed=9, width=64)
+    CheckpointManager(root).load(fresh)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.model.parameters(), state.model.parameters()))
+
+
+def _flip_in_place(path):
+    time.sleep(0.05)  # a later modification time than the save's, whatever the clock's granularity
+    with open(path, "r+b") as fh:
+        fh.seek(os.path.getsize(path) // 2)
+        byte = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_a_shard_altered_in_place_after_latest_is_caught_by_load(tmp_path):
+    root = str(tmp_path / "store")
+    state = make_state()
+    with CheckpointManager(root, keep_last=0, owner="load-path-test") as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+        train_steps(state, 1)
+        mgr.save(2, state)
+    reader = CheckpointManager(root)
+    assert reader.latest().step == 2  # verified (and remembered as verified) here
+    _flip_in_place(open_store(root).path(f"{step_key(2)}/__0_0.distcp"))
+    with pytest.raises(CorruptCheckpoint, match="sha256"):
+        reader.load(make_state(seed=3), step=2)
+    assert reader.load(make_state(seed=3)).step == 1  # and locate falls back
+    reader.close()
