@@ -497,9 +497,12 @@ class Training:
             return
         lr = self.optimizer.param_groups[0]["lr"]
         metrics = {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm, "train/step_seconds": seconds,
-                   "train/samples_per_second": self.t.global_batch_size / seconds if seconds > 0 else 0.0,
-                   "train/epoch": float(epoch), "health/loss_spikes": float(self.spikes.spikes),
-                   "health/amp_overflows": float(getattr(self, "overflows", 0))}
+                   "train/samples_per_second": self.t.global_batch_size / seconds if seconds > 0 else 0.0}
+        counters = (float(epoch), float(self.spikes.spikes), float(getattr(self, "overflows", 0)))
+        if counters != getattr(self, "_counters", None):  # slow-moving values: only when they change
+            self._counters = counters
+            metrics.update({"train/epoch": counters[0], "health/loss_spikes": counters[1],
+                            "health/amp_overflows": counters[2]})
         if spike:
             print(f"relaunch: loss spike at step {self.step}: {loss:.4g} > {self.t.loss_spike_factor} x running mean",
                   file=sys.stderr, flush=True)
@@ -620,6 +623,9 @@ class Training:
     def fail(self, err: RelaunchError) -> TrainSummary:
         """Record how the attempt ended, tell MLflow (FAILED when permanent, KILLED when preempted; a
         retryable failure leaves the run RUNNING for the next attempt), re-raise for the exit code."""
+        main = self.env is not None and self.env.is_main and self.store is not None
+        if main:  # first, before torchrun (told by a faster rank) stops us: the launcher reads this
+            goodput.write_exit_record(self.store, self.attempt, err.exit_code, str(err), self.env.elastic_run_id)
         self.preempt.uninstall()
         status = "KILLED" if isinstance(err, Preempted) else None if err.exit_code in RETRYABLE else "FAILED"
         if self.manager is not None:
@@ -627,7 +633,7 @@ class Training:
                 self.manager.close()  # lets an in-flight save of a good state finish
             except Exception as close_err:  # noqa: BLE001 - cleanup after a failure; the first error wins
                 print(f"relaunch: closing the checkpoint manager: {close_err}", file=sys.stderr)
-        if self.env is not None and self.env.is_main and self.store is not None:
+        if main:
             if self.log:
                 self.log.finish(err.exit_code)
             if self.logger is not None:

@@ -54,6 +54,7 @@ _STEP_DIR = re.compile(r"^step-(\d{12})$")
 _HASH_CHUNK = 8 * 1024 * 1024
 _IO_THREADS = max(1, min(4, os.cpu_count() or 1))
 _SPLIT_BYTES = 64 * 1024 * 1024  # a rank's state above this is written as _IO_THREADS files
+_DIRECT_MIN_BYTES = 256 * 1024  # stored tensors from this size on are read straight into place
 
 
 def step_key(step: int) -> str:
@@ -239,12 +240,16 @@ def _safe_reader(path: str | os.PathLike):
 
         def _read_direct(self, stream, req, planner) -> bool:
             md = self.storage_data[req.storage_index]
+            if md.length < _DIRECT_MIN_BYTES:  # parsing the header twice costs more than the copy saves
+                return False
             # the tensor's header only (shape, dtype, strides, where its bytes start), weights_only
             meta = torch.load(_create_file_view(stream, md.offset, md.length), map_location="meta",
                               weights_only=True)
             start = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
             nbytes = meta.numel() * meta.element_size()
-            if (not isinstance(start, int) or sys.byteorder != "little" or not meta.is_contiguous()
+            archive = torch._C.PyTorchFileReader(_create_file_view(stream, md.offset, md.length))
+            foreign = archive.has_record("byteorder") and archive.get_record("byteorder") != sys.byteorder.encode()
+            if (not isinstance(start, int) or foreign or not meta.is_contiguous()
                     or meta.storage_offset() != 0 or meta.untyped_storage().nbytes() != nbytes
                     or any(req.storage_offsets) or list(req.lengths) != list(meta.shape)
                     or start + nbytes > md.length):
@@ -660,9 +665,8 @@ class CheckpointManager:
         def write_and_hash() -> dict[str, dict[str, Any]]:
             from torch.distributed.checkpoint import FileSystemWriter
 
-            dcp.save(job.snapshot, storage_writer=FileSystemWriter(target, thread_count=_io_threads(job.snapshot),
-                                                                    sync_files=True),
-                     process_group=self._group)
+            writer = FileSystemWriter(target, thread_count=_io_threads(job.snapshot), sync_files=True)
+            dcp.save(job.snapshot, storage_writer=writer, process_group=self._group)
             mine = {p.name: p for p in target.iterdir() if p.is_file()
                     and (p.name.startswith(f"__{self.rank}_") or (self.rank == 0 and p.name == ".metadata"))}
             files = _hash_files(mine)

@@ -112,11 +112,27 @@ def init(env: DistEnv, timeout_seconds: float) -> None:
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
+    timeout = datetime.timedelta(seconds=timeout_seconds)
     try:
-        dist.init_process_group(backend=backend(), timeout=datetime.timedelta(seconds=timeout_seconds),
-                                rank=env.rank, world_size=env.world_size)
+        store = _restart_scoped_store(env, timeout)
+        dist.init_process_group(backend=backend(), timeout=timeout, rank=env.rank, world_size=env.world_size,
+                                store=store)
     except (RuntimeError, TimeoutError, ConnectionError) as err:
         raise TransientFailure(f"process group: rendezvous failed: {str(err).splitlines()[0][:200]}") from None
+
+
+def _restart_scoped_store(env: DistEnv, timeout: datetime.timedelta):
+    """The agent's TCPStore, with keys scoped to this restart round (None: let ``env://`` do it).
+
+    torchrun 2.13 shares one TCPStore server across rendezvous rounds and no longer prefixes the
+    workers' keys per attempt, so a restarted rank can read the gloo address a dead rank published
+    in the previous round and fail with "connectFullMesh ... Connection refused" (seen here about
+    one restart in three). A prefix per restart count gives each round fresh keys.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    client = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"/relaunch/restart_{env.restart_count}/", client)
 
 
 def shutdown() -> None:

@@ -30,7 +30,9 @@ def _save(root, state, step=1):
         mgr.save(step, state)
 
 
-def test_every_dtype_and_shape_loads_back_bitwise_into_existing_tensors(tmp_path):
+@pytest.mark.parametrize("direct_min_bytes", [0, 1 << 40], ids=["read in place", "stock DCP read"])
+def test_every_dtype_and_shape_loads_back_bitwise_into_existing_tensors(tmp_path, monkeypatch, direct_min_bytes):
+    monkeypatch.setattr(checkpoint, "_DIRECT_MIN_BYTES", direct_min_bytes)
     root = str(tmp_path / "store")
     _save(root, {"t": dict(TENSORS)})
     target = {"t": {k: torch.zeros_like(v) for k, v in TENSORS.items()}}
@@ -41,7 +43,8 @@ def test_every_dtype_and_shape_loads_back_bitwise_into_existing_tensors(tmp_path
         assert target["t"][name].data_ptr() == keep[name].data_ptr() or original.numel() == 0, name
 
 
-def test_a_non_contiguous_destination_is_filled_correctly(tmp_path):
+def test_a_non_contiguous_destination_is_filled_correctly(tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoint, "_DIRECT_MIN_BYTES", 0)
     root = str(tmp_path / "store")
     source = torch.arange(12.0).reshape(3, 4)
     _save(root, {"w": source})

@@ -13,6 +13,7 @@ import torch
 
 from pipelines.cli import main
 from tests.services import free_port
+from tests.train.test_bad_input import authenticating_s3  # noqa: F401 - a moto that checks signatures
 
 CLOSED = free_port()  # nothing listens there
 
@@ -49,7 +50,6 @@ def _yaml(tmp: Path, text: str) -> str:
     return str(path)
 
 
-# moto's server accepts any key pair, so "wrong credentials" is the half-set pair the store refuses
 S3_HALF_CREDENTIALS = {"AWS_SECRET_ACCESS_KEY": None, "MINIO_SECRET_KEY": None}
 CASES = [
     # (id, argv after "run", environment changes, what the line must say)
@@ -92,6 +92,7 @@ CASES = [
     ("store-empty", ["--set", "store.uri="], {}, "store.uri"),
     ("store-s3-bad-bucket-name", ["--set", "store.uri=s3://Bad_Bucket/x"], {"S3": 1}, "is invalid"),
     ("store-s3-missing-bucket", ["--set", "store.uri=s3://no-such-bucket/x"], {"S3": 1}, "does not exist"),
+    ("store-s3-wrong-credentials", ["--set", "store.uri=s3://guarded/x"], {"AUTH": 1}, "refused"),
     ("store-s3-incomplete-credentials", ["--set", "store.uri=s3://relaunch-bad/x"], {"S3": 1, **S3_HALF_CREDENTIALS},
      "credentials incomplete"),
     ("store-s3-unreachable", ["--set", "store.uri=s3://relaunch-bad/x"],
@@ -123,10 +124,10 @@ CASES = [
 def test_bad_input_is_one_line_exit_2_and_leaves_the_store_alone(argv, env, expected, store, tmp_path, monkeypatch,
                                                                  capsys, request):
     env = dict(env)
-    s3 = env.pop("S3", None)
-    if s3:
-        server = request.getfixturevalue("s3_env")
-        server.create_bucket("relaunch-bad")
+    if env.pop("S3", None):
+        request.getfixturevalue("s3_env").create_bucket("relaunch-bad")
+    if env.pop("AUTH", None):
+        env.update({**request.getfixturevalue("authenticating_s3"), "AWS_SECRET_ACCESS_KEY": "not-the-secret"})
     for key, value in env.items():
         if value is None:
             monkeypatch.delenv(key, raising=False)
