@@ -45,6 +45,8 @@ from components.core.exitcodes import PERMANENT, RETRYABLE, ExitCode  # noqa: E4
 from components.core.health import SpikeDetector, Watchdog, is_finite  # noqa: E402
 from components.tasks.base import load_task  # noqa: E402
 
+_IMPORTED = time.time()
+
 
 PENDING_METRICS_KEY = "runs/metrics-pending.json"
 
@@ -308,6 +310,7 @@ class Training:
             raise BadInput(f"train.global_batch_size={self.t.global_batch_size} is not divisible by the world size "
                            f"{env.world_size}; pick a multiple")
         distr.init(env, self.t.process_group_timeout_seconds)
+        self.phases = {"imports": _IMPORTED - _PROCESS_START, "process_group": time.time() - _PROCESS_START}
         self.device = distr.device(env)
         task = load_task(self.t.task, self.config)
         raw_store = open_store(self.config.store.uri)
@@ -342,6 +345,7 @@ class Training:
         self.spikes = SpikeDetector(self.t.loss_spike_factor)
         self.state = TrainingState(self.module, self.optimizer, self.scheduler, self.scaler,
                                    extra={"health": self.spikes})
+        self.phases["build"] = time.time() - _PROCESS_START
         if env.is_main:
             record = goodput.claim_attempt(self.store, _PROCESS_START, env.world_size)
             self.log = goodput.AttemptLog(self.store, record)
@@ -364,6 +368,8 @@ class Training:
             self.manager.load(self.state, uri=uri)
             self.step = self.resumed_from = self.last_saved = int(self.state.step)
         if self.env.is_main:
+            self.phases["resume"] = time.time() - _PROCESS_START
+            self.log.record.phases = self.phases
             self.log.record.resumed_from_step = self.resumed_from
             self._start_tracking(uri)
             emit("RESUMED", {"step": self.resumed_from, "uri": uri, "attempt": self.attempt,
@@ -382,8 +388,11 @@ class Training:
                               f"relaunch.attempt.{self.attempt}.world_size": self.env.world_size,
                               "relaunch.resumed_from_uri": uri or "none"})
         if self.config.tracking.tensorboard_dir:
-            from torch.utils.tensorboard import SummaryWriter
-
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise BadInput("tracking.tensorboard_dir is set but the tensorboard package is not installed; "
+                               "pip install tensorboard or unset it") from None
             self.tb = SummaryWriter(self.config.tracking.tensorboard_dir)
         else:
             self.tb = None
@@ -417,7 +426,7 @@ class Training:
 
     def loop(self) -> None:
         self.preempt.install()
-        watchdog = Watchdog(self.t.hang_timeout_seconds).start()
+        watchdog = Watchdog(self.t.hang_timeout_seconds, on_hang=self._record_hang).start()
         if self.log:
             self.log.record.loop_start = time.time()
             self.log.write()
@@ -458,6 +467,11 @@ class Training:
         finally:
             watchdog.stop()
             self.train_seconds = time.monotonic() - loop_started
+
+    def _record_hang(self, message: str) -> None:
+        if self.env.is_main:
+            goodput.write_exit_record(self.store, self.attempt, ExitCode.RETRY_ME, message, self.env.elastic_run_id)
+            self.log.finish(ExitCode.RETRY_ME)
 
     def _forward_backward(self, batch) -> tuple[float, float]:
         amp = self.t.amp

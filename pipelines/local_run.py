@@ -146,7 +146,7 @@ def run_pipeline(config: RelaunchConfig, *, console=None, state_dir: str | Path 
     view.start()
     pipeline_error = ""
     try:
-        with open(run_dir / "pipeline.log", "a") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        with open(run_dir / "pipeline.log", "a", buffering=1) as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
             relaunch_pipeline(config_json=config.to_json())
     except RuntimeError as err:  # kfp.local's "pipeline finished with status FAILURE"; the step said why
         pipeline_error = str(err)

@@ -49,6 +49,7 @@ class Attempt:
     eval_seconds: float = 0.0
     end: float | None = None
     exit_code: int | None = None
+    phases: dict[str, float] = field(default_factory=dict)  # start-up phase -> seconds after start
 
     @property
     def ended(self) -> float:

@@ -58,8 +58,10 @@ class Watchdog:
     The exit is ``ExitCode.RETRY_ME``: a hung collective or a stuck filesystem is worth a restart.
     """
 
-    def __init__(self, timeout: float, *, what: str = "training step", exit_code: int = ExitCode.RETRY_ME):
+    def __init__(self, timeout: float, *, what: str = "training step", exit_code: int = ExitCode.RETRY_ME,
+                 on_hang=None):
         self.timeout = timeout
+        self.on_hang = on_hang  # called with the message before the exit (e.g. to record it)
         self.what = what
         self.exit_code = int(exit_code)
         self._last = time.monotonic()
@@ -88,4 +90,9 @@ class Watchdog:
                       f"dumping stacks and exiting {self.exit_code} to be restarted", file=sys.stderr, flush=True)
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 sys.stderr.flush()
+                if self.on_hang is not None:
+                    try:
+                        self.on_hang(f"hung: no {self.what} progress for {idle:.0f}s after step {self._step}")
+                    except Exception as err:  # noqa: BLE001 - the exit below must happen whatever this did
+                        print(f"relaunch: watchdog callback failed: {err}", file=sys.stderr, flush=True)
                 os._exit(self.exit_code)

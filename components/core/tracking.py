@@ -219,6 +219,7 @@ class RunLogger:
         self._verified: set[str] = set()
         self._lost_since: float | None = None
         self.fatal: str | None = None  # set when retrying cannot help (credentials refused)
+        self._host_creds = None
         self.confirmed_step = -1  # every metric point up to this step has been accepted by the server
         self._go = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="relaunch-mlflow-logger", daemon=True)
@@ -407,21 +408,25 @@ class RunLogger:
             history = client.get_metric_history(self.run_id, key)
             self._logged_max[key] = max((m.step for m in history), default=-1)
             self._verified.add(key)
-        fresh = [p for p in points if p[3] > self._logged_max.get(p[0], -1)]
+        logged = self._logged_max
+        # one pass: drop what the server has; one point per (key, step), the last one queued wins
+        fresh = {(p[0], p[3]): p for p in points if p[3] > logged.get(p[0], -1)}
         self.stats.points_skipped_as_logged += len(points) - len(fresh)
-        # one point per (key, step): the last one queued wins (there is only one in practice)
-        unique = {(k, s): (k, v, t, s) for k, v, t, s in fresh}
-        ordered = sorted(unique.values(), key=lambda p: (p[3], p[0]))
-        while ordered:
-            chunk, ordered = ordered[:_BATCH], ordered[_BATCH:]
+        ordered = list(fresh.values())
+        rest = False
+        for i in range(0, len(ordered), _BATCH):
+            chunk = ordered[i:i + _BATCH]
             if self.uri.startswith(("http://", "https://")):
                 self._post_metrics(chunk)
             else:
                 client.log_batch(self.run_id, metrics=[Metric(k, v, t, s) for k, v, t, s in chunk])
             for k, _, _, s in chunk:
-                self._logged_max[k] = max(self._logged_max.get(k, -1), s)
+                if s > logged.get(k, -1):
+                    logged[k] = s
             self.stats.points_sent += len(chunk)
-            op.payload = ordered  # what is left, should the next chunk fail
+            rest = i + _BATCH < len(ordered)
+            if rest:
+                op.payload = ordered[i + _BATCH:]  # what is left, should the next chunk fail
         self.confirmed_step = max(self.confirmed_step, newest)
 
     def _post_metrics(self, chunk: list[tuple[str, float, int, int]]) -> None:
@@ -435,7 +440,9 @@ class RunLogger:
         points = ",".join(f'{{"key":{keys[k]},"value":{_json_number(v)},"timestamp":{t},"step":{s}}}'
                           for k, v, t, s in chunk)
         body = f'{{"run_id":{json.dumps(self.run_id)},"metrics":[{points}]}}'
-        response = http_request(get_default_host_creds(self.uri), endpoint, "POST", data=body,
+        if self._host_creds is None:  # reading them parses ~/.mlflow/credentials: once per logger
+            self._host_creds = get_default_host_creds(self.uri)
+        response = http_request(self._host_creds, endpoint, "POST", data=body,
                                 extra_headers={"Content-Type": "application/json"})
         verify_rest_response(response, endpoint)
 

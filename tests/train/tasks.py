@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import torch
 
@@ -29,6 +30,20 @@ class NanTask(DigitsTask):
         if int(batch["step"]) >= int(os.environ.get("NAN_AT_STEP", "25")):
             return loss * torch.tensor(float("nan"))
         return loss
+
+
+class HangingTask(DigitsTask):
+    """The last rank stops making progress at step $HANG_AT_STEP (a stuck data loader, a dead NFS)."""
+
+    def loss(self, model, batch):
+        if int(batch["step"]) == int(os.environ.get("HANG_AT_STEP", "15")) and \
+                os.environ.get("RANK") == str(int(os.environ.get("WORLD_SIZE", "1")) - 1):
+            time.sleep(3600)
+        return super().loss(model, batch)
+
+
+def hanging_task(config):
+    return HangingTask(config)
 
 
 def tracing_task(config):

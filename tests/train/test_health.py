@@ -53,3 +53,24 @@ def test_training_continues_while_mlflow_is_down_and_its_metrics_arrive_after_it
         assert mlrun.data.tags["relaunch.tracking.lost_contact"] == "true"
     finally:
         server.stop()
+
+
+def test_a_hung_rank_is_detected_by_the_watchdog_which_dumps_stacks_and_exits_retryable(tmp_path, tracking):
+    config = train_config(tmp_path, tracking, task="tests.train.tasks:hanging_task", hang_timeout_seconds=3)
+    run = run_torchrun(config, tmp_path, env={"HANG_AT_STEP": "15"})
+
+    store = open_store(config["store"]["uri"])
+    assert goodput.mapped_exit_code(store, run.proc.returncode, run.started_at) == 138, run.output()[-3000:]
+    assert "no training step progress" in run.output() and "Thread 0x" in run.output()  # the stack dump
+    assert CheckpointManager(store).latest().step == 10
+
+
+def test_an_injected_storage_outage_is_absorbed_by_retries_and_training_finishes(tmp_path, tracking):
+    config = train_config(tmp_path, tracking)
+    config["launch"] = {"inject_failure": "storage-outage@step=15"}
+    run = run_torchrun(config, tmp_path)
+
+    assert run.proc.returncode == 0, run.output()[-3000:]
+    assert "the store fails for 3 s" in run.output()
+    assert run.records("SUMMARY")[-1]["last_committed_step"] == 40
+    assert [c.step for c in CheckpointManager(open_store(config["store"]["uri"])).list()] == [20, 30, 40]
