@@ -61,12 +61,10 @@ def run(config: RelaunchConfig, resume_from: str = "", pipeline_run_id: str = ""
 
 def read_summary(config: RelaunchConfig) -> dict:
     """The trainer's ``runs/summary.json`` in the store ({} when it wrote none)."""
+    from components.core.goodput import read_summary as read
     from components.core.storage import open_store
 
-    try:
-        return json.loads(open_store(config.store.uri).read_bytes("runs/summary.json"))
-    except (FileNotFoundError, ValueError):
-        return {}
+    return read(open_store(config.store.uri)) or {}
 
 
 if __name__ == "__main__":

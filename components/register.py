@@ -75,20 +75,23 @@ def _existing_version(client, config: RelaunchConfig, checkpoint_uri: str) -> st
 
 
 def _register(client, config: RelaunchConfig, checkpoint_uri: str, metrics: dict) -> str:
-    import mlflow
+    from components.core.tracking import _call
 
-    from components.core.tracking import _call, tracking_uri
-
+    name, run_id = config.registry.model_name, config.tracking.run_id
     with tempfile.TemporaryDirectory() as tmp:
         _save_model(config, checkpoint_uri, Path(tmp) / "model")
-        _call("upload the model", client.log_artifacts, config.tracking.run_id, str(Path(tmp) / "model"), "model")
+        _call("upload the model", client.log_artifacts, run_id, str(Path(tmp) / "model"), "model")
     tags = {TAG + "checkpoint_uri": checkpoint_uri, TAG + "dataset_version": config.data.version or "",
             TAG + "git_commit": git_commit(), TAG + "task": config.train.task,
             **{f"{TAG}metric.{k}": str(v) for k, v in metrics.items()}}
-    mlflow.set_tracking_uri(tracking_uri(config))
-    mlflow.set_registry_uri(tracking_uri(config))
-    version = _call("register the model", mlflow.register_model, f"runs:/{config.tracking.run_id}/model",
-                    config.registry.model_name, tags=tags)
+    # the client, not mlflow.register_model: the fluent API would export MLFLOW_TRACKING_URI process-wide
+    if not _call("search registered models", client.search_registered_models, f"name = '{name}'"):
+        try:
+            client.create_registered_model(name, description="Registered by relaunch's register step.")
+        except Exception:  # another pipeline created it first; the search below proves it exists
+            _call("read the registered model", client.get_registered_model, name)
+    version = _call("register the model", client.create_model_version, name, f"runs:/{run_id}/model",
+                    run_id=run_id, tags=tags)
     return str(version.version)
 
 

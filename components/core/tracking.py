@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import json
-import logging
 import os
 import sys
 import threading
@@ -28,7 +27,6 @@ from typing import Any
 
 from components.core.errors import BadInput, TransientFailure
 
-log = logging.getLogger(__name__)
 
 PIPELINE_RUN_TAG = "relaunch.pipeline_run_id"
 STATUSES = ("FINISHED", "FAILED", "KILLED", "RUNNING")

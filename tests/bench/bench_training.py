@@ -93,7 +93,9 @@ def _training(config: dict, workdir: Path, *, kill_every: float | None, kills: i
         after = [a for a in attempts if a.start > t and a.first_step_time]
         if after:
             mttr.append(after[0].first_step_time - t)
-    return {"wall": wall, "report": report, "kills": len(kill_times), "mttr": mttr, "attempts": len(attempts)}
+    summary = goodput.read_summary(store) or {}
+    return {"wall": wall, "report": report, "kills": len(kill_times), "mttr": mttr, "attempts": len(attempts),
+            "tracking": summary.get("goodput", {}).get("tracking_overhead", {})}
 
 
 def _recovered(store_root: Path, since: float) -> bool:
@@ -135,12 +137,14 @@ def _logging_overhead(tracking_uri: str, steps: int) -> dict:
 
     offset = 0
 
+    torch.set_num_threads(1)  # as torchrun sets OMP_NUM_THREADS=1 for each worker
+
     def loop(log: bool) -> float:
         nonlocal offset
         torch.manual_seed(0)
         model = task.build_model()
         optimizer = task.build_optimizer(model)
-        began = time.perf_counter()
+        began = time.thread_time()  # CPU time: the box is shared, wall time would measure the neighbours
         for step in range(steps):
             idx = torch.arange(step * 64, step * 64 + 64) % len(x)
             loss = task.loss(model, {"x": x[idx], "y": y[idx]})
@@ -151,7 +155,7 @@ def _logging_overhead(tracking_uri: str, steps: int) -> dict:
             if log:
                 logger.log_metrics({"train/loss": value, "train/lr": 0.05, "train/grad_norm": 1.0,
                                     "train/step_seconds": 0.001, "train/samples_per_second": 64000.0}, step + offset)
-        elapsed = (time.perf_counter() - began) / steps
+        elapsed = (time.thread_time() - began) / steps
         if log:
             offset += steps
             logger.flush(60)  # what was sent belongs to this round's time, not the next one's
@@ -212,11 +216,18 @@ def run(quick: bool) -> list[dict]:
          "goal": "-", "detail": json.dumps([round(m, 2) for m in killed["mttr"]])},
         {"metric": "MTTR p95 (s)", "value": _percentile(killed["mttr"], 0.95), "goal": "<= 5",
          "detail": "torchrun --monitor-interval=0.2, rdzv last_call_timeout=1 close_timeout=2"},
-        {"metric": "MLflow logging CPU per step / step time", "value": cpu_overhead, "goal": "<= 0.01",
+        {"metric": "MLflow logging / step time, in the 2-process training (rank 0)",
+         "value": plain["tracking"].get("ratio", float("nan")), "goal": "<= 0.01",
+         "detail": "caller {:.1f} us + sender CPU {:.1f} us per step; step {:.2f} ms without the demo sleep".format(
+             plain["tracking"].get("main_thread_seconds_per_step", 0) * 1e6,
+             plain["tracking"].get("sender_cpu_seconds_per_step", 0) * 1e6,
+             plain["tracking"].get("step_seconds", 0) * 1e3)},
+        {"metric": "MLflow logging CPU per step / step CPU, bare digits step in-process", "value": cpu_overhead,
+         "goal": "<= 0.01",
          "detail": f"main thread {logging['main_thread_seconds_per_call'] * 1e6:.1f} us/call + sender thread "
                    f"{logging['sender_cpu_seconds_per_step'] * 1e6:.1f} us/step, step "
                    f"{logging['step_seconds'] * 1e3:.3f} ms; {logging['points_sent']} points sent"},
-        {"metric": "step time logged / plain - 1 (wall, A/B, noisy on a shared box)", "value": wall_overhead,
+        {"metric": "step CPU logged / plain - 1 (A/B, same process)", "value": wall_overhead,
          "goal": "-", "detail": f"{logging['logged_step_seconds'] * 1e3:.3f} ms vs {logging['step_seconds'] * 1e3:.3f} ms"},
     ]
 

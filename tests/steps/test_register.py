@@ -112,12 +112,16 @@ def test_the_registered_model_loads_and_predicts_without_unpickling(setup, histo
 
     config, _, _ = setup
     mlflow.set_tracking_uri(config.tracking.uri)
-    local = Path(mlflow.artifacts.download_artifacts(f"models:/{config.registry.model_name}@champion", dst_path=str(tmp_path)))
+    try:
+        local = Path(mlflow.artifacts.download_artifacts(f"models:/{config.registry.model_name}@champion",
+                                                         dst_path=str(tmp_path)))
+        model = mlflow.pyfunc.load_model(f"models:/{config.registry.model_name}@champion")
+    finally:
+        mlflow.set_tracking_uri(None)  # it exports MLFLOW_TRACKING_URI; later tests must not inherit it
     files = [p.name for p in local.rglob("*") if p.is_file()]
     assert "model.safetensors" in files
     assert not [f for f in files if f.endswith((".pkl", ".pickle", ".pt", ".pth", ".cloudpickle"))]
     assert "loader_module: components.register" in (local / "MLmodel").read_text()
-    model = mlflow.pyfunc.load_model(f"models:/{config.registry.model_name}@champion")
     x = load_task(config.train.task, config).build_splits()["test"]["x"][:5]
     assert model.predict(np.asarray(x)).shape == (5,)
 

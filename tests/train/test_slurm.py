@@ -3,12 +3,10 @@ cycle, run for real with bash and torchrun (``srun`` and ``scontrol`` are small 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
