@@ -52,11 +52,15 @@ def render(target: str, config, cron: str = "0 3 * * *") -> str:
 
 def compile_command(args: argparse.Namespace) -> int:
     config = config_from_cli(args.config, None, args.overrides)
-    text = render(args.target, config, args.cron)
-    if args.output == "-":
-        sys.stdout.write(text)
-    else:
-        with open(args.output, "w") as fh:
-            fh.write(text)
-        print(f"wrote {args.output} ({args.target})", file=sys.stderr)
+    write_output(render(args.target, config, args.cron), args.output, args.target)
     return 0
+
+
+def write_output(text: str, output: str, what: str) -> None:
+    """Write ``text`` to the file ``output`` (``-``: stdout) and say so on stderr."""
+    if output == "-":
+        sys.stdout.write(text)
+        return
+    with open(output, "w") as fh:
+        fh.write(text)
+    print(f"wrote {output} ({what})", file=sys.stderr)

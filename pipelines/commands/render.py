@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 import yaml
 
 from components.core.config import config_from_cli
+from pipelines.commands.compile import add_config_args, write_output
 
 
 def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     p = sub.add_parser("render", help=help_text, description=help_text)
     p.add_argument("kind", choices=["pytorchjob", "slurm"])
-    p.add_argument("--config", help="YAML configuration file")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    add_config_args(p)
     p.add_argument("--run-id", default="manual", help="pipeline run id the job name is derived from")
     p.add_argument("-o", "--output", default="-", help="file to write, - for stdout")
     p.set_defaults(func=render)
@@ -30,10 +29,5 @@ def render(args: argparse.Namespace) -> int:
         from components.launchers.slurm import render_sbatch
 
         text = render_sbatch(config)
-    if args.output == "-":
-        sys.stdout.write(text)
-    else:
-        with open(args.output, "w") as fh:
-            fh.write(text)
-        print(f"wrote {args.output}", file=sys.stderr)
+    write_output(text, args.output, args.kind)
     return 0

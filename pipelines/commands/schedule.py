@@ -9,17 +9,13 @@ One run at a time, missed runs are not caught up. Prints the CronWorkflow name o
 from __future__ import annotations
 
 import argparse
-import sys
-import tempfile
 import time
 from pathlib import Path
-
-import yaml
 
 from components.core.config import config_from_cli
 from components.core.errors import BadInput
 from pipelines.commands.compile import add_config_args, render
-from pipelines.commands.submit import create_argo_object, parse_params, with_parameters
+from pipelines.commands.submit import send
 
 
 def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
@@ -44,26 +40,10 @@ def check_cron(expr: str) -> str:
 def schedule_command(args: argparse.Namespace) -> int:
     config = config_from_cli(args.config, None, args.overrides)
     cron = check_cron(args.cron)
-    namespace = args.namespace or config.launch.kubernetes.namespace
-    params = parse_params(args.param)
-    if args.target == "argo":
-        doc = with_parameters(yaml.safe_load(render("argo-cron", config, cron)), params)
-        doc["metadata"]["namespace"] = namespace
-        if args.dry_run:
-            sys.stdout.write(yaml.safe_dump(doc, sort_keys=True, width=1000))
-            return 0
-        print(create_argo_object(doc, namespace))
-        return 0
-    from pipelines import kfp_cluster
 
-    with tempfile.TemporaryDirectory() as tmp:
-        package = Path(tmp) / "pipeline.yaml"
-        package.write_text(render("kfp", config))
-        if args.dry_run:
-            sys.stdout.write(package.read_text())
-            return 0
+    def schedule_on_kfp(kfp_cluster, package: Path, params: dict[str, str]) -> str:
         version = args.version or time.strftime("v%Y%m%d-%H%M%S", time.gmtime())
-        recurring = kfp_cluster.schedule(kfp_cluster.client(namespace=args.namespace), package, config,
-                                         cron=cron, version=version, arguments=params)
-    print(recurring)
-    return 0
+        return kfp_cluster.schedule(kfp_cluster.client(namespace=args.namespace), package, config,
+                                    cron=cron, version=version, arguments=params)
+
+    return send(args, config, render("argo-cron", config, cron), schedule_on_kfp)
