@@ -168,6 +168,7 @@ class _Op:
     kind: str  # "metrics" | "tags" | "params" | "artifact" | "status"
     payload: Any
     attempts: int = 0
+    tags: dict[str, str] | None = None  # a metrics op carries the tags set meanwhile: one request for both
 
 
 @dataclass
@@ -194,7 +195,7 @@ class RunLogger:
     prints one line on losing and on regaining contact, and tags the run with the time it was lost.
     """
 
-    def __init__(self, uri: str, run_id: str, *, flush_seconds: float = 1.0, max_buffered_points: int = 2_000_000,
+    def __init__(self, uri: str, run_id: str, *, flush_seconds: float = 5.0, max_buffered_points: int = 2_000_000,
                  defer_start: bool = False):
         # fail fast inside each request and retry here instead: a dead server must not stall the buffer's owner
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
@@ -207,6 +208,7 @@ class RunLogger:
         self._ops: collections.deque[_Op] = collections.deque()
         self._metrics: list[tuple[str, float, int, int]] = []  # key, value, timestamp ms, step
         self._steps: collections.deque = collections.deque()  # (step, timestamp ms, {key: value}), lock-free
+        self._tags: dict[str, str] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._idle = threading.Event()
@@ -247,8 +249,10 @@ class RunLogger:
         self._wake.set()
 
     def set_tags(self, tags: dict[str, Any]) -> None:
-        """Queue tags (values become strings)."""
-        self._enqueue("tags", {k: str(v) for k, v in tags.items()})
+        """Queue tags (values become strings); sent with the next metrics batch, later values winning."""
+        with self._lock:
+            self._tags.update({k: str(v) for k, v in tags.items()})
+            self._idle.clear()
 
     def log_params(self, params: dict[str, Any]) -> None:
         """Queue params; one already logged with another value becomes tag ``param.<key>.latest``."""
@@ -287,7 +291,7 @@ class RunLogger:
     def pending(self) -> int:
         """Queued operations and metric points not yet sent."""
         with self._lock:
-            return len(self._ops) + len(self._metrics) + len(self._steps)
+            return len(self._ops) + len(self._metrics) + len(self._steps) + len(self._tags)
 
     @property
     def connected(self) -> bool:
@@ -304,9 +308,9 @@ class RunLogger:
             drop = len(self._metrics) - self.max_buffered_points
             del self._metrics[:drop]
             self.stats.dropped_ops += drop
-        if self._metrics:
-            self._ops.append(_Op("metrics", self._metrics))
-            self._metrics = []
+        if self._metrics or self._tags:
+            self._ops.append(_Op("metrics", self._metrics, tags=self._tags or None))
+            self._metrics, self._tags = [], {}
 
     def _loop(self) -> None:
         backoff = 0.5
@@ -320,7 +324,7 @@ class RunLogger:
                 with self._lock:
                     op = self._ops[0] if self._ops else None
                 if op is None:
-                    if not self._metrics and not self._steps:
+                    if not self._metrics and not self._steps and not self._tags:
                         self._idle.set()
                     break
                 cpu = time.thread_time()
@@ -411,23 +415,24 @@ class RunLogger:
         fresh = {(p[0], p[3]): p for p in points if p[3] > logged.get(p[0], -1)}
         self.stats.points_skipped_as_logged += len(points) - len(fresh)
         ordered = list(fresh.values())
-        rest = False
-        for i in range(0, len(ordered), _BATCH):
-            chunk = ordered[i:i + _BATCH]
+        chunks = [ordered[i:i + _BATCH] for i in range(0, len(ordered), _BATCH)] or [[]]
+        for n, chunk in enumerate(chunks):
+            tags = op.tags if n == len(chunks) - 1 else None
             if self.uri.startswith(("http://", "https://")):
-                self._post_metrics(chunk)
+                self._post_batch(chunk, tags)
             else:
-                client.log_batch(self.run_id, metrics=[Metric(k, v, t, s) for k, v, t, s in chunk])
+                from mlflow.entities import RunTag
+
+                client.log_batch(self.run_id, metrics=[Metric(k, v, t, s) for k, v, t, s in chunk],
+                                 tags=[RunTag(k, v) for k, v in (tags or {}).items()])
             for k, _, _, s in chunk:
                 if s > logged.get(k, -1):
                     logged[k] = s
             self.stats.points_sent += len(chunk)
-            rest = i + _BATCH < len(ordered)
-            if rest:
-                op.payload = ordered[i + _BATCH:]  # what is left, should the next chunk fail
+            op.payload = [p for c in chunks[n + 1:] for p in c]  # what is left, should the next chunk fail
         self.confirmed_step = max(self.confirmed_step, newest)
 
-    def _post_metrics(self, chunk: list[tuple[str, float, int, int]]) -> None:
+    def _post_batch(self, chunk: list[tuple[str, float, int, int]], tags: dict[str, str] | None) -> None:
         """``runs/log-batch`` as plain JSON: the client's entity -> protobuf -> JSON path costs ~30 us a
         point, and this thread shares the GIL with the training loop (same endpoint, same auth)."""
         from mlflow.utils.credentials import get_default_host_creds
@@ -437,7 +442,8 @@ class RunLogger:
         keys = {k: json.dumps(k) for k in {p[0] for p in chunk}}
         points = ",".join(f'{{"key":{keys[k]},"value":{_json_number(v)},"timestamp":{t},"step":{s}}}'
                           for k, v, t, s in chunk)
-        body = f'{{"run_id":{json.dumps(self.run_id)},"metrics":[{points}]}}'
+        tag_list = json.dumps([{"key": k, "value": v} for k, v in (tags or {}).items()])
+        body = f'{{"run_id":{json.dumps(self.run_id)},"metrics":[{points}],"tags":{tag_list}}}'
         if self._host_creds is None:  # reading them parses ~/.mlflow/credentials: once per logger
             self._host_creds = get_default_host_creds(self.uri)
         response = http_request(self._host_creds, endpoint, "POST", data=body,

@@ -42,7 +42,7 @@ def build_commands(config: RelaunchConfig, *, job_id: str, port: int) -> list[li
     return [[sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
              f"--nproc-per-node={launch.procs_per_node}", "--rdzv-backend=c10d",
              f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job_id}",
-             f"--rdzv-conf=is_host={'true' if node == 0 else 'false'}",
+             f"--rdzv-conf=is_host={'true' if node == 0 else 'false'}", "--local-addr=127.0.0.1",
              f"--max-restarts={launch.max_restarts}", f"--monitor-interval={launch.monitor_interval_seconds}",
              "-m", "components.train", "--config-json", config.to_json()]
             for node in range(launch.nodes)]
@@ -78,6 +78,10 @@ def _free_port() -> int:
 def _start(cmd: list[str], node: int, watch: "_Watch") -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RELAUNCH_NODE": str(node)}
     env.setdefault("OMP_NUM_THREADS", "1")
+    # A fresh worker store per rendezvous round: with torchrun's shared store, a restart can pair ranks
+    # whose TORCHELASTIC_RESTART_COUNT differ (an agent that only saw the others re-join keeps its count)
+    # or read keys the dead round left, and the new round waits out the process-group timeout.
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                             env=env, start_new_session=True)
     threading.Thread(target=watch.follow, args=(proc, node), daemon=True, name=f"agent-{node}-reader").start()
