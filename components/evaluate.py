@@ -37,7 +37,10 @@ def run(config: RelaunchConfig) -> EvaluateOutputs:
 
     task = load_task(config.train.task, config)
     mgr = checkpoint_manager(config)
-    info = best_checkpoint(mgr, config) if config.evaluate.checkpoint == "best" else mgr.latest()
+    info = None
+    if config.evaluate.checkpoint == "best":  # the newest when no checkpoint has the metric
+        info = mgr.best(config.train.best_metric, config.train.best_mode)
+    info = info or mgr.latest()
     if info is None:
         raise BadInput(f"evaluate: no committed checkpoint in {config.store.uri!r}; did launch run?")
     model = load_model(task, mgr, info.step)
@@ -50,15 +53,6 @@ def run(config: RelaunchConfig) -> EvaluateOutputs:
         _log(config, metrics, info.step, task.predict(model, split["x"]), split["y"], info.uri)
     return EvaluateOutputs(metrics_json=json.dumps(metrics, sort_keys=True), passed=metrics[gate] >= config.evaluate.gate_min,
                            checkpoint_uri=info.uri, step=info.step)
-
-
-def best_checkpoint(mgr, config: RelaunchConfig):
-    """The committed checkpoint with the best ``train.best_metric`` (the newest when none has it)."""
-    metric, sign = config.train.best_metric, 1 if config.train.best_mode == "min" else -1
-    ranked = [c for c in mgr.list() if metric in c.metrics]
-    if not ranked:
-        return mgr.latest()
-    return min(ranked, key=lambda c: (sign * c.metrics[metric], -c.step))
 
 
 def load_model(task, mgr, step: int):

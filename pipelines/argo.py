@@ -25,21 +25,14 @@ import yaml
 from hera.workflows import DAG, Container, CronWorkflow, Parameter, RetryStrategy, Workflow, WorkflowTemplate
 from hera.workflows import models as m
 
+from components import STEP_MODULES
 from components.core.config import RelaunchConfig
 from components.core.exitcodes import RETRY_POLICIES, argo_retry_expression
 from components.launchers.kubernetes import OWNER_ENV, plain_env, secret_env
 
 OUTPUTS_DIR = "/tmp/outputs"
 ARTIFACT_REPOSITORY = m.ArtifactRepositoryRef(config_map="artifact-repositories", key="minio")
-MODULES = {  # the same kebab-case step names as the KFP pipeline
-    "prepare": "components.prepare",
-    "locate-latest-checkpoint": "components.locate",
-    "launch": "components.launch",
-    "evaluate": "components.evaluate",
-    "register": "components.register",
-    "finalize": "components.finalize",
-    "delete-pytorchjob": "components.launchers.kubernetes",
-}
+MODULES = {**STEP_MODULES, "delete-pytorchjob": "components.launchers.kubernetes"}  # the same step names as KFP
 WORKFLOW_OWNER = {"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow",
                   "name": "{{workflow.name}}", "uid": "{{workflow.uid}}"}
 

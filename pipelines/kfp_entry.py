@@ -20,16 +20,9 @@ import time
 import traceback
 from typing import Any
 
+from components import STEP_MODULES
 from components.core.exitcodes import ExitCode
 
-MODULES: dict[str, str] = {
-    "prepare": "components.prepare",
-    "locate-latest-checkpoint": "components.locate",
-    "launch": "components.launch",
-    "evaluate": "components.evaluate",
-    "register": "components.register",
-    "finalize": "components.finalize",
-}
 
 
 def emit(kind: str, **payload: Any) -> None:
@@ -48,7 +41,7 @@ def call(step: str, config_json: str, **inputs: Any) -> tuple:
     emit("step-start", step=step)
     try:
         config = RelaunchConfig.from_json(config_json)
-        outputs = importlib.import_module(MODULES[step]).run(config, **inputs)
+        outputs = importlib.import_module(STEP_MODULES[step]).run(config, **inputs)
     except RelaunchError as err:
         _fail(step, int(err.exit_code), str(err))
     except Exception as err:  # a bug: keep the traceback in the step's log, exit 1
