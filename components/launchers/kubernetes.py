@@ -88,10 +88,12 @@ def plain_env(k8s) -> list[dict[str, Any]]:
 
 
 def torchrun_command(config: RelaunchConfig, name: str, config_json: str) -> list[str]:
-    """The worker command: c10d rendezvous on the master replica's stable DNS name."""
+    """The worker command: c10d rendezvous on the master replica's stable DNS name, under the
+    supervisor that turns torchrun's blanket exit 1 into the contract's code for ``restartPolicy: ExitCode``."""
     launch = config.launch
     min_nodes = launch.min_nodes or launch.nodes
     return [
+        "python", "-m", "components.launchers.supervise",
         "torchrun",
         f"--nnodes={min_nodes}:{launch.nodes}",
         f"--nproc-per-node={launch.procs_per_node}",

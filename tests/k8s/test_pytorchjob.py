@@ -46,7 +46,8 @@ def test_the_job_has_a_master_and_nodes_minus_one_workers_with_exit_code_restart
     assert job["spec"]["elasticPolicy"] == {"rdzvBackend": "c10d", "minReplicas": 2, "maxReplicas": 3,
                                             "maxRestarts": 5, "nProcPerNode": 1}
     command = replicas["Worker"]["template"]["spec"]["containers"][0]["command"]
-    assert command[0] == "torchrun" and command[command.index("-m") + 1] == "components.train"
+    assert command[:4] == ["python", "-m", "components.launchers.supervise", "torchrun"]
+    assert command[command.index("-m", 4) + 1] == "components.train"
     assert "--nnodes=2:3" in command
 
 

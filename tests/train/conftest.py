@@ -76,11 +76,12 @@ class Torchrun:
 
 
 def start_torchrun(config: dict, tmp_path: Path, *, nproc: int = 2, max_restarts: int = 0,
-                   env: dict | None = None, name: str = "run", extra_args: list[str] | None = None) -> Torchrun:
+                   env: dict | None = None, name: str = "run", extra_args: list[str] | None = None,
+                   prefix: list[str] | None = None) -> Torchrun:
     log = tmp_path / f"{name}-{uuid.uuid4().hex[:6]}.log"
     child_env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_TRACKING_URI", "RELAUNCH_"))}
     child_env.update({"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})})
-    argv = [str(BIN / "torchrun"), "--nnodes=1", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+    argv = [*(prefix or []), str(BIN / "torchrun"), "--nnodes=1", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
             "--monitor-interval=0.2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
             f"--rdzv-id={uuid.uuid4().hex[:8]}", f"--rdzv-conf={RDZV_CONF}", "--shutdown-timeout=20",
             *(extra_args or []), "-m", "components.train", "--config-json", json.dumps(config)]

@@ -1,0 +1,63 @@
+"""Run a torchrun command as a child and exit with the contract's exit code, for containers.
+
+    python -m components.launchers.supervise torchrun --nnodes=2 ... -m components.train --config-json JSON
+
+torchrun exits 1 whenever a worker failed, whatever the worker's own code, and the Training
+Operator's ``restartPolicy: ExitCode`` would read that 1 as permanent. This wrapper forwards
+SIGTERM/SIGINT/SIGUSR1 to torchrun (the preemption path), waits, and maps torchrun's status with
+:func:`components.core.goodput.mapped_exit_code` (the training's own ``runs/exit.json``), so a worker
+killed by OOM restarts the pod (137) and a bad input does not (2).
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+from components.core.config import RelaunchConfig
+from components.core.errors import BadInput, RelaunchError, exit_on_error
+from components.core.exitcodes import ExitCode, normalize
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+def config_of(command: list[str]) -> RelaunchConfig:
+    """The training configuration inside a torchrun command (its ``--config-json`` argument)."""
+    try:
+        return RelaunchConfig.from_json(command[command.index("--config-json") + 1])
+    except (ValueError, IndexError):
+        raise BadInput("supervise: the torchrun command has no --config-json JSON argument") from None
+
+
+def supervise(command: list[str]) -> int:
+    """Run ``command`` to its end, forwarding signals; return the contract's exit code."""
+    from components.core.goodput import mapped_exit_code
+    from components.core.storage import open_store
+
+    config = config_of(command)
+    started = time.time()
+    child = subprocess.Popen(command)
+    for sig in FORWARDED:
+        signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
+    returncode = child.wait()
+    try:
+        code = mapped_exit_code(open_store(config.store.uri), returncode, started)
+    except RelaunchError as err:  # the store itself is what failed: retry rather than guess permanent
+        print(f"relaunch supervise: cannot read the exit record: {err}", file=sys.stderr)
+        code = int(ExitCode.RETRY_ME) if normalize(returncode) == ExitCode.BUG else normalize(returncode)
+    print(f"relaunch supervise: torchrun exit {returncode} -> {code}", file=sys.stderr)
+    return code
+
+
+@exit_on_error("relaunch supervise")
+def main(argv: list[str] | None = None) -> int:
+    command = list(sys.argv[1:] if argv is None else argv)
+    if not command:
+        raise BadInput("usage: python -m components.launchers.supervise torchrun ... --config-json JSON")
+    return supervise(command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

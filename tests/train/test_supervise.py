@@ -1,0 +1,43 @@
+"""The container supervisor turns torchrun's blanket exit 1 into the contract's exit code, so the
+PyTorchJob's ``restartPolicy: ExitCode`` restarts a pod after a kill and never after a bad input."""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import pytest
+
+from components.core.exitcodes import ExitCode, is_retryable
+from tests.train.conftest import start_torchrun, train_config
+
+SUPERVISE = [sys.executable, "-m", "components.launchers.supervise"]
+pytestmark = pytest.mark.slow
+
+
+def _config(tmp_path, **train):
+    return train_config(tmp_path, f"sqlite:///{tmp_path}/mlflow.db", **train)
+
+
+def test_a_diverged_training_exits_3_through_the_supervisor_although_torchrun_says_1(tmp_path):
+    bare = start_torchrun(_config(tmp_path / "bare", task="tests.train.tasks:nan_task"), tmp_path, name="bare")
+    supervised = start_torchrun(_config(tmp_path / "sup", task="tests.train.tasks:nan_task"), tmp_path,
+                                name="sup", prefix=SUPERVISE)
+    assert bare.wait() == ExitCode.BUG
+    assert supervised.wait() == ExitCode.DIVERGED
+
+
+def test_a_killed_worker_gives_a_retryable_code_through_the_supervisor(tmp_path):
+    config = _config(tmp_path)
+    config["launch"] = {"inject_failure": "kill-worker@step=5"}
+    code = start_torchrun(config, tmp_path, prefix=SUPERVISE).wait()
+    # the survivor records "a peer rank failed" (138); with no record at all it would be 137
+    assert code in (ExitCode.KILLED, ExitCode.RETRY_ME) and is_retryable(code)
+
+
+def test_sigterm_reaches_the_workers_and_the_supervisor_exits_143(tmp_path):
+    run = start_torchrun(_config(tmp_path, max_steps=100000, step_sleep_seconds=0.01), tmp_path, prefix=SUPERVISE)
+    run.wait_for("PROGRESS", lambda r: r["step"] >= 3)
+    run.signal(signal.SIGTERM)
+    assert run.wait() == ExitCode.PREEMPTED
+    assert "torchrun exit" in run.output()
