@@ -151,8 +151,9 @@ def test_the_pipeline_runs_against_s3_and_an_mlflow_server_on_postgres(tmp_path,
 # ---------------------------------------------------------------- a whole launch step retried
 
 def test_a_launch_step_failing_with_a_retryable_code_is_retried_with_backoff_and_resumes(tmp_path):
+    # synchronous saves: step 10 is committed before step 11 starts, however loaded the machine is
     out = relaunch_run(tmp_path, "--set", "train.max_steps=30", "--set", "launch.max_restarts=0",
-                       "--inject-failure", "kill-worker@step=15")
+                       "--set", "train.async_save=false", "--inject-failure", "kill-worker@step=15")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     evs = events(tmp_path)
     (retry,) = [e for e in evs if e["kind"] == "retry"]
