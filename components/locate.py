@@ -49,11 +49,8 @@ def run(config: RelaunchConfig) -> LocateOutputs:
 def checkpoint_manager(config: RelaunchConfig, *, async_save: bool = False):
     """The CheckpointManager of this training's store, with the configuration's retention."""
     from components.core.checkpoint import CheckpointManager
-    from components.core.storage import open_store
 
-    t = config.train
-    return CheckpointManager(open_store(config.store.uri), keep_last=t.keep_last, keep_best=t.keep_best,
-                             best_metric=t.best_metric, mode=t.best_mode, async_save=async_save)
+    return CheckpointManager.from_config(config, async_save=async_save)
 
 
 def verify_checkpoint_uri(uri: str, config: RelaunchConfig | None = None) -> int:
