@@ -29,7 +29,12 @@ def checkpoints(args: argparse.Namespace) -> int:
     """Run one ``relaunch checkpoints`` action; returns the exit code."""
     from components.core.checkpoint import CheckpointManager
 
+    from components.core.errors import BadInput
+    from components.core.storage import FileStore
+
     mgr = CheckpointManager(args.store, async_save=False)
+    if isinstance(mgr.store, FileStore) and not mgr.store.root.is_dir():  # a typo, not an empty store
+        raise BadInput(f"--store {args.store!r}: no such directory; pass the store root (e.g. ./.relaunch/store)")
     try:
         if args.action == "list":
             infos = mgr.list()

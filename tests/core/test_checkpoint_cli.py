@@ -42,6 +42,8 @@ def test_list_latest_and_verify_print_json(root, capsys):
     (["checkpoints", "latest", "--store", "gs://b/x"], "not supported"),
     (["checkpoints", "verify", "--step", "5"], "--store"),
     (["checkpoints", "frobnicate", "--store", "/tmp/x"], "invalid choice"),
+    (["checkpoints", "list", "--store", "/nonexistent/relaunch-store"], "no such directory"),
+    (["checkpoints", "latest", "--store", "file:///nonexistent/relaunch-store"], "no such directory"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, message):
     proc = subprocess.run([sys.executable, "-m", "pipelines.cli", *argv], capture_output=True, text=True)
