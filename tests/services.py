@@ -10,7 +10,6 @@ import glob
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,15 +18,11 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from components.core.net import free_port
+
 BIN = Path(sys.executable).parent
 S3_ACCESS_KEY = "relaunch-test-access-key"
 S3_SECRET_KEY = "relaunch-test-secret-key-0123456789"
-
-
-def free_port() -> int:
-    with contextlib.closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.2) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from components.core.errors import BadInput, TransientFailure
+from components.core.net import free_port
 
 
 def _int(name: str, default: int, *fallbacks: str) -> int:
@@ -93,12 +93,6 @@ def device(env: DistEnv) -> torch.device:
     return torch.device("cpu")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init(env: DistEnv, timeout_seconds: float) -> None:
     """Initialise the default process group (also for a world of one, so collectives always work).
 
@@ -109,7 +103,7 @@ def init(env: DistEnv, timeout_seconds: float) -> None:
         return
     if not env.launched:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
     timeout = datetime.timedelta(seconds=timeout_seconds)

@@ -19,7 +19,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +27,7 @@ from dataclasses import dataclass, field
 
 from components.core.config import RelaunchConfig
 from components.core.exitcodes import ExitCode, normalize
+from components.core.net import free_port
 from components.launchers import LaunchResult
 
 _LINE = re.compile(r"RELAUNCH_(PROGRESS|RESUMED|SUMMARY) (\{.*\})\s*$")
@@ -54,7 +54,7 @@ def launch(config: RelaunchConfig, *, pipeline_run_id: str, resume_from: str | N
     if resume_from:
         config.train.resume_from = resume_from
     job_id = re.sub(r"[^a-zA-Z0-9-]", "-", f"{config.name}-{pipeline_run_id or 'manual'}")[:60]
-    commands = build_commands(config, job_id=job_id, port=config.launch.rdzv_port or _free_port())
+    commands = build_commands(config, job_id=job_id, port=config.launch.rdzv_port or free_port())
     started = time.time()
     watch = _Watch(ProgressReporter.for_environment())
     agents = [_start(cmd, node, watch) for node, cmd in enumerate(commands)]
@@ -67,12 +67,6 @@ def launch(config: RelaunchConfig, *, pipeline_run_id: str, resume_from: str | N
     code = _outcome(config, codes, watch, started)
     message = "" if code == 0 else watch.failure_message(code)
     return LaunchResult(code, message, watch.restarts, watch.resumed, duration, job_id)
-
-
-def _free_port() -> int:
-    with contextlib.closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(cmd: list[str], node: int, watch: "_Watch") -> subprocess.Popen:
