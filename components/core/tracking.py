@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -48,9 +49,17 @@ def _describe(err: Exception) -> str:
     return str(err).splitlines()[0][:300] if str(err) else type(err).__name__
 
 
+_AUTH_ERROR_CODES = ("PERMISSION_DENIED", "UNAUTHENTICATED")
+_AUTH_STATUS = re.compile(r"\b(?:error|status) code (?:401|403)\b")
+
+
 def _is_auth_error(err: Exception) -> bool:
+    """The server refused the credentials (HTTP 401/403). Matched on MLflow's error code and status,
+    never on a bare "401"/"403" substring: a URL's port or a run id can contain those digits."""
+    if getattr(err, "error_code", "") in _AUTH_ERROR_CODES:
+        return True
     text = str(err)
-    return any(s in text for s in ("401", "403", "Unauthorized", "Forbidden", "PERMISSION_DENIED", "UNAUTHENTICATED"))
+    return bool(_AUTH_STATUS.search(text)) or any(s in text for s in ("Unauthorized", "Forbidden", *_AUTH_ERROR_CODES))
 
 
 def _json_number(value: float) -> str:

@@ -139,3 +139,20 @@ def test_a_restarted_logger_never_logs_a_step_the_server_already_has(mlflow_serv
     assert sorted(steps) == list(range(1, 16)) and second.stats.points_skipped_as_logged == 5
     mark_run_finished(config, run_id, "KILLED", reason="test")
     assert MlflowClient(mlflow_server.uri).get_run(run_id).info.status == "KILLED"
+
+
+def test_an_unreachable_tracking_server_whose_url_contains_403_is_not_a_credentials_error(monkeypatch):
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import PERMISSION_DENIED, UNAUTHENTICATED
+    from mlflow.tracking import MlflowClient
+
+    from components.core.tracking import _is_auth_error
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    with pytest.raises(Exception) as unreachable:  # nothing listens on port 1403
+        MlflowClient("http://127.0.0.1:1403").get_run("run403")
+    assert "1403" in str(unreachable.value) and not _is_auth_error(unreachable.value)
+    for code in (UNAUTHENTICATED, PERMISSION_DENIED):
+        assert _is_auth_error(MlflowException("API request failed", error_code=code))
+    assert _is_auth_error(MlflowException("API request to endpoint /x failed with error code 401 != 200"))
