@@ -76,20 +76,20 @@ def _split(config: RelaunchConfig, task) -> dict:
 def _log(config: RelaunchConfig, metrics: dict, step: int, predicted, actual, checkpoint_uri: str) -> None:
     from mlflow.entities import Metric
 
-    from components.core.tracking import _call, _client, tracking_uri
+    from components.core.tracking import call, client as tracking_client, tracking_uri
 
-    client, run_id = _client(tracking_uri(config)), config.tracking.run_id
+    client, run_id = tracking_client(tracking_uri(config)), config.tracking.run_id
     now = int(time.time() * 1000)
     prefix = f"eval_{config.evaluate.split}_"
-    _call("log evaluation metrics", client.log_batch, run_id,
+    call("log evaluation metrics", client.log_batch, run_id,
           metrics=[Metric(prefix + k, float(v), now, step) for k, v in metrics.items()])
-    _call("tag the run", client.set_tag, run_id, "relaunch.evaluated_checkpoint", checkpoint_uri)
+    call("tag the run", client.set_tag, run_id, "relaunch.evaluated_checkpoint", checkpoint_uri)
     with tempfile.TemporaryDirectory() as tmp:
         png = Path(tmp) / f"confusion_matrix_{config.evaluate.split}.png"
         confusion_png(actual, predicted, png, title=f"{config.evaluate.split} split, step {step}")
         (Path(tmp) / "metrics.json").write_text(json.dumps({"step": step, "checkpoint_uri": checkpoint_uri, **metrics}, indent=2))
-        _call("upload the confusion matrix", client.log_artifact, run_id, str(png), "evaluation")
-        _call("upload the metrics", client.log_artifact, run_id, str(Path(tmp) / "metrics.json"), "evaluation")
+        call("upload the confusion matrix", client.log_artifact, run_id, str(png), "evaluation")
+        call("upload the metrics", client.log_artifact, run_id, str(Path(tmp) / "metrics.json"), "evaluation")
 
 
 def confusion_png(actual, predicted, path: Path, title: str) -> None:

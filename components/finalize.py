@@ -21,16 +21,11 @@ class FinalizeOutputs:
 
 def run(config: RelaunchConfig, pipeline_run_id: str = "", state: str = "SUCCEEDED", error: str = "") -> FinalizeOutputs:
     """Mark the run FINISHED (``state`` SUCCEEDED) or FAILED; a no-op when no run was opened."""
-    from components.core.tracking import PIPELINE_RUN_TAG, _call, _client, mark_run_finished, tracking_uri
+    from components.core.tracking import find_pipeline_run, mark_run_finished
 
     run_id = config.tracking.run_id or ""
     if not run_id and pipeline_run_id:
-        client = _client(tracking_uri(config))
-        experiment = _call("look up the experiment", client.get_experiment_by_name, config.tracking.experiment)
-        found = [] if experiment is None else _call(
-            "search runs", client.search_runs, [experiment.experiment_id],
-            filter_string=f"tags.`{PIPELINE_RUN_TAG}` = '{pipeline_run_id}'", max_results=1)
-        run_id = found[0].info.run_id if found else ""
+        run_id = find_pipeline_run(config, pipeline_run_id) or ""
     if not run_id:
         return FinalizeOutputs(run_id="", status="none")
     status = "FINISHED" if state == "SUCCEEDED" else "FAILED"

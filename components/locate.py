@@ -81,22 +81,21 @@ def verify_checkpoint_uri(uri: str, config: RelaunchConfig | None = None) -> int
 
 def warm_start_checkpoint(config: RelaunchConfig) -> str:
     """The checkpoint URI recorded on the registered model version ``train.warm_start_model``."""
-    from components.core.tracking import _call, _client, tracking_uri
+    from components.core.tracking import classify, client as tracking_client, is_not_found, tracking_uri
 
     spec = config.train.warm_start_model or ""
     match = _MODEL_URI.match(spec)
     if not match:
         raise BadInput(f"train.warm_start_model: {spec!r} is not models:/name/version or models:/name@alias")
-    client = _client(tracking_uri(config))
+    client = tracking_client(tracking_uri(config))
     name = match["name"]
     try:
         version = (client.get_model_version(name, match["version"]) if match["version"]
                    else client.get_model_version_by_alias(name, match["alias"]))
     except Exception as err:  # MlflowException: not found, or the server is away (classified below)
-        if "RESOURCE_DOES_NOT_EXIST" in str(err) or "not found" in str(err).lower():
+        if is_not_found(err, alias_lookup=not match["version"]):
             raise BadInput(f"train.warm_start_model: {spec!r} does not exist in the registry") from None
-        _call(f"read model version {spec}", lambda: (_ for _ in ()).throw(err))
-        raise
+        raise classify(err, f"read model version {spec}") from None
     uri = version.tags.get("relaunch.checkpoint_uri", "")
     if not uri:
         raise BadInput(f"train.warm_start_model: {spec!r} has no relaunch.checkpoint_uri tag; register it with relaunch")

@@ -162,17 +162,11 @@ def _validated(data: dict[str, Any]) -> RelaunchConfig:
 
 def _log_config(config: RelaunchConfig) -> None:
     """The resolved configuration as MLflow params (flattened) and a JSON artifact-free tag."""
-    from components.core.tracking import _call, _client, tracking_uri
+    from components.core.tracking import call, client as tracking_client, log_new_params, tracking_uri
 
-    client = _client(tracking_uri(config))
-    flat = _flatten(json.loads(config.to_json()))
-    existing = _call("read the run", client.get_run, config.tracking.run_id).data.params
-    from mlflow.entities import Param
-
-    fresh = [Param(k, str(v)[:6000]) for k, v in flat.items() if k not in existing and v is not None]
-    for i in range(0, len(fresh), 100):
-        _call("log params", client.log_batch, config.tracking.run_id, params=fresh[i:i + 100])
-    _call("tag the run", client.set_tag, config.tracking.run_id, "relaunch.dataset_version", config.data.version)
+    client = tracking_client(tracking_uri(config))
+    call("log params", log_new_params, client, config.tracking.run_id, _flatten(json.loads(config.to_json())))
+    call("tag the run", client.set_tag, config.tracking.run_id, "relaunch.dataset_version", config.data.version)
 
 
 def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -45,7 +45,7 @@ def run(config: RelaunchConfig, checkpoint_uri: str, metrics_json: str) -> Regis
     Raises:
         BadInput: the metrics lack ``registry.champion_metric``, or there is no MLflow run.
     """
-    from components.core.tracking import _call, _client, tracking_uri
+    from components.core.tracking import call, client as tracking_client, tracking_uri
 
     metrics = json.loads(metrics_json)
     name, metric = config.registry.model_name, config.registry.champion_metric
@@ -53,13 +53,13 @@ def run(config: RelaunchConfig, checkpoint_uri: str, metrics_json: str) -> Regis
         raise BadInput(f"registry.champion_metric: {metric!r} is not among the metrics {sorted(metrics)}")
     if not config.tracking.run_id:
         raise BadInput("register: tracking.run_id is empty; run prepare first (it opens the MLflow run)")
-    client = _client(tracking_uri(config))
+    client = tracking_client(tracking_uri(config))
     version = _existing_version(client, config, checkpoint_uri) or _register(client, config, checkpoint_uri, metrics)
-    _call("set alias challenger", client.set_registered_model_alias, name, "challenger", version)
+    call("set alias challenger", client.set_registered_model_alias, name, "challenger", version)
     champion, decision = _decide_champion(client, config, version, float(metrics[metric]))
-    _call("tag the version", client.set_model_version_tag, name, version, TAG + "champion_decision", decision)
+    call("tag the version", client.set_model_version_tag, name, version, TAG + "champion_decision", decision)
     _pin(checkpoint_uri, f"registered as {name} v{version}")
-    aliases = _call("read the version", client.get_model_version, name, version).aliases
+    aliases = call("read the version", client.get_model_version, name, version).aliases
     return RegisterOutputs(model_name=name, version=version, aliases=json.dumps(sorted(aliases)),
                            champion_version=champion, champion_decision=decision)
 
@@ -67,30 +67,30 @@ def run(config: RelaunchConfig, checkpoint_uri: str, metrics_json: str) -> Regis
 def _existing_version(client, config: RelaunchConfig, checkpoint_uri: str) -> str | None:
     """The version already registered for this checkpoint (a retried register step, or a re-run of a
     finished training): one checkpoint, one version."""
-    from components.core.tracking import _call
+    from components.core.tracking import call
 
-    found = _call("search model versions", client.search_model_versions, f"name = '{config.registry.model_name}'")
+    found = call("search model versions", client.search_model_versions, f"name = '{config.registry.model_name}'")
     return next((str(v.version) for v in sorted(found, key=lambda v: int(v.version))
                  if v.tags.get(TAG + "checkpoint_uri") == checkpoint_uri), None)
 
 
 def _register(client, config: RelaunchConfig, checkpoint_uri: str, metrics: dict) -> str:
-    from components.core.tracking import _call
+    from components.core.tracking import call
 
     name, run_id = config.registry.model_name, config.tracking.run_id
     with tempfile.TemporaryDirectory() as tmp:
         _save_model(config, checkpoint_uri, Path(tmp) / "model")
-        _call("upload the model", client.log_artifacts, run_id, str(Path(tmp) / "model"), "model")
+        call("upload the model", client.log_artifacts, run_id, str(Path(tmp) / "model"), "model")
     tags = {TAG + "checkpoint_uri": checkpoint_uri, TAG + "dataset_version": config.data.version or "",
             TAG + "git_commit": git_commit(), TAG + "task": config.train.task,
             **{f"{TAG}metric.{k}": str(v) for k, v in metrics.items()}}
     # the client, not mlflow.register_model: the fluent API would export MLFLOW_TRACKING_URI process-wide
-    if not _call("search registered models", client.search_registered_models, f"name = '{name}'"):
+    if not call("search registered models", client.search_registered_models, f"name = '{name}'"):
         try:
             client.create_registered_model(name, description="Registered by relaunch's register step.")
         except Exception:  # another pipeline created it first; the search below proves it exists
-            _call("read the registered model", client.get_registered_model, name)
-    version = _call("register the model", client.create_model_version, name, f"runs:/{run_id}/model",
+            call("read the registered model", client.get_registered_model, name)
+    version = call("register the model", client.create_model_version, name, f"runs:/{run_id}/model",
                     run_id=run_id, tags=tags)
     return str(version.version)
 
@@ -154,7 +154,7 @@ def _load_pyfunc(data_path: str) -> _LoadedModel:
 
 def _decide_champion(client, config: RelaunchConfig, version: str, value: float) -> tuple[str, str]:
     """Move ``champion`` to ``version`` when it beats the current one by the margin; say why either way."""
-    from components.core.tracking import _call
+    from components.core.tracking import call
 
     reg = config.registry
     try:
@@ -172,7 +172,7 @@ def _decide_champion(client, config: RelaunchConfig, version: str, value: float)
         why = f"promoted: {reg.champion_metric}={value:g} beats v{current.version}'s {best:g} by more than {reg.champion_margin:g}"
     else:
         why = f"promoted: first version with {reg.champion_metric}={value:g}"
-    _call("set alias champion", client.set_registered_model_alias, reg.model_name, "champion", version)
+    call("set alias champion", client.set_registered_model_alias, reg.model_name, "champion", version)
     return version, why
 
 

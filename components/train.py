@@ -28,11 +28,11 @@ import time
 _PROCESS_START = time.time()  # before the heavy imports: start-up time is part of goodput
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-import signal  # noqa: E402
 import sys  # noqa: E402
-from dataclasses import asdict, dataclass, field  # noqa: E402
+from dataclasses import asdict  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -42,121 +42,18 @@ from components.core import goodput  # noqa: E402
 from components.core.config import RelaunchConfig, config_from_cli  # noqa: E402
 from components.core.errors import BadInput, Diverged, Preempted, RelaunchError, TransientFailure, exit_on_error  # noqa: E402
 from components.core.exitcodes import PERMANENT, RETRYABLE, ExitCode  # noqa: E402
-from components.core.health import SpikeDetector, Watchdog, is_finite  # noqa: E402
+from components.core.goodput import TrainSummary  # noqa: E402
+from components.core.health import PreemptionFlag, SpikeDetector, Watchdog, is_finite, save_fits_grace  # noqa: E402
+from components.core.injection import Injection, wrap_store  # noqa: E402
+from components.core.train_tracking import TrainingTracker  # noqa: E402
 from components.tasks.base import load_task  # noqa: E402
 
 _IMPORTED = time.time()
 
 
-PENDING_METRICS_KEY = "runs/metrics-pending.json"
-
-
-@dataclass
-class TrainSummary:
-    """What an attempt reports (``runs/summary.json``, ``RELAUNCH_SUMMARY``, the step's outputs)."""
-
-    exit_code: int
-    reason: str
-    run_id: str | None
-    attempt: int
-    attempts: int = 0
-    resumed_from_steps: list[int] = field(default_factory=list)
-    last_step: int = -1
-    last_committed_step: int = -1
-    last_checkpoint_uri: str | None = None
-    total_steps: int = 0
-    train_seconds: float = 0.0
-    ettr: float | None = None
-    goodput: dict = field(default_factory=dict)
-    final_metrics: dict = field(default_factory=dict)
-
-
 def emit(kind: str, payload: dict) -> None:
     """One machine-readable line on stdout (rank 0 only) that the launchers parse."""
     print(f"RELAUNCH_{kind} {json.dumps(payload, sort_keys=True, default=str)}", flush=True)
-
-
-# ------------------------------------------------------------------------------------ signals
-
-
-class PreemptionFlag:
-    """SIGTERM/SIGUSR1 handler: records the signal and its time, nothing else (no I/O in a handler)."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self.at: float | None = None
-
-    def install(self) -> "PreemptionFlag":
-        """From the training loop's start: outside it, a process may sit in a C-level collective or
-        rendezvous where a Python handler never runs, so there the default (terminate) is kept."""
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
-        return self
-
-    @staticmethod
-    def uninstall() -> None:
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, signal.SIG_DFL)
-
-    def _handle(self, signum, _frame) -> None:
-        if self.signum is None:
-            self.signum, self.at = signum, time.monotonic()
-
-    @property
-    def raised(self) -> bool:
-        return self.signum is not None
-
-
-# ------------------------------------------------------------------------------------ failure injection
-
-
-class Injection:
-    """``launch.inject_failure``: fires once per training, claimed by a marker in the store."""
-
-    def __init__(self, spec: str | None, store, rank: int, world: int, pids: list[int]):
-        self.kind, self.step = (spec.split("@step=")[0], int(spec.split("@step=")[1])) if spec else (None, -1)
-        self.store, self.rank, self.world, self.pids = store, rank, world, pids
-        self.outage_until = 0.0
-
-    def _claim(self) -> bool:
-        return self.store.write_if_absent(f"runs/injected/{self.kind}-step-{self.step}", b"fired")
-
-    def before_step(self, step: int) -> None:
-        if step != self.step:
-            return
-        if self.kind == "kill-worker" and self.rank == self.world - 1 and self._claim():
-            print(f"relaunch: inject {self.kind}@step={step}: SIGKILL to rank {self.rank}", file=sys.stderr, flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif self.kind == "preempt" and self.rank == 0 and self._claim():
-            print(f"relaunch: inject preempt@step={step}: SIGTERM to the worker group", file=sys.stderr, flush=True)
-            for pid in self.pids:
-                os.kill(pid, signal.SIGTERM)
-        elif self.kind == "storage-outage" and self.rank == 0 and self._claim():
-            self.outage_until = time.monotonic() + 3.0
-            print("relaunch: inject storage-outage: the store fails for 3 s", file=sys.stderr, flush=True)
-
-
-class OutageStore:
-    """Wraps the store; while an injected outage lasts every call fails and is retried with backoff."""
-
-    def __init__(self, store, injection: Injection):
-        self._store, self._injection = store, injection
-        self.failed_calls = 0
-
-    def __getattr__(self, name):
-        target = getattr(self._store, name)
-        if not callable(target):
-            return target
-
-        def call(*args, **kwargs):
-            delay = 0.05
-            while time.monotonic() < self._injection.outage_until:
-                self.failed_calls += 1  # what a real transient error + backoff does, without the error
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
-            return target(*args, **kwargs)
-
-        return call
 
 
 # ------------------------------------------------------------------------------------ set-up helpers
@@ -242,37 +139,67 @@ def _refuse_permanent_restart(env: distr.DistEnv, store) -> None:
         raise err
 
 
-def _peer_failure(err: BaseException) -> bool:
-    """Whether ``err`` is a collective that broke because another rank went away."""
-    dist_error = getattr(torch.distributed, "DistError", ())
-    text = str(err)
-    return isinstance(err, dist_error) or any(s in text for s in (
-        "Connection closed by peer", "Connection reset by peer", "gloo", "NCCL", "Broken pipe", "timed out"))
+class PeerFailure(TransientFailure):
+    """A collective broke because another rank went away (SIGKILL, OOM, a lost node): retryable."""
+
+
+@contextlib.contextmanager
+def waiting_on_peers(world_size: int):
+    """Around the calls that wait on the other ranks (DDP's backward all-reduce, our all-reduces and
+    broadcasts, the checkpoint manager's agreements). Classified by type and place, never by message
+    text: torch's distributed errors (``DistError``, what NCCL and the c10d store raise) anywhere, and
+    a ``RuntimeError`` raised here while there are peers (what gloo raises when a peer's socket
+    closes), are a :class:`PeerFailure`; our own errors pass unchanged."""
+    try:
+        yield
+    except RelaunchError:
+        raise
+    except (torch.distributed.DistError, RuntimeError) as err:
+        if isinstance(err, torch.distributed.DistError) or world_size > 1:
+            raise PeerFailure(f"a peer rank failed: {str(err).splitlines()[0][:200]}") from err
+        raise
 
 
 # ------------------------------------------------------------------------------------ the training
 
 
 class Training:
-    """One attempt of the training, on one rank. ``run()`` is the whole story; the rest are its steps."""
+    """One attempt of the training, on one rank: build, resume, loop, end. Tracking is
+    :class:`TrainingTracker`'s, faults :mod:`components.core.injection`'s, the attempt records
+    :mod:`components.core.goodput`'s."""
 
     def __init__(self, config: RelaunchConfig):
         self.config = config
         self.t = config.train
         self.env: distr.DistEnv | None = None
-        self._pending: dict[int, tuple[float, float]] = {}
-        self.last_committed = None  # CheckpointInfo of the newest committed checkpoint known here
-        self.recent: list = []  # rank 0: [step, metrics] not yet confirmed by the tracking server
+        self.device: torch.device | None = None
+        self.phases: dict[str, float] = {}
+        # built by setup()
+        self.store = None
+        self.injection: Injection | None = None
+        self.task = None
+        self.splits: dict = {}
+        self.dataset = config.data.version or "built-by-task"
+        self.x: torch.Tensor | None = None
+        self.y: torch.Tensor | None = None
+        self.steps_per_epoch = 0
+        self.total_steps = 0
+        self.module = self.model = self.optimizer = self.scheduler = self.scaler = None
+        self.spikes = SpikeDetector(self.t.loss_spike_factor)
+        self.state = None
+        self.manager = None
+        self.log: goodput.AttemptLog | None = None  # rank 0's attempt record
+        self.tracker = TrainingTracker(config, None, enabled=False, run_id=None, attempt=0)
         self.preempt = PreemptionFlag()
-        self.logger = None
-        self.log = None  # rank 0's AttemptLog
+        # progress of this attempt
         self.attempt = 0
         self.run_id: str | None = None
-        self.store = None
-        self.manager = None
         self.step = 0
         self.resumed_from = -1
         self.last_saved = -1
+        self.last_committed = None  # CheckpointInfo of the newest committed checkpoint known here
+        self._pending: dict[int, tuple[float, float]] = {}  # rank 0: step -> (done at, overhead then)
+        self.overflows = 0
         self.final_metrics: dict = {}
         self.train_seconds = 0.0
         self.overhead = 0.0  # checkpoint stall + evaluation, this attempt
@@ -290,8 +217,8 @@ class Training:
         except RelaunchError as err:
             return self.fail(err)
         except Exception as err:
-            if _peer_failure(err):  # another rank died (SIGKILL, OOM): retryable, not our bug
-                return self.fail(TransientFailure(f"a peer rank failed: {str(err).splitlines()[0][:200]}"))
+            if isinstance(err, torch.distributed.DistError):  # another rank died, outside waiting_on_peers
+                return self.fail(PeerFailure(f"a peer rank failed: {str(err).splitlines()[0][:200]}"))
             # a bug: record it as exit 1 (permanent), then let the traceback show
             bug = RelaunchError(f"unhandled {type(err).__name__}: {err}")
             try:
@@ -323,11 +250,10 @@ class Training:
             torch.distributed.all_gather_object(gathered, os.getpid())
             pids = gathered
         self.injection = Injection(self.config.launch.inject_failure, raw_store, env.rank, env.world_size, pids)
-        self.store = OutageStore(raw_store, self.injection) if self.injection.kind == "storage-outage" else raw_store
+        self.store = wrap_store(raw_store, self.injection)
         _seed(self.config)
         self.task = task
         self.splits = _splits(self.config, task, self.store)
-        self.dataset = self.config.data.version or "built-by-task"
         train = self.splits["train"]
         self.x = torch.from_numpy(np.ascontiguousarray(train["x"]))
         self.y = torch.from_numpy(np.ascontiguousarray(train["y"]))
@@ -336,15 +262,13 @@ class Training:
             raise BadInput(f"train.global_batch_size={self.t.global_batch_size} exceeds the {len(self.x)} training "
                            "samples; lower it")
         self.total_steps = self.t.max_steps or self.t.epochs * self.steps_per_epoch
-        self.module = task.build_model().to(self.device)
-        self.model = self.module
+        self.module = self.model = task.build_model().to(self.device)
         if env.world_size > 1:
             self.model = torch.nn.parallel.DistributedDataParallel(
                 self.module, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         self.optimizer = task.build_optimizer(self.module)
         self.scheduler = task.build_scheduler(self.optimizer, self.total_steps)
         self.scaler = torch.amp.GradScaler("cuda") if self.t.amp and self.device.type == "cuda" else None
-        self.spikes = SpikeDetector(self.t.loss_spike_factor)
         self.state = TrainingState(self.module, self.optimizer, self.scheduler, self.scaler,
                                    extra={"health": self.spikes})
         self.phases["build"] = time.time() - _PROCESS_START
@@ -354,6 +278,8 @@ class Training:
             self.attempt = record.attempt
             self.run_id = _resolve_run_id(self.config, self.store)
         self.attempt, self.run_id = distr.broadcast_object((self.attempt, self.run_id))
+        self.tracker = TrainingTracker(self.config, self.store, enabled=env.is_main, run_id=self.run_id,
+                                       attempt=self.attempt)
         # one writer identity per training, stable across torchrun restarts and pipeline retries
         owner = os.environ.get("RELAUNCH_OWNER") or os.environ.get("RELAUNCH_PIPELINE_RUN_ID") or f"run:{self.run_id}"
         self.manager = CheckpointManager(
@@ -362,59 +288,23 @@ class Training:
             model_fingerprint=model_fingerprint(self.module))
 
     def resume(self) -> None:
-        latest = self.manager.latest()  # collective: rank 0 locates, every rank gets the same answer
+        with self._peers():
+            latest = self.manager.latest()  # collective: rank 0 locates, every rank gets the same answer
         uri = latest.uri if latest is not None else self.t.resume_from
         if latest is not None:
             self.last_committed = latest
         if uri:
-            self.manager.load(self.state, uri=uri)
+            with self._peers():
+                self.manager.load(self.state, uri=uri)
             self.step = self.resumed_from = self.last_saved = int(self.state.step)
         if self.env.is_main:
             self.phases["resume"] = time.time() - _PROCESS_START
             self.log.record.phases = self.phases
             self.log.record.resumed_from_step = self.resumed_from
-            self._start_tracking(uri)
+            self.tracker.start(resumed_from=self.resumed_from, resumed_uri=uri, world_size=self.env.world_size,
+                               params=_params(self.config, self.env, self.dataset))
             emit("RESUMED", {"step": self.resumed_from, "uri": uri, "attempt": self.attempt,
                              "world_size": self.env.world_size})
-
-    def _start_tracking(self, uri: str | None) -> None:
-        from components.core.tracking import RunLogger, tracking_uri
-
-        self.logger = RunLogger(tracking_uri(self.config), self.run_id, defer_start=True)
-        self._requeue_pending_metrics()
-        if self.attempt > 1:
-            self.logger.set_status("RUNNING")
-        self.logger.log_params(_params(self.config, self.env, self.dataset))
-        self.logger.set_tags({"relaunch.attempt": self.attempt, "relaunch.resumed_from_step": self.resumed_from,
-                              f"relaunch.attempt.{self.attempt}.resumed_from_step": self.resumed_from,
-                              f"relaunch.attempt.{self.attempt}.world_size": self.env.world_size,
-                              "relaunch.resumed_from_uri": uri or "none"})
-        if self.config.tracking.tensorboard_dir:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise BadInput("tracking.tensorboard_dir is set but the tensorboard package is not installed; "
-                               "pip install tensorboard or unset it") from None
-            self.tb = SummaryWriter(self.config.tracking.tensorboard_dir)
-        else:
-            self.tb = None
-
-    def _requeue_pending_metrics(self) -> None:
-        """Metric points of steps up to the resumed checkpoint that an earlier attempt may not have
-        sent (it was killed with them in its buffer): queue them again; the logger skips those the
-        server has. Steps after the checkpoint are recomputed and logged anew."""
-        try:
-            pending = json.loads(self.store.read_bytes(PENDING_METRICS_KEY))
-        except FileNotFoundError:
-            return
-        for step, metrics in pending.get("points", []):
-            if step <= self.resumed_from:
-                self.logger.log_metrics(metrics, step)
-
-    def _save_pending_metrics(self) -> None:
-        """Before a checkpoint: persist the points the server has not confirmed yet (rank 0)."""
-        self.recent = [p for p in self.recent if p[0] > self.logger.confirmed_step]
-        self.store.write_bytes(PENDING_METRICS_KEY, json.dumps({"through_step": self.step, "points": self.recent}).encode())
 
     # ---- the loop
 
@@ -445,9 +335,10 @@ class Training:
                 loss, grad_norm = self._forward_backward(self._batch(self.step, perm))
                 time_due = (self.t.checkpoint_every_seconds is not None and self.env.is_main
                             and time.monotonic() - last_time_save >= self.t.checkpoint_every_seconds)
-                loss_sum, nonfinite, preempted, save_due = distr.all_reduce_sum(
-                    [loss if is_finite(loss) else 0.0, 0.0 if is_finite(loss) else 1.0,
-                     1.0 if self.preempt.raised else 0.0, 1.0 if time_due else 0.0])
+                with self._peers():
+                    loss_sum, nonfinite, preempted, save_due = distr.all_reduce_sum(
+                        [loss if is_finite(loss) else 0.0, 0.0 if is_finite(loss) else 1.0,
+                         1.0 if self.preempt.raised else 0.0, 1.0 if time_due else 0.0])
                 if nonfinite:
                     raise Diverged(f"training diverged: non-finite loss at step {self.step} on "
                                    f"{int(nonfinite)} rank(s); the last good checkpoint is step {self.last_saved}")
@@ -482,11 +373,12 @@ class Training:
         with torch.autocast(self.device.type, dtype=torch.bfloat16 if self.device.type == "cpu" else torch.float16,
                             enabled=amp):
             loss = self.task.loss(self.model, batch)
-        if self.scaler is not None:
-            self.scaler.scale(loss).backward()
-            self.scaler.unscale_(self.optimizer)
-        else:
-            loss.backward()
+        with self._peers():  # DDP all-reduces the gradients during backward
+            if self.scaler is not None:
+                self.scaler.scale(loss).backward()
+                self.scaler.unscale_(self.optimizer)
+            else:
+                loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), float("inf"))
         return float(loss.detach()), float(grad_norm)
 
@@ -495,7 +387,7 @@ class Training:
             scale = self.scaler.get_scale()
             self.scaler.step(self.optimizer)
             self.scaler.update()
-            self.overflows = getattr(self, "overflows", 0) + int(self.scaler.get_scale() < scale)
+            self.overflows += int(self.scaler.get_scale() < scale)
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -506,29 +398,19 @@ class Training:
         spike = self.spikes.update(loss)
         if not self.env.is_main:
             return
-        if self.logger.fatal:
-            raise BadInput(self.logger.fatal)
-        if self.step == self.resumed_from + 2:
-            self.logger.start()  # after the first step of this attempt has completed and been timed
+        self.tracker.step_done(self.step)
         self.log.step_done(self.step)
         if self.step % self.t.log_every_steps and self.step != self.total_steps:
             return
         lr = self.optimizer.param_groups[0]["lr"]
         metrics = {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm, "train/step_seconds": seconds,
                    "train/samples_per_second": self.t.global_batch_size / seconds if seconds > 0 else 0.0}
-        counters = (float(epoch), float(self.spikes.spikes), float(getattr(self, "overflows", 0)))
-        if counters != getattr(self, "_counters", None):  # slow-moving values: only when they change
-            self._counters = counters
-            metrics.update({"train/epoch": counters[0], "health/loss_spikes": counters[1],
-                            "health/amp_overflows": counters[2]})
         if spike:
             print(f"relaunch: loss spike at step {self.step}: {loss:.4g} > {self.t.loss_spike_factor} x running mean",
                   file=sys.stderr, flush=True)
-        self.logger.log_metrics(metrics, self.step)
-        self.recent.append([self.step, metrics])
-        if self.tb is not None:
-            for key, value in metrics.items():
-                self.tb.add_scalar(key, value, self.step)
+        self.tracker.log_step(self.step, metrics, slow={"train/epoch": float(epoch),
+                                                        "health/loss_spikes": float(self.spikes.spikes),
+                                                        "health/amp_overflows": float(self.overflows)})
         emit("PROGRESS", {"step": self.step, "total_steps": self.total_steps, "loss": round(loss, 6),
                           "epoch": epoch, "attempt": self.attempt})
 
@@ -552,27 +434,33 @@ class Training:
         """Checkpoint the current step (a no-op if it is already saved)."""
         if self.step == self.last_saved:
             if wait:
-                self._note_commit(self.manager.wait())
+                self._note_commit(self._wait_for_save())
             return
         metrics = self.evaluate()
         if self.env.is_main:
             emit("SAVING", {"step": self.step, "attempt": self.attempt})
-            self.logger.log_metrics(metrics, self.step)
-            self.recent.append([self.step, metrics])
-            self._save_pending_metrics()
+        self.tracker.log_evaluation(self.step, metrics, before_checkpoint=True)
         began = time.perf_counter()
         step_done_at = time.time()
-        self._note_commit(self.manager.wait())  # the previous async save commits here (save() waits too)
-        self.manager.save(self.step, self.state, metrics=metrics, epoch=self.state.epoch)
+        self._note_commit(self._wait_for_save())  # the previous async save commits here (save() waits too)
+        with self._peers():
+            self.manager.save(self.step, self.state, metrics=metrics, epoch=self.state.epoch)
         if self.env.is_main:
             self._pending[self.step] = (step_done_at, self.overhead)
         if wait:
-            self._note_commit(self.manager.wait())
+            self._note_commit(self._wait_for_save())
         stall = time.perf_counter() - began
         self.overhead += stall
         self.last_saved = self.step
-        if self.env.is_main:
+        if self.log:
             self.log.record.stall_seconds += stall
+
+    def _peers(self):
+        return waiting_on_peers(self.env.world_size)
+
+    def _wait_for_save(self):
+        with self._peers():
+            return self.manager.wait()
 
     def _note_commit(self, latest) -> None:
         """Record and tag a committed checkpoint (an async save commits while the next steps run)."""
@@ -583,24 +471,22 @@ class Training:
             return
         done_at, overhead = self._pending.pop(latest.step, (time.time(), self.overhead))
         self.log.committed(latest.step, done_at, overhead)
-        self.logger.set_tags({f"checkpoint.step-{latest.step:09d}": latest.uri, "checkpoint.latest": latest.uri,
-                              "checkpoint.latest_step": latest.step})
+        self.tracker.checkpoint_committed(latest)
 
     def _honour_preemption(self) -> None:
         """Every rank saw the flag in the same all-reduce: rank 0 decides whether a save fits the grace."""
         fits = True
         if self.env.is_main:
-            elapsed = time.monotonic() - self.preempt.at if self.preempt.at else 0.0
-            expected = float(getattr(self.manager, "last_save_seconds", 0.0) or 0.0)
-            fits = expected * 1.5 + 1.0 < self.t.preempt_grace_seconds - elapsed
-        fits = distr.broadcast_object(fits)
+            last_save = float(getattr(self.manager, "last_save_seconds", 0.0) or 0.0)
+            fits = save_fits_grace(last_save, self.t.preempt_grace_seconds - self.preempt.seconds_since())
+        with self._peers():
+            fits = distr.broadcast_object(fits)
         if fits:
             self.save(wait=True)
         else:
-            self._note_commit(self.manager.wait())
+            self._note_commit(self._wait_for_save())
         saved = f"checkpoint at step {self.last_saved} committed" if fits else "no time to save"
-        sig = signal.Signals(self.preempt.signum).name if self.preempt.signum else "a signal"
-        raise Preempted(f"preempted by {sig} at step {self.step}: {saved}")
+        raise Preempted(f"preempted by {self.preempt.name} at step {self.step}: {saved}")
 
     # ---- endings
 
@@ -611,45 +497,11 @@ class Training:
         self.manager.close()
         if not self.env.is_main:
             return self._summary(ExitCode.OK, "finished")
-        self.logger.log_metrics(self.final_metrics, self.step)
         self.log.finish(ExitCode.OK)
         report = goodput.goodput_report(goodput.load_attempts(self.store))
-        report["tracking_overhead"] = self._tracking_overhead()
-        self._log_goodput(report)
-        self.logger.set_status("FINISHED")
-        self.logger.close(timeout=60)
+        report["tracking_overhead"] = self.tracker.overhead(self.steps_done, self.compute_seconds)
+        self.tracker.finish(self.step, self.final_metrics, report)
         return self._summary(ExitCode.OK, "finished", report)
-
-    def _tracking_overhead(self) -> dict:
-        """MLflow logging cost of this attempt per step (caller's time + the sender thread's CPU, which
-        competes for the GIL) over the mean step time: the benchmark's "logging overhead" in situ."""
-        steps = max(1, self.steps_done)
-        stats = self.logger.stats
-        per_step = (stats.main_thread_seconds + stats.sender_cpu_seconds) / steps
-        step = self.compute_seconds / steps
-        return {"seconds_per_step": per_step, "step_seconds": step, "ratio": per_step / step if step else 0.0,
-                "main_thread_seconds_per_step": stats.main_thread_seconds / steps,
-                "sender_cpu_seconds_per_step": stats.sender_cpu_seconds / steps, "steps": self.steps_done}
-
-    def _log_goodput(self, report: dict) -> None:
-        import tempfile
-
-        metrics = {f"goodput/{k}": float(v) for k, v in report.items() if isinstance(v, (int, float))}
-        metrics["tracking/overhead_ratio"] = report["tracking_overhead"]["ratio"]
-        self.logger.log_metrics(metrics, self.step)
-        self.logger.flush(timeout=30)
-        curve: list[tuple[int, float]] = []
-        try:
-            client = self.logger._get_client()
-            curve = [(m.step, m.value) for m in client.get_metric_history(self.run_id, "train/loss")]
-        except Exception as err:  # the server is away: the plot goes without its loss curve
-            print(f"relaunch: no loss curve for the goodput plot: {err}", file=sys.stderr)
-        folder = tempfile.mkdtemp(prefix="relaunch-goodput-")
-        with open(os.path.join(folder, "goodput.json"), "w") as fh:
-            json.dump(report, fh, indent=2)
-        goodput.plot_goodput(report, curve, os.path.join(folder, "goodput.png"))
-        self.logger.log_artifact(os.path.join(folder, "goodput.json"), "goodput")
-        self.logger.log_artifact(os.path.join(folder, "goodput.png"), "goodput")
 
     def fail(self, err: RelaunchError) -> TrainSummary:
         """Record how the attempt ended, tell MLflow (FAILED when permanent, KILLED when preempted; a
@@ -667,14 +519,9 @@ class Training:
         if main:
             if self.log:
                 self.log.finish(err.exit_code)
-            if self.logger is not None:
-                self.logger.set_tags({"relaunch.end_reason": str(err)[:5000]})
-                if status:
-                    self.logger.set_status(status)
-                # told to go (a peer died, torchrun is stopping us): do not linger; unsent points of
-                # committed steps are in runs/metrics-pending.json for the next attempt
-                hurry = status is None or (self.preempt.raised and not isinstance(err, Preempted))
-                self.logger.close(timeout=1 if hurry else 5 if isinstance(err, Preempted) else 15)
+            # told to go (a peer died, torchrun is stopping us): do not linger; unsent points of
+            # committed steps are in the pending-metrics file for the next attempt
+            self.tracker.fail(err, status=status, told_to_go=self.preempt.raised and not isinstance(err, Preempted))
             self._summary(err.exit_code, str(err))
         raise err
 
@@ -689,8 +536,7 @@ class Training:
             train_seconds=round(self.train_seconds, 3), ettr=report.get("ettr") if report else None,
             goodput=report or {}, final_metrics=self.final_metrics)
         if self.env.is_main:
-            goodput.write_exit_record(self.store, self.attempt, code, reason, self.env.elastic_run_id)
-            self.store.write_bytes(goodput.SUMMARY_KEY, json.dumps(asdict(summary), indent=2, default=str).encode())
+            goodput.record_ending(self.store, summary, self.env.elastic_run_id)
             emit("SUMMARY", asdict(summary))
         return summary
 

@@ -13,7 +13,11 @@ ratio (ETTR = productive time / wall time from the first start to the last end) 
 ``restart gaps`` is the time between an attempt's end and the next one's start.
 
 Other keys of this module, all relative to the store root: ``runs/exit.json`` (how the latest
-attempt ended, under our control) and ``runs/summary.json`` (the training summary).
+attempt ended, under our control) and ``runs/summary.json`` (the training summary,
+:class:`TrainSummary`); :func:`record_ending` writes both.
+
+:func:`attempt_tags` turns the records into the MLflow run's per-attempt tags, the killed attempts'
+included (a SIGKILLed process writes nothing: the next attempt tags it from its record).
 """
 
 from __future__ import annotations
@@ -54,6 +58,35 @@ class Attempt:
     @property
     def ended(self) -> float:
         return self.end if self.end is not None else max(self.last_seen, self.loop_start or 0.0, self.start)
+
+    @property
+    def outcome(self) -> int:
+        """Its exit code; an attempt that never wrote one died without control (SIGKILL, OOM): 137."""
+        return int(self.exit_code) if self.exit_code is not None else int(ExitCode.KILLED)
+
+
+@dataclass
+class TrainSummary:
+    """What an attempt reports (``runs/summary.json``, ``RELAUNCH_SUMMARY``, the step's outputs)."""
+
+    exit_code: int
+    reason: str
+    run_id: str | None
+    attempt: int
+    attempts: int = 0
+    resumed_from_steps: list[int] = field(default_factory=list)
+    last_step: int = -1
+    last_committed_step: int = -1
+    last_checkpoint_uri: str | None = None
+    total_steps: int = 0
+    train_seconds: float = 0.0
+    ettr: float | None = None
+    goodput: dict = field(default_factory=dict)
+    final_metrics: dict = field(default_factory=dict)
+
+    @property
+    def reached_the_end(self) -> bool:
+        return self.exit_code == ExitCode.OK and self.total_steps > 0 and self.last_step >= self.total_steps
 
 
 def attempt_key(n: int) -> str:
@@ -154,36 +187,77 @@ def goodput_report(attempts: list[Attempt]) -> dict[str, Any]:
         "wall": wall, "productive": productive, "startup": startup, "checkpoint_stall": stall,
         "evaluation": evaluation, "recomputed": recomputed, "restart_gaps": gaps,
         "attempts": len(attempts), "resumed_from_steps": [a.resumed_from_step for a in attempts],
+        "last_steps": [a.last_step for a in attempts], "exit_codes": [a.outcome for a in attempts],
     }
 
 
+def _iso(seconds: float | None) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds)) if seconds else ""
+
+
+def attempt_tags(attempts: list[Attempt], *, current: int | None = None) -> dict[str, str]:
+    """``relaunch.attempt.<n>.{start,end,exit_code,last_step,resumed_from_step}`` of every attempt but
+    ``current`` (still running), plus ``relaunch.restarts``. An attempt killed without a word ends at
+    its last heartbeat with exit code 137 and ``end_recorded=false``."""
+    tags: dict[str, str] = {"relaunch.restarts": str(max(0, len(attempts) - 1)), "relaunch.attempts": str(len(attempts))}
+    for a in attempts:
+        if a.attempt == current:
+            continue
+        prefix = f"relaunch.attempt.{a.attempt}."
+        tags.update({prefix + "start": _iso(a.start), prefix + "end": _iso(a.ended),
+                     prefix + "exit_code": str(a.outcome), prefix + "last_step": str(a.last_step),
+                     prefix + "resumed_from_step": str(a.resumed_from_step), prefix + "world_size": str(a.world_size),
+                     prefix + "end_recorded": str(a.end is not None).lower()})
+    return tags
+
+
+BREAKDOWN = ("productive", "startup", "checkpoint_stall", "evaluation", "recomputed", "restart_gaps")
+
+
 def plot_goodput(report: dict[str, Any], loss_curve: list[tuple[int, float]], path: str) -> str:
-    """A PNG: the wall-time breakdown as one stacked bar, and the loss curve. Returns ``path``."""
+    """One PNG: the wall-time breakdown as one stacked bar (legend below it, never over it), and the
+    loss curve with every attempt's end marked and the steps done twice shaded. Returns ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [1, 2]})
-    parts = ["productive", "startup", "checkpoint_stall", "evaluation", "recomputed", "restart_gaps"]
-    bottom = 0.0
-    for name in parts:
+    fig, (bar, loss) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [1, 1.6]})
+    wall = float(report.get("wall", 0.0)) or 1.0
+    left = 0.0
+    for name in BREAKDOWN:
         value = float(report.get(name, 0.0))
-        ax1.bar(["wall time"], [value], bottom=bottom, label=f"{name} {value:.1f}s")
-        bottom += value
-    ax1.set_ylabel("seconds")
-    ax1.set_title(f"ETTR {report.get('ettr', 0.0):.3f} over {report.get('attempts', 0)} attempt(s)")
-    ax1.legend(fontsize=7, loc="upper right")
+        bar.barh([0], [value], left=left, height=0.5,
+                 label=f"{name.replace('_', ' ')}: {value:.1f} s ({100 * value / wall:.0f}%)")
+        left += value
+    bar.set_yticks([])
+    bar.set_xlabel("wall time, seconds")
+    bar.set_ylim(-0.5, 0.5)
+    bar.set_title(f"ETTR {report.get('ettr', 0.0):.3f} over {report.get('attempts', 0)} attempt(s)")
+    bar.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2, fontsize=8, frameon=False)
     if loss_curve:
         steps, losses = zip(*sorted(loss_curve))
-        ax2.plot(steps, losses)
-    for step in report.get("resumed_from_steps", [])[1:]:
-        ax2.axvline(step, color="red", alpha=0.4, linestyle="--")
-    ax2.set_xlabel("step")
-    ax2.set_ylabel("train loss")
-    ax2.set_title("loss (dashed: resumed from)")
+        loss.plot(steps, losses, color="tab:blue", label="train loss")
+    resumed = list(report.get("resumed_from_steps", []))
+    ends = list(report.get("last_steps", []))
+    codes = list(report.get("exit_codes", []))
+    for i in range(len(resumed) - 1):
+        end, code, again = (ends[i] if i < len(ends) else -1), (codes[i] if i < len(codes) else None), resumed[i + 1]
+        if end >= 0:
+            loss.axvline(end, color="tab:red", linewidth=1.5,
+                         label=f"attempt {i + 1} ended at step {end} (exit {code})")
+        if 0 <= again < end:
+            loss.axvspan(again, end, color="tab:orange", alpha=0.25,
+                         label=f"recomputed: steps {again + 1}-{end}")
+        if again >= 0:
+            loss.axvline(again, color="tab:green", linestyle="--", linewidth=1,
+                         label=f"attempt {i + 2} resumed from step {again}")
+    loss.set_xlabel("step")
+    loss.set_ylabel("train loss")
+    loss.set_title("loss, restarts and recomputed steps")
+    loss.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    fig.savefig(path, dpi=90, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -192,6 +266,12 @@ def write_exit_record(store, attempt: int, exit_code: int, reason: str, elastic_
     """How this attempt ended (rank 0, every ending under our control)."""
     store.write_bytes(EXIT_KEY, json.dumps({"attempt": attempt, "exit_code": int(exit_code), "reason": reason,
                                             "time": time.time(), "elastic_run_id": elastic_run_id}).encode())
+
+
+def record_ending(store, summary: TrainSummary, elastic_run_id: str = "") -> None:
+    """Rank 0, at every ending under our control: ``runs/exit.json`` and ``runs/summary.json``."""
+    write_exit_record(store, summary.attempt, summary.exit_code, summary.reason, elastic_run_id)
+    store.write_bytes(SUMMARY_KEY, json.dumps(asdict(summary), indent=2, default=str).encode())
 
 
 def read_exit_record(store) -> dict[str, Any] | None:

@@ -1,4 +1,5 @@
-"""Training health: non-finite losses, loss spikes, AMP overflows and a hang watchdog.
+"""Training health: non-finite losses, loss spikes, AMP overflows, a hang watchdog, and the
+preemption flag (SIGTERM/SIGUSR1) with the rule that decides whether a last save fits the grace period.
 
 A NaN/inf loss is fatal and permanent (:class:`Diverged`, exit 3) and the bad state is never
 checkpointed; spikes and overflows are only counted and logged; a rank without step progress for
@@ -11,12 +12,61 @@ from __future__ import annotations
 import faulthandler
 import math
 import os
+import signal
 import sys
 import threading
 import time
 from dataclasses import dataclass
 
 from components.core.exitcodes import ExitCode
+
+
+# A save on preemption is attempted only when SAVE_MARGIN_FACTOR x the last save's duration plus
+# SAVE_MARGIN_SECONDS fits in the grace period left: save times vary (page cache, store latency), and a
+# save cut short by the SIGKILL at the end of the grace period is wasted work that also delays the exit.
+SAVE_MARGIN_FACTOR = 1.5
+SAVE_MARGIN_SECONDS = 1.0
+
+
+def save_fits_grace(last_save_seconds: float, grace_left_seconds: float) -> bool:
+    """Whether a checkpoint that took ``last_save_seconds`` last time can be saved in the grace left."""
+    return last_save_seconds * SAVE_MARGIN_FACTOR + SAVE_MARGIN_SECONDS < grace_left_seconds
+
+
+class PreemptionFlag:
+    """SIGTERM/SIGUSR1 handler: records the signal and its time, nothing else (no I/O in a handler)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.at: float | None = None
+
+    def install(self) -> "PreemptionFlag":
+        """From the training loop's start: outside it, a process may sit in a C-level collective or
+        rendezvous where a Python handler never runs, so there the default (terminate) is kept."""
+        for sig in self.SIGNALS:
+            signal.signal(sig, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        for sig in self.SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+
+    def _handle(self, signum, _frame) -> None:
+        if self.signum is None:
+            self.signum, self.at = signum, time.monotonic()
+
+    @property
+    def raised(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else "a signal"
+
+    def seconds_since(self) -> float:
+        return time.monotonic() - self.at if self.at is not None else 0.0
 
 
 def is_finite(value: float) -> bool:

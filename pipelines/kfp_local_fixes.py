@@ -1,0 +1,80 @@
+"""What kfp.local 2.17 does not carry, and the two small fixes :func:`install_local_fixes` applies to it
+(``relaunch run`` calls it before the pipeline starts):
+
+1. ``dsl.If`` on a task output inside a nested DAG (our ExitHandler): its condition evaluator only
+   resolves channels named ``<task>-Output`` or ``<task>--<key>``, so ``evaluate-passed`` resolves
+   to nothing and the branch is silently skipped. The fix also resolves ``<task>-<key>``.
+2. Retries ignore exit codes (as KFP v2 does everywhere): a permanent failure (bad input, exit 2)
+   would be retried with backoff. The fix keeps the task's own retry policy and backoff but stops
+   at once on a code that :func:`components.core.exitcodes.is_retryable` refuses.
+
+Both report to the run's event file (``RELAUNCH_EVENTS``) that :mod:`pipelines.console` tails.
+tests/pipelines/test_kfp_local.py proves each fix is still needed and still works.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from typing import Any
+
+from components.core.exitcodes import ExitCode, is_retryable, normalize
+
+_last_code = threading.local()
+
+
+def install_local_fixes() -> None:
+    """Patch kfp.local's condition resolver and retry loop (see the module docstring); idempotent."""
+    from kfp.local import subprocess_task_handler as sth
+    from kfp.local.orchestrator import enhanced_dag_orchestrator as edo
+    from kfp.local.orchestrator import task_executor
+
+    if getattr(task_executor, "_relaunch_fixed", False):
+        return
+    run_subprocess, execute = sth.run_local_subprocess, task_executor.execute_single_task
+    resolve = edo.ConditionEvaluator._resolve_pipeline_channel
+
+    def recording_subprocess(full_command, env_vars=None):
+        _last_code.value = run_subprocess(full_command, env_vars)
+        return _last_code.value
+
+    def resolve_channel(channel_ref: str, io_store):
+        ref = channel_ref.removeprefix("pipelinechannel--")
+        for i in (i for i, ch in enumerate(ref) if ch == "-"):
+            with contextlib.suppress(ValueError):
+                return io_store.get_task_output(ref[:i], ref[i + 1:])
+        return resolve(channel_ref, io_store)
+
+    def execute_by_exit_code(task_name, task_spec, **kwargs):
+        policy = task_spec.retry_policy
+        once = type(task_spec)()
+        once.CopyFrom(task_spec)
+        once.ClearField("retry_policy")
+        for attempt in range(policy.max_retry_count + 1):
+            _last_code.value = None
+            outputs, status = execute(task_name=task_name, task_spec=once, **kwargs)
+            code = ExitCode.OK if status.name == "SUCCESS" else normalize(_last_code.value or ExitCode.BUG)
+            emit_event("attempt-end", step=task_name, exit_code=code)
+            if code == ExitCode.OK or attempt >= policy.max_retry_count or not is_retryable(code):
+                return outputs, status
+            delay = min(policy.backoff_duration.seconds * (policy.backoff_factor or 2.0) ** attempt,
+                        policy.backoff_max_duration.seconds or 3600)
+            emit_event("retry", step=task_name, attempt=attempt + 1, limit=policy.max_retry_count, exit_code=code, delay=delay)
+            time.sleep(delay)
+        return outputs, status
+
+    sth.run_local_subprocess = recording_subprocess
+    edo.ConditionEvaluator._resolve_pipeline_channel = staticmethod(resolve_channel)
+    task_executor.execute_single_task = execute_by_exit_code
+    task_executor._relaunch_fixed = True
+
+
+def emit_event(kind: str, **payload: Any) -> None:
+    """Append one event to the run's event file (``RELAUNCH_EVENTS``), when there is one."""
+    path = os.environ.get("RELAUNCH_EVENTS")
+    if path:
+        with open(path, "a") as fh:
+            fh.write(json.dumps({"kind": kind, "time": time.time(), **payload}, default=str) + "\n")
