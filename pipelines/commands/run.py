@@ -1,9 +1,16 @@
-"""``relaunch run [--config FILE] [--set key=value ...] [--inject-failure SPEC]``: the whole pipeline
-on this machine (kfp.local), with the embedded defaults unless the configuration points elsewhere.
+"""``relaunch run [--config FILE] [--set key=value ...] [--inject-failure SPEC] [--resume]``: the whole
+pipeline on this machine (kfp.local), with the embedded defaults unless the configuration points elsewhere.
 
-    relaunch run                                      # 2 torchrun "nodes" on CPU, ./.relaunch/ store + MLflow
-    relaunch run --inject-failure kill-worker@step=30 # watch a restart resume from the latest checkpoint
+    relaunch run                                      # a new training: 2 torchrun "nodes" on CPU, ./.relaunch/
+    relaunch run --inject-failure kill-worker@step=30 # another new training; watch a restart resume
+    relaunch run --resume                             # continue the newest training (after Ctrl-C, a crash)
     relaunch run --config configs/local.yaml --set train.epochs=1
+
+Each ``relaunch run`` is a new training: its own store namespace ``<store.uri>/trainings/<UTC time>/``
+(dataset, checkpoints, attempt records) and its own MLflow run. That is what a user who types the command
+again expects after changing a flag, and it keeps every earlier training, its checkpoints and its
+registered model intact. ``--resume`` continues the newest training of the store in its MLflow run; when
+that training already reached its end it says so in one line and exits 0 without starting anything.
 
 The configuration, its URIs and the task are checked first: bad input fails (exit 2) before anything
 starts. The exit code is the failing step's, per the exit-code contract.
@@ -12,9 +19,13 @@ starts. The exit code is the failing step's, per the exit-code contract.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
 
-from components.core.config import config_from_cli
+from components.core.config import RelaunchConfig, config_from_cli
+
+TRAININGS = "trainings"
 
 
 def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
@@ -24,6 +35,8 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
                    help="override one field, e.g. --set train.epochs=2 (repeatable)")
     p.add_argument("--inject-failure", metavar="SPEC",
                    help="kill-worker@step=N, preempt@step=N or storage-outage@step=N (a fault-tolerance demo)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the newest training of the store instead of starting a new one")
     p.add_argument("--state-dir", default=".relaunch", help="where kfp.local outputs and run logs go")
     p.set_defaults(func=run)
 
@@ -38,13 +51,81 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"launch.inject_failure={args.inject_failure}")
     config = config_from_cli(args.config, None, overrides)
     check_inputs(config)
+    console = Console(file=sys.stdout)
+    if args.resume:
+        config, done = resume_training(config)
+        if done:
+            console.print(done, highlight=False, soft_wrap=True)
+            return 0
+        console.print(f"relaunch: resuming the training in {config.store.uri}", highlight=False, soft_wrap=True)
+    else:
+        config = new_training(config)
+        console.print(f"relaunch: a new training in {config.store.uri} (`relaunch run --resume` continues it)",
+                      highlight=False, soft_wrap=True)
 
     from pipelines.local_run import render_summary, run_pipeline
 
-    console = Console(file=sys.stdout)
     result = run_pipeline(config, console=console, state_dir=args.state_dir)
     render_summary(config, result, console)
     if result.exit_code:
         print(f"relaunch: error: {result.failed_step} failed (exit {result.exit_code}): {result.message}",
               file=sys.stderr)
     return result.exit_code
+
+
+def _namespaced(config: RelaunchConfig, training: str) -> RelaunchConfig:
+    out = config.model_copy(deep=True)
+    out.store.uri = f"{config.store.uri.rstrip('/')}/{TRAININGS}/{training}"
+    return out
+
+
+def trainings(config: RelaunchConfig) -> list[str]:
+    """The trainings of ``config.store.uri``, oldest first (their names sort by start time)."""
+    from components.core.storage import open_store
+
+    store = open_store(config.store.uri)
+    return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in store.list(f"{TRAININGS}/", recursive=False)
+                  if e.endswith("/"))
+
+
+def new_training(config: RelaunchConfig) -> RelaunchConfig:
+    """The configuration of a new training: its own namespace under ``trainings/``, named by its UTC
+    start time (a suffix when two start in the same second); nothing is written until prepare runs."""
+    existing = set(trainings(config))
+    name = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    candidate, n = name, 1
+    while candidate in existing:
+        n += 1
+        candidate = f"{name}-{n}"
+    return _namespaced(config, candidate)
+
+
+def resume_training(config: RelaunchConfig) -> tuple[RelaunchConfig, str]:
+    """The configuration that continues the newest training (its namespace, its MLflow run), and a line
+    to print instead when there is nothing to do ("" otherwise).
+
+    Raises:
+        BadInput: the store holds no training to resume.
+    """
+    from components.core.errors import BadInput
+    from components.core.goodput import RUN_KEY, TrainSummary, read_summary
+    from components.core.storage import open_store
+
+    names = trainings(config)
+    if not names:
+        raise BadInput(f"--resume: {config.store.uri} holds no training to resume; `relaunch run` starts one")
+    resumed = _namespaced(config, names[-1])
+    store = open_store(resumed.store.uri)
+    summary = read_summary(store)
+    if summary:
+        known = {k: v for k, v in summary.items() if k in TrainSummary.__dataclass_fields__}
+        if TrainSummary(**known).reached_the_end:
+            return resumed, (f"relaunch: the training in {resumed.store.uri} already reached its end (step "
+                             f"{summary['last_step']} of {summary['total_steps']}, MLflow run {summary.get('run_id')}); "
+                             "nothing to do — `relaunch run` starts a new training")
+    if not resumed.tracking.run_id:
+        try:
+            resumed.tracking.run_id = json.loads(store.read_bytes(RUN_KEY))["run_id"]
+        except FileNotFoundError:
+            pass  # it never reached training: prepare opens a run
+    return resumed, ""

@@ -1,7 +1,8 @@
 """The whole pipeline on this machine (``relaunch run``: kfp.local, real torchrun, real MLflow), end to end:
-with the embedded defaults and a worker killed mid-training, against real services (an S3 server over
-HTTP, an ``mlflow server`` on Postgres), with a whole launch step failing and retried, and with
-permanent failures that must stop the pipeline at once."""
+the README's demo lines in their order (a plain run, a new training with a worker killed mid-training, a
+``--resume`` of a finished training), against real services (an S3 server over HTTP, an ``mlflow server``
+on Postgres), with a whole launch step failing and retried, and with permanent failures that must stop
+the pipeline at once."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import contextlib
 import io
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -62,13 +65,47 @@ def summary_of(store_uri: str) -> dict:
     return read_summary(open_store(store_uri))
 
 
-# ---------------------------------------------------------------- embedded defaults, a worker killed
+def newest_training(root: str) -> str:
+    """The store URI of the newest training ``relaunch run`` started under the store ``root``."""
+    from pipelines.commands.run import trainings
+
+    names = trainings(RelaunchConfig.model_validate({"store": {"uri": root}}))
+    assert names, f"no training under {root}"
+    return f"{root.rstrip('/')}/trainings/{names[-1]}"
+
+
+def readme_demo() -> list[list[str]]:
+    """The README's demo lines, in order, as ``relaunch run`` arguments: ``make run`` of "Two commands",
+    then each ``make run ARGS="..."`` of the fault-tolerance block."""
+    text = (ROOT / "README.md").read_text()
+    lines = [[]] if re.search(r"^make run\s", text, re.M) else []
+    for args in re.findall(r'^make run ARGS="([^"]*)"', text, re.M):
+        lines.append(shlex.split(args))
+    return lines
+
+
+# ---------------------------------------------------------------- the README's demo, in order
 
 @pytest.fixture(scope="module")
-def embedded(tmp_path_factory):
+def demo(tmp_path_factory):
+    """``make run``, then ``make run ARGS="--inject-failure kill-worker@step=30"``, then
+    ``make run ARGS="--resume"``, as the README lists them, in one directory (shortened trainings)."""
+    lines = readme_demo()
+    plain, kill, resume = lines[0], lines[1], lines[-1]
+    assert (plain, kill, resume) == ([], ["--inject-failure", "kill-worker@step=30"], ["--resume"]), lines
     cwd = tmp_path_factory.mktemp("embedded")
-    out = relaunch_run(cwd, "--set", "train.max_steps=40", "--inject-failure", "kill-worker@step=25")
-    return cwd, out
+    first = relaunch_run(cwd, "--set", "train.max_steps=40", *plain)
+    first_training = newest_training(str(cwd / ".relaunch/store"))
+    second = relaunch_run(cwd, "--set", "train.max_steps=40", *kill)
+    again = relaunch_run(cwd, *resume)
+    return cwd, first, first_training, second, again
+
+
+@pytest.fixture(scope="module")
+def embedded(demo):
+    """The second demo line: a new training whose worker was killed at step 30."""
+    cwd, _, _, second, _ = demo
+    return cwd, second
 
 
 def test_the_embedded_run_finishes_despite_the_killed_worker(embedded):
@@ -77,9 +114,9 @@ def test_the_embedded_run_finishes_despite_the_killed_worker(embedded):
 
 
 def resumed_step(cwd: Path) -> int:
-    """Where the second attempt started: the newest checkpoint committed before the kill at step 25
-    (20 normally; 19, the epoch-end one, when the async save of 20 was still in flight)."""
-    first, second = summary_of(str(cwd / ".relaunch/store"))["resumed_from_steps"]
+    """Where the second attempt started: the newest checkpoint committed before the kill at step 30
+    (30 normally; 20 when the async save of 30 was still in flight)."""
+    first, second = summary_of(newest_training(str(cwd / ".relaunch/store")))["resumed_from_steps"]
     assert first == -1
     return second
 
@@ -87,7 +124,7 @@ def resumed_step(cwd: Path) -> int:
 def test_the_training_resumed_from_the_last_checkpoint_before_the_kill(embedded):
     cwd, _ = embedded
     step = resumed_step(cwd)
-    assert step in (19, 20)
+    assert step in (20, 30)
     resumed = [e for e in events(cwd) if e["kind"] == "resumed"]
     assert [e["step"] for e in resumed] == [-1, step]
     assert resumed[-1]["uri"].endswith(f"checkpoints/step-{step:012d}")
@@ -96,29 +133,84 @@ def test_the_training_resumed_from_the_last_checkpoint_before_the_kill(embedded)
 def test_the_embedded_run_keeps_its_data_under_dot_relaunch(embedded):
     cwd, _ = embedded
     assert (cwd / ".relaunch/mlflow.db").is_file()
-    assert any((cwd / ".relaunch/store/datasets").iterdir())
-    assert (cwd / ".relaunch/store/checkpoints/step-000000000040/MANIFEST.json").is_file()
+    training = Path(newest_training(str(cwd / ".relaunch/store")))
+    assert training.parent == cwd / ".relaunch/store/trainings"
+    assert any((training / "datasets").iterdir())
+    assert (training / "checkpoints/step-000000000040/MANIFEST.json").is_file()
     assert any((cwd / ".relaunch/mlartifacts").rglob("confusion_matrix_test.png"))
 
 
-def test_one_mlflow_run_holds_every_attempt_and_is_finished(embedded):
-    cwd, _ = embedded
+def _runs(cwd: Path) -> list:
     client = MlflowClient(f"sqlite:///{cwd}/.relaunch/mlflow.db")
-    runs = client.search_runs([client.get_experiment_by_name("relaunch").experiment_id])
-    assert len(runs) == 1
-    run = runs[0]
-    assert run.info.status == "FINISHED"
-    assert "eval_test_accuracy" in run.data.metrics and run.data.params["launch.nodes"] == "2"
+    runs = client.search_runs([client.get_experiment_by_name("relaunch").experiment_id], order_by=["start_time ASC"])
+    return runs
 
 
-def test_one_model_version_is_registered_as_challenger_and_champion_and_its_checkpoint_pinned(embedded):
+def test_each_relaunch_run_is_a_new_training_with_its_own_mlflow_run_and_both_finish(demo):
+    cwd, first, first_training, second, _ = demo
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    plain, killed = _runs(cwd)
+    assert plain.info.status == killed.info.status == "FINISHED"
+    assert "eval_test_accuracy" in killed.data.metrics and killed.data.params["launch.nodes"] == "2"
+    assert newest_training(str(cwd / ".relaunch/store")) != first_training
+    assert plain.data.tags["relaunch.restarts"] == "0" and killed.data.tags["relaunch.restarts"] == "1"
+    assert summary_of(first_training)["resumed_from_steps"] == [-1]
+    assert "0 torchrun restart(s)" in first.stdout and "1 torchrun restart(s)" in second.stdout
+
+
+def test_resuming_a_training_that_reached_its_end_says_so_in_one_line_and_trains_nothing(demo):
+    cwd, _, _, _, again = demo
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert again.stdout.strip().count("\n") == 0 and "already reached its end" in again.stdout
+    assert "relaunch run` starts a new training" in again.stdout
+    assert len(list((cwd / ".relaunch" / "runs").rglob("events.jsonl"))) == 2  # no third pipeline ran
+    assert len(_runs(cwd)) == 2
+
+
+def test_every_attempt_of_the_killed_training_is_recorded_on_its_run_the_killed_one_included(demo):
+    cwd, *_ = demo
+    tags = _runs(cwd)[1].data.tags
+    assert tags["relaunch.attempt.1.resumed_from_step"] == "-1"
+    assert tags["relaunch.attempt.1.exit_code"] in {str(c) for c in RETRYABLE}
+    assert int(tags["relaunch.attempt.1.last_step"]) >= int(tags["relaunch.attempt.2.resumed_from_step"]) > 0
+    assert tags["relaunch.attempt.2.exit_code"] == "0" and tags["relaunch.attempt.2.last_step"] == "40"
+    for n in (1, 2):
+        assert tags[f"relaunch.attempt.{n}.start"] <= tags[f"relaunch.attempt.{n}.end"]
+
+
+def test_checkpoint_tags_use_the_folder_step_format_and_name_only_existing_or_deleted_checkpoints(demo):
+    cwd, *_ = demo
+    training = Path(newest_training(str(cwd / ".relaunch/store")))
+    tags = _runs(cwd)[1].data.tags
+    checkpoint_tags = {k: v for k, v in tags.items() if k.startswith("checkpoint.step-")}
+    assert checkpoint_tags and all(re.fullmatch(r"checkpoint\.step-\d{12}", k) for k in checkpoint_tags)
+    deleted = {k for k, v in checkpoint_tags.items() if v.startswith("deleted by retention: ")}
+    assert deleted, "retention (keep_last=3) deleted some of the checkpoints of a 40-step run"
+    for key, value in checkpoint_tags.items():
+        folder = training / "checkpoints" / key.removeprefix("checkpoint.")
+        assert folder.is_dir() != (key in deleted), (key, value)
+        assert value.endswith(f"checkpoints/{folder.name}")
+
+
+def test_single_number_summaries_are_tags_and_a_goodput_figure_not_metric_series(demo):
+    cwd, *_ = demo
+    run = _runs(cwd)[1]
+    assert not [k for k in run.data.metrics if k.startswith(("goodput/", "tracking/"))]
+    assert 0 < float(run.data.tags["goodput.ettr"]) <= 1 and run.data.tags["goodput.attempts"] == "2"
+    client = MlflowClient(f"sqlite:///{cwd}/.relaunch/mlflow.db")
+    assert {a.path for a in client.list_artifacts(run.info.run_id, "goodput")} == {"goodput/goodput.png",
+                                                                                  "goodput/goodput.json"}
+
+
+def test_the_registered_versions_come_one_per_training_and_their_checkpoints_are_pinned(embedded):
     cwd, _ = embedded
     client = MlflowClient(f"sqlite:///{cwd}/.relaunch/mlflow.db")
-    versions = client.search_model_versions("name = 'relaunch-digits'")
-    assert len(versions) == 1
-    assert sorted(client.get_model_version("relaunch-digits", versions[0].version).aliases) == ["challenger", "champion"]
-    assert versions[0].tags["relaunch.checkpoint_uri"].endswith("checkpoints/step-000000000040")
-    assert list((cwd / ".relaunch/store/checkpoints/pins").iterdir())
+    versions = sorted(client.search_model_versions("name = 'relaunch-digits'"), key=lambda v: int(v.version))
+    assert len(versions) == 2
+    assert "challenger" in client.get_model_version("relaunch-digits", versions[-1].version).aliases
+    training = newest_training(str(cwd / ".relaunch/store"))
+    assert versions[-1].tags["relaunch.checkpoint_uri"] == f"{training}/checkpoints/step-000000000040"
+    assert list((Path(training) / "checkpoints/pins").iterdir())
 
 
 def test_the_output_is_a_line_per_step_and_a_summary_with_the_restart(embedded):
@@ -126,8 +218,8 @@ def test_the_output_is_a_line_per_step_and_a_summary_with_the_restart(embedded):
     text = out.stdout
     for step in ("prepare", "locate-latest-checkpoint", "launch", "evaluate", "register", "finalize"):
         assert f"✓ {step}" in text
-    for needle in ("MLflow run", "make ui", "checkpoints", "metrics", "relaunch-digits version 1",
-                   "challenger, champion", "ETTR", "torchrun restart(s)", f"resumed from step {resumed_step(cwd)}"):
+    for needle in ("MLflow run", "make ui", "checkpoints", "metrics", "relaunch-digits version 2",
+                   "challenger", "ETTR", "torchrun restart(s)", f"resumed from step {resumed_step(cwd)}"):
         assert needle in text, needle
     assert "KFP Executor" not in text  # kfp.local's chatter went to the log file
 
@@ -140,10 +232,11 @@ def test_the_pipeline_runs_against_s3_and_an_mlflow_server_on_postgres(tmp_path,
                        "--set", f"tracking.uri={mlflow_server.uri}", "--set", "registry.model_name=e2e-digits",
                        "--set", "evaluate.gate_min=0.1")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert summary_of("s3://relaunch-e2e/run")["last_committed_step"] == 20
+    training = newest_training("s3://relaunch-e2e/run")
+    assert summary_of(training)["last_committed_step"] == 20
     client = MlflowClient(mlflow_server.uri)
     (version,) = client.search_model_versions("name = 'e2e-digits'")
-    assert version.tags["relaunch.checkpoint_uri"] == "s3://relaunch-e2e/run/checkpoints/step-000000000020"
+    assert version.tags["relaunch.checkpoint_uri"] == f"{training}/checkpoints/step-000000000020"
     assert client.get_run(version.run_id).info.status == "FINISHED"
     assert not (tmp_path / ".relaunch/store").exists() and not (tmp_path / ".relaunch/mlflow.db").exists()
 
@@ -160,7 +253,7 @@ def test_a_launch_step_failing_with_a_retryable_code_is_retried_with_backoff_and
     # the killed worker's peer reports 138 ("a peer rank failed") or the kill itself shows as 137: both retryable
     assert retry["step"] == "launch" and retry["exit_code"] in RETRYABLE and retry["delay"] == 10
     assert [e["step"] for e in evs if e["kind"] == "step-start"].count("launch") == 2
-    assert summary_of(str(tmp_path / ".relaunch/store"))["resumed_from_steps"][-1] == 10
+    assert summary_of(newest_training(str(tmp_path / ".relaunch/store")))["resumed_from_steps"][-1] == 10
     assert "↻ launch" in out.stdout and "1 launch retry" in out.stdout
 
 

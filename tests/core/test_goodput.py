@@ -1,0 +1,80 @@
+"""Goodput bookkeeping, the attempt tags, the figure and the torchrun exit mapping
+(components/core/goodput.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from components.core import goodput
+from components.core.storage import open_store
+
+
+def _attempt(n, start, loop, last_step, seen, resumed=-1, commits=None, end=None, stall=0.0, exit_code=None):
+    return goodput.Attempt(attempt=n, start=start, loop_start=loop, first_step_time=loop + 0.1, last_step=last_step,
+                           last_seen=seen, resumed_from_step=resumed, commits=commits or {}, end=end,
+                           stall_seconds=stall, exit_code=exit_code)
+
+
+def _killed_then_finished():
+    first = _attempt(1, 0.0, 2.0, 50, 12.0, commits={"40": [10.0, 0.5]}, stall=0.5)  # killed at 12 s, no end
+    second = _attempt(2, 14.0, 15.0, 100, 25.0, resumed=40, end=25.0, stall=0.5, exit_code=0)
+    return [first, second]
+
+
+def test_goodput_report_splits_the_wall_time_into_productive_startup_stall_recomputed_and_gaps():
+    report = goodput.goodput_report(_killed_then_finished())
+    assert report["wall"] == 25.0
+    assert report["startup"] == pytest.approx(3.0)       # 2 s + 1 s
+    assert report["restart_gaps"] == pytest.approx(2.0)  # 12 -> 14
+    assert report["recomputed"] == pytest.approx(2.0)    # steps 40..50 done again: 10 s -> 12 s
+    assert report["checkpoint_stall"] == pytest.approx(1.0)
+    assert report["productive"] == pytest.approx(17.0)
+    assert report["ettr"] == pytest.approx(17.0 / 25.0)
+    assert (report["last_steps"], report["exit_codes"]) == ([50, 100], [137, 0])
+
+
+def test_a_killed_attempt_that_wrote_no_end_is_tagged_with_exit_137_at_its_last_heartbeat():
+    tags = goodput.attempt_tags(_killed_then_finished())
+    assert tags["relaunch.restarts"] == "1" and tags["relaunch.attempts"] == "2"
+    assert (tags["relaunch.attempt.1.exit_code"], tags["relaunch.attempt.1.end_recorded"]) == ("137", "false")
+    assert tags["relaunch.attempt.1.end"] == "1970-01-01T00:00:12Z"  # its last heartbeat
+    assert (tags["relaunch.attempt.2.exit_code"], tags["relaunch.attempt.2.resumed_from_step"]) == ("0", "40")
+    assert tags["relaunch.attempt.2.last_step"] == "100"
+
+
+def test_the_running_attempt_gets_no_end_tags_of_its_own():
+    tags = goodput.attempt_tags(_killed_then_finished(), current=2)
+    assert "relaunch.attempt.1.exit_code" in tags and not any(k.startswith("relaunch.attempt.2.") for k in tags)
+
+
+def test_the_goodput_figure_is_one_png_with_the_breakdown_and_the_marked_loss_curve(tmp_path):
+    report = goodput.goodput_report(_killed_then_finished())
+    path = goodput.plot_goodput(report, [(s, 2.0 / s) for s in range(1, 101)], str(tmp_path / "goodput.png"))
+    data = open(path, "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+@pytest.mark.parametrize("rc,record,expected", [
+    (0, None, 0),
+    (1, {"exit_code": 143, "time": 10.0}, 143),
+    (1, {"exit_code": 2, "time": 10.0}, 2),
+    (1, {"exit_code": 3, "time": 1.0}, 137),  # a record of an older run does not count
+    (1, None, 137),                           # a worker died without a word: SIGKILL / OOM
+    (-9, None, 137),
+    (-15, None, 143),
+])
+def test_torchrun_exit_status_maps_to_the_contract(tmp_path, rc, record, expected):
+    store = open_store(str(tmp_path))
+    if record:
+        store.write_bytes(goodput.EXIT_KEY, json.dumps(record).encode())
+    assert goodput.mapped_exit_code(store, rc, started_at=5.0) == expected
+
+
+def test_a_summary_reached_the_end_only_when_it_finished_every_step():
+    done = goodput.TrainSummary(exit_code=0, reason="finished", run_id="r", attempt=1, last_step=76, total_steps=76)
+    assert done.reached_the_end
+    assert not goodput.TrainSummary(exit_code=0, reason="", run_id="r", attempt=1, last_step=40, total_steps=76).reached_the_end
+    assert not goodput.TrainSummary(exit_code=143, reason="", run_id="r", attempt=1, last_step=76,
+                                    total_steps=76).reached_the_end

@@ -1,0 +1,143 @@
+"""The MLflow run life cycle (components/core/tracking.py), the asynchronous logger
+(components/core/runlogger.py) and the trainer's tracking object (components/core/train_tracking.py),
+against a real ``mlflow server`` on Postgres."""
+
+from __future__ import annotations
+
+import pytest
+
+from components.core.config import RelaunchConfig
+from components.core.errors import BadInput, TransientFailure
+
+pytestmark = pytest.mark.slow
+
+
+def _config(uri: str, experiment: str, **tracking) -> RelaunchConfig:
+    return RelaunchConfig.model_validate({"tracking": {"uri": uri, "experiment": experiment, **tracking}})
+
+
+def test_a_restarted_logger_never_logs_a_step_the_server_already_has(mlflow_server):
+    from mlflow.tracking import MlflowClient
+
+    from components.core.runlogger import RunLogger
+    from components.core.tracking import ensure_run, mark_run_finished
+
+    config = _config(mlflow_server.uri, "logger-units")
+    run_id = ensure_run(config, pipeline_run_id="units-1")
+    assert ensure_run(config, pipeline_run_id="units-1") == run_id
+    first = RunLogger(mlflow_server.uri, run_id)
+    for step in range(1, 11):
+        first.log_metrics({"train/loss": 1.0 / step}, step)
+    assert first.close(30)
+    second = RunLogger(mlflow_server.uri, run_id)  # a resumed attempt recomputes steps 6..10
+    for step in range(6, 16):
+        second.log_metrics({"train/loss": 1.0 / step}, step)
+    assert second.close(30)
+    steps = [m.step for m in MlflowClient(mlflow_server.uri).get_metric_history(run_id, "train/loss")]
+    assert sorted(steps) == list(range(1, 16)) and second.stats.points_skipped_as_logged == 5
+    mark_run_finished(config, run_id, "KILLED", reason="test")
+    assert MlflowClient(mlflow_server.uri).get_run(run_id).info.status == "KILLED"
+
+
+def test_params_are_logged_once_and_a_changed_value_becomes_a_latest_tag(mlflow_server):
+    from components.core.tracking import client, ensure_run, find_pipeline_run, log_new_params
+
+    config = _config(mlflow_server.uri, "params-units")
+    run_id = ensure_run(config, pipeline_run_id="params-1")
+    assert find_pipeline_run(config, "params-1") == run_id and find_pipeline_run(config, "nope") is None
+    mlflow_client = client(mlflow_server.uri)
+    log_new_params(mlflow_client, run_id, {"a": 1, "b": "x"})
+    log_new_params(mlflow_client, run_id, {"a": 1, "b": "y", "c": None})
+    data = mlflow_client.get_run(run_id).data
+    assert data.params == {"a": "1", "b": "x"} and data.tags["param.b.latest"] == "y"
+
+
+def test_a_missing_run_is_bad_input_by_its_error_code_and_an_unreachable_server_is_transient(mlflow_server,
+                                                                                           monkeypatch):
+    from components.core.tracking import ensure_run
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    with pytest.raises(BadInput, match="does not exist"):
+        ensure_run(_config(mlflow_server.uri, "missing", run_id="0123456789abcdef0123456789abcdef"))
+    # a proxy's "404 not found" page or a dead port is no answer of MLflow's: retryable, never bad input
+    with pytest.raises(TransientFailure):
+        ensure_run(_config("http://127.0.0.1:1404", "missing", run_id="notfound"))
+
+
+def test_an_unreachable_tracking_server_whose_url_contains_403_is_not_a_credentials_error(monkeypatch):
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import PERMISSION_DENIED, UNAUTHENTICATED
+    from mlflow.tracking import MlflowClient
+
+    from components.core.tracking import is_auth_error
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    with pytest.raises(Exception) as unreachable:  # nothing listens on port 1403
+        MlflowClient("http://127.0.0.1:1403").get_run("run403")
+    assert "1403" in str(unreachable.value) and not is_auth_error(unreachable.value)
+    for code in (UNAUTHENTICATED, PERMISSION_DENIED):
+        assert is_auth_error(MlflowException("API request failed", error_code=code))
+    assert is_auth_error(MlflowException("API request to endpoint /x failed with error code 401 != 200"))
+
+
+def test_not_found_is_mlflows_error_code_not_a_message_saying_not_found():
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, RESOURCE_DOES_NOT_EXIST
+
+    from components.core.tracking import is_not_found
+
+    assert is_not_found(MlflowException("Run 'x' not found", error_code=RESOURCE_DOES_NOT_EXIST))
+    assert not is_not_found(RuntimeError("upstream proxy: 404 page not found"))
+    missing_alias = MlflowException("Registered model alias champion not found.", error_code=INVALID_PARAMETER_VALUE)
+    assert is_not_found(missing_alias, alias_lookup=True) and not is_not_found(missing_alias)
+
+
+def test_checkpoint_tags_name_the_folder_and_are_marked_when_retention_deleted_it(mlflow_server, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from components.core.checkpoint import CheckpointInfo, step_key
+    from components.core.storage import open_store
+    from components.core.tracking import ensure_run
+    from components.core.train_tracking import DELETED_BY_RETENTION, TrainingTracker
+
+    config = _config(mlflow_server.uri, "checkpoint-tags")
+    run_id = ensure_run(config, pipeline_run_id="tags-1")
+    store = open_store(str(tmp_path))
+
+    def commit(tracker, step):
+        store.write_bytes(f"{step_key(step)}/MANIFEST.json", b"{}")
+        tracker.checkpoint_committed(CheckpointInfo(step=step, uri=store.uri_for(step_key(step)), key=step_key(step),
+                                                    epoch=0, world_size=1, created_at="", metrics={},
+                                                    manifest_sha256=""))
+
+    tracker = TrainingTracker(config, store, enabled=True, run_id=run_id, attempt=1)
+    tracker.start(resumed_from=-1, resumed_uri=None, params={}, world_size=1)
+    tracker.logger.start()
+    commit(tracker, 10)
+    commit(tracker, 20)
+    tracker.close(30)
+    store.delete_many(store.list(step_key(10)))  # what retention does, between two attempts
+    again = TrainingTracker(config, store, enabled=True, run_id=run_id, attempt=2)
+    again.start(resumed_from=20, resumed_uri=store.uri_for(step_key(20)), params={}, world_size=1)
+    again.logger.start()
+    commit(again, 30)
+    again.close(30)
+    tags = MlflowClient(mlflow_server.uri).get_run(run_id).data.tags
+    assert tags["checkpoint.step-000000000010"] == DELETED_BY_RETENTION + store.uri_for(step_key(10))
+    assert tags["checkpoint.step-000000000020"] == store.uri_for(step_key(20))
+    assert tags["checkpoint.step-000000000030"] == tags["checkpoint.latest"] == store.uri_for(step_key(30))
+    assert tags["relaunch.resumed_from"] == store.uri_for(step_key(20))
+
+
+def test_off_rank_0_the_tracking_object_does_nothing(tmp_path):
+    from components.core.train_tracking import TrainingTracker
+
+    tracker = TrainingTracker(RelaunchConfig(), None, enabled=False, run_id=None, attempt=3)
+    tracker.start(resumed_from=-1, resumed_uri=None, params={"a": 1}, world_size=2)
+    tracker.step_done(1)
+    tracker.log_step(1, {"train/loss": 1.0}, slow={"train/epoch": 0.0})
+    tracker.log_evaluation(1, {"val_loss": 1.0}, before_checkpoint=True)
+    tracker.finish(1, {}, {})
+    assert tracker.logger is None and tracker.recent == [] and tracker.overhead(1, 1.0) == {}
