@@ -124,7 +124,8 @@ def _logging_overhead(tracking_uri: str, steps: int) -> dict:
     import torch
 
     from components.core.config import RelaunchConfig
-    from components.core.tracking import RunLogger, ensure_run
+    from components.core.runlogger import RunLogger
+    from components.core.tracking import ensure_run
     from components.tasks.digits import make_task
 
     config = RelaunchConfig.model_validate({"tracking": {"uri": tracking_uri, "experiment": "bench-logging"}})
