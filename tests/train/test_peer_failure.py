@@ -1,0 +1,31 @@
+"""Which errors of a training rank count as "a peer went away" (retryable) and which as a bug: by the
+error's type and where it was raised, never by its message."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from components.core.errors import BadInput, TransientFailure
+from components.train import PeerFailure, waiting_on_peers
+
+
+def test_a_runtime_error_while_waiting_on_peers_is_a_retryable_peer_failure():
+    with pytest.raises(PeerFailure) as caught, waiting_on_peers(world_size=2):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:48812")
+    assert isinstance(caught.value, TransientFailure) and "Connection closed by peer" in str(caught.value)
+
+
+def test_torchs_distributed_errors_are_peer_failures_even_in_a_world_of_one():
+    with pytest.raises(PeerFailure), waiting_on_peers(world_size=1):
+        raise torch.distributed.DistNetworkError("store went away")
+
+
+@pytest.mark.parametrize("error", [RuntimeError("mat1 and mat2 shapes cannot be multiplied"),
+                                   ValueError("the NCCL version in my config is wrong"),
+                                   BadInput("train.lr: must be positive")])
+def test_other_errors_keep_their_type_whatever_their_message_says(error):
+    world = 1 if isinstance(error, RuntimeError) else 2  # alone, a RuntimeError cannot come from a peer
+    with pytest.raises(type(error)) as caught, waiting_on_peers(world_size=world):
+        raise error
+    assert caught.value is error
