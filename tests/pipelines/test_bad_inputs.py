@@ -109,6 +109,7 @@ CASES = [
      "cannot connect to the tracking database"),
     ("tracking-sqlite-under-a-file", ["--set", "tracking.uri=sqlite:////etc/hostname/x/mlflow.db"], {}, "cannot create"),
     ("tracking-env-overrides-unreachable", [], {"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{CLOSED}"}, "cannot reach"),
+    ("resume-without-a-training", ["--resume"], {}, "holds no training to resume"),
     ("resume-from-not-a-checkpoint-uri", ["--set", "train.resume_from=/tmp/elsewhere"], {}, "is not a checkpoint URI"),
     ("resume-from-uncommitted-debris", ["--set", "train.resume_from=STORE/checkpoints/step-000000000009"], {},
      "is not a committed relaunch checkpoint"),

@@ -27,7 +27,9 @@ ROOT = Path(__file__).resolve().parents[2]
 RELAUNCH = str(Path(sys.executable).parent / "relaunch")
 TINY = ["--set", "train.hidden_size=32", "--set", "train.checkpoint_every_steps=10", "--set", "launch.rdzv_port=0"]
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+RUN_TIMEOUT = 420  # one `relaunch run` of a few dozen steps takes 1-3 min on 2 busy cores
+# the demo fixture runs three of them inside the first test that uses it
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * RUN_TIMEOUT + 60)]
 
 
 def relaunch_run(cwd: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -35,12 +37,12 @@ def relaunch_run(cwd: Path, *args: str, env: dict | None = None) -> subprocess.C
     proc = subprocess.Popen([RELAUNCH, "run", *TINY, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, **(env or {})}, start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=240)
+        out, err = proc.communicate(timeout=RUN_TIMEOUT)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         _kill_agents(cwd)
         out, err = proc.communicate()
-        pytest.fail(f"relaunch run did not finish in 240 s; log under {cwd}/.relaunch/runs\n{out[-2000:]}")
+        pytest.fail(f"relaunch run did not finish in {RUN_TIMEOUT} s; log under {cwd}/.relaunch/runs\n{out[-2000:]}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
