@@ -40,9 +40,9 @@ CLOSE_SECONDS_FINISHED = 60.0
 FLUSH_SECONDS_BEFORE_PLOT = 30.0
 
 
-def checkpoint_tag(info) -> str:
+def checkpoint_tag(key: str) -> str:
     """``checkpoint.step-000000000038``: the tag of a checkpoint is its folder's name (one step format)."""
-    return CHECKPOINT_TAG_PREFIX + info.key.rstrip("/").rsplit("/", 1)[-1]
+    return CHECKPOINT_TAG_PREFIX + key.rstrip("/").rsplit("/", 1)[-1]
 
 
 class TrainingTracker:
@@ -70,17 +70,25 @@ class TrainingTracker:
         from components.core.runlogger import RunLogger
         from components.core.tracking import tracking_uri
 
+        from components.core.checkpoint import step_key
+
         self._resumed_from = resumed_from
         self.logger = RunLogger(tracking_uri(self.config), self.run_id, defer_start=True)
         self._requeue_pending_metrics()
         if self.attempt > 1:
             self.logger.set_status("RUNNING")
         self.logger.log_params(params)
+        attempts = goodput.load_attempts(self.store)
+        # an earlier attempt killed before its logger sent anything: its commits are in its record
+        earlier = sorted({int(s) for a in attempts if a.attempt != self.attempt for s in a.commits})
         self.logger.set_tags({"relaunch.attempt": self.attempt, "relaunch.resumed_from_step": resumed_from,
                               f"relaunch.attempt.{self.attempt}.resumed_from_step": resumed_from,
                               f"relaunch.attempt.{self.attempt}.world_size": world_size,
                               "relaunch.resumed_from": resumed_uri or "none",
-                              **goodput.attempt_tags(goodput.load_attempts(self.store), current=self.attempt)})
+                              **{checkpoint_tag(step_key(s)): self.store.uri_for(step_key(s)) for s in earlier},
+                              **goodput.attempt_tags(attempts, current=self.attempt)})
+        if earlier:
+            self.logger.submit(self._mark_deleted_checkpoints)
         self.tensorboard = self._open_tensorboard()
 
     def _open_tensorboard(self):
@@ -148,7 +156,7 @@ class TrainingTracker:
         """Tag a committed checkpoint, and mark the tags of checkpoints retention has deleted since."""
         if not self.enabled:
             return
-        self.logger.set_tags({checkpoint_tag(info): info.uri, "checkpoint.latest": info.uri,
+        self.logger.set_tags({checkpoint_tag(info.key): info.uri, "checkpoint.latest": info.uri,
                               "checkpoint.latest_step": info.step})
         self.logger.submit(self._mark_deleted_checkpoints)
 
@@ -159,8 +167,12 @@ class TrainingTracker:
 
         from components.core.checkpoint import checkpoint_steps, parse_checkpoint_uri
 
-        existing = set(checkpoint_steps(self.store))
-        tags = client.get_run(run_id).data.tags
+        try:
+            existing = set(checkpoint_steps(self.store))
+        except Exception as err:  # noqa: BLE001 - the store is away: the next commit reconciles again
+            print(f"relaunch: checkpoint tags not reconciled: {err}", file=sys.stderr)
+            return
+        tags = client.get_run(run_id).data.tags  # an MLflow error here is retried like any send
         stale = {}
         for key, value in tags.items():
             if not (key.startswith(CHECKPOINT_TAG_PREFIX + "step-") or key == "relaunch.resumed_from"):

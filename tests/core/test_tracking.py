@@ -102,9 +102,13 @@ def test_checkpoint_tags_name_the_folder_and_are_marked_when_retention_deleted_i
     from components.core.tracking import ensure_run
     from components.core.train_tracking import DELETED_BY_RETENTION, TrainingTracker
 
+    from components.core import goodput
+
     config = _config(mlflow_server.uri, "checkpoint-tags")
     run_id = ensure_run(config, pipeline_run_id="tags-1")
     store = open_store(str(tmp_path))
+    killed = goodput.AttemptLog(store, goodput.claim_attempt(store, 0.0, 1))  # SIGKILLed before its logger sent
+    killed.committed(5, 1.0, 0.0)
 
     def commit(tracker, step):
         store.write_bytes(f"{step_key(step)}/MANIFEST.json", b"{}")
@@ -112,19 +116,21 @@ def test_checkpoint_tags_name_the_folder_and_are_marked_when_retention_deleted_i
                                                     epoch=0, world_size=1, created_at="", metrics={},
                                                     manifest_sha256=""))
 
-    tracker = TrainingTracker(config, store, enabled=True, run_id=run_id, attempt=1)
+    tracker = TrainingTracker(config, store, enabled=True, run_id=run_id, attempt=2)
     tracker.start(resumed_from=-1, resumed_uri=None, params={}, world_size=1)
     tracker.logger.start()
     commit(tracker, 10)
     commit(tracker, 20)
     tracker.close(30)
     store.delete_many(store.list(step_key(10)))  # what retention does, between two attempts
-    again = TrainingTracker(config, store, enabled=True, run_id=run_id, attempt=2)
+    again = TrainingTracker(config, store, enabled=True, run_id=run_id, attempt=3)
     again.start(resumed_from=20, resumed_uri=store.uri_for(step_key(20)), params={}, world_size=1)
     again.logger.start()
     commit(again, 30)
     again.close(30)
     tags = MlflowClient(mlflow_server.uri).get_run(run_id).data.tags
+    assert tags["checkpoint.step-000000000005"] == DELETED_BY_RETENTION + store.uri_for(step_key(5))
+    assert tags["relaunch.attempt.1.exit_code"] == "137"  # its record has no end: killed
     assert tags["checkpoint.step-000000000010"] == DELETED_BY_RETENTION + store.uri_for(step_key(10))
     assert tags["checkpoint.step-000000000020"] == store.uri_for(step_key(20))
     assert tags["checkpoint.step-000000000030"] == tags["checkpoint.latest"] == store.uri_for(step_key(30))
