@@ -255,7 +255,7 @@ def plot_goodput(report: dict[str, Any], loss_curve: list[tuple[int, float]], pa
     loss.set_xlabel("step")
     loss.set_ylabel("train loss")
     loss.set_title("loss, restarts and recomputed steps")
-    loss.legend(loc="upper right", fontsize=8)
+    loss.legend(loc="best", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=90, bbox_inches="tight")
     plt.close(fig)
