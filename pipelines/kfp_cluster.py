@@ -30,6 +30,8 @@ def secret_env_config(config: RelaunchConfig) -> dict:
     """
     from kfp import compiler, dsl, kubernetes
 
+    from components.launchers.cluster import secret_env_sources
+
     k8s = config.launch.kubernetes
 
     @dsl.container_component
@@ -39,12 +41,9 @@ def secret_env_config(config: RelaunchConfig) -> dict:
     @dsl.pipeline(name="probe")
     def probe_pipeline():
         task = probe()
-        kubernetes.use_secret_as_env(task, secret_name=k8s.store_secret, secret_key_to_env={
-            "AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY"})
-        if k8s.tracking_secret:
-            kubernetes.use_secret_as_env(task, secret_name=k8s.tracking_secret, optional=True, secret_key_to_env={
-                "MLFLOW_TRACKING_USERNAME": "MLFLOW_TRACKING_USERNAME",
-                "MLFLOW_TRACKING_PASSWORD": "MLFLOW_TRACKING_PASSWORD"})
+        for secret, keys, optional in secret_env_sources(k8s):
+            kubernetes.use_secret_as_env(task, secret_name=secret, optional=optional,
+                                         secret_key_to_env={key: key for key in keys})
         kubernetes.set_image_pull_policy(task, k8s.image_pull_policy)
 
     with tempfile.TemporaryDirectory() as tmp:

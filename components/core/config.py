@@ -137,8 +137,30 @@ class KubernetesConfig(_Model):
     wait_timeout_seconds: float = Field(86400.0, gt=0, description="How long launch waits for the job.")
 
 
+class TrainJobConfig(_Model):
+    runtime: str = Field("relaunch-torch", description="ClusterTrainingRuntime the TrainJob references (manifests/trainer/).")
+    max_restarts: int = Field(3, ge=0, description="JobSet failurePolicy.maxRestarts of the rendered runtime: "
+                              "whole-group restarts after a retryable exit code.")
+    queue_name: str | None = Field(None, description="Kueue LocalQueue (label kueue.x-k8s.io/queue-name); "
+                                   "the TrainJob waits Suspended until Kueue admits it.")
+
+    @field_validator("runtime")
+    @classmethod
+    def _dns_label(cls, v: str) -> str:
+        if len(v) > 63 or not _NAME.match(v):
+            raise ValueError(f"{v!r} is not a DNS label (a-z, 0-9, '-', at most 63 characters); "
+                             "name the ClusterTrainingRuntime you applied, e.g. relaunch-torch")
+        return v
+
+
+# The old name of the PyTorchJob backend, still accepted.
+LEGACY_BACKENDS = {"kubernetes": "pytorchjob"}
+
+
 class LaunchConfig(_Model):
-    backend: Literal["local", "kubernetes"] = Field("local", description="Where training runs.")
+    backend: Literal["local", "pytorchjob", "trainjob"] = Field(
+        "local", description="Where training runs: local torchrun agents, a Kubeflow PyTorchJob (Training Operator "
+        "v1; 'kubernetes' is accepted as pytorchjob) or a TrainJob (Kubeflow Trainer v2).")
     nodes: int = Field(2, ge=1, description="Nodes (local: simulated node groups on this machine).")
     procs_per_node: int = Field(1, ge=1, description="Training processes per node.")
     max_restarts: int = Field(3, ge=0, description="torchrun/elastic restarts of the worker group.")
@@ -148,6 +170,17 @@ class LaunchConfig(_Model):
     timeout_seconds: float = Field(3600.0, gt=0, description="Give up (retryable) after this long.")
     inject_failure: str | None = Field(None, description="kill-worker@step=N, preempt@step=N or storage-outage@step=N.")
     kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
+    trainjob: TrainJobConfig = Field(default_factory=TrainJobConfig)
+
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _legacy_backend(cls, v: Any) -> Any:
+        return LEGACY_BACKENDS.get(v, v) if isinstance(v, str) else v
+
+    @property
+    def on_cluster(self) -> bool:
+        """Whether training runs as a Kubernetes job (either cluster backend)."""
+        return self.backend != "local"
 
     @field_validator("inject_failure")
     @classmethod

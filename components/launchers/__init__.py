@@ -1,8 +1,10 @@
-"""The launch backends. Both implement one function with the same shape:
+"""The launch backends (``local``, ``pytorchjob``, ``trainjob``). Each implements one function:
 
     launch(config: RelaunchConfig, *, pipeline_run_id: str, resume_from: str | None) -> LaunchResult
 
-``components.launch`` picks the backend from ``config.launch.backend``; nothing else differs.
+``components.launch`` picks the backend from ``config.launch.backend``; nothing else differs. The two
+cluster backends share one contract, :mod:`components.launchers.cluster`; every backend runs the one
+torchrun command of :mod:`components.launchers.torchrun`.
 """
 
 from __future__ import annotations

@@ -1,19 +1,21 @@
-"""The ``kubernetes`` launch backend: one Kubeflow PyTorchJob per pipeline run, adopted on retry.
+"""The launcher contract both cluster backends share: one training job per pipeline run, adopted on retry.
 
-    relaunch render pytorchjob -o job.yaml                  # what would be created, for review
-    python -m components.launch --config-json '...' --set launch.backend=kubernetes \
+    relaunch render pytorchjob|trainjob -o job.yaml         # what would be created, for review
+    python -m components.launch --config-json '...' --set launch.backend=trainjob \
         --input pipeline_run_id=$WORKFLOW_UID --input resume_from=s3://...
+    python -m components.launchers.cluster --config-json '...' --input pipeline_run_id=ID   # the exit handler
 
-Build, then act: :func:`build_pytorchjob` is a pure function of the configuration; :func:`launch`
-creates or adopts the job, waits on a watch, and maps how it ended to the exit-code contract.
-
-Adopt or create (the job name is derived from the pipeline run id, so a retried step finds it):
+A backend (:mod:`~components.launchers.pytorchjob`, :mod:`~components.launchers.trainjob`) is a
+:class:`JobKind`: its resource, how to read its state, how to find its pods, and a pure builder.
+Everything else is here, written once: the :class:`Launcher` creates or adopts the job, waits on a
+watch, streams node 0's log, and maps how the job ended to the exit-code contract.
 
 =========================  ===================================================================
 job found                  what launch does
 =========================  ===================================================================
 none                       create it (a 409 on create means another attempt won: adopt it)
 running / pending          adopt it and keep waiting
+suspended (e.g. Kueue)     keep waiting: a queued job is not a failure; at the wait timeout 138
 succeeded                  succeed
 failed, retryable cause    delete it and create it again, once per attempt (training resumes
                            from the latest committed checkpoint)
@@ -23,6 +25,7 @@ failed, permanent cause    fail with that exit code
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -32,17 +35,24 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from components.core.config import RelaunchConfig
-from components.core.errors import BadInput
+from components.core.errors import BadInput, TransientFailure
 from components.core.exitcodes import PERMANENT, RETRYABLE, ExitCode, normalize
-from components.core.k8s_naming import job_name, run_hash
+from components.core.k8s_naming import job_name
 from components.launchers import LaunchResult
 
-GROUP, VERSION, PLURAL, KIND = "kubeflow.org", "v1", "pytorchjobs", "PyTorchJob"
-JOB_LABEL = "training.kubeflow.org/job-name"  # set by the Training Operator on every replica pod
 RUN_LABEL = "relaunch.dev/pipeline-run"
 RUN_ANNOTATION = "relaunch.dev/pipeline-run-id"
-RDZV_PORT = 23456  # the Training Operator's default "pytorchjob-port"
 STEP = "launch"
+# After a delete, how long to wait for the job (and its Foreground-deleted pods) to be gone before
+# recreating it under the same name; a finalizer stuck longer than this needs a human.
+DELETE_WAIT_SECONDS = 300.0
+# One watch request's read timeout; the stream is re-opened after it, so this bounds reaction time
+# to a dropped connection, not the wait.
+WATCH_SECONDS = 60.0
+
+# The Secrets every relaunch container reads, and the keys (each key equals the variable's name).
+STORE_SECRET_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+TRACKING_SECRET_KEYS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
 
 # Environment the Argo launch step sets so the job is garbage-collected with its workflow.
 OWNER_ENV = {
@@ -59,23 +69,27 @@ PREEMPTION_REASONS = frozenset({"Evicted", "Preempting", "NodeLost", "NodeShutdo
 UNSTARTABLE_REASONS = frozenset({"InvalidImageName", "CreateContainerConfigError", "CreateContainerError"})
 
 
-# --------------------------------------------------------------------------- build (no side effects)
+# --------------------------------------------------------------------------- what every manifest shares
+
+
+def secret_env_sources(k8s) -> list[tuple[str, tuple[str, ...], bool]]:
+    """``(secret name, keys, optional)`` of every Secret a relaunch container reads: the one list the
+    jobs, the Argo steps and the KFP tasks (:mod:`pipelines.kfp_cluster`) are built from."""
+    sources = [(k8s.store_secret, STORE_SECRET_KEYS, False)]
+    if k8s.tracking_secret:
+        sources.append((k8s.tracking_secret, TRACKING_SECRET_KEYS, True))
+    return sources
 
 
 def secret_env(k8s) -> list[dict[str, Any]]:
-    """Credentials as ``secretKeyRef`` env entries (the Secret key equals the variable's name).
-
-    Shared by the PyTorchJob, the Argo steps and the KFP tasks, so all read the same Secrets.
-    """
-    env = [
-        {"name": key, "valueFrom": {"secretKeyRef": {"name": k8s.store_secret, "key": key}}}
-        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
-    ]
-    if k8s.tracking_secret:
-        env += [
-            {"name": key, "valueFrom": {"secretKeyRef": {"name": k8s.tracking_secret, "key": key, "optional": True}}}
-            for key in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
-        ]
+    """Credentials as ``secretKeyRef`` env entries (the Secret key equals the variable's name)."""
+    env = []
+    for secret, keys, optional in secret_env_sources(k8s):
+        for key in keys:
+            ref: dict[str, Any] = {"name": secret, "key": key}
+            if optional:
+                ref["optional"] = True
+            env.append({"name": key, "valueFrom": {"secretKeyRef": ref}})
     return env
 
 
@@ -87,92 +101,40 @@ def plain_env(k8s) -> list[dict[str, Any]]:
     return env
 
 
-def torchrun_command(config: RelaunchConfig, name: str, config_json: str) -> list[str]:
-    """The worker command: c10d rendezvous on the master replica's stable DNS name, under the
-    supervisor that turns torchrun's blanket exit 1 into the contract's code for ``restartPolicy: ExitCode``."""
-    launch = config.launch
-    min_nodes = launch.min_nodes or launch.nodes
-    return [
-        "python", "-m", "components.launchers.supervise",
-        "torchrun",
-        f"--nnodes={min_nodes}:{launch.nodes}",
-        f"--nproc-per-node={launch.procs_per_node}",
-        f"--max-restarts={launch.max_restarts}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={name}-master-0:{RDZV_PORT}",
-        f"--rdzv-id={name}",
-        f"--monitor-interval={launch.monitor_interval_seconds:g}",
-        "-m", "components.train",
-        "--config-json", config_json,
-    ]
+def training_env(k8s, pipeline_run_id: str) -> list[dict[str, Any]]:
+    """The training container's whole environment: plain values, the run id, credentials by reference."""
+    return plain_env(k8s) + [{"name": "RELAUNCH_PIPELINE_RUN_ID", "value": pipeline_run_id}] + secret_env(k8s)
 
 
-def _replica_spec(config: RelaunchConfig, name: str, replicas: int, command: list[str], run_id: str) -> dict[str, Any]:
-    k8s = config.launch.kubernetes
-    limits: dict[str, Any] = {"cpu": k8s.cpu, "memory": k8s.memory}
+def resources(k8s) -> dict[str, dict[str, str]]:
+    """Requests equal to limits (a training node is not overcommitted); quantities as strings."""
+    limits = {"cpu": str(k8s.cpu), "memory": str(k8s.memory)}
     if k8s.gpus_per_node:
-        limits["nvidia.com/gpu"] = k8s.gpus_per_node
-    pod_spec: dict[str, Any] = {
-        "serviceAccountName": k8s.service_account,
-        "terminationGracePeriodSeconds": k8s.termination_grace_period_seconds,
-        "containers": [{
-            "name": "pytorch",  # the Training Operator finds the training container by this name
-            "image": k8s.image,
-            "imagePullPolicy": k8s.image_pull_policy,
-            "command": command,
-            "env": plain_env(k8s) + [{"name": "RELAUNCH_PIPELINE_RUN_ID", "value": run_id}] + secret_env(k8s),
-            "ports": [{"name": "pytorchjob-port", "containerPort": RDZV_PORT}],
-            "resources": {"requests": dict(limits), "limits": limits},
-            "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
-        }],
-        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": k8s.shm_size}}],
-    }
-    if k8s.node_selector:
-        pod_spec["nodeSelector"] = dict(k8s.node_selector)
-    if k8s.tolerations:
-        pod_spec["tolerations"] = [dict(t) for t in k8s.tolerations]
-    return {
-        "replicas": replicas,
-        "restartPolicy": "ExitCode",  # retry 130/137/138/143 in place, never 1/2/3 (components.core.exitcodes)
-        "template": {"metadata": {"labels": {RUN_LABEL: run_hash(run_id)}}, "spec": pod_spec},
-    }
+        limits["nvidia.com/gpu"] = str(k8s.gpus_per_node)
+    return {"requests": dict(limits), "limits": limits}
 
 
-def build_pytorchjob(config: RelaunchConfig, *, pipeline_run_id: str, resume_from: str | None = None,
-                     owner: dict | None = None) -> dict:
-    """The PyTorchJob (kubeflow.org/v1) that trains ``config`` for one pipeline run.
-
-    Args:
-        config: the resolved configuration; it travels to the workers as ``--config-json`` and holds
-            no credentials (those come from the Secrets named in ``launch.kubernetes``).
-        pipeline_run_id: Argo ``workflow.uid`` or the KFP run id; the job name is derived from it.
-        resume_from: checkpoint URI to start from (``train.resume_from``); None resumes from the latest.
-        owner: ``{"apiVersion", "kind", "name", "uid"}`` of the object that owns the job (the Argo
-            Workflow), so deleting the workflow deletes the job.
-
-    Returns:
-        The manifest as a plain dict (no ``None`` values), ready for the API or ``yaml.safe_dump``.
-    """
-    launch = config.launch
-    k8s = launch.kubernetes
-    name = job_name(config.name, pipeline_run_id, STEP)
-    worker_config = config.model_copy(deep=True)
+def worker_config(config: RelaunchConfig, resume_from: str | None) -> RelaunchConfig:
+    """The configuration the workers get: ``resume_from`` folded in (None resumes from the latest)."""
+    worker = config.model_copy(deep=True)
     if resume_from:
-        worker_config.train.resume_from = resume_from
-    command = torchrun_command(config, name, worker_config.to_json())
-    replica_specs = {"Master": _replica_spec(config, name, 1, command, pipeline_run_id)}
-    if launch.nodes > 1:
-        replica_specs["Worker"] = _replica_spec(config, name, launch.nodes - 1, command, pipeline_run_id)
-    run_policy: dict[str, Any] = {
-        "backoffLimit": k8s.backoff_limit,
-        "cleanPodPolicy": k8s.clean_pod_policy,
-        "ttlSecondsAfterFinished": k8s.ttl_seconds_after_finished,
-    }
-    if k8s.active_deadline_seconds is not None:
-        run_policy["activeDeadlineSeconds"] = k8s.active_deadline_seconds
+        worker.train.resume_from = resume_from
+    return worker
+
+
+def supervised(torchrun_args: list[str]) -> list[str]:
+    """The container command: torchrun under the supervisor that maps its blanket exit 1 to the
+    contract's code (:mod:`components.launchers.supervise`)."""
+    return ["python", "-m", "components.launchers.supervise", "torchrun", *torchrun_args]
+
+
+def job_metadata(config: RelaunchConfig, pipeline_run_id: str, owner: dict | None) -> dict[str, Any]:
+    """Name, namespace, labels, run annotation and the optional owner reference of a training job."""
+    from components.core.k8s_naming import run_hash
+
     metadata: dict[str, Any] = {
-        "name": name,
-        "namespace": k8s.namespace,
+        "name": job_name(config.name, pipeline_run_id, STEP),
+        "namespace": config.launch.kubernetes.namespace,
         "labels": {"app.kubernetes.io/name": "relaunch", "app.kubernetes.io/component": "training",
                    RUN_LABEL: run_hash(pipeline_run_id)},
         "annotations": {RUN_ANNOTATION: pipeline_run_id},
@@ -182,22 +144,7 @@ def build_pytorchjob(config: RelaunchConfig, *, pipeline_run_id: str, resume_fro
             "apiVersion": owner["apiVersion"], "kind": owner["kind"], "name": owner["name"], "uid": owner["uid"],
             "blockOwnerDeletion": False, "controller": False,
         }]
-    return {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": KIND,
-        "metadata": metadata,
-        "spec": {
-            "elasticPolicy": {
-                "rdzvBackend": "c10d",
-                "minReplicas": launch.min_nodes or launch.nodes,
-                "maxReplicas": launch.nodes,
-                "maxRestarts": launch.max_restarts,
-                "nProcPerNode": launch.procs_per_node,
-            },
-            "runPolicy": run_policy,
-            "pytorchReplicaSpecs": replica_specs,
-        },
-    }
+    return metadata
 
 
 def owner_from_env(environ: dict[str, str] | None = None) -> dict | None:
@@ -207,53 +154,51 @@ def owner_from_env(environ: dict[str, str] | None = None) -> dict | None:
     return owner if all(owner.values()) else None
 
 
-# --------------------------------------------------------------------------- read a job's state
+# --------------------------------------------------------------------------- a backend, and a job's state
 
 
 @dataclass(frozen=True)
 class JobState:
-    """Where a PyTorchJob stands: ``phase`` is Pending, Running, Succeeded or Failed."""
+    """Where a job stands: ``phase`` is Pending, Suspended, Running, Succeeded or Failed."""
 
     phase: str
     message: str = ""
     restarts: int = 0
+    progress: str = ""  # what the cluster reports of the training's progress (TrainJob trainerStatus)
 
     @property
     def finished(self) -> bool:
         return self.phase in ("Succeeded", "Failed")
 
 
-def job_state(job: dict) -> JobState:
-    """Read the job's conditions; the newest true Succeeded/Failed condition ends it."""
-    conditions = (job.get("status") or {}).get("conditions") or []
-    true = [c for c in conditions if str(c.get("status")) == "True"]
-    restarts = sum(1 for c in conditions if c.get("type") == "Restarting")
-    for cond in reversed(true):
-        if cond.get("type") in ("Succeeded", "Failed"):
-            return JobState(cond["type"], _describe_conditions(conditions), restarts)
-    running = any(c.get("type") == "Running" for c in true)
-    return JobState("Running" if running else "Pending", _describe_conditions(conditions), restarts)
+@dataclass(frozen=True)
+class JobKind:
+    """What differs between PyTorchJob and TrainJob; the launcher is written against this only."""
+
+    group: str
+    version: str
+    plural: str
+    kind: str
+    container: str                                  # the training container's name in every pod
+    pod_selector: Callable[[str], str]              # job name -> label selector of its pods
+    is_node0: Callable[[dict], bool]                # the pod whose log is streamed
+    state: Callable[[dict], JobState]               # the job's status -> JobState
+    summary: Callable[[dict], str]                  # a short line of replica/job counts
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}"
 
 
-def _describe_conditions(conditions: Iterable[dict]) -> str:
+def describe_conditions(conditions: Iterable[dict]) -> str:
     return "; ".join(
         f"{c.get('type')}={c.get('status')}" + (f" ({c.get('reason')}: {c.get('message')})" if c.get("message") else "")
         for c in conditions
     )
 
 
-def replica_summary(job: dict) -> str:
-    """``Master: active=1; Worker: failed=1`` from ``status.replicaStatuses``."""
-    statuses = (job.get("status") or {}).get("replicaStatuses") or {}
-    parts = []
-    for role in sorted(statuses):
-        counts = {k: v for k, v in sorted(statuses[role].items()) if isinstance(v, int) and v}
-        parts.append(f"{role}: " + (" ".join(f"{k}={v}" for k, v in counts.items()) or "none"))
-    return "; ".join(parts)
-
-
-def pod_exit_codes(pods: list[dict]) -> list[tuple[int, str]]:
-    """Every ended pod or container of a job as ``(exit code of the contract, why)``.
+def pod_exit_codes(pods: list[dict], container: str) -> list[tuple[int, str]]:
+    """Every ended pod or training container of a job as ``(exit code of the contract, why)``.
 
     OOMKilled is 137 whatever the runtime reported; a pod taken away with its node (Evicted,
     preempted, node shutdown) is 143, retryable, even without a container exit code.
@@ -267,7 +212,7 @@ def pod_exit_codes(pods: list[dict]) -> list[tuple[int, str]]:
             found.append((int(ExitCode.PREEMPTED), f"pod {pod_name} {reason}: {status.get('message', '')}".strip()))
             continue
         for cs in status.get("containerStatuses") or []:
-            if cs.get("name") not in (None, "pytorch"):
+            if cs.get("name") not in (None, container):
                 continue
             for state_key in ("state", "lastState"):
                 term = (cs.get(state_key) or {}).get("terminated")
@@ -292,21 +237,30 @@ def unstartable_reason(pods: list[dict]) -> str | None:
     return None
 
 
-def failure_exit_code(job: dict, pods: list[dict]) -> tuple[int, str]:
+def unscheduled_reason(pods: list[dict]) -> str | None:
+    """Why pods are not placed (``PodScheduled=False``: no node fits, quota), or None."""
+    for pod in pods:
+        for cond in (pod.get("status") or {}).get("conditions") or []:
+            if cond.get("type") == "PodScheduled" and str(cond.get("status")) == "False":
+                return f"pod {pod['metadata'].get('name')} not scheduled: {cond.get('reason')}: {cond.get('message', '')}".strip()
+    return None
+
+
+def failure_exit_code(kind: JobKind, job: dict, pods: list[dict]) -> tuple[int, str]:
     """Map a failed job to one exit code of the contract, with the evidence as the message.
 
     A permanent code anywhere wins (one rank's bad input fails the job for good); then a retryable
-    one; a job that ran past ``activeDeadlineSeconds`` is a timeout (138, like the local launcher);
-    codes outside the contract and a failure with no evidence are treated as a bug (1).
+    one; a job that ran past its deadline is a timeout (138, like the local launcher); codes outside
+    the contract and a failure with no evidence are treated as a bug (1).
     """
-    state = job_state(job)
-    codes = pod_exit_codes(pods)
+    state = kind.state(job)
+    codes = pod_exit_codes(pods, kind.container)
     for wanted in (PERMANENT, RETRYABLE):
         for code, why in codes:
             if code in wanted:
                 return code, f"{why}; conditions: {state.message}"
     if "deadline" in state.message.lower():
-        return int(ExitCode.RETRY_ME), f"job ran past activeDeadlineSeconds; conditions: {state.message}"
+        return int(ExitCode.RETRY_ME), f"job ran past its active deadline; conditions: {state.message}"
     if codes:
         code, why = codes[0]
         return int(ExitCode.BUG), f"{why} (exit code {code} is not in the contract); conditions: {state.message}"
@@ -332,20 +286,25 @@ def kube_api_client():
 
 
 class JobClient:
-    """The few PyTorchJob and pod calls the launcher makes, on one namespace."""
+    """The few job and pod calls the launcher makes, on one namespace: exactly what the backend's
+    Role in ``manifests/`` grants (create/get/list/watch/delete on the job; get/list on pods and logs)."""
 
-    def __init__(self, api_client, namespace: str) -> None:
+    def __init__(self, api_client, kind: JobKind, namespace: str) -> None:
         from kubernetes import client
 
         self.custom = client.CustomObjectsApi(api_client)
         self.core = client.CoreV1Api(api_client)
+        self.kind = kind
         self.namespace = namespace
+
+    def _resource(self) -> tuple[str, str, str, str]:
+        return self.kind.group, self.kind.version, self.namespace, self.kind.plural
 
     def get(self, name: str) -> dict | None:
         from kubernetes.client import ApiException
 
         try:
-            return self.custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, name)
+            return self.custom.get_namespaced_custom_object(*self._resource(), name)
         except ApiException as err:
             if err.status == 404:
                 return None
@@ -356,7 +315,7 @@ class JobClient:
         from kubernetes.client import ApiException
 
         try:
-            return self.custom.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, manifest)
+            return self.custom.create_namespaced_custom_object(*self._resource(), manifest)
         except ApiException as err:
             if err.status == 409:
                 return None
@@ -366,17 +325,17 @@ class JobClient:
         from kubernetes.client import ApiException
 
         try:
-            self.custom.delete_namespaced_custom_object(
-                GROUP, VERSION, self.namespace, PLURAL, name, body={"propagationPolicy": "Foreground"})
+            self.custom.delete_namespaced_custom_object(*self._resource(), name, body={"propagationPolicy": "Foreground"})
         except ApiException as err:
             if err.status != 404:
                 raise
 
     def pods(self, name: str) -> list[dict]:
-        resp = self.core.list_namespaced_pod(self.namespace, label_selector=f"{JOB_LABEL}={name}",
-                                             _preload_content=False)
+        selector = self.kind.pod_selector(name)
+        resp = self.core.list_namespaced_pod(self.namespace, label_selector=selector, _preload_content=False)
         items = json.loads(resp.data).get("items") or []
-        return [p for p in items if (p.get("metadata", {}).get("labels") or {}).get(JOB_LABEL) == name]
+        key, _, value = selector.partition("=")
+        return [p for p in items if (p.get("metadata", {}).get("labels") or {}).get(key) == value]
 
     def watch(self, name: str, read_timeout: float):
         """Yield ``(event type, job)`` for this job until the server or ``read_timeout`` ends the stream.
@@ -387,7 +346,7 @@ class JobClient:
         from kubernetes.watch.watch import iter_resp_lines
 
         resp = self.custom.list_namespaced_custom_object(
-            GROUP, VERSION, self.namespace, PLURAL, watch="true", field_selector=f"metadata.name={name}",
+            *self._resource(), watch="true", field_selector=f"metadata.name={name}",
             timeout_seconds=max(1, int(read_timeout)), _preload_content=False,
             _request_timeout=(10, read_timeout + 2))
         try:
@@ -402,7 +361,7 @@ class JobClient:
             resp.release_conn()
 
     def follow_log(self, pod: str, emit: Callable[[str], None]) -> None:
-        resp = self.core.read_namespaced_pod_log(pod, self.namespace, container="pytorch", follow=True,
+        resp = self.core.read_namespaced_pod_log(pod, self.namespace, container=self.kind.container, follow=True,
                                                  _preload_content=False)
         try:
             for raw in resp.stream(4096):
@@ -412,20 +371,18 @@ class JobClient:
             resp.release_conn()
 
 
-def _say(message: str) -> None:
-    print(f"launch[kubernetes]: {message}", file=sys.stderr, flush=True)
-
-
 class Launcher:
-    """Create-or-adopt, wait, map: one instance per launch attempt."""
+    """Create-or-adopt, wait, map: one instance per launch attempt, for either backend."""
 
-    def __init__(self, jobs: JobClient, *, timeout_seconds: float, say: Callable[[str], None] = _say,
+    def __init__(self, jobs: JobClient, *, timeout_seconds: float, say: Callable[[str], None] | None = None,
                  poll_seconds: float = 1.0) -> None:
         self.jobs = jobs
+        self.kind = jobs.kind
         self.timeout_seconds = timeout_seconds
-        self.say = say
+        self.say = say or (lambda message: print(f"launch[{self.kind.plural}]: {message}", file=sys.stderr, flush=True))
         self.poll_seconds = poll_seconds
         self._log_thread: threading.Thread | None = None
+        self._last: JobState | None = None
 
     def run(self, manifest: dict, rebuild: Callable[[], dict]) -> LaunchResult:
         """Drive the job named in ``manifest`` to its end. ``rebuild`` makes the manifest of a
@@ -435,10 +392,10 @@ class Launcher:
         job = self.jobs.get(name)
         recreated = False
         if job is not None:
-            state = job_state(job)
-            self.say(f"found job {name} from an earlier attempt: {state.phase}")
+            state = self.kind.state(job)
+            self.say(f"found {self.kind.kind} {name} from an earlier attempt: {state.phase}")
             if state.phase == "Failed":
-                code, why = failure_exit_code(job, self.jobs.pods(name))
+                code, why = failure_exit_code(self.kind, job, self.jobs.pods(name))
                 if code not in RETRYABLE:
                     return LaunchResult(exit_code=code, message=f"job {name} failed: {why}", job_name=name)
                 self.say(f"earlier job failed with retryable {code} ({why}); deleting and creating it again")
@@ -449,7 +406,7 @@ class Launcher:
             if created is None:
                 self.say(f"job {name} already exists (409): adopting it")
             else:
-                self.say(f"created PyTorchJob {self.jobs.namespace}/{name}")
+                self.say(f"created {self.kind.kind} {self.jobs.namespace}/{name}")
         result = self._wait(name, deadline=started + self.timeout_seconds)
         result.duration_seconds = time.monotonic() - started
         result.job_name = name
@@ -459,53 +416,69 @@ class Launcher:
 
     def _delete_and_wait(self, name: str) -> None:
         self.jobs.delete(name)
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + DELETE_WAIT_SECONDS
         while self.jobs.get(name) is not None:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"job {name} still exists 300 s after delete")
+                raise TimeoutError(f"job {name} still exists {DELETE_WAIT_SECONDS:g} s after delete")
             time.sleep(self.poll_seconds)
 
     def _wait(self, name: str, deadline: float) -> LaunchResult:
-        last_summary = last_phase = None
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                return LaunchResult(exit_code=int(ExitCode.RETRY_ME),
-                                    message=f"job {name} did not finish within {self.timeout_seconds:g} s; "
-                                            "it keeps running and the next attempt adopts it")
+                return self._timed_out(name)
             try:
-                for kind, job in self.jobs.watch(name, read_timeout=min(remaining, 60.0)):
-                    if kind == "DELETED":
+                for event, job in self.jobs.watch(name, read_timeout=min(remaining, WATCH_SECONDS)):
+                    if event == "DELETED":
                         return LaunchResult(exit_code=int(ExitCode.RETRY_ME),
                                             message=f"job {name} was deleted while launch waited")
-                    state = job_state(job)
-                    summary = replica_summary(job)
-                    if (state.phase, summary) != (last_phase, last_summary):
-                        self.say(f"{name}: {state.phase}" + (f" [{summary}]" if summary else ""))
-                        last_phase, last_summary = state.phase, summary
-                    if state.phase == "Running":
-                        self._start_log(name)
-                    if state.finished:
-                        return self._ended(name, job)
-                    if state.phase == "Pending":
-                        blocked = unstartable_reason(self.jobs.pods(name))
-                        if blocked:
-                            return LaunchResult(exit_code=int(ExitCode.BAD_INPUT),
-                                                message=f"job {name} cannot start: {blocked}")
+                    ended = self._observe(name, job)
+                    if ended is not None:
+                        return ended
             except _stream_errors() as err:
                 self.say(f"watch of {name} interrupted ({type(err).__name__}); watching again")
             # The stream ended (server timeout, read timeout, dropped connection): re-read and re-watch.
             job = self.jobs.get(name)
             if job is None:
                 return LaunchResult(exit_code=int(ExitCode.RETRY_ME), message=f"job {name} disappeared while launch waited")
-            if job_state(job).finished:
+            if self.kind.state(job).finished:
                 return self._ended(name, job)
 
+    def _observe(self, name: str, job: dict) -> LaunchResult | None:
+        """Report a change of state; return the result once the job has ended or can never start."""
+        state = self.kind.state(job)
+        summary = self.kind.summary(job)
+        last = self._last
+        if last is None or (state.phase, state.progress) != (last.phase, last.progress):
+            self.say(f"{name}: {state.phase}" + (f" [{summary}]" if summary else "")
+                     + (f" {state.progress}" if state.progress else ""))
+        self._last = state
+        if state.phase == "Running":
+            self._start_log(name)
+        if state.finished:
+            return self._ended(name, job)
+        if state.phase == "Pending":
+            blocked = unstartable_reason(self.jobs.pods(name))
+            if blocked:
+                return LaunchResult(exit_code=int(ExitCode.BAD_INPUT), message=f"job {name} cannot start: {blocked}")
+        return None
+
+    def _timed_out(self, name: str) -> LaunchResult:
+        """Out of time: 138 and the job is left as it is, so the next attempt adopts it."""
+        phase = self._last.phase if self._last else "Pending"
+        if phase == "Suspended":
+            why = "it stayed Suspended (not admitted, e.g. queued by Kueue)"
+        else:
+            why = unscheduled_reason(self.jobs.pods(name)) or f"it was {phase}"
+        return LaunchResult(exit_code=int(ExitCode.RETRY_ME),
+                            message=f"job {name} did not finish within {self.timeout_seconds:g} s: {why}; "
+                                    "it is left in place and the next attempt adopts it")
+
     def _ended(self, name: str, job: dict) -> LaunchResult:
-        state = job_state(job)
+        state = self.kind.state(job)
         if state.phase == "Succeeded":
             return LaunchResult(exit_code=0, message=f"job {name} succeeded", restarts=state.restarts)
-        code, why = failure_exit_code(job, self.jobs.pods(name))
+        code, why = failure_exit_code(self.kind, job, self.jobs.pods(name))
         return LaunchResult(exit_code=code, message=f"job {name} failed: {why}", restarts=state.restarts)
 
     def _start_log(self, name: str) -> None:
@@ -514,10 +487,14 @@ class Launcher:
 
         def follow() -> None:
             try:
-                self.jobs.follow_log(f"{name}-master-0", lambda line: print(f"[master] {line}", file=sys.stderr, flush=True))
+                node0 = next((p["metadata"]["name"] for p in self.jobs.pods(name) if self.kind.is_node0(p)), None)
+                if node0 is None:
+                    self.say("node-0 pod not found; no log to follow")
+                    return
+                self.jobs.follow_log(node0, lambda line: print(f"[node0] {line}", file=sys.stderr, flush=True))
             except Exception as err:  # noqa: BLE001 - the log is a courtesy; the watch decides the outcome
                 reason = getattr(err, "status", None) or str(err).splitlines()[0][:200]
-                self.say(f"master log unavailable: {type(err).__name__} {reason}")
+                self.say(f"node-0 log unavailable: {type(err).__name__} {reason}")
 
         self._log_thread = threading.Thread(target=follow, name=f"log-{name}", daemon=True)
         self._log_thread.start()
@@ -529,8 +506,10 @@ def _stream_errors() -> tuple[type[BaseException], ...]:
     return (urllib3.exceptions.HTTPError, TimeoutError, ConnectionError)
 
 
-def launch(config: RelaunchConfig, *, pipeline_run_id: str, resume_from: str | None) -> LaunchResult:
-    """Train ``config`` as a PyTorchJob and wait for it; same contract as the local backend.
+def launch_job(kind: JobKind, build: Callable[[str | None], dict], config: RelaunchConfig,
+               resume_from: str | None) -> LaunchResult:
+    """Create or adopt the job ``build(resume_from)`` describes and wait for it; the contract of
+    every backend.
 
     Returns a :class:`LaunchResult` whose ``exit_code`` follows the contract: 0, the job's permanent
     code, a retryable code (the step is retried and adopts or recreates the job), 2 when the API
@@ -539,12 +518,8 @@ def launch(config: RelaunchConfig, *, pipeline_run_id: str, resume_from: str | N
     from kubernetes.client import ApiException
 
     k8s = config.launch.kubernetes
-
-    def build(resume: str | None) -> dict:
-        return build_pytorchjob(config, pipeline_run_id=pipeline_run_id, resume_from=resume, owner=owner_from_env())
-
     try:
-        jobs = JobClient(kube_api_client(), k8s.namespace)
+        jobs = JobClient(kube_api_client(), kind, k8s.namespace)
         return Launcher(jobs, timeout_seconds=k8s.wait_timeout_seconds).run(build(resume_from), lambda: build(None))
     except BadInput as err:
         return LaunchResult(exit_code=int(ExitCode.BAD_INPUT), message=str(err))
@@ -554,6 +529,11 @@ def launch(config: RelaunchConfig, *, pipeline_run_id: str, resume_from: str | N
         return LaunchResult(exit_code=int(code), message=f"Kubernetes API refused the request: {err.status} {err.reason}")
     except (*_stream_errors(), OSError) as err:  # connection refused, DNS, TLS: the cluster may come back
         return LaunchResult(exit_code=int(ExitCode.RETRY_ME), message=f"Kubernetes API unreachable: {err}")
+
+
+def backend_module(config: RelaunchConfig):
+    """The module of ``launch.backend`` (:mod:`~components.launchers.local`, ``pytorchjob``, ``trainjob``)."""
+    return importlib.import_module(f"components.launchers.{config.launch.backend}")
 
 
 # --------------------------------------------------------------------------- the Argo exit handler
@@ -566,26 +546,40 @@ class DeleteOutputs:
 
 
 def delete_job(config: RelaunchConfig, pipeline_run_id: str = "") -> DeleteOutputs:
-    """Delete this pipeline run's PyTorchJob (the exit handler of a failed or stopped workflow).
+    """Delete this pipeline run's training job (the exit handler of a failed or stopped workflow).
+
+    Deleting a job that is already gone succeeds, so the handler can be retried safely.
 
     Raises:
         BadInput: no pipeline run id, or no Kubernetes credentials.
     """
     if not pipeline_run_id:
-        raise BadInput("delete-pytorchjob: --input pipeline_run_id=ID is required")
+        raise BadInput("delete-training-job: --input pipeline_run_id=ID is required")
     name = job_name(config.name, pipeline_run_id, STEP)
-    jobs = JobClient(kube_api_client(), config.launch.kubernetes.namespace)
-    existed = jobs.get(name) is not None
-    if existed:
-        jobs.delete(name)
-        _say(f"deleted PyTorchJob {jobs.namespace}/{name}")
+    if not config.launch.on_cluster:
+        return DeleteOutputs(job_name=name, deleted=False)
+    from kubernetes.client import ApiException
+
+    kind = backend_module(config).KIND
+    jobs = JobClient(kube_api_client(), kind, config.launch.kubernetes.namespace)
+    try:
+        existed = jobs.get(name) is not None
+        if existed:
+            jobs.delete(name)
+            print(f"delete-training-job: deleted {kind.kind} {jobs.namespace}/{name}", file=sys.stderr)
+    except ApiException as err:
+        if err.status in (400, 401, 403, 422):
+            raise BadInput(f"Kubernetes API refused deleting {kind.kind} {name}: {err.status} {err.reason}") from None
+        raise TransientFailure(f"deleting {kind.kind} {name}: {err.status} {err.reason}") from None
+    except (*_stream_errors(), OSError) as err:
+        raise TransientFailure(f"Kubernetes API unreachable while deleting {kind.kind} {name}: {err}") from None
     return DeleteOutputs(job_name=name, deleted=existed)
 
 
-run = delete_job  # what ``python -m components.launchers.kubernetes`` (the step CLI) runs
+run = delete_job  # what ``python -m components.launchers.cluster`` (the step CLI) runs
 
 
 if __name__ == "__main__":
     from components.core.stepcli import step_main
 
-    sys.exit(step_main("delete-pytorchjob", delete_job))
+    sys.exit(step_main("delete-training-job", delete_job))
