@@ -6,10 +6,15 @@ from __future__ import annotations
 import pytest
 
 from components.core.exitcodes import PERMANENT, RETRYABLE, ExitCode
-from components.launchers.kubernetes import failure_exit_code, job_state, unstartable_reason
+from components.launchers.cluster import failure_exit_code as map_failure, unstartable_reason
+from components.launchers.pytorchjob import KIND, job_state
 from tests.k8s.conftest import condition, terminated
 
 FAILED = {"status": {"conditions": [condition("Running"), condition("Failed", "PyTorchJob failed")]}}
+
+
+def failure_exit_code(job: dict, pods: list[dict]) -> tuple[int, str]:
+    return map_failure(KIND, job, pods)
 
 
 def pod(name: str, status: dict) -> dict:
