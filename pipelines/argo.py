@@ -38,9 +38,13 @@ DELETE_JOB = "delete-training-job"
 MODULES = {**STEP_MODULES, DELETE_JOB: "components.launchers.cluster"}  # the same step names as KFP
 # The exit handler's steps: quick API calls retried often, so a transient error never orphans a job.
 EXIT_HANDLER_RETRY = RetryPolicy(limit=5, backoff_seconds=5, factor=2, max_backoff_seconds=60)
-# Argo's maxDuration counts from a step's first attempt; this bounds one attempt of a step other than
-# launch (whose bound is launch.kubernetes.wait_timeout_seconds). No step but launch comes near it.
+# Argo's maxDuration counts from a step's first attempt, so it is (retries + 1) x one attempt's bound
+# + the backoffs. One attempt of launch is bounded by launch.kubernetes.wait_timeout_seconds; of any
+# other step by STEP_ATTEMPT_SECONDS (no step but launch comes near it); of an exit-handler step (one
+# MLflow or Kubernetes API call) by EXIT_HANDLER_ATTEMPT_SECONDS.
 STEP_ATTEMPT_SECONDS = 3600
+EXIT_HANDLER_ATTEMPT_SECONDS = 600
+EXIT_HANDLER_STEPS = ("finalize", DELETE_JOB)
 WORKFLOW_OWNER = {"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow",
                   "name": "{{workflow.name}}", "uid": "{{workflow.uid}}"}
 
@@ -66,9 +70,12 @@ def step_outputs(step: str) -> list[str]:
 def retry_strategy(step: str, config: RelaunchConfig) -> RetryStrategy:
     """The table's retries; Argo's maxDuration counts from the first attempt's start, so it must
     outlast every attempt (a launch waits up to ``wait_timeout_seconds``) plus the backoffs."""
-    policy = EXIT_HANDLER_RETRY if step in ("finalize", DELETE_JOB) else RETRY_POLICIES[step]
+    policy = EXIT_HANDLER_RETRY if step in EXIT_HANDLER_STEPS else RETRY_POLICIES[step]
     backoffs = sum(min(policy.backoff_seconds * policy.factor**i, policy.max_backoff_seconds) for i in range(policy.limit))
-    attempt = int(config.launch.kubernetes.wait_timeout_seconds) if step == "launch" else STEP_ATTEMPT_SECONDS
+    if step == "launch":
+        attempt = int(config.launch.kubernetes.wait_timeout_seconds)
+    else:
+        attempt = EXIT_HANDLER_ATTEMPT_SECONDS if step in EXIT_HANDLER_STEPS else STEP_ATTEMPT_SECONDS
     return RetryStrategy(
         limit=policy.limit,
         retry_policy="Always",  # the default (OnFailure) never retries Error; the expression decides
