@@ -245,3 +245,25 @@ async def test_an_unreachable_api_server_is_a_retryable_failure(k8s_config, tmp_
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     result = await asyncio.to_thread(launch, k8s_config)
     assert result.exit_code == ExitCode.RETRY_ME
+
+
+async def test_the_exit_handler_deletes_this_runs_job_and_succeeds_again_once_it_is_gone(cluster, k8s_config):
+    from components.launchers.cluster import delete_job
+
+    await cluster.put_job(cluster.op.build(k8s_config, pipeline_run_id=RUN_ID), cluster.op.running())
+    await cluster.put_job(cluster.op.build(k8s_config, pipeline_run_id="another-run"), cluster.op.running())
+    first = await asyncio.to_thread(delete_job, k8s_config, RUN_ID)
+    assert first.deleted
+    assert [j["metadata"]["annotations"]["relaunch.dev/pipeline-run-id"] for j in cluster.jobs()] == ["another-run"]
+    again = await asyncio.to_thread(delete_job, k8s_config, RUN_ID)  # a retried exit handler
+    assert (again.deleted, again.job_name) == (False, first.job_name)
+
+
+async def test_a_transient_api_error_in_the_exit_handler_is_retryable(cluster, k8s_config):
+    from components.core.errors import TransientFailure
+    from components.launchers.cluster import delete_job
+
+    name = cluster.op.build(k8s_config, pipeline_run_id=RUN_ID)["metadata"]["name"]
+    cluster.kmock["get", f"{cluster.op.jobs_path}/{name}"] << 503
+    with pytest.raises(TransientFailure):
+        await asyncio.to_thread(delete_job, k8s_config, RUN_ID)
