@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable
 from components.core.config import RelaunchConfig
 from components.core.errors import BadInput, TransientFailure
 from components.core.exitcodes import PERMANENT, RETRYABLE, ExitCode, normalize
-from components.core.k8s_naming import job_name
+from components.core.k8s_naming import job_name, run_hash
 from components.launchers import LaunchResult
 
 RUN_LABEL = "relaunch.dev/pipeline-run"
@@ -101,9 +101,11 @@ def plain_env(k8s) -> list[dict[str, Any]]:
     return env
 
 
-def training_env(k8s, pipeline_run_id: str) -> list[dict[str, Any]]:
-    """The training container's whole environment: plain values, the run id, credentials by reference."""
-    return plain_env(k8s) + [{"name": "RELAUNCH_PIPELINE_RUN_ID", "value": pipeline_run_id}] + secret_env(k8s)
+def training_env(k8s, pipeline_run_id: str | None) -> list[dict[str, Any]]:
+    """The training container's whole environment: plain values, the run id (when there is one: a
+    runtime serves many runs), credentials by reference."""
+    run = [{"name": "RELAUNCH_PIPELINE_RUN_ID", "value": pipeline_run_id}] if pipeline_run_id else []
+    return plain_env(k8s) + run + secret_env(k8s)
 
 
 def resources(k8s) -> dict[str, dict[str, str]]:
@@ -130,8 +132,6 @@ def supervised(torchrun_args: list[str]) -> list[str]:
 
 def job_metadata(config: RelaunchConfig, pipeline_run_id: str, owner: dict | None) -> dict[str, Any]:
     """Name, namespace, labels, run annotation and the optional owner reference of a training job."""
-    from components.core.k8s_naming import run_hash
-
     metadata: dict[str, Any] = {
         "name": job_name(config.name, pipeline_run_id, STEP),
         "namespace": config.launch.kubernetes.namespace,

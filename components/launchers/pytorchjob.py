@@ -109,7 +109,8 @@ def build_pytorchjob(config: RelaunchConfig, *, pipeline_run_id: str, resume_fro
         replica_specs["Worker"] = replicas(launch.nodes - 1)
     job = kf.KubeflowOrgV1PyTorchJob(
         api_version=f"{GROUP}/{VERSION}", kind=KIND_NAME,
-        metadata=k.V1ObjectMeta(**{_snake(key): value for key, value in metadata.items()}),
+        metadata=k.V1ObjectMeta(name=metadata["name"], namespace=metadata["namespace"], labels=metadata["labels"],
+                                annotations=metadata["annotations"], owner_references=metadata.get("ownerReferences")),
         spec=kf.KubeflowOrgV1PyTorchJobSpec(
             elastic_policy=kf.KubeflowOrgV1ElasticPolicy(
                 rdzv_backend="c10d", min_replicas=launch.min_nodes or launch.nodes, max_replicas=launch.nodes,
@@ -120,10 +121,6 @@ def build_pytorchjob(config: RelaunchConfig, *, pipeline_run_id: str, resume_fro
                 active_deadline_seconds=k8s.active_deadline_seconds),
             pytorch_replica_specs=replica_specs))
     return k.ApiClient().sanitize_for_serialization(job)
-
-
-def _snake(key: str) -> str:
-    return "".join(f"_{c.lower()}" if c.isupper() else c for c in key)
 
 
 def launch(config: RelaunchConfig, *, pipeline_run_id: str, resume_from: str | None) -> LaunchResult:

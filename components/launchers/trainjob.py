@@ -130,7 +130,7 @@ def build_runtime(config: RelaunchConfig | None = None) -> dict:
         "containers": [{
             "name": NODE, "image": k8s.image, "imagePullPolicy": k8s.image_pull_policy,
             "command": command(config, trainjob.runtime),
-            "env": [e for e in training_env(k8s, "") if e["name"] != "RELAUNCH_PIPELINE_RUN_ID"],
+            "env": training_env(k8s, None),
             "resources": resources(k8s),
             "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
         }],
