@@ -12,13 +12,13 @@ checkpoint, because the trainer always does).
 
 from __future__ import annotations
 
-import importlib
 import json
 import sys
 from dataclasses import dataclass
 
 from components.core.config import RelaunchConfig
 from components.core.errors import RelaunchError
+from components.launchers import backend_module
 
 
 @dataclass
@@ -47,7 +47,7 @@ def run(config: RelaunchConfig, resume_from: str = "", pipeline_run_id: str = ""
     Raises:
         LaunchFailed: the training's exit code (retryable ones make the pipeline retry this step).
     """
-    backend = importlib.import_module(f"components.launchers.{config.launch.backend}")  # local|pytorchjob|trainjob
+    backend = backend_module(config)  # local | pytorchjob | trainjob
     result = backend.launch(config, pipeline_run_id=pipeline_run_id, resume_from=resume_from or None)
     if result.exit_code != 0:
         raise LaunchFailed(result.exit_code, result.message or f"training failed with exit code {result.exit_code}")

@@ -114,7 +114,7 @@ class TrainConfig(_Model):
 
 
 class KubernetesConfig(_Model):
-    namespace: str = Field("relaunch", description="Namespace of the PyTorchJob and the pipeline pods.")
+    namespace: str = Field("relaunch", description="Namespace of the training job (TrainJob or PyTorchJob) and the pipeline pods.")
     image: str = Field("ghcr.io/relaunch/relaunch:0.1.0", description="Image every step and worker runs.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent", description="imagePullPolicy of every pod.")
     service_account: str = Field("relaunch-pipeline", description="ServiceAccount of the pipeline pods and workers.")
@@ -131,10 +131,10 @@ class KubernetesConfig(_Model):
     store_endpoint: str | None = Field("http://minio.relaunch.svc:9000", description="AWS_ENDPOINT_URL given to pods.")
     backoff_limit: int = Field(6, ge=0, description="PyTorchJob runPolicy.backoffLimit: pod restarts before the job fails.")
     clean_pod_policy: Literal["None", "Running", "All"] = Field("None", description="PyTorchJob runPolicy.cleanPodPolicy.")
-    ttl_seconds_after_finished: int = Field(86400, ge=0, description="Delete the finished PyTorchJob after this long.")
-    active_deadline_seconds: int | None = Field(None, ge=1, description="PyTorchJob runPolicy.activeDeadlineSeconds.")
+    ttl_seconds_after_finished: int = Field(86400, ge=0, description="Delete the finished job after this long (PyTorchJob runPolicy; the runtime's JobSet).")
+    active_deadline_seconds: int | None = Field(None, ge=1, description="Deadline of the running job (PyTorchJob runPolicy, TrainJob spec.activeDeadlineSeconds).")
     termination_grace_period_seconds: int = Field(30, ge=1, description="Pod grace period between SIGTERM and SIGKILL.")
-    wait_timeout_seconds: float = Field(86400.0, gt=0, description="How long launch waits for the job.")
+    wait_timeout_seconds: float = Field(86400.0, gt=0, description="How long launch waits for the job, queued or running; then 138, and the next attempt adopts it.")
 
 
 class TrainJobConfig(_Model):

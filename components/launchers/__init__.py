@@ -9,6 +9,7 @@ torchrun command of :mod:`components.launchers.torchrun`.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 
 
@@ -22,3 +23,8 @@ class LaunchResult:
     resumed_from_steps: list[int] = field(default_factory=list)
     duration_seconds: float = 0.0
     job_name: str | None = None
+
+
+def backend_module(config):
+    """The module of ``config.launch.backend``: :mod:`~components.launchers.local`, ``pytorchjob`` or ``trainjob``."""
+    return importlib.import_module(f"components.launchers.{config.launch.backend}")

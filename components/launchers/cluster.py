@@ -25,7 +25,6 @@ failed, permanent cause    fail with that exit code
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import sys
@@ -38,7 +37,7 @@ from components.core.config import RelaunchConfig
 from components.core.errors import BadInput, TransientFailure
 from components.core.exitcodes import PERMANENT, RETRYABLE, ExitCode, normalize
 from components.core.k8s_naming import job_name, run_hash
-from components.launchers import LaunchResult
+from components.launchers import LaunchResult, backend_module
 
 RUN_LABEL = "relaunch.dev/pipeline-run"
 RUN_ANNOTATION = "relaunch.dev/pipeline-run-id"
@@ -529,11 +528,6 @@ def launch_job(kind: JobKind, build: Callable[[str | None], dict], config: Relau
         return LaunchResult(exit_code=int(code), message=f"Kubernetes API refused the request: {err.status} {err.reason}")
     except (*_stream_errors(), OSError) as err:  # connection refused, DNS, TLS: the cluster may come back
         return LaunchResult(exit_code=int(ExitCode.RETRY_ME), message=f"Kubernetes API unreachable: {err}")
-
-
-def backend_module(config: RelaunchConfig):
-    """The module of ``launch.backend`` (:mod:`~components.launchers.local`, ``pytorchjob``, ``trainjob``)."""
-    return importlib.import_module(f"components.launchers.{config.launch.backend}")
 
 
 # --------------------------------------------------------------------------- the Argo exit handler
