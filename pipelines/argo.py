@@ -13,7 +13,7 @@ that holds GPUs.
 Wiring only: every step is ``python -m components.<step>`` in the project image (its outputs are the
 files the step CLI writes); retries come from :data:`components.core.exitcodes.RETRY_POLICIES` and
 the expression from :func:`~components.core.exitcodes.argo_retry_expression`; credentials are
-``secretKeyRef`` env entries (:func:`components.launchers.cluster.secret_env`).
+``secretKeyRef`` env entries (:func:`components.launchers.jobs.secret_env`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from hera.workflows import models as m
 from components import STEP_MODULES
 from components.core.config import RelaunchConfig
 from components.core.exitcodes import RETRY_POLICIES, RetryPolicy, argo_retry_expression
-from components.launchers.cluster import OWNER_ENV, plain_env, secret_env
+from components.launchers.jobs import OWNER_ENV, plain_env, secret_env
 
 OUTPUTS_DIR = "/tmp/outputs"
 ARTIFACT_REPOSITORY = m.ArtifactRepositoryRef(config_map="artifact-repositories", key="minio")

@@ -30,7 +30,7 @@ def secret_env_config(config: RelaunchConfig) -> dict:
     """
     from kfp import compiler, dsl, kubernetes
 
-    from components.launchers.cluster import secret_env_sources
+    from components.launchers.jobs import secret_env_sources
 
     k8s = config.launch.kubernetes
 

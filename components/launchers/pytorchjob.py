@@ -4,7 +4,8 @@ the Training Operator (Kubeflow up to 26.03); newer installs run Trainer v2 (bac
 
     relaunch render pytorchjob -o job.yaml --set launch.nodes=4
 
-The contract (adopt or create, watch, map the end to an exit code) is :mod:`components.launchers.cluster`.
+The contract (adopt or create, watch, map the end to an exit code) is :mod:`components.launchers.cluster`;
+what every job is made of, :mod:`components.launchers.jobs`.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from typing import Any
 
 from components.core.config import RelaunchConfig
 from components.launchers import LaunchResult
-from components.launchers.cluster import (
-    RUN_LABEL, JobKind, JobState, describe_conditions, job_metadata, launch_job, owner_from_env, resources, supervised,
+from components.launchers.cluster import launch_job
+from components.launchers.jobs import (
+    RUN_LABEL, JobKind, JobState, describe_conditions, job_metadata, owner_from_env, resources, supervised,
     training_env, worker_config,
 )
 from components.launchers.torchrun import torchrun_args

@@ -21,9 +21,10 @@ from typing import Any
 from components.core.config import RelaunchConfig
 from components.core.exitcodes import RETRYABLE
 from components.launchers import LaunchResult
-from components.launchers.cluster import (
-    RUN_LABEL, JobKind, JobState, describe_conditions, job_metadata, launch_job, owner_from_env, resources,
-    supervised, training_env, worker_config,
+from components.launchers.cluster import launch_job
+from components.launchers.jobs import (
+    JobKind, JobState, describe_conditions, job_metadata, owner_from_env, resources, supervised,
+    training_env, worker_config,
 )
 from components.launchers.torchrun import torchrun_args
 
@@ -255,5 +256,3 @@ def launch(config: RelaunchConfig, *, pipeline_run_id: str, resume_from: str | N
 
     return launch_job(KIND, build, config, resume_from)
 
-
-__all__ = ["KIND", "RUN_LABEL", "build_runtime", "build_trainjob", "jobset_action", "launch"]

@@ -17,7 +17,6 @@ import yaml
 from components.core.config import RelaunchConfig, load_config
 
 NAMESPACE = "relaunch-test"
-JOBS = "/apis/kubeflow.org/v1/namespaces/relaunch-test/pytorchjobs"
 BACKENDS = ("pytorchjob", "trainjob")
 
 

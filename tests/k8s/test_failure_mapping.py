@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from components.core.exitcodes import PERMANENT, RETRYABLE, ExitCode
-from components.launchers.cluster import failure_exit_code as map_failure, unstartable_reason
+from components.launchers.jobs import failure_exit_code as map_failure, unstartable_reason
 from components.launchers.pytorchjob import KIND, job_state
 from tests.k8s.conftest import condition, terminated
 

@@ -16,7 +16,7 @@ from components.core.exitcodes import RETRY_POLICIES, STEPS
 from components.launchers.pytorchjob import build_pytorchjob
 from components.launchers.trainjob import build_runtime, build_trainjob
 from pipelines.commands.compile import render
-from components.launchers.cluster import STORE_SECRET_KEYS, TRACKING_SECRET_KEYS
+from components.launchers.jobs import STORE_SECRET_KEYS, TRACKING_SECRET_KEYS
 from tests.services import S3_ACCESS_KEY, S3_SECRET_KEY
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ from jsonschema import Draft7Validator
 
 from components.core.config import load_config
 from components.core.k8s_naming import MAX_JOB_NAME, job_name
-from components.launchers.cluster import owner_from_env
+from components.launchers.jobs import owner_from_env
 from components.launchers.pytorchjob import build_pytorchjob
 
 OWNER = {"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow", "name": "relaunch-x7k2p", "uid": "5b0c-uid"}
