@@ -28,7 +28,8 @@ CONTAINER = "pytorch"  # the Training Operator finds the training container by t
 
 
 def job_state(job: dict) -> JobState:
-    """Read the job's conditions; the newest true Succeeded/Failed condition ends it."""
+    """Read the job's conditions; the newest true Succeeded/Failed condition ends it. ``Suspended``
+    (runPolicy.suspend, set by Kueue until it admits the job) waits like a TrainJob's."""
     conditions = (job.get("status") or {}).get("conditions") or []
     true = [c for c in conditions if str(c.get("status")) == "True"]
     restarts = sum(1 for c in conditions if c.get("type") == "Restarting")
@@ -36,7 +37,9 @@ def job_state(job: dict) -> JobState:
         if cond.get("type") in ("Succeeded", "Failed"):
             return JobState(cond["type"], describe_conditions(conditions), restarts)
     running = any(c.get("type") == "Running" for c in true)
-    return JobState("Running" if running else "Pending", describe_conditions(conditions), restarts)
+    suspended = any(c.get("type") == "Suspended" for c in true)
+    phase = "Suspended" if suspended and not running else "Running" if running else "Pending"
+    return JobState(phase, describe_conditions(conditions), restarts)
 
 
 def replica_summary(job: dict) -> str:

@@ -54,7 +54,7 @@ class Operator:
         return {"conditions": [condition("Failed", message or "the job failed")]}
 
     def suspended(self) -> dict:
-        return {"conditions": [condition("Suspended", "TrainJob is suspended", reason="Suspended")]}
+        return {"conditions": [condition("Suspended", f"{self.kind} is suspended", reason="Suspended")]}
 
     def terminated(self, code: int, reason: str = "Error") -> dict:
         return terminated(code, reason, container=self.container)

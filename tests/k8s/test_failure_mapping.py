@@ -68,6 +68,7 @@ def test_a_container_restarted_in_place_reports_its_last_termination():
     ([condition("Running"), condition("Succeeded")], "Succeeded"),
     ([condition("Running"), condition("Failed")], "Failed"),
     ([condition("Running"), {"type": "Failed", "status": "False"}], "Running"),
+    ([condition("Created"), condition("Suspended")], "Suspended"),
 ])
 def test_the_job_phase_is_read_from_its_newest_true_condition(conditions, phase):
     assert job_state({"status": {"conditions": conditions}}).phase == phase

@@ -131,9 +131,7 @@ async def test_a_succeeded_job_from_an_earlier_attempt_means_success_without_cre
     assert not cluster.requests("POST")
 
 
-async def test_a_suspended_job_is_waited_for_not_failed_until_it_is_admitted_and_ends(cluster, k8s_config, backend):
-    if backend == "pytorchjob":
-        pytest.skip("a PyTorchJob has no Suspended condition to report (Kueue suspends it through runPolicy.suspend)")
+async def test_a_suspended_job_is_waited_for_not_failed_until_it_is_admitted_and_ends(cluster, k8s_config):
     manifest = cluster.op.build(k8s_config, pipeline_run_id=RUN_ID)
     name = manifest["metadata"]["name"]
     await cluster.put_job(manifest, cluster.op.suspended())
@@ -147,9 +145,7 @@ async def test_a_suspended_job_is_waited_for_not_failed_until_it_is_admitted_and
     assert (await task).exit_code == 0
 
 
-async def test_a_job_still_suspended_at_the_timeout_is_a_retryable_138_and_is_left_queued(cluster, k8s_config, backend):
-    if backend == "pytorchjob":
-        pytest.skip("a PyTorchJob has no Suspended condition")
+async def test_a_job_still_suspended_at_the_timeout_is_a_retryable_138_and_is_left_queued(cluster, k8s_config):
     k8s_config.launch.kubernetes.wait_timeout_seconds = 1.0
     await cluster.put_job(cluster.op.build(k8s_config, pipeline_run_id=RUN_ID), cluster.op.suspended())
     result = await asyncio.to_thread(launch, k8s_config)
@@ -160,13 +156,12 @@ async def test_a_job_still_suspended_at_the_timeout_is_a_retryable_138_and_is_le
 
 async def test_pods_that_never_schedule_end_the_launch_with_138_after_the_timeout(cluster, k8s_config):
     k8s_config.launch.kubernetes.wait_timeout_seconds = 1.0
-    task = start_launch(k8s_config)
-    await cluster.wait_for(lambda: cluster.jobs(), "the job to be created")
-    name = cluster.jobs()[0]["metadata"]["name"]
+    name = cluster.op.build(k8s_config, pipeline_run_id=RUN_ID)["metadata"]["name"]
+    # The pod is there before the launch starts, so what it finds at the timeout does not race it.
     await cluster.add_pod(name, {"phase": "Pending", "conditions": [
         {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
          "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}]})
-    result = await task
+    result = await asyncio.to_thread(launch, k8s_config)
     assert result.exit_code == ExitCode.RETRY_ME
     assert "Unschedulable" in result.message and "Insufficient nvidia.com/gpu" in result.message
     assert len(cluster.jobs()) == 1 and not cluster.requests("DELETE"), "the next attempt adopts it"
