@@ -19,8 +19,10 @@ loads where ``mytask`` is not installed), with this module as the ``loader_modul
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,7 +90,7 @@ def _step(checkpoint_uri: str) -> int:
 
 def _register(client, config: RelaunchConfig, checkpoint_uri: str, model_id: str, metrics: dict) -> str:
     """A new version of ``registry.model_name`` made from the LoggedModel ``model_id``."""
-    from components.core.tracking import _call
+    from components.core.tracking import _call, tracking_uri
 
     name, run_id = config.registry.model_name, config.tracking.run_id
     tags = {TAG + "checkpoint_uri": checkpoint_uri, TAG + "dataset_version": config.data.version or "",
@@ -100,12 +102,34 @@ def _register(client, config: RelaunchConfig, checkpoint_uri: str, model_id: str
             client.create_registered_model(name, description="Registered by relaunch's register step.")
         except Exception:  # another pipeline created it first; the search below proves it exists
             _call("read the registered model", client.get_registered_model, name)
-    # the logged model's own location, not models:/<id>: a database-backed registry resolves that
-    # through the process-wide tracking URI, not this client's
-    location = _call("read the logged model", client.get_logged_model, model_id).artifact_location
-    version = _call("register the model", client.create_model_version, name, location,
-                    run_id=run_id, tags=tags, model_id=model_id)
+    # source models:/<id> is what links the version to its LoggedModel (the registry stores no model_id)
+    with _process_tracking_uri(tracking_uri(config)):
+        version = _call("register the model", client.create_model_version, name, f"models:/{model_id}",
+                        run_id=run_id, tags=tags, model_id=model_id)
     return str(version.version)
+
+
+@contextlib.contextmanager
+def _process_tracking_uri(uri: str):
+    """MLflow's database-backed registry resolves ``models:/<id>`` through the process-wide tracking
+    URI, not the client's: set it for the call, then put back what was there (a server resolves it
+    itself, so ``http(s)://`` needs nothing)."""
+    if uri.startswith(("http://", "https://")):
+        yield
+        return
+    import mlflow
+    from mlflow.tracking._tracking_service import utils
+
+    saved, saved_env = utils._tracking_uri, os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        utils._tracking_uri = saved
+        if saved_env is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = saved_env
 
 
 def save_model(config: RelaunchConfig, checkpoint_uri: str, path: Path, task=None, model=None) -> None:

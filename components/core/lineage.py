@@ -29,6 +29,7 @@ EXPERIMENT_KIND = "custom_model_development"  # MLflow 3's "Model training" expe
 DESCRIPTION_TAG = "mlflow.note.content"  # the run's / experiment's description in the UI
 CHECKPOINT_TAG = "relaunch.checkpoint_uri"
 MODEL_TYPE = "relaunch-checkpoint"
+OUTCOME = "**Outcome:"  # where finalize's part of the run description begins
 SYSTEM_METRICS_SECONDS = 5.0  # sampling interval; MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL wins
 DATASET_CONTEXT = "training"
 
@@ -101,7 +102,7 @@ def plan_description(config, dataset_version: str, dataset_uri: str) -> str:
 
 def outcome_description(config, run, status: str, summary: dict | None, versions: list) -> str:
     """What the pipeline did, appended to the plan by finalize."""
-    lines = [f"**Outcome: {status}.**"]
+    lines = [f"{OUTCOME} {status}.**"]
     if summary:
         resumed = [s for s in summary.get("resumed_from_steps", []) if s >= 0]
         restarts = max(0, int(summary.get("attempts", 1)) - 1)
@@ -128,9 +129,11 @@ def describe_run(config, run_id: str, dataset_version: str, dataset_uri: str) ->
     from components.core.tracking import _call, _client, tracking_uri
 
     client = _client(tracking_uri(config))
-    tags = {**source_tags(config), DESCRIPTION_TAG: plan_description(config, dataset_version, dataset_uri)}
-    _call("tag the run", client.log_batch, run_id, tags=[RunTag(k, v) for k, v in tags.items()])
     run = _call("read the run", client.get_run, run_id)
+    outcome = run.data.tags.get(DESCRIPTION_TAG, "").partition(OUTCOME)[1:]  # kept until finalize rewrites it
+    description = plan_description(config, dataset_version, dataset_uri) + ("\n\n" + "".join(outcome) if outcome[0] else "")
+    tags = {**source_tags(config), DESCRIPTION_TAG: description}
+    _call("tag the run", client.log_batch, run_id, tags=[RunTag(k, v) for k, v in tags.items()])
     experiment = _call("read the experiment", client.get_experiment, run.info.experiment_id)
     if DESCRIPTION_TAG not in experiment.tags:
         _call("describe the experiment", client.set_experiment_tag, experiment.experiment_id, DESCRIPTION_TAG,
@@ -147,7 +150,7 @@ def describe_outcome(config, run_id: str, status: str) -> None:
 
     client = _client(tracking_uri(config))
     run = _call("read the run", client.get_run, run_id)
-    plan = run.data.tags.get(DESCRIPTION_TAG, "").split("\n\n**Outcome:")[0]
+    plan = run.data.tags.get(DESCRIPTION_TAG, "").partition(OUTCOME)[0].strip()
     versions = _call("search model versions", client.search_model_versions, f"run_id = '{run_id}'")
     versions = [_call("read the version", client.get_model_version, v.name, v.version) for v in versions]
     text = outcome_description(config, run, status, _training_summary(config), versions)
