@@ -106,7 +106,20 @@ def _register(client, config: RelaunchConfig, checkpoint_uri: str, model_id: str
     with _process_tracking_uri(tracking_uri(config)):
         version = _call("register the model", client.create_model_version, name, f"models:/{model_id}",
                         run_id=run_id, tags=tags, model_id=model_id)
+    _link_version_to_logged_model(client, model_id, name, str(version.version))
     return str(version.version)
+
+
+def _link_version_to_logged_model(client, model_id: str, name: str, version: str) -> None:
+    """The logged model's ``mlflow.modelVersions`` tag, as ``mlflow.register_model`` writes it: the
+    UI's "Registered models" column of the run's logged models."""
+    from components.core.tracking import _call
+
+    model = _call("read the logged model", client.get_logged_model, model_id)
+    versions = json.loads(model.tags.get("mlflow.modelVersions") or "[]")
+    if {"name": name, "version": version} not in versions:
+        _call("tag the logged model", client.set_logged_model_tags, model_id,
+              {"mlflow.modelVersions": json.dumps(versions + [{"name": name, "version": version}])})
 
 
 @contextlib.contextmanager

@@ -294,22 +294,49 @@ def log_model_metrics(config, model_id: str, metrics: dict[str, float], step: in
 def start_system_metrics(config, run_id: str | None, env):
     """On each node's local rank 0: MLflow's system-metrics monitor (CPU, memory, disk, network,
     GPU when present) logging ``system/node-<node rank>/...`` into the run until the process
-    exits; None elsewhere. A monitor that cannot start costs a warning, never the training."""
+    exits; None elsewhere. It is built and started on a daemon thread (building it asks the server
+    for the last logged step), so neither the mlflow import nor a tracking server that is away
+    delays training; a monitor that cannot start costs one line on stderr, never the training."""
+    import threading
+
     if not run_id or env.local_rank != 0:
         return None
-    import mlflow.system_metrics
-    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-    from components.core.tracking import tracking_uri
-
     node = f"node-{env.node_rank}"
-    mlflow.system_metrics.set_system_metrics_node_id(node)
-    try:
-        monitor = SystemMetricsMonitor(run_id, sampling_interval=SYSTEM_METRICS_SECONDS, node_id=node,
-                                       resume_logging=True, tracking_uri=tracking_uri(config))
-    except Exception as err:  # psutil missing, the server away: the training goes on without them
-        print(f"relaunch: no system metrics on {node}: {err}", file=sys.stderr)
-        return None
-    monitor.start()
-    atexit.register(monitor.finish)  # flushes the last samples; a SIGKILLed attempt loses only those
-    return monitor
+    started: dict = {}
+
+    def begin() -> None:
+        try:
+            import mlflow.system_metrics
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            from components.core.tracking import tracking_uri
+
+            mlflow.system_metrics.set_system_metrics_node_id(node)
+            monitor = SystemMetricsMonitor(run_id, sampling_interval=SYSTEM_METRICS_SECONDS, node_id=node,
+                                           resume_logging=True, tracking_uri=tracking_uri(config))
+        except Exception as err:  # psutil missing, the server away: the training goes on without them
+            print(f"relaunch: no system metrics on {node}: {err}", file=sys.stderr)
+            return
+        started["monitor"] = monitor
+        monitor.start()
+
+    starter = threading.Thread(target=begin, name="relaunch-system-metrics", daemon=True)
+    starter.start()
+    atexit.register(stop_system_metrics, starter, started)
+    return starter
+
+
+def stop_system_metrics(starter, started: dict, timeout: float = 5.0) -> None:
+    """Stop the monitor and send its last samples, waiting at most ``timeout`` seconds in all: a
+    process told to go (preemption's grace period) must not wait on a tracking server that is
+    away. A SIGKILLed attempt loses only the samples since the last send."""
+    import threading
+
+    deadline = time.monotonic() + timeout
+    starter.join(timeout)
+    monitor = started.get("monitor")
+    if monitor is None:
+        return
+    stopper = threading.Thread(target=monitor.finish, name="relaunch-system-metrics-stop", daemon=True)
+    stopper.start()
+    stopper.join(max(0.0, deadline - time.monotonic()))
