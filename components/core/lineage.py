@@ -326,8 +326,9 @@ def start_system_metrics(config, run_id: str | None, env):
     return starter
 
 
-def stop_system_metrics(starter, started: dict, timeout: float = 5.0) -> None:
-    """Stop the monitor and send its last samples, waiting at most ``timeout`` seconds in all: a
+def stop_system_metrics(starter, started: dict, timeout: float = 10.0) -> None:
+    """Stop the monitor, take one last sample (an attempt shorter than the sampling interval still
+    reports its node) and send what is unsent, waiting at most ``timeout`` seconds in all: a
     process told to go (preemption's grace period) must not wait on a tracking server that is
     away. A SIGKILLed attempt loses only the samples since the last send."""
     import threading
@@ -337,6 +338,16 @@ def stop_system_metrics(starter, started: dict, timeout: float = 5.0) -> None:
     monitor = started.get("monitor")
     if monitor is None:
         return
-    stopper = threading.Thread(target=monitor.finish, name="relaunch-system-metrics-stop", daemon=True)
+
+    def finish() -> None:
+        monitor.finish()  # stops the sampling thread and sends what it buffered
+        try:
+            monitor.collect_metrics()
+            monitor.publish_metrics(monitor.aggregate_metrics())
+            monitor.mlflow_logger.flush()
+        except Exception as err:  # the server is away or the run ended: the last sample is not worth more
+            print(f"relaunch: last system-metrics sample not sent: {err}", file=sys.stderr)
+
+    stopper = threading.Thread(target=finish, name="relaunch-system-metrics-stop", daemon=True)
     stopper.start()
     stopper.join(max(0.0, deadline - time.monotonic()))

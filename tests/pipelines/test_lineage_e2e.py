@@ -34,7 +34,9 @@ def finished(tmp_path_factory, mlflow_server):
     shutil.copy(ROOT / "components/tasks/digits.py", user_code / "mytask.py")
     env = {**os.environ, "PYTHONPATH": str(user_code), "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)
+    # steps of 0.1 s: each attempt lasts a few seconds, long enough for every node's system metrics
     args = [RELAUNCH, "run", *TINY, "--set", "train.max_steps=40", "--inject-failure", "kill-worker@step=25",
+            "--set", "train.step_sleep_seconds=0.1",
             "--set", "train.task=mytask:make_task", "--set", f"tracking.uri={mlflow_server.uri}",
             "--set", "tracking.experiment=lineage-e2e", "--set", f"registry.model_name={MODEL}",
             "--set", "evaluate.gate_min=0.1"]
@@ -152,11 +154,12 @@ def test_the_run_page_draws_the_loss_chart(finished, browser, tmp_path):
 
 def test_the_registered_model_pages_show_the_champion_its_run_and_its_logged_model(finished, browser, tmp_path):
     _, _, client, run, server = finished
-    text = browser.open(f"{server.uri}/#/models/{MODEL}", [MODEL, "Version 1", "champion"])
+    view = "?workflowType=machine_learning"
+    text = browser.open(f"{server.uri}/#/models/{MODEL}{view}", [MODEL, "Version 1", "champion"])
     assert "Version 1" in text and "champion" in text
     _shot(browser, "registered-model", tmp_path)
-    text = browser.open(f"{server.uri}/#/models/{MODEL}/versions/1", ["Source Run", run.info.run_name,
-                                                                       "step-000000000040"])
+    text = browser.open(f"{server.uri}/#/models/{MODEL}/versions/1{view}",
+                        ["Source Run", run.info.run_name, "step-000000000040"])
     assert run.info.run_name in text.split("Source Run", 1)[-1]
     assert "step-000000000040" in text.split("Source Model", 1)[-1]
     _shot(browser, "model-version", tmp_path)
