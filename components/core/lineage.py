@@ -187,14 +187,17 @@ def run_url(config, run_id: str) -> str:
 # params of the chosen backend
 
 
-BACKEND_SECTIONS = {"local": (), "kubernetes": ("launch.kubernetes.",)}
-"""Param prefixes that apply only to one launch backend."""
+BACKEND_SECTIONS = {
+    "launch.kubernetes.": {"kubernetes", "pytorchjob", "trainjob"},
+    "launch.trainjob.": {"trainjob"},
+}
+"""Param prefix -> the launch backends it applies to; params outside these apply to every backend."""
 
 
 def backend_params(flat: dict[str, Any], backend: str) -> dict[str, Any]:
-    """``flat`` without the params of the launch backends other than ``backend``."""
-    foreign = tuple(p for name, prefixes in BACKEND_SECTIONS.items() if name != backend for p in prefixes)
-    return {k: v for k, v in flat.items() if not k.startswith(foreign)} if foreign else dict(flat)
+    """``flat`` without the params that only other launch backends read."""
+    return {k: v for k, v in flat.items()
+            if all(backend in users for prefix, users in BACKEND_SECTIONS.items() if k.startswith(prefix))}
 
 
 # -------------------------------------------------------------------------------------------------

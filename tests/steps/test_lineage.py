@@ -96,11 +96,12 @@ def test_a_local_run_logs_no_kubernetes_params(pipeline):
 
 
 @pytest.mark.parametrize("backend, kept, dropped", [
-    ("local", {"launch.nodes"}, {"launch.kubernetes.image"}),
-    ("kubernetes", {"launch.nodes", "launch.kubernetes.image"}, set()),
+    ("local", {"launch.nodes"}, {"launch.kubernetes.image", "launch.trainjob.runtime"}),
+    ("pytorchjob", {"launch.nodes", "launch.kubernetes.image"}, {"launch.trainjob.runtime"}),
+    ("trainjob", {"launch.nodes", "launch.kubernetes.image", "launch.trainjob.runtime"}, set()),
 ])
 def test_params_keep_only_the_chosen_backends_section(backend, kept, dropped):
-    flat = {"launch.nodes": 2, "launch.kubernetes.image": "img"}
+    flat = {"launch.nodes": 2, "launch.kubernetes.image": "img", "launch.trainjob.runtime": "relaunch-torch"}
     out = lineage.backend_params(flat, backend)
     assert kept <= set(out) and not dropped & set(out)
 
