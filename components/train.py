@@ -45,6 +45,7 @@ from components.core.exitcodes import PERMANENT, RETRYABLE, ExitCode  # noqa: E4
 from components.core.goodput import TrainSummary  # noqa: E402
 from components.core.health import PreemptionFlag, SpikeDetector, Watchdog, is_finite, save_fits_grace  # noqa: E402
 from components.core.injection import Injection, wrap_store  # noqa: E402
+from components.core.lineage import start_system_metrics  # noqa: E402
 from components.core.train_tracking import TrainingTracker  # noqa: E402
 from components.tasks.base import load_task  # noqa: E402
 
@@ -191,6 +192,7 @@ class Training:
         self.log: goodput.AttemptLog | None = None  # rank 0's attempt record
         self.tracker = TrainingTracker(config, None, enabled=False, run_id=None, attempt=0)
         self.preempt = PreemptionFlag()
+        self.system_metrics = None  # on each node's local rank 0: MLflow's system-metrics monitor
         # progress of this attempt
         self.attempt = 0
         self.run_id: str | None = None
@@ -280,6 +282,7 @@ class Training:
         self.attempt, self.run_id = distr.broadcast_object((self.attempt, self.run_id))
         self.tracker = TrainingTracker(self.config, self.store, enabled=env.is_main, run_id=self.run_id,
                                        attempt=self.attempt)
+        self.system_metrics = start_system_metrics(self.config, self.run_id, env)
         # one writer identity per training, stable across torchrun restarts and pipeline retries
         owner = os.environ.get("RELAUNCH_OWNER") or os.environ.get("RELAUNCH_PIPELINE_RUN_ID") or f"run:{self.run_id}"
         self.manager = CheckpointManager(
