@@ -75,10 +75,11 @@ def test_the_run_has_a_logged_model_of_the_evaluated_checkpoint_with_its_metrics
 
 def test_the_run_has_the_prepared_dataset_as_input_with_its_content_address_as_digest(finished):
     cwd, _, _, run, _ = finished
-    (stored,) = [p.name for p in (cwd / ".relaunch/store/datasets").iterdir()]
+    (folder,) = (cwd / ".relaunch/store").glob("trainings/*/datasets/*")  # relaunch run: one training, one dataset
+    stored = folder.name
     (entry,) = run.inputs.dataset_inputs
     assert (entry.dataset.name, entry.dataset.digest) == ("digits", stored)
-    assert json.loads(entry.dataset.source)["uri"].endswith(f".relaunch/store/datasets/{stored}")
+    assert json.loads(entry.dataset.source)["uri"].endswith(f"/datasets/{stored}")
 
 
 def test_the_run_has_system_metrics_of_every_node(finished):
