@@ -260,7 +260,10 @@ class FileStore:
         target = self.path(key)
         with contextlib.suppress(FileNotFoundError):
             target.unlink()
-        parent = target.parent
+        self._prune(target.parent)
+
+    def _prune(self, parent: Path) -> None:
+        """Remove ``parent`` and its ancestors below the root while they are empty."""
         while parent != self.root and parent.is_dir():
             try:
                 parent.rmdir()
@@ -299,6 +302,7 @@ class _FileWriter:
         self.fh.close()
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
+        self.store._prune(self.path.parent)
 
 
 def _is_tmp(name: str) -> bool:

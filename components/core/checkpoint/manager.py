@@ -59,6 +59,17 @@ class _Job:
         self.info: CheckpointInfo | None = None
 
 
+def _original(err: BaseException) -> BaseException:
+    """The exception behind DCP's CheckpointException: a RelaunchError of any rank (so that a store
+    failure keeps its exit code), else this process's own, else ``err``."""
+    failures = getattr(err, "failures", {}) or {}
+    originals = [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    for original in originals:
+        if isinstance(original, RelaunchError):
+            return original
+    return originals[0] if len(originals) == 1 and isinstance(originals[0], BaseException) else err
+
+
 def _state_bytes(snapshot: Any) -> int:
     total = 0
 
@@ -433,7 +444,12 @@ class CheckpointManager:
         writer = StoreWriter(self.store, step_key(job.step), files_per_rank=files_per_rank)
 
         def write() -> dict[str, dict[str, Any]]:
-            dcp.save(job.snapshot, storage_writer=writer, process_group=self._group)
+            from torch.distributed.checkpoint.api import CheckpointException
+
+            try:
+                dcp.save(job.snapshot, storage_writer=writer, process_group=self._group)
+            except CheckpointException as err:  # DCP wraps what the store raised: surface that
+                raise _original(err) from None
             return writer.files
 
         outcome = self._catch(write)
@@ -613,13 +629,11 @@ class CheckpointManager:
         except RelaunchError:
             raise
         except (Exception, CheckpointException) as err:  # DCP wraps per-rank errors (a BaseException)
-            failures = getattr(err, "failures", {})
-            for failure in failures.values():
-                original = failure[0] if isinstance(failure, tuple) else failure
+            originals = [f[0] if isinstance(f, tuple) else f for f in getattr(err, "failures", {}).values()]
+            for original in originals:  # a damaged checkpoint first: every rank then falls back together
                 if isinstance(original, CorruptCheckpoint):
                     raise CorruptCheckpoint(str(original)) from None
-            for failure in failures.values():
-                original = failure[0] if isinstance(failure, tuple) else failure
+            for original in originals:
                 if isinstance(original, RelaunchError):
                     raise original from None
             text = str(err)
