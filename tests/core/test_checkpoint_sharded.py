@@ -67,8 +67,8 @@ def test_a_checkpoint_reshards_fsdp_2_to_1_to_3_ranks_and_between_ddp_and_fsdp(t
 def test_a_flipped_byte_in_one_ranks_shard_makes_every_rank_load_the_previous_checkpoint_and_each_rank_reads_its_share(
         tmp_path, s3_env):
     root = s3_root(s3_env, "sharded")
-    _torchrun(2, "--root", root, "--out", str(tmp_path / "w"), "--steps", "4", "--save-at", "2,4", "--width", "2048")
-    _torchrun(2, "--root", root, "--out", str(tmp_path / "r"), "--resume")
+    _torchrun(2, "--root", root, "--out", str(tmp_path / "w"), "--steps", "4", "--save-at", "2,4", "--width", "8192")
+    _torchrun(2, "--root", root, "--out", str(tmp_path / "r"), "--resume", "--width", "8192")
     assert_bitwise_equal(_state(tmp_path / "w" / "step4.pt"), _state(tmp_path / "r" / "loaded.pt"))
     store = open_store(root)
     shards = {k: len(store.read_bytes(k)) for k in store.list(step_key(4) + "/") if k.endswith(".distcp")}
@@ -81,7 +81,7 @@ def test_a_flipped_byte_in_one_ranks_shard_makes_every_rank_load_the_previous_ch
     data = bytearray(store.read_bytes(key))
     data[len(data) // 2] ^= 0x01
     store.write_bytes(key, bytes(data))
-    damaged = _torchrun(2, "--root", root, "--out", str(tmp_path / "f"), "--resume")
+    damaged = _torchrun(2, "--root", root, "--out", str(tmp_path / "f"), "--resume", "--width", "8192")
     assert [r["loaded_step"] for r in _ranks(tmp_path / "f", 2)] == [2, 2]
     assert "__1_0.distcp" in damaged.stderr and "loading the previous committed checkpoint" in damaged.stderr
     assert_bitwise_equal(_state(tmp_path / "w" / "step2.pt"), _state(tmp_path / "f" / "loaded.pt"))
@@ -90,9 +90,9 @@ def test_a_flipped_byte_in_one_ranks_shard_makes_every_rank_load_the_previous_ch
 def test_replicated_ddp_state_is_read_once_per_node_from_s3(tmp_path, s3_env):
     root = s3_root(s3_env, "replicated")
     _torchrun(4, "--root", root, "--out", str(tmp_path / "w"), "--parallelism", "ddp", "--steps", "1",
-              "--save-at", "1", "--width", "2048")
+              "--save-at", "1", "--width", "8192")
     _torchrun(4, "--root", root, "--out", str(tmp_path / "r"), "--parallelism", "ddp", "--resume",
-              "--ranks-per-node", "2")
+              "--ranks-per-node", "2", "--width", "8192")
     store = open_store(root)
     total = sum(len(store.read_bytes(k)) for k in store.list(step_key(1) + "/") if k.endswith(".distcp"))
     read = [r["stats"]["bytes_read"] for r in _ranks(tmp_path / "r", 4)]
