@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import random
+import time
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +36,21 @@ def full_state(state: TrainingState) -> dict:
     return {"model": model_sd, "optim": optim_sd, "step": state.step}
 
 
+def _rss() -> tuple[int, int]:
+    """(current, peak) resident set size in bytes, from /proc/self/status."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return (int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024)
+
+
+def _local_bytes(state: TrainingState) -> int:
+    total = 0
+    for value in [*state.model.state_dict().values(), *(v for s in state.optimizer.state.values() for v in s.values())]:
+        if isinstance(value, torch.Tensor):
+            local = getattr(value, "_local_tensor", value)
+            total += local.numel() * local.element_size()
+    return total
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--root", required=True)
@@ -46,6 +62,7 @@ def main() -> None:
     p.add_argument("--crash-after", type=int)
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--ranks-per-node", type=int)
+    p.add_argument("--no-dump", action="store_true", help="write no full-state files (benchmarks)")
     args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -63,14 +80,21 @@ def main() -> None:
     mgr = CheckpointManager(args.root, keep_last=0, owner="fsdp-test", async_save=False,
                             ranks_per_node=args.ranks_per_node)
     loaded = None
+    timing: dict = {}
     if args.resume:
         mgr.store.stats.clear()
+        Path("/proc/self/clear_refs").write_text("5")  # peak RSS from here on (the load's own)
+        rss_before = _rss()[0]
+        started = time.perf_counter()
         info = mgr.load(state)
+        timing = {"load_seconds": time.perf_counter() - started, "loaded_at": time.time(),
+                  "rss_before_load": rss_before, "rss_peak_during_load": _rss()[1], "share_bytes": _local_bytes(state)}
         loaded = info.step if info else None
         stats = dict(mgr.store.stats)
-        snapshot = full_state(state)
-        if rank == 0:
-            torch.save(snapshot, out / "loaded.pt")
+        if not args.no_dump:
+            snapshot = full_state(state)
+            if rank == 0:
+                torch.save(snapshot, out / "loaded.pt")
     else:
         stats = {}
     saves = {int(s) for s in args.save_at.split(",") if s}
@@ -83,15 +107,17 @@ def main() -> None:
         state.step += 1
         if state.step in saves:
             mgr.save(state.step, state)
-            snapshot = full_state(state)
-            if rank == 0:
-                torch.save(snapshot, out / f"step{state.step}.pt")
+            if not args.no_dump:
+                snapshot = full_state(state)
+                if rank == 0:
+                    torch.save(snapshot, out / f"step{state.step}.pt")
         if args.crash_after == state.step:
             os._exit(137)  # killed mid-run: no close, no clean-up
-    snapshot = full_state(state)
-    if rank == 0:
-        torch.save(snapshot, out / "final.pt")
-    (out / f"rank{rank}.json").write_text(json.dumps({"loaded_step": loaded, "stats": stats}))
+    if not args.no_dump:
+        snapshot = full_state(state)
+        if rank == 0:
+            torch.save(snapshot, out / "final.pt")
+    (out / f"rank{rank}.json").write_text(json.dumps({"loaded_step": loaded, "stats": stats, **timing}))
     mgr.close()
     dist.destroy_process_group()
 
