@@ -215,12 +215,11 @@ class StoreReader(StorageReader):
             item = items.setdefault(req.storage_index, _Item(req.storage_index, info, [],
                                                              req.type == LoadItemType.BYTE_IO))
             item.reqs.append(req)
-        for item in items.values():
-            self._place(item, planner)
-        own = [it for index, it in items.items() if shared.get(index, self.rank) == self.rank]
         error: BaseException | None = None
         try:
-            self._read_all(own)
+            for item in items.values():
+                self._place(item, planner)
+            self._read_all([it for index, it in items.items() if shared.get(index, self.rank) == self.rank])
         except BaseException as err:  # noqa: BLE001 - the node must hear of it before any broadcast
             error = err
         if shared and self.node_group is not None:
