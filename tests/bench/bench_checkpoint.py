@@ -18,6 +18,8 @@ that in free memory; too heavy for a shared 2-core machine).
 - sharded restore (FSDP2, torchrun, gloo): the same total state saved by 2 ranks, loaded by 1, 2 and 4:
   restore / raw sequential read of the same files (warm cache), kill -> state loaded on 4 ranks / on 1
   (goal <= 1.2), and each rank's peak RSS growth during the load / its share (goal <= 1.1).
+- replicated (DDP) restore on 4 ranks: read by every rank, once per node (2 nodes of 2), once per job;
+  bytes read from the store and the slowest rank's load time, side by side.
 """
 
 from __future__ import annotations
@@ -256,6 +258,26 @@ def _sharded_rows(total_bytes: int, work: Path) -> list[dict]:
     return rows
 
 
+def _replicated_rows(total_bytes: int, work: Path) -> list[dict]:
+    """A DDP state saved by 4 ranks, loaded by 4 with 1, 2 and 4 ranks per "node"."""
+    width = max(64, total_bytes // 252)
+    root = str(work / "replicated-store")
+    _torchrun(4, "--root", root, "--out", str(work / "replicated-save"), "--parallelism", "ddp", "--steps", "1",
+              "--save-at", "1", "--width", str(width))
+    rows, seconds = [], {}
+    for per_node, label in ((1, "every rank reads"), (2, "once per node"), (4, "once per job")):
+        out = work / f"replicated-load-{per_node}"
+        _torchrun(4, "--root", root, "--out", str(out), "--parallelism", "ddp", "--resume", "--width", str(width),
+                  "--ranks-per-node", str(per_node))
+        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+        seconds[per_node] = max(r["load_seconds"] for r in ranks)
+        read = sum(r["stats"].get("bytes_read", 0) for r in ranks)
+        rows.append({"metric": f"replicated restore, 4 ranks, {label}: load / every-rank load",
+                     "value": seconds[per_node] / seconds[1], "goal": "measured (choice)",
+                     "detail": f"slowest rank {seconds[per_node]:.2f} s, {read / 2**20:.0f} MiB read from the store"})
+    return rows
+
+
 def _fake_checkpoints(root: str, n: int) -> None:
     """n tiny committed checkpoints (a data file and a valid manifest each) and a pointer."""
     store = open_store(root)
@@ -307,6 +329,8 @@ def run(quick: bool) -> list[dict]:
             rows.append(_locate(str(work / f"locate-{n}"), n, "fs"))
         _log(f"sharded (FSDP2) restore on 1, 2 and 4 ranks, {size >> 20} MiB")
         rows += _sharded_rows(size, work)
+        _log(f"replicated (DDP) restore on 4 ranks: per rank, per node, per job, {size >> 20} MiB")
+        rows += _replicated_rows(size, work)
         try:
             from tests.services import S3Server
 
