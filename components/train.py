@@ -43,6 +43,7 @@ from components.core.config import RelaunchConfig, config_from_cli  # noqa: E402
 from components.core.errors import BadInput, Diverged, Preempted, RelaunchError, TransientFailure  # noqa: E402
 from components.core.exitcodes import PERMANENT, RETRYABLE, ExitCode  # noqa: E402
 from components.core.health import SpikeDetector, Watchdog, is_finite  # noqa: E402
+from components.core.lineage import start_system_metrics  # noqa: E402
 from components.tasks.base import load_task  # noqa: E402
 
 _IMPORTED = time.time()
@@ -353,6 +354,7 @@ class Training:
             self.attempt = record.attempt
             self.run_id = _resolve_run_id(self.config, self.store)
         self.attempt, self.run_id = distr.broadcast_object((self.attempt, self.run_id))
+        self.system_metrics = start_system_metrics(self.config, self.run_id, env)
         # one writer identity per training, stable across torchrun restarts and pipeline retries
         owner = os.environ.get("RELAUNCH_OWNER") or os.environ.get("RELAUNCH_PIPELINE_RUN_ID") or f"run:{self.run_id}"
         self.manager = CheckpointManager(

@@ -297,8 +297,11 @@ def render_summary(config: RelaunchConfig, result: RunResult, console) -> None:
     console.rule("summary")
     rows: list[tuple[str, str]] = []
     if prep.get("run_id"):
+        from components.core.lineage import run_url
+
+        browse = "open" if config.tracking.uri.startswith(("http://", "https://")) else "make ui, then open"
         rows.append(("MLflow run", f"{prep['run_id']} in experiment {config.tracking.experiment!r} at "
-                                   f"{config.tracking.uri} — browse it: make ui, then http://127.0.0.1:5000"))
+                                   f"{config.tracking.uri} — {browse} {run_url(config, prep['run_id'])}"))
         rows.append(("dataset", f"{prep.get('dataset_version')} at {prep.get('dataset_uri')}"))
     committed = _committed(config)
     if committed:
