@@ -191,7 +191,7 @@ def _restore_rows(root: str, store, state, work: Path, label: str) -> list[dict]
             "metric": f"restore throughput ratio ({label}{', cold cache' if cold else ''})",
             "value": min(raw) / min(ours), "goal": ">= 0.9 (fs)",
             "detail": f"page cache {cache} on both sides: raw read into a preallocated buffer {min(raw):.3f} s "
-                      f"vs locate+sha256 verify+load into the existing model {min(ours):.3f} s "
+                      f"vs locate+load (chunk digests checked) into the existing model {min(ours):.3f} s "
                       f"({len(ckpt_files)} files, {nbytes / min(ours) / 1e9:.2f} GB/s)"})
     return rows
 
