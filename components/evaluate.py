@@ -37,14 +37,14 @@ def run(config: RelaunchConfig) -> EvaluateOutputs:
     from components.tasks.base import load_task
 
     task = load_task(config.train.task, config)
-    mgr = checkpoint_manager(config)
-    info = None
-    if config.evaluate.checkpoint == "best":  # the newest when no checkpoint has the metric
-        info = mgr.best(config.train.best_metric, config.train.best_mode)
-    info = info or mgr.latest()
-    if info is None:
-        raise BadInput(f"evaluate: no committed checkpoint in {config.store.uri!r}; did launch run?")
-    model = load_model(task, mgr, info.step)
+    with checkpoint_manager(config) as mgr:
+        info = None
+        if config.evaluate.checkpoint == "best":  # the newest when no checkpoint has the metric
+            info = mgr.best(config.train.best_metric, config.train.best_mode)
+        info = info or mgr.latest()
+        if info is None:
+            raise BadInput(f"evaluate: no committed checkpoint in {config.store.uri!r}; did launch run?")
+        model = load_model(task, mgr, info.step)
     split = _split(config, task)
     metrics = task.evaluate(model, split)
     gate = config.evaluate.gate_metric

@@ -165,7 +165,8 @@ def save_model(config: RelaunchConfig, checkpoint_uri: str, path: Path, task=Non
     task = task or load_task(config.train.task, config)
     if model is None:
         store_uri, step = parse_checkpoint_uri(checkpoint_uri)
-        model = load_model(task, CheckpointManager(open_store(store_uri), async_save=False), step)
+        with CheckpointManager(open_store(store_uri), async_save=False) as mgr:
+            model = load_model(task, mgr, step)
     data = Path(tempfile.mkdtemp(prefix="relaunch-model-"))
     save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(data / "model.safetensors"))
     (data / "config.json").write_text(config.to_json())
@@ -274,7 +275,8 @@ def _pin(checkpoint_uri: str, reason: str) -> None:
     from components.core.storage import open_store
 
     store_uri, step = parse_checkpoint_uri(checkpoint_uri)
-    CheckpointManager(open_store(store_uri), async_save=False).pin(step, reason)
+    with CheckpointManager(open_store(store_uri), async_save=False) as mgr:
+        mgr.pin(step, reason)
 
 
 if __name__ == "__main__":

@@ -233,6 +233,7 @@ class Training:
 
     def setup(self) -> None:
         from components.core.checkpoint import CheckpointManager
+        from components.core.parallel import wrap_model
         from components.core.state import TrainingState, model_fingerprint
         from components.core.storage import open_store
 
@@ -264,10 +265,9 @@ class Training:
             raise BadInput(f"train.global_batch_size={self.t.global_batch_size} exceeds the {len(self.x)} training "
                            "samples; lower it")
         self.total_steps = self.t.max_steps or self.t.epochs * self.steps_per_epoch
-        self.module = self.model = task.build_model().to(self.device)
-        if env.world_size > 1:
-            self.model = torch.nn.parallel.DistributedDataParallel(
-                self.module, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        self.module = task.build_model().to(self.device)
+        self.model = wrap_model(self.module, parallelism=self.t.parallelism, device=self.device,
+                                mixed_precision=self.t.mixed_precision, blocks=getattr(task, "shard_blocks", None))
         self.optimizer = task.build_optimizer(self.module)
         self.scheduler = task.build_scheduler(self.optimizer, self.total_steps)
         self.scaler = torch.amp.GradScaler("cuda") if self.t.amp and self.device.type == "cuda" else None
@@ -291,14 +291,21 @@ class Training:
             model_fingerprint=model_fingerprint(self.module))
 
     def resume(self) -> None:
+        from components.core.checkpoint.start import start_point
+        from components.core.state import ModelWeights
+
         with self._peers():
-            latest = self.manager.latest()  # collective: rank 0 locates, every rank gets the same answer
-        uri = latest.uri if latest is not None else self.t.resume_from
-        if latest is not None:
-            self.last_committed = latest
-        if uri:
-            with self._peers():
+            start = start_point(self.config, self.manager)  # collective: rank 0 decides, every rank gets it
+        uri = start.uri
+        with self._peers():
+            if start.weights_only:
+                self.manager.load(ModelWeights(self.module), uri=uri)
+            elif start.source == "latest":  # a checkpoint found damaged while read: the previous one, together
+                self.last_committed = self.manager.load(self.state)
+                uri = self.last_committed.uri if self.last_committed is not None else ""
+            elif uri:
                 self.manager.load(self.state, uri=uri)
+        if uri and not start.weights_only:
             self.step = self.resumed_from = self.last_saved = int(self.state.step)
         if self.env.is_main:
             self.phases["resume"] = time.time() - _PROCESS_START
@@ -376,14 +383,16 @@ class Training:
         with torch.autocast(self.device.type, dtype=torch.bfloat16 if self.device.type == "cpu" else torch.float16,
                             enabled=amp):
             loss = self.task.loss(self.model, batch)
-        with self._peers():  # DDP all-reduces the gradients during backward
+        with self._peers():  # DDP and FSDP reduce the gradients during backward
             if self.scaler is not None:
                 self.scaler.scale(loss).backward()
                 self.scaler.unscale_(self.optimizer)
             else:
                 loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), float("inf"))
-        return float(loss.detach()), float(grad_norm)
+        from components.core.parallel import total_grad_norm
+
+        with self._peers():  # FSDP: the norm of sharded gradients is a collective
+            return float(loss.detach()), total_grad_norm(self.module)
 
     def _optimizer_step(self) -> None:
         if self.scaler is not None:

@@ -197,6 +197,7 @@ def _committed(config: RelaunchConfig) -> list[str]:
     try:
         from components.locate import checkpoint_manager
 
-        return [c.uri for c in checkpoint_manager(config).list()]
+        with checkpoint_manager(config) as mgr:
+            return [c.uri for c in mgr.list()]
     except Exception:  # the summary must not fail a finished run
         return []

@@ -96,10 +96,12 @@ def demo(tmp_path_factory):
     plain, kill, resume = lines[0], lines[1], lines[-1]
     assert (plain, kill, resume) == ([], ["--inject-failure", "kill-worker@step=30"], ["--resume"]), lines
     cwd = tmp_path_factory.mktemp("embedded")
-    first = relaunch_run(cwd, "--set", "train.max_steps=40", *plain)
+    (cwd / "tmp").mkdir()
+    tmp = {"TMPDIR": str(cwd / "tmp")}
+    first = relaunch_run(cwd, "--set", "train.max_steps=40", *plain, env=tmp)
     first_training = newest_training(str(cwd / ".relaunch/store"))
-    second = relaunch_run(cwd, "--set", "train.max_steps=40", *kill)
-    again = relaunch_run(cwd, *resume)
+    second = relaunch_run(cwd, "--set", "train.max_steps=40", *kill, env=tmp)
+    again = relaunch_run(cwd, *resume, env=tmp)
     return cwd, first, first_training, second, again
 
 
@@ -113,6 +115,11 @@ def embedded(demo):
 def test_the_embedded_run_finishes_despite_the_killed_worker(embedded):
     cwd, out = embedded
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def test_a_whole_pipeline_run_leaves_no_checkpoint_manager_temp_directory_behind(embedded):
+    cwd, _ = embedded
+    assert sorted(p.name for p in (cwd / "tmp").glob("relaunch-ckpt-*")) == []
 
 
 def resumed_step(cwd: Path) -> int:
