@@ -309,6 +309,9 @@ def start_system_metrics(config, run_id: str | None, env):
 
     def begin() -> None:
         try:
+            from components.core.tracking import import_mlflow
+
+            import_mlflow("mlflow.system_metrics", "mlflow.system_metrics.system_metrics_monitor")  # one importer
             import mlflow.system_metrics
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from components.core.tracking import client as tracking_client
-from components.core.tracking import describe, is_auth_error, is_not_found, is_rejected, log_new_params, set_run_status
+from components.core.tracking import (describe, import_mlflow, is_auth_error, is_not_found, is_rejected, log_new_params,
+                                      set_run_status)
 
 _BATCH = 1000  # MLflow's log_batch limit on metrics per request
 
@@ -194,6 +195,10 @@ class RunLogger:
     def _loop(self) -> None:
         backoff = 0.5
         self._go.wait()
+        try:
+            import_mlflow("mlflow.utils.rest_utils", "mlflow.utils.credentials")
+        except Exception as err:  # noqa: BLE001 - each send below fails and says why
+            print(f"relaunch: importing mlflow: {describe(err)}", file=sys.stderr)
         while True:
             self._wake.wait(self.flush_seconds)
             self._wake.clear()

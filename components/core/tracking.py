@@ -17,8 +17,10 @@ only from the environment (``MLFLOW_TRACKING_USERNAME``/``_PASSWORD``/``_TOKEN``
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
+import threading
 from typing import Any
 
 from components.core.errors import BadInput, TransientFailure
@@ -36,8 +38,22 @@ def tracking_uri(config) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or config.tracking.uri
 
 
+_MLFLOW_IMPORT = threading.Lock()
+
+
+def import_mlflow(*modules: str) -> None:
+    """Import mlflow (and ``modules``) under one process-wide lock. The trainer imports mlflow off its
+    main thread, in more than one thread (the logger's sender, the system-metrics starter): two
+    threads importing it at once see each other's half-initialised modules ("cannot import name ...
+    from partially initialized module")."""
+    with _MLFLOW_IMPORT:
+        for name in ("mlflow", "mlflow.tracking", "mlflow.entities", *modules):
+            importlib.import_module(name)
+
+
 def client(uri: str):
     """An ``MlflowClient`` for ``uri`` (never the fluent API: it would export the URI process-wide)."""
+    import_mlflow()
     from mlflow.tracking import MlflowClient
 
     return MlflowClient(tracking_uri=uri)
