@@ -10,14 +10,11 @@ registered model version), else none (``checkpoint_uri=""``, ``step=-1``). Never
 
 from __future__ import annotations
 
-import re
 import sys
 from dataclasses import dataclass
 
-from components.core.config import RelaunchConfig
+from components.core.config import MODEL_URI, RelaunchConfig
 from components.core.errors import BadInput
-
-_MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<version>\d+)|@(?P<alias>[A-Za-z0-9_-]+))$")
 
 
 @dataclass
@@ -84,9 +81,7 @@ def warm_start_checkpoint(config: RelaunchConfig) -> str:
     from components.core.tracking import _call, _client, tracking_uri
 
     spec = config.train.warm_start_model or ""
-    match = _MODEL_URI.match(spec)
-    if not match:
-        raise BadInput(f"train.warm_start_model: {spec!r} is not models:/name/version or models:/name@alias")
+    match = MODEL_URI.match(spec)  # the configuration model refused any other form at load time
     client = _client(tracking_uri(config))
     name = match["name"]
     try:

@@ -39,7 +39,7 @@ import torch  # noqa: E402
 
 from components.core import distributed as distr  # noqa: E402
 from components.core import goodput  # noqa: E402
-from components.core.config import RelaunchConfig, config_from_cli  # noqa: E402
+from components.core.config import RelaunchConfig, config_from_cli, parse_failure_spec  # noqa: E402
 from components.core.errors import BadInput, Diverged, Preempted, RelaunchError, TransientFailure, exit_on_error  # noqa: E402
 from components.core.exitcodes import PERMANENT, RETRYABLE, ExitCode  # noqa: E402
 from components.core.health import SpikeDetector, Watchdog, is_finite  # noqa: E402
@@ -114,7 +114,7 @@ class Injection:
     """``launch.inject_failure``: fires once per training, claimed by a marker in the store."""
 
     def __init__(self, spec: str | None, store, rank: int, world: int, pids: list[int]):
-        self.kind, self.step = (spec.split("@step=")[0], int(spec.split("@step=")[1])) if spec else (None, -1)
+        self.kind, self.step = parse_failure_spec(spec)
         self.store, self.rank, self.world, self.pids = store, rank, world, pids
         self.outage_until = 0.0
 
