@@ -39,10 +39,10 @@ WORKFLOW_OWNER = {"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow",
 
 def pipeline_parameters(config: RelaunchConfig) -> list[Parameter]:
     """The workflow's parameters: the KFP pipeline's, same names, defaults and descriptions."""
-    from pipelines.kfp_pipeline import relaunch_pipeline
+    from pipelines.kfp_pipeline import build_pipeline
 
     params = []
-    for name, spec in relaunch_pipeline.component_spec.inputs.items():
+    for name, spec in build_pipeline(config).component_spec.inputs.items():
         default = config.to_json() if name == "config_json" else spec.default
         text = default if isinstance(default, str) else yaml.safe_dump(default).strip().removesuffix("...").strip()
         params.append(Parameter(name=name, value=text, description=f"({spec.type}) {spec.description or ''}".strip()))

@@ -291,7 +291,7 @@ def pipeline_parameter_type(name: str) -> type:
 def pipeline_parameter_description(name: str) -> str:
     """``train.epochs: Passes over the training split. 0 keeps the configuration's value.``"""
     path = PIPELINE_PARAMETERS[name]
-    keep = "empty" if pipeline_parameter_type(name) is str else "0"
+    keep = "Empty" if pipeline_parameter_type(name) is str else "0"
     return f"{path}: {_field(path).description} {keep} keeps the configuration's value."
 
 
