@@ -738,5 +738,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from components.core.stepcli import end_process
+
     sys.stdout.reconfigure(line_buffering=True)
-    sys.exit(main())
+    end_process(main())

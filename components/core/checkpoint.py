@@ -26,6 +26,7 @@ import platform
 import re
 import shutil
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -33,8 +34,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
 import warnings
 
 from components.core.errors import BadInput, CorruptCheckpoint, RelaunchError, TransientFailure
@@ -152,6 +151,8 @@ def _file_signature(path: Path) -> tuple[int, int, int, int, int]:
 def _io_threads(snapshot: Any) -> int:
     """DCP files per rank: one for a small state, else one per core (up to 4), so that writing,
     hashing and verifying a large checkpoint run in parallel (sha256 is ~1 GB/s on one core)."""
+    import torch
+
     total = 0
 
     def visit(obj: Any) -> None:
@@ -170,6 +171,8 @@ def _io_threads(snapshot: Any) -> int:
 
 
 def _versions() -> dict[str, str]:
+    import torch
+
     try:
         from importlib.metadata import version
 
@@ -192,8 +195,7 @@ _ERRORS = {cls.__name__: cls for cls in (BadInput, CorruptCheckpoint, TransientF
 # ----------------------------------------------------------------------------- safe DCP reading
 
 def _safe_reader(path: str | os.PathLike):
-    import sys
-
+    import torch
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
     from torch.distributed.checkpoint.planner import LoadItemType
@@ -275,6 +277,7 @@ def _safe_reader(path: str | os.PathLike):
 
 
 def _safe_load_planner():
+    import torch
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint._traverse import set_element as _set
 
@@ -356,7 +359,8 @@ class CheckpointManager:
         self._closed = False
         self._own_cache = cache_dir is None
         self._cache = Path(cache_dir or tempfile.mkdtemp(prefix="relaunch-ckpt-"))
-        self._distributed = dist.is_available() and dist.is_initialized()
+        dist = sys.modules.get("torch.distributed")  # never imported: not initialized (readers skip torch)
+        self._distributed = dist is not None and dist.is_available() and dist.is_initialized()
         if self._distributed:
             self._group = process_group or dist.new_group(backend="gloo")
             self.rank = dist.get_rank(self._group)
@@ -560,6 +564,8 @@ class CheckpointManager:
             if kind == "err":
                 raise value
             return value
+        import torch.distributed as dist
+
         local = (kind, _portable(value) if kind == "err" else value)
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, local if share and self.rank == 0 or kind == "err" else ("ok", None),
@@ -614,6 +620,8 @@ class CheckpointManager:
     # ------------------------------------------------------------------ snapshot & persist
     def _snapshot(self, state: Any) -> Any:
         """A CPU copy of ``state.state_dict()`` that training can no longer change."""
+        import torch
+
         if hasattr(state, "state_dict") and not isinstance(state, dict):
             sd = state.state_dict()
         else:
@@ -623,6 +631,8 @@ class CheckpointManager:
         return self._copy(sd, "", pin)
 
     def _copy(self, obj: Any, path: str, pin: bool) -> Any:
+        import torch
+
         if isinstance(obj, torch.Tensor):
             src = obj.detach()
             buf = self._buffers.get(path)
@@ -639,6 +649,8 @@ class CheckpointManager:
         return copy.deepcopy(obj)
 
     def _run_job(self, job: _Job) -> None:
+        import torch
+
         try:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
@@ -650,6 +662,7 @@ class CheckpointManager:
             job.snapshot = None
 
     def _persist(self, job: _Job) -> CheckpointInfo:
+        import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
         key = step_key(job.step)
@@ -904,6 +917,7 @@ class CheckpointManager:
                            f"this model is {mine} (wrong store URI or model config?)")
 
     def _dcp_load(self, state: Any, local: Path, info: CheckpointInfo) -> None:
+        import torch
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.stateful import Stateful
