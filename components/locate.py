@@ -50,9 +50,9 @@ def checkpoint_manager(config: RelaunchConfig, *, async_save: bool = False):
     return CheckpointManager.from_config(config, async_save=async_save)
 
 
-def verify_checkpoint_uri(uri: str, config: RelaunchConfig | None = None) -> int:
+def verify_checkpoint_uri(uri: str, config: RelaunchConfig | None = None, task=None) -> int:
     """The step of the committed checkpoint at ``uri``; BadInput when it is not one of ours, or (with
-    ``config``) when it holds another model than the task builds."""
+    ``config``) when it holds another model than the task (``task``, or the configuration's) builds."""
     import json
 
     from components.core.checkpoint import MANIFEST, CheckpointManager, parse_checkpoint_uri, step_key
@@ -69,7 +69,7 @@ def verify_checkpoint_uri(uri: str, config: RelaunchConfig | None = None) -> int
         from components.tasks.base import load_task
 
         theirs = json.loads(mgr.store.read_bytes(f"{step_key(step)}/{MANIFEST}")).get("model_fingerprint")
-        mine = model_fingerprint(load_task(config.train.task, config).build_model())
+        mine = model_fingerprint((task or load_task(config.train.task, config)).build_model())
         if theirs and theirs != mine:
             raise BadInput(f"train.resume_from: {uri!r} holds another model (fingerprint {theirs}, the task "
                            f"builds {mine}); check train.task and its sizes")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from components.core.config import config_from_cli
+from components.core.config import config_from_cli, with_pipeline_parameters
 
 
 def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
@@ -33,10 +33,9 @@ def run(args: argparse.Namespace) -> int:
 
     from components.prepare import check_inputs
 
-    overrides = list(args.overrides)
-    if args.inject_failure:
-        overrides.append(f"launch.inject_failure={args.inject_failure}")
-    config = config_from_cli(args.config, None, overrides)
+    config = config_from_cli(args.config, None, args.overrides)
+    if args.inject_failure:  # typed, like the pipeline parameter of the same name
+        config = with_pipeline_parameters(config, {"inject_failure": args.inject_failure})
     check_inputs(config)
 
     from pipelines.local_run import render_summary, run_pipeline
