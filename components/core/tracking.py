@@ -42,6 +42,10 @@ def tracking_uri(config) -> str:
 def _client(uri: str):
     from mlflow.tracking import MlflowClient
 
+    if uri.startswith("sqlite:"):
+        from components.core.localdb import use_write_ahead_log
+
+        use_write_ahead_log()
     return MlflowClient(tracking_uri=uri)
 
 
