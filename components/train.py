@@ -741,4 +741,7 @@ if __name__ == "__main__":
     from components.core.stepcli import end_process
 
     sys.stdout.reconfigure(line_buffering=True)
-    end_process(main())
+    code = main()
+    if code == ExitCode.OK:  # a failed rank ends the usual way: torchrun stops its peers once it has ended
+        end_process(code)
+    sys.exit(code)
