@@ -39,8 +39,8 @@ compile: $(STAMP) ## compile the KFP and Argo definitions to build/
 	$(BIN)/relaunch compile --target argo-template -o build/workflowtemplate.argo.yaml
 	$(BIN)/relaunch compile --target argo-cron -o build/cronworkflow.argo.yaml
 
-golden: $(STAMP) ## regenerate tests/golden/ from the default config (review the diff!)
-	RELAUNCH_UPDATE_GOLDEN=1 $(BIN)/python -m pytest -q tests/pipelines -k golden
+golden: $(STAMP) ## regenerate tests/golden/ and manifests/trainer/ from the default config (review the diff!)
+	RELAUNCH_UPDATE_GOLDEN=1 $(BIN)/python -m pytest -q tests/pipelines tests/k8s -k golden
 
 images: ## build and push the CPU and CUDA images (needs docker; IMAGE=... TAG=...)
 	docker build -f images/Dockerfile -t $(IMAGE):$(TAG) .

@@ -1,8 +1,9 @@
 """Step 3, ``launch``: run the training with the backend ``launch.backend`` names and wait for it.
 
-``local`` starts torchrun agents on this machine (:mod:`components.launchers.local`); ``kubernetes``
-submits one PyTorchJob (:mod:`components.launchers.kubernetes`). Both are one function with the same
-shape; this step only picks it, reads the trainer's summary from the store, and fails with the
+``local`` starts torchrun agents on this machine (:mod:`components.launchers.local`); ``pytorchjob``
+submits one Kubeflow PyTorchJob (:mod:`components.launchers.pytorchjob`; the old name ``kubernetes``
+still means it) and ``trainjob`` one Kubeflow Trainer v2 TrainJob (:mod:`components.launchers.trainjob`).
+Each is one function with the same shape; this step only picks it, reads the trainer's summary from the store, and fails with the
 contract's exit code when the training did not end well (a retried launch resumes from the latest
 checkpoint, because the trainer always does).
 
@@ -11,13 +12,13 @@ checkpoint, because the trainer always does).
 
 from __future__ import annotations
 
-import importlib
 import json
 import sys
 from dataclasses import dataclass
 
 from components.core.config import RelaunchConfig
 from components.core.errors import RelaunchError
+from components.launchers import backend_module
 
 
 @dataclass
@@ -46,7 +47,7 @@ def run(config: RelaunchConfig, resume_from: str = "", pipeline_run_id: str = ""
     Raises:
         LaunchFailed: the training's exit code (retryable ones make the pipeline retry this step).
     """
-    backend = importlib.import_module(f"components.launchers.{config.launch.backend}")
+    backend = backend_module(config)  # local | pytorchjob | trainjob
     result = backend.launch(config, pipeline_run_id=pipeline_run_id, resume_from=resume_from or None)
     if result.exit_code != 0:
         raise LaunchFailed(result.exit_code, result.message or f"training failed with exit code {result.exit_code}")

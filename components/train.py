@@ -40,7 +40,7 @@ import torch  # noqa: E402
 from components.core import distributed as distr  # noqa: E402
 from components.core import goodput  # noqa: E402
 from components.core.config import RelaunchConfig, config_from_cli, parse_failure_spec  # noqa: E402
-from components.core.errors import BadInput, Diverged, Preempted, RelaunchError, TransientFailure, exit_on_error  # noqa: E402
+from components.core.errors import BadInput, Diverged, Preempted, RelaunchError, TransientFailure  # noqa: E402
 from components.core.exitcodes import PERMANENT, RETRYABLE, ExitCode  # noqa: E402
 from components.core.health import SpikeDetector, Watchdog, is_finite  # noqa: E402
 from components.tasks.base import load_task  # noqa: E402
@@ -224,8 +224,8 @@ def _params(config: RelaunchConfig, env: distr.DistEnv, dataset: str) -> dict:
             "nodes_x_procs": f"{env.nodes}x{env.local_world_size}",
             "accelerator": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
             "backend": distr.backend(), "dataset_version": dataset, "git_commit": commit,
-            "image": os.environ.get("RELAUNCH_IMAGE", config.launch.kubernetes.image if config.launch.backend
-                                    == "kubernetes" else "local"),
+            "image": os.environ.get("RELAUNCH_IMAGE", config.launch.kubernetes.image if config.launch.on_cluster
+                                    else "local"),
             "torch_version": torch.__version__, "cuda_version": torch.version.cuda or "none"}
 
 
@@ -704,29 +704,14 @@ def run(config: RelaunchConfig) -> TrainSummary:
         distr.shutdown()
 
 
-@exit_on_error("train --map-exit")
-def map_exit(config: RelaunchConfig, torchrun_rc: int, since: float) -> int:
-    """The contract's exit code of a torchrun run of this training (see goodput.mapped_exit_code)."""
-    from components.core.storage import open_store
-
-    code = goodput.mapped_exit_code(open_store(config.store.uri), torchrun_rc, since)
-    print(f"relaunch: torchrun exit {torchrun_rc} -> {code}", file=sys.stderr)
-    return code
-
-
 def main(argv: list[str] | None = None) -> int:
     """``python -m components.train --config FILE | --config-json JSON [--set k=v ...]``."""
     parser = argparse.ArgumentParser(prog="python -m components.train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", help="YAML configuration file")
     parser.add_argument("--config-json", help="the whole configuration as JSON (what pipelines pass)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--map-exit", type=int, metavar="RC",
-                        help="do not train: exit with the contract's code for a torchrun that ended with RC")
-    parser.add_argument("--since", type=float, default=0.0, help="with --map-exit: when torchrun started (epoch s)")
     args = parser.parse_args(argv)
     rank = os.environ.get("RANK", "0")
-    if args.map_exit is not None:
-        return map_exit(config_from_cli(args.config, args.config_json, args.overrides), args.map_exit, args.since)
     try:
         run(config_from_cli(args.config, args.config_json, args.overrides))
         return int(ExitCode.OK)

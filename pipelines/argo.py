@@ -4,14 +4,16 @@ team installs once) and a CronWorkflow of one DAG,
     prepare >> locate-latest-checkpoint >> launch >> evaluate >> register (when evaluate passed)
 
 with an ``onExit`` handler that closes the MLflow run (FAILED unless the workflow succeeded) and
-deletes the PyTorchJob when the workflow failed or was stopped.
+deletes the training job (PyTorchJob or TrainJob, per ``launch.backend``) when the workflow failed or
+was stopped. The exit-handler steps are retried too: one transient API error must not orphan a job
+that holds GPUs.
 
     relaunch compile --target argo|argo-template|argo-cron -o FILE      # or: python -m pipelines.argo
 
 Wiring only: every step is ``python -m components.<step>`` in the project image (its outputs are the
 files the step CLI writes); retries come from :data:`components.core.exitcodes.RETRY_POLICIES` and
 the expression from :func:`~components.core.exitcodes.argo_retry_expression`; credentials are
-``secretKeyRef`` env entries (:func:`components.launchers.kubernetes.secret_env`).
+``secretKeyRef`` env entries (:func:`components.launchers.jobs.secret_env`).
 """
 
 from __future__ import annotations
@@ -25,14 +27,24 @@ import yaml
 from hera.workflows import DAG, Container, CronWorkflow, Parameter, RetryStrategy, Workflow, WorkflowTemplate
 from hera.workflows import models as m
 
-from components import STEP_MODULES
+from components import FINALIZE, STEP_MODULES
 from components.core.config import RelaunchConfig
-from components.core.exitcodes import RETRY_POLICIES, argo_retry_expression
-from components.launchers.kubernetes import OWNER_ENV, plain_env, secret_env
+from components.core.exitcodes import RETRY_POLICIES, RetryPolicy, argo_retry_expression
+from components.launchers.jobs import OWNER_ENV, plain_env, secret_env
 
 OUTPUTS_DIR = "/tmp/outputs"
 ARTIFACT_REPOSITORY = m.ArtifactRepositoryRef(config_map="artifact-repositories", key="minio")
-MODULES = {**STEP_MODULES, "delete-pytorchjob": "components.launchers.kubernetes"}  # the same step names as KFP
+DELETE_JOB = "delete-training-job"
+MODULES = {**STEP_MODULES, DELETE_JOB: "components.launchers.cluster"}  # the same step names as KFP
+# The exit handler's steps: quick API calls retried often, so a transient error never orphans a job.
+EXIT_HANDLER_RETRY = RetryPolicy(limit=5, backoff_seconds=5, factor=2, max_backoff_seconds=60)
+# Argo's maxDuration counts from a step's first attempt, so it is (retries + 1) x one attempt's bound
+# + the backoffs. One attempt of launch is bounded by launch.kubernetes.wait_timeout_seconds; of any
+# other step by STEP_ATTEMPT_SECONDS (no step but launch comes near it); of an exit-handler step (one
+# MLflow or Kubernetes API call) by EXIT_HANDLER_ATTEMPT_SECONDS.
+STEP_ATTEMPT_SECONDS = 3600
+EXIT_HANDLER_ATTEMPT_SECONDS = 600
+EXIT_HANDLER_STEPS = (FINALIZE.name, DELETE_JOB)
 WORKFLOW_OWNER = {"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow",
                   "name": "{{workflow.name}}", "uid": "{{workflow.uid}}"}
 
@@ -58,9 +70,12 @@ def step_outputs(step: str) -> list[str]:
 def retry_strategy(step: str, config: RelaunchConfig) -> RetryStrategy:
     """The table's retries; Argo's maxDuration counts from the first attempt's start, so it must
     outlast every attempt (a launch waits up to ``wait_timeout_seconds``) plus the backoffs."""
-    policy = RETRY_POLICIES[step]
+    policy = EXIT_HANDLER_RETRY if step in EXIT_HANDLER_STEPS else RETRY_POLICIES[step]
     backoffs = sum(min(policy.backoff_seconds * policy.factor**i, policy.max_backoff_seconds) for i in range(policy.limit))
-    attempt = int(config.launch.kubernetes.wait_timeout_seconds) if step == "launch" else 3600
+    if step == "launch":
+        attempt = int(config.launch.kubernetes.wait_timeout_seconds)
+    else:
+        attempt = EXIT_HANDLER_ATTEMPT_SECONDS if step in EXIT_HANDLER_STEPS else STEP_ATTEMPT_SECONDS
     return RetryStrategy(
         limit=policy.limit,
         retry_policy="Always",  # the default (OnFailure) never retries Error; the expression decides
@@ -75,8 +90,8 @@ def _env(entries: list[dict]) -> list[m.EnvVar]:
     return [m.EnvVar.model_validate(e) for e in entries]
 
 
-def step_template(step: str, config: RelaunchConfig, inputs: list[str], *, extra_env: dict[str, str] | None = None,
-                  retried: bool = True) -> Container:
+def step_template(step: str, config: RelaunchConfig, inputs: list[str], *,
+                  extra_env: dict[str, str] | None = None) -> Container:
     """``python -m components.<step> --config-json ... --input name=... --outputs-dir /tmp/outputs``."""
     k8s = config.launch.kubernetes
     args = ["--config-json", "{{inputs.parameters.config_json}}"]
@@ -91,7 +106,7 @@ def step_template(step: str, config: RelaunchConfig, inputs: list[str], *, extra
         inputs=[Parameter(name="config_json")] + [Parameter(name=n) for n in inputs],
         outputs=[Parameter(name=o, value_from=m.ValueFrom(path=f"{OUTPUTS_DIR}/{o}")) for o in step_outputs(step)],
         env=_env(plain_env(k8s) + [{"name": k, "value": v} for k, v in (extra_env or {}).items()] + secret_env(k8s)),
-        retry_strategy=retry_strategy(step, config) if retried else None,
+        retry_strategy=retry_strategy(step, config),
     )
 
 
@@ -104,8 +119,8 @@ def _define(config: RelaunchConfig) -> None:
                            extra_env={var: WORKFLOW_OWNER[field] for field, var in OWNER_ENV.items()})
     evaluate = step_template("evaluate", config, [])
     register = step_template("register", config, ["checkpoint_uri", "metrics_json"])
-    finalize = step_template("finalize", config, ["pipeline_run_id", "state", "error"], retried=False)
-    delete_job = step_template("delete-pytorchjob", config, ["pipeline_run_id"], retried=False)
+    finalize = step_template("finalize", config, ["pipeline_run_id", "state", "error"])
+    delete_job = step_template(DELETE_JOB, config, ["pipeline_run_id"])
 
     run_id = "{{workflow.uid}}"
     with DAG(name="relaunch"):

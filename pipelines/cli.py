@@ -4,7 +4,7 @@
     relaunch checkpoints list|latest|verify --store URI [--json]
     relaunch compile --target kfp|argo|argo-template|argo-cron -o FILE
     relaunch submit --target kfp|argo        relaunch schedule --target kfp|argo --cron EXPR
-    relaunch render pytorchjob|slurm -o FILE
+    relaunch render pytorchjob|trainjob|trainingruntime|slurm -o FILE
 
 Each subcommand lives in ``pipelines/commands/<name>.py`` with ``add_parser(subparsers)``; only the
 one asked for is imported, so ``relaunch checkpoints`` does not pay for importing kfp and hera.
@@ -24,7 +24,7 @@ COMMANDS: dict[str, str] = {
     "compile": "compile the pipeline for Kubeflow Pipelines or Argo Workflows",
     "submit": "submit one pipeline run to a cluster",
     "schedule": "create a recurring run on a cluster",
-    "render": "write the PyTorchJob or Slurm script the launcher would submit",
+    "render": "write the PyTorchJob, TrainJob, ClusterTrainingRuntime or Slurm script the launcher would submit",
 }
 
 

@@ -30,6 +30,8 @@ def secret_env_config(config: RelaunchConfig) -> dict:
     """
     from kfp import compiler, dsl, kubernetes
 
+    from components.launchers.jobs import secret_env_sources
+
     k8s = config.launch.kubernetes
 
     @dsl.container_component
@@ -39,12 +41,9 @@ def secret_env_config(config: RelaunchConfig) -> dict:
     @dsl.pipeline(name="probe")
     def probe_pipeline():
         task = probe()
-        kubernetes.use_secret_as_env(task, secret_name=k8s.store_secret, secret_key_to_env={
-            "AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY"})
-        if k8s.tracking_secret:
-            kubernetes.use_secret_as_env(task, secret_name=k8s.tracking_secret, optional=True, secret_key_to_env={
-                "MLFLOW_TRACKING_USERNAME": "MLFLOW_TRACKING_USERNAME",
-                "MLFLOW_TRACKING_PASSWORD": "MLFLOW_TRACKING_PASSWORD"})
+        for secret, keys, optional in secret_env_sources(k8s):
+            kubernetes.use_secret_as_env(task, secret_name=secret, optional=optional,
+                                         secret_key_to_env={key: key for key in keys})
         kubernetes.set_image_pull_policy(task, k8s.image_pull_policy)
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -89,6 +88,31 @@ def client(host: str | None = None, namespace: str | None = None):
                       existing_token=token)
 
 
+def typed_arguments(package: str | Path, arguments: dict[str, str] | None) -> dict:
+    """``--param NAME=VALUE`` strings as the types the pipeline declares (the API server refuses a
+    string for an integer input); an unknown name or a value of the wrong type is bad input."""
+    from components.core.errors import BadInput
+
+    declared = next(yaml.safe_load_all(Path(package).read_text()))["root"]["inputDefinitions"]["parameters"]
+    typed: dict = {}
+    for name, raw in (arguments or {}).items():
+        if name not in declared:
+            raise BadInput(f"--param {name}: no such pipeline parameter; known: {', '.join(declared)}")
+        kind = declared[name]["parameterType"]
+        try:
+            if kind == "STRING":
+                typed[name] = raw
+            elif kind == "NUMBER_INTEGER":
+                typed[name] = int(raw)
+            elif kind == "NUMBER_DOUBLE":
+                typed[name] = float(raw)
+            else:  # BOOLEAN, STRUCT, LIST: YAML, like --set
+                typed[name] = yaml.safe_load(raw)
+        except (ValueError, yaml.YAMLError):
+            raise BadInput(f"--param {name}={raw!r}: expected {kind}") from None
+    return typed
+
+
 @dataclass
 class Submitted:
     run_id: str
@@ -99,7 +123,7 @@ def submit(kfp_client, package: str | Path, config: RelaunchConfig, *, run_name:
            experiment: str | None = None, arguments: dict | None = None) -> Submitted:
     """One run of the compiled package, as the pipeline's service account."""
     result = kfp_client.create_run_from_pipeline_package(
-        str(package), arguments=arguments or {}, run_name=run_name, experiment_name=experiment or config.name,
+        str(package), arguments=typed_arguments(package, arguments), run_name=run_name, experiment_name=experiment or config.name,
         enable_caching=False, service_account=config.launch.kubernetes.service_account)
     return Submitted(run_id=result.run_id)
 
@@ -123,6 +147,7 @@ def schedule(kfp_client, package: str | Path, config: RelaunchConfig, *, cron: s
     ``cron`` is KFP's six-field form (seconds first); a five-field expression gets ``0`` seconds.
     Returns the recurring run's id.
     """
+    params = typed_arguments(package, arguments)  # refused before anything is uploaded
     fields = cron.split()
     if len(fields) == 5:
         cron = f"0 {cron}"
@@ -130,6 +155,6 @@ def schedule(kfp_client, package: str | Path, config: RelaunchConfig, *, cron: s
     experiment_id = kfp_client.create_experiment(experiment or config.name).experiment_id
     recurring = kfp_client.create_recurring_run(
         experiment_id=experiment_id, job_name=f"{config.name}-recurring", cron_expression=cron,
-        max_concurrency=1, no_catchup=True, params=arguments or {}, pipeline_id=pipeline_id,
+        max_concurrency=1, no_catchup=True, params=params, pipeline_id=pipeline_id,
         version_id=version_id, enable_caching=False, service_account=config.launch.kubernetes.service_account)
     return recurring.recurring_run_id

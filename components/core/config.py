@@ -160,7 +160,7 @@ class TrainConfig(_Model):
 
 
 class KubernetesConfig(_Model):
-    namespace: str = Field("relaunch", description="Namespace of the PyTorchJob and the pipeline pods.")
+    namespace: str = Field("relaunch", description="Namespace of the training job (TrainJob or PyTorchJob) and the pipeline pods.")
     image: str = Field("ghcr.io/relaunch/relaunch:0.1.0", description="Image every step and worker runs.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent", description="imagePullPolicy of every pod.")
     service_account: str = Field("relaunch-pipeline", description="ServiceAccount of the pipeline pods and workers.")
@@ -177,14 +177,36 @@ class KubernetesConfig(_Model):
     store_endpoint: str | None = Field("http://minio.relaunch.svc:9000", description="AWS_ENDPOINT_URL given to pods.")
     backoff_limit: int = Field(6, ge=0, description="PyTorchJob runPolicy.backoffLimit: pod restarts before the job fails.")
     clean_pod_policy: Literal["None", "Running", "All"] = Field("None", description="PyTorchJob runPolicy.cleanPodPolicy.")
-    ttl_seconds_after_finished: int = Field(86400, ge=0, description="Delete the finished PyTorchJob after this long.")
-    active_deadline_seconds: int | None = Field(None, ge=1, description="PyTorchJob runPolicy.activeDeadlineSeconds.")
+    ttl_seconds_after_finished: int = Field(86400, ge=0, description="Delete the finished job after this long (PyTorchJob runPolicy; the runtime's JobSet).")
+    active_deadline_seconds: int | None = Field(None, ge=1, description="Deadline of the running job (PyTorchJob runPolicy, TrainJob spec.activeDeadlineSeconds).")
     termination_grace_period_seconds: int = Field(30, ge=1, description="Pod grace period between SIGTERM and SIGKILL.")
-    wait_timeout_seconds: float = Field(86400.0, gt=0, description="How long launch waits for the job.")
+    wait_timeout_seconds: float = Field(86400.0, gt=0, description="How long launch waits for the job, queued or running; then 138, and the next attempt adopts it.")
+
+
+class TrainJobConfig(_Model):
+    runtime: str = Field("relaunch-torch", description="ClusterTrainingRuntime the TrainJob references (manifests/trainer/).")
+    max_restarts: int = Field(3, ge=0, description="JobSet failurePolicy.maxRestarts of the rendered runtime: "
+                              "whole-group restarts after a retryable exit code.")
+    queue_name: str | None = Field(None, description="Kueue LocalQueue (label kueue.x-k8s.io/queue-name); "
+                                   "the TrainJob waits Suspended until Kueue admits it.")
+
+    @field_validator("runtime")
+    @classmethod
+    def _dns_label(cls, v: str) -> str:
+        if len(v) > 63 or not _NAME.match(v):
+            raise ValueError(f"{v!r} is not a DNS label (a-z, 0-9, '-', at most 63 characters); "
+                             "name the ClusterTrainingRuntime you applied, e.g. relaunch-torch")
+        return v
+
+
+# The old name of the PyTorchJob backend, still accepted.
+LEGACY_BACKENDS = {"kubernetes": "pytorchjob"}
 
 
 class LaunchConfig(_Model):
-    backend: Literal["local", "kubernetes"] = Field("local", description="Where training runs.")
+    backend: Literal["local", "pytorchjob", "trainjob"] = Field(
+        "local", description="Where training runs: local torchrun agents, a Kubeflow PyTorchJob (Training Operator "
+        "v1; 'kubernetes' is accepted as pytorchjob) or a TrainJob (Kubeflow Trainer v2).")
     nodes: int = Field(2, ge=1, description="Nodes (local: simulated node groups on this machine).")
     procs_per_node: int = Field(1, ge=1, description="Training processes per node.")
     max_restarts: int = Field(3, ge=0, description="torchrun/elastic restarts of the worker group.")
@@ -194,6 +216,17 @@ class LaunchConfig(_Model):
     timeout_seconds: float = Field(3600.0, gt=0, description="Give up (retryable) after this long.")
     inject_failure: str | None = Field(None, description="kill-worker@step=N, preempt@step=N or storage-outage@step=N.")
     kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
+    trainjob: TrainJobConfig = Field(default_factory=TrainJobConfig)
+
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _legacy_backend(cls, v: Any) -> Any:
+        return LEGACY_BACKENDS.get(v, v) if isinstance(v, str) else v
+
+    @property
+    def on_cluster(self) -> bool:
+        """Whether training runs as a Kubernetes job (either cluster backend)."""
+        return self.backend != "local"
 
     @field_validator("inject_failure")
     @classmethod

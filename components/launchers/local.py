@@ -26,9 +26,10 @@ import time
 from dataclasses import dataclass, field
 
 from components.core.config import RelaunchConfig
-from components.core.exitcodes import ExitCode, normalize
+from components.core.exitcodes import ExitCode
 from components.core.net import free_port
 from components.launchers import LaunchResult
+from components.launchers.torchrun import exit_code, torchrun_args
 
 _LINE = re.compile(r"RELAUNCH_(PROGRESS|RESUMED|SUMMARY) (\{.*\})\s*$")
 _TORCHRUN_EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
@@ -37,15 +38,10 @@ AGENT_GRACE_SECONDS = 30.0  # once one agent ended badly, how long the others ge
 
 def build_commands(config: RelaunchConfig, *, job_id: str, port: int) -> list[list[str]]:
     """The torchrun command of each simulated node (side-effect free)."""
-    launch = config.launch
-    nnodes = f"{launch.min_nodes}:{launch.nodes}" if launch.min_nodes else str(launch.nodes)
-    return [[sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
-             f"--nproc-per-node={launch.procs_per_node}", "--rdzv-backend=c10d",
-             f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job_id}",
-             f"--rdzv-conf=is_host={'true' if node == 0 else 'false'}", "--local-addr=127.0.0.1",
-             f"--max-restarts={launch.max_restarts}", f"--monitor-interval={launch.monitor_interval_seconds}",
-             "-m", "components.train", "--config-json", config.to_json()]
-            for node in range(launch.nodes)]
+    return [[sys.executable, "-m", "torch.distributed.run",
+             *torchrun_args(config, rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=job_id,
+                            rdzv_conf=f"is_host={'true' if node == 0 else 'false'}", extra=["--local-addr=127.0.0.1"])]
+            for node in range(config.launch.nodes)]
 
 
 def launch(config: RelaunchConfig, *, pipeline_run_id: str, resume_from: str | None) -> LaunchResult:
@@ -125,17 +121,7 @@ def _stop(agents: list[subprocess.Popen]) -> None:
 def _outcome(config: RelaunchConfig, codes: list[int], watch: "_Watch", started: float) -> int:
     if all(c == 0 for c in codes):
         return ExitCode.OK
-    worst = next(c for c in codes if c != 0)
-    if worst < 0:  # an agent itself was killed by a signal
-        return normalize(worst)
-    from components.core.errors import RelaunchError
-    from components.core.goodput import mapped_exit_code
-    from components.core.storage import open_store
-
-    try:
-        return mapped_exit_code(open_store(config.store.uri), worst, started)
-    except RelaunchError:  # the store is what failed: fall back to torchrun's own failure report
-        return normalize(watch.worker_exit_code) if watch.worker_exit_code else ExitCode.RETRY_ME
+    return exit_code(config, next(c for c in codes if c != 0), started, reported=watch.worker_exit_code)
 
 
 @dataclass

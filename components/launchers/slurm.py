@@ -8,7 +8,7 @@ job's first node; ``--signal=B:USR1@<grace>`` makes Slurm send SIGUSR1 to the ba
 before the time limit; the shell forwards it to ``srun`` (which forwards signals to its tasks), and
 torchrun, told to handle SIGUSR1, passes it to the workers: they agree on a save at the next step
 boundary and exit 143. The script then maps torchrun's exit status to the contract's code
-(``python -m components.train --map-exit``) and, when it is retryable, requeues the job
+(``python -m components.launchers.torchrun --map-exit``) and, when it is retryable, requeues the job
 (``scontrol requeue``; ``--requeue`` also lets Slurm requeue it after a node failure). The requeued
 job keeps its id, hence its writer identity, and resumes from the latest committed checkpoint.
 
@@ -23,6 +23,7 @@ import shlex
 
 from components.core.config import RelaunchConfig
 from components.core.exitcodes import RETRYABLE
+from components.launchers.torchrun import torchrun_args
 
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
@@ -35,6 +36,12 @@ def render_sbatch(config: RelaunchConfig, *, python: str = "python", rdzv_port: 
     nodes = f"{launch.min_nodes}-{launch.nodes}" if launch.min_nodes and launch.min_nodes < launch.nodes else str(launch.nodes)
     retryable = " ".join(str(int(c)) for c in sorted(RETRYABLE))
     config_json = shlex.quote(config.to_json())
+    # Shell words: the node count, endpoint and id are the job's, expanded by bash when it runs.
+    torchrun = " ".join(torchrun_args(
+        config, node_count=f'"${{SLURM_NNODES:-{launch.nodes}}}"', rdzv_endpoint='"$head_node:$rdzv_port"',
+        rdzv_id='"slurm-$SLURM_JOB_ID"', rdzv_conf="join_timeout=120,last_call_timeout=1,close_timeout=10",
+        extra=[f"--signals-to-handle={TORCHRUN_SIGNALS}", f"--shutdown-timeout={int(train.preempt_grace_seconds)}"],
+        config_json='"$CONFIG_JSON"'))
     return f"""#!/bin/bash
 #SBATCH --job-name={config.name}
 #SBATCH --nodes={nodes}
@@ -65,12 +72,7 @@ forward_usr1() {{
 trap forward_usr1 USR1
 
 srun --kill-on-bad-exit=0 --ntasks-per-node=1 \\
-    torchrun --nnodes="${{SLURM_NNODES:-{launch.nodes}}}" --nproc-per-node={launch.procs_per_node} \\
-    --rdzv-backend=c10d --rdzv-endpoint="$head_node:$rdzv_port" --rdzv-id="slurm-$SLURM_JOB_ID" \\
-    --rdzv-conf=join_timeout=120,last_call_timeout=1,close_timeout=10 \\
-    --max-restarts={launch.max_restarts} --monitor-interval={launch.monitor_interval_seconds} \\
-    --signals-to-handle={TORCHRUN_SIGNALS} --shutdown-timeout={int(train.preempt_grace_seconds)} \\
-    -m components.train --config-json "$CONFIG_JSON" &
+    torchrun {torchrun} &
 srun_pid=$!
 
 # a trapped signal interrupts `wait`; keep waiting until srun itself has ended, then take its status
@@ -78,7 +80,7 @@ while kill -0 "$srun_pid" 2>/dev/null; do wait "$srun_pid"; done
 wait "$srun_pid"
 rc=$?
 
-{python} -m components.train --config-json "$CONFIG_JSON" --map-exit "$rc" --since "$started_at"
+{python} -m components.launchers.torchrun --config-json "$CONFIG_JSON" --map-exit "$rc" --since "$started_at"
 code=$?
 echo "relaunch: training ended with exit code $code (torchrun: $rc)" >&2
 case " {retryable} " in

@@ -5,7 +5,7 @@
 torchrun exits 1 whenever a worker failed, whatever the worker's own code, and the Training
 Operator's ``restartPolicy: ExitCode`` would read that 1 as permanent. This wrapper forwards
 SIGTERM/SIGINT/SIGUSR1 to torchrun (the preemption path), waits, and maps torchrun's status with
-:func:`components.core.goodput.mapped_exit_code` (the training's own ``runs/exit.json``), so a worker
+:func:`components.launchers.torchrun.exit_code` (the training's own ``runs/exit.json``), so a worker
 killed by OOM restarts the pod (137) and a bad input does not (2).
 """
 
@@ -17,8 +17,8 @@ import sys
 import time
 
 from components.core.config import RelaunchConfig
-from components.core.errors import BadInput, RelaunchError, exit_on_error
-from components.core.exitcodes import ExitCode, normalize
+from components.core.errors import BadInput, exit_on_error
+from components.launchers.torchrun import exit_code
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
@@ -33,20 +33,13 @@ def config_of(command: list[str]) -> RelaunchConfig:
 
 def supervise(command: list[str]) -> int:
     """Run ``command`` to its end, forwarding signals; return the contract's exit code."""
-    from components.core.goodput import mapped_exit_code
-    from components.core.storage import open_store
-
     config = config_of(command)
     started = time.time()
     child = subprocess.Popen(command)
     for sig in FORWARDED:
         signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
     returncode = child.wait()
-    try:
-        code = mapped_exit_code(open_store(config.store.uri), returncode, started)
-    except RelaunchError as err:  # the store itself is what failed: retry rather than guess permanent
-        print(f"relaunch supervise: cannot read the exit record: {err}", file=sys.stderr)
-        code = int(ExitCode.RETRY_ME) if normalize(returncode) == ExitCode.BUG else normalize(returncode)
+    code = exit_code(config, returncode, started)
     print(f"relaunch supervise: torchrun exit {returncode} -> {code}", file=sys.stderr)
     return code
 

@@ -75,7 +75,7 @@ def create_argo_object(doc: dict, namespace: str) -> str:
         return resp.json()["metadata"]["name"]
     from kubernetes import client
 
-    from components.launchers.kubernetes import kube_api_client
+    from components.launchers.cluster import kube_api_client
 
     api = client.CustomObjectsApi(kube_api_client())
     try:

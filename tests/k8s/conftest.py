@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -15,14 +17,71 @@ import yaml
 from components.core.config import RelaunchConfig, load_config
 
 NAMESPACE = "relaunch-test"
-JOBS = "/apis/kubeflow.org/v1/namespaces/relaunch-test/pytorchjobs"
+BACKENDS = ("pytorchjob", "trainjob")
+
+
+@dataclass(frozen=True)
+class Operator:
+    """What the test plays for one backend: the resource path, the pods and the status the operator
+    (Training Operator or Trainer + JobSet) would write."""
+
+    backend: str
+    group_version: str
+    plural: str
+    kind: str
+    container: str
+
+    @property
+    def jobs_path(self) -> str:
+        return f"/apis/{self.group_version}/namespaces/{NAMESPACE}/{self.plural}"
+
+    def node0_pod(self, job: str) -> tuple[str, dict[str, str]]:
+        if self.backend == "pytorchjob":
+            return f"{job}-master-0", {"training.kubeflow.org/job-name": job}
+        return f"{job}-node-0-0-x7k2p", {"jobset.sigs.k8s.io/jobset-name": job, "jobset.sigs.k8s.io/job-index": "0",
+                                         "batch.kubernetes.io/job-completion-index": "0"}
+
+    def running(self) -> dict:
+        if self.backend == "pytorchjob":
+            return {"conditions": [condition("Created"), condition("Running")], "replicaStatuses": {"Master": {"active": 1}}}
+        return {"jobsStatus": [{"name": "node", "active": 1, "ready": 1, "succeeded": 0, "failed": 0, "suspended": 0}]}
+
+    def succeeded(self) -> dict:
+        return {"conditions": [condition("Running" if self.backend == "pytorchjob" else "Created"),
+                               condition("Succeeded" if self.backend == "pytorchjob" else "Complete")]}
+
+    def failed(self, message: str = "") -> dict:
+        return {"conditions": [condition("Failed", message or "the job failed")]}
+
+    def suspended(self) -> dict:
+        return {"conditions": [condition("Suspended", f"{self.kind} is suspended", reason="Suspended")]}
+
+    def terminated(self, code: int, reason: str = "Error") -> dict:
+        return terminated(code, reason, container=self.container)
+
+    def build(self, config, **kwargs) -> dict:
+        module = importlib.import_module(f"components.launchers.{self.backend}")
+        return getattr(module, f"build_{self.backend}")(config, **kwargs)
+
+
+OPERATORS = {
+    "pytorchjob": Operator("pytorchjob", "kubeflow.org/v1", "pytorchjobs", "PyTorchJob", "pytorch"),
+    "trainjob": Operator("trainjob", "trainer.kubeflow.org/v1alpha1", "trainjobs", "TrainJob", "node"),
+}
 
 
 @pytest.fixture
-def cluster(kmock, tmp_path, monkeypatch):
-    """kmock serving PyTorchJobs and pods, with KUBECONFIG pointing at it (what a user's laptop has)."""
-    kmock.resources["kubeflow.org/v1/pytorchjobs"].kind = "PyTorchJob"
-    kmock.resources["kubeflow.org/v1/pytorchjobs"].namespaced = True
+def backend() -> str:
+    """The launch backend a test runs against; parametrize ``backend`` to run it for both."""
+    return "pytorchjob"
+
+
+@pytest.fixture
+def cluster(kmock, tmp_path, monkeypatch, backend):
+    """kmock serving both job kinds and pods, with KUBECONFIG pointing at it (what a user's laptop has)."""
+    for op in OPERATORS.values():
+        kmock.resources[f"{op.group_version}/{op.plural}"].kind = op.kind
+        kmock.resources[f"{op.group_version}/{op.plural}"].namespaced = True
     kmock.resources["v1/pods"].kind = "Pod"
     kmock.resources["v1/pods"].namespaced = True
     kubeconfig = tmp_path / "kubeconfig"
@@ -34,24 +93,30 @@ def cluster(kmock, tmp_path, monkeypatch):
     }))
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    return Cluster(kmock, kubeconfig)
+    return Cluster(kmock, kubeconfig, OPERATORS[backend])
 
 
 class Cluster:
-    """The test plays the Training Operator: it creates pods and moves job status along."""
+    """The test plays the operator: it creates pods and moves job status along."""
 
-    def __init__(self, kmock, kubeconfig: Path) -> None:
+    def __init__(self, kmock, kubeconfig: Path, operator: Operator) -> None:
         self.kmock = kmock
         self.kubeconfig = kubeconfig
+        self.op = operator
 
     def jobs(self) -> list[dict]:
         return [obj.raw for (res, _ns, _name), obj in self.kmock.objects.items()
-                if res.plural == "pytorchjobs" and not obj.deleted]
+                if res.plural == self.op.plural and not obj.deleted]
 
-    def requests(self, method: str, path_prefix: str = JOBS) -> list:
-        """Requests the launcher (the kubernetes client, not this test) made."""
+    def requests(self, method: str | None, path_prefix: str | None = None) -> list:
+        """Requests the launcher (the kubernetes client, not this test) made; ``method`` None: any."""
+        prefix = self.op.jobs_path if path_prefix is None else path_prefix
         return [r for r in list(self.kmock) if "OpenAPI-Generator" in r.headers.get("User-Agent", "")
-                and r.method == kmock_lib.method(method.upper()) and str(r.url.path).startswith(path_prefix)]
+                and (method is None or r.method == kmock_lib.method(method.upper()))
+                and str(r.url.path).startswith(prefix)]
+
+    def watching(self) -> int:
+        return sum(r.params.get("watch") == "true" for r in self.requests("GET"))
 
     async def wait_for(self, predicate, what: str, limit: float = 30.0) -> None:
         deadline = time.monotonic() + limit
@@ -62,24 +127,24 @@ class Cluster:
 
     async def put_job(self, manifest: dict, status: dict | None = None) -> None:
         body = dict(manifest, status=status) if status else manifest
-        async with self.kmock.post(JOBS, json=body) as resp:
+        async with self.kmock.post(self.op.jobs_path, json=body) as resp:
             assert resp.status < 300, await resp.text()
 
     async def set_status(self, name: str, status: dict) -> None:
-        async with self.kmock.patch(f"{JOBS}/{name}/status", json={"status": status}) as resp:
+        async with self.kmock.patch(f"{self.op.jobs_path}/{name}/status", json={"status": status}) as resp:
             assert resp.status < 300, await resp.text()
 
-    async def add_pod(self, name: str, status: dict) -> None:
-        job = name.rsplit("-", 2)[0]
+    async def add_pod(self, name: str, status: dict, labels: dict[str, str] | None = None) -> None:
+        """A pod of a job; ``name`` is the job's name and ``labels`` None: the node-0 pod of that job."""
+        if labels is None:
+            name, labels = self.op.node0_pod(name)
         pod = {"apiVersion": "v1", "kind": "Pod",
-               "metadata": {"name": name, "namespace": NAMESPACE, "labels": {"training.kubeflow.org/job-name": job}},
-               "status": status}
+               "metadata": {"name": name, "namespace": NAMESPACE, "labels": labels}, "status": status}
         async with self.kmock.post(f"/api/v1/namespaces/{NAMESPACE}/pods", json=pod) as resp:
             assert resp.status < 300, await resp.text()
 
-
-    async def delete_pod(self, name: str) -> None:
-        async with self.kmock.delete(f"/api/v1/namespaces/{NAMESPACE}/pods/{name}") as resp:
+    async def delete_node0_pod(self, job: str) -> None:
+        async with self.kmock.delete(f"/api/v1/namespaces/{NAMESPACE}/pods/{self.op.node0_pod(job)[0]}") as resp:
             assert resp.status < 300, await resp.text()
 
 
@@ -87,15 +152,15 @@ def condition(kind: str, message: str = "", reason: str = "") -> dict:
     return {"type": kind, "status": "True", "reason": reason or f"PyTorchJob{kind}", "message": message}
 
 
-def terminated(code: int, reason: str = "Error") -> dict:
+def terminated(code: int, reason: str = "Error", container: str = "pytorch") -> dict:
     return {"phase": "Failed", "containerStatuses": [
-        {"name": "pytorch", "state": {"terminated": {"exitCode": code, "reason": reason}}}]}
+        {"name": container, "state": {"terminated": {"exitCode": code, "reason": reason}}}]}
 
 
 @pytest.fixture
-def k8s_config() -> RelaunchConfig:
+def k8s_config(backend) -> RelaunchConfig:
     return load_config(None, [
-        "launch.backend=kubernetes", f"launch.kubernetes.namespace={NAMESPACE}",
+        f"launch.backend={backend}", f"launch.kubernetes.namespace={NAMESPACE}",
         "launch.kubernetes.wait_timeout_seconds=60", "store.uri=s3://relaunch-test/store",
         "tracking.uri=http://mlflow.relaunch.svc:5000",
     ])

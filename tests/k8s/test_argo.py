@@ -10,7 +10,7 @@ from jsonschema import Draft7Validator, Draft202012Validator
 
 from components.core.config import load_config
 from components.core.exitcodes import PERMANENT, RETRY_POLICIES, RETRYABLE, STEPS, argo_retry_expression
-from pipelines.argo import BUILDERS, to_dict
+from pipelines.argo import BUILDERS, DELETE_JOB, EXIT_HANDLER_RETRY, to_dict
 
 KINDS = {"argo": ("Workflow", "argoproj.io_workflows.yaml"),
          "argo-template": ("WorkflowTemplate", "argoproj.io_workflowtemplates.yaml"),
@@ -201,9 +201,9 @@ def test_the_exit_handler_closes_the_mlflow_run_and_deletes_the_job_unless_the_w
     spec = documents["argo"]["spec"]
     handler = templates(documents["argo"])[spec["onExit"]]["dag"]["tasks"]
     by_name = {t["name"]: t for t in handler}
-    assert set(by_name) == {"finalize", "delete-pytorchjob"}
+    assert set(by_name) == {"finalize", "delete-training-job"}
     assert "when" not in by_name["finalize"]
-    assert by_name["delete-pytorchjob"]["when"] == "{{workflow.status}} != Succeeded"
+    assert by_name["delete-training-job"]["when"] == "{{workflow.status}} != Succeeded"
     args = {p["name"]: p["value"] for p in by_name["finalize"]["arguments"]["parameters"]}
     assert args["pipeline_run_id"] == "{{workflow.uid}}"
 
@@ -227,3 +227,24 @@ def test_credentials_reach_every_step_only_as_secret_key_refs(documents):
             for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "MLFLOW_TRACKING_PASSWORD"):
                 assert set(env[key]) == {"name", "valueFrom"}, (template["name"], key)
                 assert "secretKeyRef" in env[key]["valueFrom"]
+
+
+def test_the_exit_handler_steps_keep_retrying_so_a_transient_error_never_orphans_a_job(documents):
+    for doc in documents.values():
+        by_name = templates(doc)
+        for step in ("finalize", DELETE_JOB):
+            strategy = by_name[step]["retryStrategy"]
+            assert strategy["limit"] == EXIT_HANDLER_RETRY.limit >= 3, step
+            assert strategy["expression"] == argo_retry_expression()
+            assert strategy["retryPolicy"] == "Always"
+
+
+@pytest.mark.parametrize("backend", ["pytorchjob", "trainjob"])
+def test_the_backend_travels_in_the_workflows_configuration_to_launch_and_the_exit_handler(backend):
+    import json
+
+    doc = to_dict(BUILDERS["argo"](load_config(None, [*CLUSTER_OVERRIDES, f"launch.backend={backend}"])))
+    params = {p["name"]: p["value"] for p in doc["spec"]["arguments"]["parameters"]}
+    assert json.loads(params["config_json"])["launch"]["backend"] == backend
+    delete = templates(doc)[DELETE_JOB]["container"]
+    assert delete["command"] == ["python", "-m", "components.launchers.cluster"]

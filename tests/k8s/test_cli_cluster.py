@@ -62,3 +62,14 @@ async def test_render_pytorchjob_writes_the_manifest_the_launcher_would_create(t
     assert main(["render", "pytorchjob", "--run-id", "abc", "--set", "launch.nodes=3", "-o", str(out)]) == 0
     job = yaml.safe_load(out.read_text())
     assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 2
+
+
+@pytest.mark.parametrize(("kind", "api_kind"), [("trainjob", "TrainJob"), ("trainingruntime", "ClusterTrainingRuntime")])
+async def test_render_writes_the_trainer_v2_documents(kind, api_kind, tmp_path):
+    out = tmp_path / f"{kind}.yaml"
+    assert main(["render", kind, "--run-id", "abc", "--set", "launch.backend=trainjob", "--set", "launch.nodes=3",
+                 "-o", str(out)]) == 0
+    doc = yaml.safe_load(out.read_text())
+    assert doc["kind"] == api_kind
+    nodes = doc["spec"]["trainer"]["numNodes"] if kind == "trainjob" else doc["spec"]["mlPolicy"]["numNodes"]
+    assert nodes == 3

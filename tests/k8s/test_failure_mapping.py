@@ -1,4 +1,4 @@
-"""How a finished PyTorchJob maps to the exit-code contract: conditions, container exit codes and
+"""How a finished PyTorchJob or TrainJob maps to the exit-code contract: conditions, container exit codes and
 pod reasons (the evidence the Training Operator and the kubelet leave behind)."""
 
 from __future__ import annotations
@@ -6,10 +6,16 @@ from __future__ import annotations
 import pytest
 
 from components.core.exitcodes import PERMANENT, RETRYABLE, ExitCode
-from components.launchers.kubernetes import failure_exit_code, job_state, unstartable_reason
+from components.launchers.jobs import failure_exit_code as map_failure, unstartable_reason
+from components.launchers.pytorchjob import KIND, job_state
+from components.launchers.trainjob import KIND as TRAINJOB, job_state as trainjob_state
 from tests.k8s.conftest import condition, terminated
 
 FAILED = {"status": {"conditions": [condition("Running"), condition("Failed", "PyTorchJob failed")]}}
+
+
+def failure_exit_code(job: dict, pods: list[dict]) -> tuple[int, str]:
+    return map_failure(KIND, job, pods)
 
 
 def pod(name: str, status: dict) -> dict:
@@ -62,6 +68,7 @@ def test_a_container_restarted_in_place_reports_its_last_termination():
     ([condition("Running"), condition("Succeeded")], "Succeeded"),
     ([condition("Running"), condition("Failed")], "Failed"),
     ([condition("Running"), {"type": "Failed", "status": "False"}], "Running"),
+    ([condition("Created"), condition("Suspended")], "Suspended"),
 ])
 def test_the_job_phase_is_read_from_its_newest_true_condition(conditions, phase):
     assert job_state({"status": {"conditions": conditions}}).phase == phase
@@ -74,3 +81,35 @@ def test_the_job_phase_is_read_from_its_newest_true_condition(conditions, phase)
 def test_only_containers_that_can_never_start_stop_the_wait(reason, fatal):
     pods = [pod("m", {"phase": "Pending", "containerStatuses": [{"name": "pytorch", "state": {"waiting": {"reason": reason}}}]})]
     assert (unstartable_reason(pods) is not None) == fatal
+
+
+def true(kind: str) -> dict:
+    return {"type": kind, "status": "True", "reason": kind, "message": ""}
+
+
+@pytest.mark.parametrize(("job", "phase"), [
+    ({"status": {}}, "Pending"),
+    ({"spec": {"suspend": True}, "status": {}}, "Suspended"),
+    ({"status": {"conditions": [true("Suspended")]}}, "Suspended"),
+    ({"status": {"jobsStatus": [{"name": "node", "active": 0, "ready": 0}]}}, "Pending"),
+    ({"status": {"jobsStatus": [{"name": "node", "active": 2, "ready": 2}]}}, "Running"),
+    ({"status": {"conditions": [true("Complete")]}}, "Succeeded"),
+    ({"status": {"conditions": [true("Failed")]}}, "Failed"),
+    ({"status": {"conditions": [{**true("Suspended"), "status": "False"}, true("Complete")]}}, "Succeeded"),
+])
+def test_the_trainjob_phase_is_read_from_its_conditions_and_child_jobs(job, phase):
+    assert trainjob_state(job).phase == phase
+
+
+def test_trainjob_progress_is_read_from_trainer_status_when_reported():
+    status = {"trainerStatus": {"progressPercentage": 40, "estimatedRemainingSeconds": 90,
+                                "metrics": [{"name": "loss", "value": "0.2"}]}}
+    assert trainjob_state({"status": status}).progress == "40% ~90 s left loss=0.2"
+    assert trainjob_state({"status": {}}).progress == ""
+
+
+def test_a_failed_trainjob_maps_its_node_containers_exit_codes():
+    pods = [pod("n0", terminated(2, container="node")), pod("n1", terminated(137, "OOMKilled", container="node"))]
+    job = {"status": {"conditions": [true("Failed")]}}
+    assert map_failure(TRAINJOB, job, pods)[0] == ExitCode.BAD_INPUT
+    assert map_failure(TRAINJOB, job, pods[1:])[0] == ExitCode.KILLED

@@ -13,13 +13,15 @@ import yaml
 
 from components.core.config import load_config
 from components.core.exitcodes import RETRY_POLICIES, STEPS
-from components.launchers.kubernetes import build_pytorchjob
+from components.launchers.pytorchjob import build_pytorchjob
+from components.launchers.trainjob import build_runtime, build_trainjob
 from pipelines.commands.compile import render
+from components.launchers.jobs import STORE_SECRET_KEYS, TRACKING_SECRET_KEYS
 from tests.services import S3_ACCESS_KEY, S3_SECRET_KEY
 
 ROOT = Path(__file__).resolve().parents[2]
 MLFLOW_PASSWORD = "relaunch-test-mlflow-password-42"
-CLUSTER = ["launch.backend=kubernetes", "store.uri=s3://relaunch/store", "tracking.uri=http://mlflow.relaunch.svc:5000"]
+CLUSTER = ["launch.backend=pytorchjob", "store.uri=s3://relaunch/store", "tracking.uri=http://mlflow.relaunch.svc:5000"]
 
 
 @pytest.fixture(scope="module")
@@ -115,11 +117,57 @@ def test_no_credential_appears_in_any_compiled_or_rendered_document(monkeypatch)
     config = load_config(None, CLUSTER)
     texts = {t: render(t, config) for t in ("kfp", "argo", "argo-template", "argo-cron")}
     texts["pytorchjob"] = yaml.safe_dump(build_pytorchjob(config, pipeline_run_id="uid", resume_from="s3://relaunch/x"))
+    texts["trainjob"] = yaml.safe_dump(build_trainjob(config, pipeline_run_id="uid", resume_from="s3://relaunch/x"))
+    texts["trainingruntime"] = yaml.safe_dump(build_runtime(config))
     if shutil.which("kubectl"):
-        for build in ("base", "overlays/kind", "overlays/basic-auth"):
+        for build in ("base", "overlays/kind", "overlays/basic-auth", "overlays/pytorchjob", "trainer"):
             texts[build] = subprocess.run(["kubectl", "kustomize", str(ROOT / "manifests" / build)],
                                           check=True, capture_output=True, text=True).stdout
     for name, text in texts.items():
         for secret in (S3_ACCESS_KEY, S3_SECRET_KEY, MLFLOW_PASSWORD):
             assert secret not in text, f"{secret!r} leaked into {name}"
         assert "AWS_SECRET_ACCESS_KEY" in text or name.startswith("overlays") or name == "base", name
+        for doc in yaml.safe_load_all(text):
+            for entry in env_entries(doc):
+                if entry["name"] in SECRET_KEYS:
+                    assert "value" not in entry and "secretKeyRef" in entry["valueFrom"], (name, entry["name"])
+
+
+SECRET_KEYS = set(STORE_SECRET_KEYS + TRACKING_SECRET_KEYS)
+
+
+def env_entries(node) -> list[dict]:
+    """Every ``{"name": ..., "value"/"valueFrom": ...}`` env entry anywhere in a document."""
+    found = []
+    if isinstance(node, dict):
+        if "name" in node and ("value" in node or "valueFrom" in node):
+            found.append(node)
+        for value in node.values():
+            found += env_entries(value)
+    elif isinstance(node, list):
+        for value in node:
+            found += env_entries(value)
+    return found
+
+
+def without_rendezvous(command: list[str]) -> list[str]:
+    return [arg for arg in command if not arg.startswith(("--rdzv-endpoint=", "--rdzv-id="))]
+
+
+@pytest.mark.parametrize("overrides", [[], ["launch.nodes=4", "launch.procs_per_node=8", "launch.min_nodes=2",
+                                            "launch.kubernetes.gpus_per_node=8", "launch.kubernetes.tracking_secret=null"]])
+def test_the_pytorchjob_and_the_trainjob_for_one_config_train_the_same_way(overrides):
+    config = load_config(None, [*CLUSTER, *overrides])
+    pytorchjob = build_pytorchjob(config, pipeline_run_id="uid", resume_from="s3://relaunch/x")
+    trainjob = build_trainjob(config, pipeline_run_id="uid", resume_from="s3://relaunch/x")
+    trainer = trainjob["spec"]["trainer"]
+    replicas = pytorchjob["spec"]["pytorchReplicaSpecs"]
+    containers = [spec["template"]["spec"]["containers"][0] for spec in replicas.values()]
+    for container in containers:
+        assert container["image"] == trainer["image"]
+        assert without_rendezvous(container["command"]) == without_rendezvous(trainer["command"])
+        assert container["env"] == trainer["env"]
+        assert container["resources"] == trainer["resourcesPerNode"]
+    assert sum(spec["replicas"] for spec in replicas.values()) == trainer["numNodes"] == config.launch.nodes
+    assert pytorchjob["spec"]["elasticPolicy"]["nProcPerNode"] == trainer["numProcPerNode"] == config.launch.procs_per_node
+    assert pytorchjob["metadata"]["name"] == trainjob["metadata"]["name"]

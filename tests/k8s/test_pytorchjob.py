@@ -8,7 +8,8 @@ from jsonschema import Draft7Validator
 
 from components.core.config import load_config
 from components.core.k8s_naming import MAX_JOB_NAME, job_name
-from components.launchers.kubernetes import build_pytorchjob, owner_from_env
+from components.launchers.jobs import owner_from_env
+from components.launchers.pytorchjob import build_pytorchjob
 
 OWNER = {"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow", "name": "relaunch-x7k2p", "uid": "5b0c-uid"}
 VARIANTS = {
@@ -56,7 +57,7 @@ def test_gpus_shm_selector_and_tolerations_reach_every_replica():
     for spec in build_pytorchjob(config, pipeline_run_id="u")["spec"]["pytorchReplicaSpecs"].values():
         pod = spec["template"]["spec"]
         container = pod["containers"][0]
-        assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "8"
         assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
         assert pod["volumes"][0]["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Gi"}
         assert pod["nodeSelector"] == {"pool": "a100"}
