@@ -8,7 +8,7 @@ IMAGE ?= ghcr.io/relaunch/relaunch
 TAG ?= 0.1.0
 ARGS ?=
 
-.PHONY: help venv run test bench ui compile golden images clean
+.PHONY: help venv run test bench ui ui-check compile golden images clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  make %-10s %s\n", $$1, $$2}'
@@ -31,6 +31,9 @@ bench: $(STAMP) ## run the benchmarks; prints tables and writes bench-results/*.
 
 ui: $(STAMP) ## open the local MLflow UI on http://127.0.0.1:5000
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///./.relaunch/mlflow.db --default-artifact-root ./.relaunch/mlartifacts --host 127.0.0.1 --port 5000
+
+ui-check: $(STAMP) ## a finished run's pages in headless Chromium (apt-get install chromium); screenshots to docs/
+	RELAUNCH_UI_SCREENSHOTS=docs $(BIN)/python -m pytest -q tests/pipelines/test_lineage_e2e.py $(ARGS)
 
 compile: $(STAMP) ## compile the KFP and Argo definitions to build/
 	@mkdir -p build

@@ -1,6 +1,7 @@
 """Step 4, ``evaluate``: load the final (or best) committed checkpoint, compute the task's metrics on
-the held-out split, log them and a confusion-matrix image to the MLflow run, and give the register
-gate its verdict (``evaluate.gate_metric >= evaluate.gate_min``).
+the held-out split, and give the register gate its verdict (``evaluate.gate_metric >= evaluate.gate_min``).
+In the MLflow run the checkpoint becomes a LoggedModel (at its step, linked to the run) and the
+metrics are logged linked to it and to the dataset, beside a confusion-matrix image.
 
     python -m components.evaluate --config-json "$(cat resolved.json)"
 """
@@ -10,7 +11,6 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,24 +33,26 @@ def run(config: RelaunchConfig) -> EvaluateOutputs:
         BadInput: there is no committed checkpoint, or the gate metric is not one the task computes.
     """
     from components.locate import checkpoint_manager
+    from components.register import save_model
     from components.tasks.base import load_task
 
     task = load_task(config.train.task, config)
-    mgr = checkpoint_manager(config)
-    info = None
-    if config.evaluate.checkpoint == "best":  # the newest when no checkpoint has the metric
-        info = mgr.best(config.train.best_metric, config.train.best_mode)
-    info = info or mgr.latest()
-    if info is None:
-        raise BadInput(f"evaluate: no committed checkpoint in {config.store.uri!r}; did launch run?")
-    model = load_model(task, mgr, info.step)
+    with checkpoint_manager(config) as mgr:
+        info = None
+        if config.evaluate.checkpoint == "best":  # the newest when no checkpoint has the metric
+            info = mgr.best(config.train.best_metric, config.train.best_mode)
+        info = info or mgr.latest()
+        if info is None:
+            raise BadInput(f"evaluate: no committed checkpoint in {config.store.uri!r}; did launch run?")
+        model = load_model(task, mgr, info.step)
     split = _split(config, task)
     metrics = task.evaluate(model, split)
     gate = config.evaluate.gate_metric
     if gate not in metrics:
         raise BadInput(f"evaluate.gate_metric: {gate!r} is not computed by the task (it gives {', '.join(metrics)})")
     if config.tracking.run_id:
-        _log(config, metrics, info.step, task.predict(model, split["x"]), split["y"], info.uri)
+        _log(config, metrics, info.step, task.predict(model, split["x"]), split["y"], info.uri,
+             write_model=lambda path: save_model(config, info.uri, path, task=task, model=model))
     return EvaluateOutputs(metrics_json=json.dumps(metrics, sort_keys=True), passed=metrics[gate] >= config.evaluate.gate_min,
                            checkpoint_uri=info.uri, step=info.step)
 
@@ -73,16 +75,14 @@ def _split(config: RelaunchConfig, task) -> dict:
     return task.build_splits()[config.evaluate.split]
 
 
-def _log(config: RelaunchConfig, metrics: dict, step: int, predicted, actual, checkpoint_uri: str) -> None:
-    from mlflow.entities import Metric
-
+def _log(config: RelaunchConfig, metrics: dict, step: int, predicted, actual, checkpoint_uri: str,
+         write_model) -> None:
+    from components.core.lineage import log_model_metrics, logged_model
     from components.core.tracking import _call, _client, tracking_uri
 
     client, run_id = _client(tracking_uri(config)), config.tracking.run_id
-    now = int(time.time() * 1000)
-    prefix = f"eval_{config.evaluate.split}_"
-    _call("log evaluation metrics", client.log_batch, run_id,
-          metrics=[Metric(prefix + k, float(v), now, step) for k, v in metrics.items()])
+    model_id = logged_model(config, checkpoint_uri, step, write_model)
+    log_model_metrics(config, model_id, metrics, step, prefix=f"eval_{config.evaluate.split}_")
     _call("tag the run", client.set_tag, run_id, "relaunch.evaluated_checkpoint", checkpoint_uri)
     with tempfile.TemporaryDirectory() as tmp:
         png = Path(tmp) / f"confusion_matrix_{config.evaluate.split}.png"

@@ -1,6 +1,7 @@
 """The pipeline's exit task (KFP ``dsl.ExitHandler``, Argo ``onExit``): close the MLflow run of this
-pipeline run — FINISHED when the pipeline succeeded, FAILED with the reason when it did not. It only
-looks the run up (by the ``relaunch.pipeline_run_id`` tag); it never creates one.
+pipeline run — FINISHED when the pipeline succeeded, FAILED with the reason when it did not — and
+add what the pipeline did to the run's description (steps trained, restarts, evaluation, the
+registered version). It only looks the run up (by the ``relaunch.pipeline_run_id`` tag); it never creates one.
 
     python -m components.finalize --config configs/local.yaml --input pipeline_run_id=ID --input state=FAILED
 """
@@ -21,6 +22,7 @@ class FinalizeOutputs:
 
 def run(config: RelaunchConfig, pipeline_run_id: str = "", state: str = "SUCCEEDED", error: str = "") -> FinalizeOutputs:
     """Mark the run FINISHED (``state`` SUCCEEDED) or FAILED; a no-op when no run was opened."""
+    from components.core.lineage import describe_outcome
     from components.core.tracking import PIPELINE_RUN_TAG, _call, _client, mark_run_finished, tracking_uri
 
     run_id = config.tracking.run_id or ""
@@ -34,6 +36,7 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", state: str = "SUCCEED
     if not run_id:
         return FinalizeOutputs(run_id="", status="none")
     status = "FINISHED" if state == "SUCCEEDED" else "FAILED"
+    describe_outcome(config, run_id, status)
     mark_run_finished(config, run_id, status, "" if status == "FINISHED" else f"pipeline {state}: {error}".strip())
     return FinalizeOutputs(run_id=run_id, status=status)
 

@@ -40,6 +40,7 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", **overrides: Any) -> 
         BadInput: an override, the task, the store or the tracking URI is wrong.
         TransientFailure: the store or tracking server could not be reached.
     """
+    from components.core import lineage
     from components.core.datasets import dataset_uri, write_dataset
     from components.core.storage import open_store
     from components.core.tracking import ensure_run
@@ -48,14 +49,17 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", **overrides: Any) -> 
     config = with_pipeline_parameters(config, overrides)
     task = load_task(config.train.task, config)
     store = open_store(config.store.uri)
-    version = write_dataset(store, task.build_splits())
-    run_id = ensure_run(config, pipeline_run_id=pipeline_run_id or None)
+    splits = task.build_splits()
+    version = write_dataset(store, splits)
+    run_id = ensure_run(lineage.with_run_name(config, version), pipeline_run_id=pipeline_run_id or None)
     resolved = config.model_copy(deep=True)
     resolved.data.version = version
     resolved.tracking.run_id = run_id
     _log_config(resolved)
-    return PrepareOutputs(config_json=resolved.to_json(), run_id=run_id, dataset_version=version,
-                          dataset_uri=dataset_uri(store, version))
+    uri = dataset_uri(store, version)
+    lineage.log_dataset_input(resolved, run_id, splits, version, uri)
+    lineage.describe_run(resolved, run_id, version, uri)
+    return PrepareOutputs(config_json=resolved.to_json(), run_id=run_id, dataset_version=version, dataset_uri=uri)
 
 
 def check_inputs(config: RelaunchConfig) -> None:
@@ -71,7 +75,7 @@ def check_inputs(config: RelaunchConfig) -> None:
     from components.core.storage import open_store
     from components.tasks.base import load_task
 
-    task = load_task(config.train.task, config)
+    load_task(config.train.task, config)
     try:
         open_store(config.store.uri, retries=2, backoff=0.1)
     except TransientFailure as err:
@@ -80,7 +84,7 @@ def check_inputs(config: RelaunchConfig) -> None:
     if config.train.resume_from:
         from components.locate import verify_checkpoint_uri
 
-        verify_checkpoint_uri(config.train.resume_from, config, task)
+        verify_checkpoint_uri(config.train.resume_from, config)
 
 
 def _check_tracking(config: RelaunchConfig) -> None:
@@ -124,7 +128,9 @@ def _log_config(config: RelaunchConfig) -> None:
     from components.core.tracking import _call, _client, tracking_uri
 
     client = _client(tracking_uri(config))
-    flat = _flatten(json.loads(config.to_json()))
+    from components.core.lineage import backend_params
+
+    flat = backend_params(_flatten(json.loads(config.to_json())), config.launch.backend)
     existing = _call("read the run", client.get_run, config.tracking.run_id).data.params
     from mlflow.entities import Param
 

@@ -6,8 +6,11 @@ commit and the metrics; it gets the alias ``challenger``; ``champion`` moves to 
 version's ``relaunch.champion_decision`` tag says why not). The checkpoint is pinned so retention
 never deletes what a registered version points at. Runs only when evaluate's gate passed.
 
-The model is logged so that loading it unpickles nothing: weights in ``model.safetensors``, the
-task spec and configuration as JSON, and this module as the pyfunc ``loader_module``
+The version is made from the checkpoint's MLflow LoggedModel (the one evaluate made, else made here;
+see :mod:`components.core.lineage`). Loading it unpickles nothing and needs only mlflow and torch:
+weights in ``model.safetensors``, the configuration as JSON, and as pyfunc ``code_paths`` both
+``components/`` and the task's own top-level module or package (so ``train.task=mytask:make_task``
+loads where ``mytask`` is not installed), with this module as the ``loader_module``
 (``mlflow.pyfunc.load_model("models:/relaunch-digits@champion").predict(x)``).
 
     python -m components.register --config-json "$(cat resolved.json)" \\
@@ -16,16 +19,17 @@ task spec and configuration as JSON, and this module as the pyfunc ``loader_modu
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
 import os
-import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from components.core.config import RelaunchConfig
 from components.core.errors import BadInput
+from components.core.lineage import git_commit, logged_model
 
 TAG = "relaunch."
 
@@ -54,7 +58,11 @@ def run(config: RelaunchConfig, checkpoint_uri: str, metrics_json: str) -> Regis
     if not config.tracking.run_id:
         raise BadInput("register: tracking.run_id is empty; run prepare first (it opens the MLflow run)")
     client = _client(tracking_uri(config))
-    version = _existing_version(client, config, checkpoint_uri) or _register(client, config, checkpoint_uri, metrics)
+    version = _existing_version(client, config, checkpoint_uri)
+    if version is None:
+        model_id = logged_model(config, checkpoint_uri, _step(checkpoint_uri),
+                                lambda path: save_model(config, checkpoint_uri, path))
+        version = _register(client, config, checkpoint_uri, model_id, metrics)
     _call("set alias challenger", client.set_registered_model_alias, name, "challenger", version)
     champion, decision = _decide_champion(client, config, version, float(metrics[metric]))
     _call("tag the version", client.set_model_version_tag, name, version, TAG + "champion_decision", decision)
@@ -74,13 +82,17 @@ def _existing_version(client, config: RelaunchConfig, checkpoint_uri: str) -> st
                  if v.tags.get(TAG + "checkpoint_uri") == checkpoint_uri), None)
 
 
-def _register(client, config: RelaunchConfig, checkpoint_uri: str, metrics: dict) -> str:
-    from components.core.tracking import _call
+def _step(checkpoint_uri: str) -> int:
+    from components.core.checkpoint import parse_checkpoint_uri
+
+    return parse_checkpoint_uri(checkpoint_uri)[1]
+
+
+def _register(client, config: RelaunchConfig, checkpoint_uri: str, model_id: str, metrics: dict) -> str:
+    """A new version of ``registry.model_name`` made from the LoggedModel ``model_id``."""
+    from components.core.tracking import _call, tracking_uri
 
     name, run_id = config.registry.model_name, config.tracking.run_id
-    with tempfile.TemporaryDirectory() as tmp:
-        _save_model(config, checkpoint_uri, Path(tmp) / "model")
-        _call("upload the model", client.log_artifacts, run_id, str(Path(tmp) / "model"), "model")
     tags = {TAG + "checkpoint_uri": checkpoint_uri, TAG + "dataset_version": config.data.version or "",
             TAG + "git_commit": git_commit(), TAG + "task": config.train.task,
             **{f"{TAG}metric.{k}": str(v) for k, v in metrics.items()}}
@@ -90,39 +102,102 @@ def _register(client, config: RelaunchConfig, checkpoint_uri: str, metrics: dict
             client.create_registered_model(name, description="Registered by relaunch's register step.")
         except Exception:  # another pipeline created it first; the search below proves it exists
             _call("read the registered model", client.get_registered_model, name)
-    version = _call("register the model", client.create_model_version, name, f"runs:/{run_id}/model",
-                    run_id=run_id, tags=tags)
+    # source models:/<id> is what links the version to its LoggedModel (the registry stores no model_id)
+    with _process_tracking_uri(tracking_uri(config)):
+        version = _call("register the model", client.create_model_version, name, f"models:/{model_id}",
+                        run_id=run_id, tags=tags, model_id=model_id)
+    _link_version_to_logged_model(client, model_id, name, str(version.version))
     return str(version.version)
 
 
-def _save_model(config: RelaunchConfig, checkpoint_uri: str, path: Path) -> None:
-    """An MLflow pyfunc model directory: safetensors weights, the config as JSON, our code."""
+def _link_version_to_logged_model(client, model_id: str, name: str, version: str) -> None:
+    """The logged model's ``mlflow.modelVersions`` tag, as ``mlflow.register_model`` writes it: the
+    UI's "Registered models" column of the run's logged models."""
+    from components.core.tracking import _call
+
+    model = _call("read the logged model", client.get_logged_model, model_id)
+    versions = json.loads(model.tags.get("mlflow.modelVersions") or "[]")
+    if {"name": name, "version": version} not in versions:
+        _call("tag the logged model", client.set_logged_model_tags, model_id,
+              {"mlflow.modelVersions": json.dumps(versions + [{"name": name, "version": version}])})
+
+
+@contextlib.contextmanager
+def _process_tracking_uri(uri: str):
+    """MLflow's database-backed registry resolves ``models:/<id>`` through the process-wide tracking
+    URI, not the client's: set it for the call, then put back what was there (a server resolves it
+    itself, so ``http(s)://`` needs nothing)."""
+    if uri.startswith(("http://", "https://")):
+        yield
+        return
+    import mlflow
+    from mlflow.tracking._tracking_service import utils
+
+    saved, saved_env = utils._tracking_uri, os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        utils._tracking_uri = saved
+        if saved_env is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = saved_env
+
+
+def save_model(config: RelaunchConfig, checkpoint_uri: str, path: Path, task=None, model=None) -> None:
+    """Write an MLflow pyfunc model directory for ``checkpoint_uri`` into ``path``: safetensors
+    weights, the configuration as JSON, ``components/`` and the task's own code (``task`` and
+    ``model``, when the caller has them loaded, save reading the checkpoint again)."""
+    import tempfile
+
     import mlflow
     import numpy as np
+    import torch
     from mlflow.models import infer_signature
     from safetensors.torch import save_file
 
-    import components
     from components.core.checkpoint import CheckpointManager, parse_checkpoint_uri
     from components.core.storage import open_store
     from components.evaluate import load_model
     from components.tasks.base import load_task
 
-    store_uri, step = parse_checkpoint_uri(checkpoint_uri)
-    task = load_task(config.train.task, config)
-    model = load_model(task, CheckpointManager(open_store(store_uri), async_save=False), step)
+    task = task or load_task(config.train.task, config)
+    if model is None:
+        store_uri, step = parse_checkpoint_uri(checkpoint_uri)
+        with CheckpointManager(open_store(store_uri), async_save=False) as mgr:
+            model = load_model(task, mgr, step)
     data = Path(tempfile.mkdtemp(prefix="relaunch-model-"))
     save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(data / "model.safetensors"))
     (data / "config.json").write_text(config.to_json())
     x = np.asarray(task.build_splits()["test"]["x"][:2])
-    import torch
-
     mlflow.pyfunc.save_model(
         str(path), loader_module="components.register", data_path=str(data),
-        code_paths=[str(Path(components.__file__).parent)],
+        code_paths=code_paths(config.train.task),
         signature=infer_signature(x, task.predict(model, x)),
         pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "safetensors", "numpy", "pydantic>=2",
                           "pyyaml", "scikit-learn"])
+
+
+def code_paths(task_spec: str) -> list[str]:
+    """What a loader needs besides mlflow and torch: ``components/`` and the top-level module (a
+    file) or package (a folder) of the task, unless that is ``components`` itself.
+
+    Raises:
+        BadInput: the task's module cannot be found.
+    """
+    import components
+
+    paths = [str(Path(components.__file__).parent)]
+    top = task_spec.split(":")[0].split(".")[0]
+    if top == "components":
+        return paths
+    spec = importlib.util.find_spec(top)
+    if spec is None:
+        raise BadInput(f"train.task: cannot find module {top!r} to bundle with the model; check PYTHONPATH")
+    if spec.submodule_search_locations:  # a package (regular or namespace): its folder
+        return paths + [next(iter(spec.submodule_search_locations))]
+    return paths + [spec.origin]
 
 
 class _LoadedModel:
@@ -157,10 +232,7 @@ def _decide_champion(client, config: RelaunchConfig, version: str, value: float)
     from components.core.tracking import _call
 
     reg = config.registry
-    try:
-        current = client.get_model_version_by_alias(reg.model_name, "champion")
-    except Exception:  # no champion yet (MlflowException RESOURCE_DOES_NOT_EXIST)
-        current = None
+    current = _current_champion(client, reg.model_name)
     if current is not None and str(current.version) == version:
         return version, f"already champion ({reg.champion_metric}={value:g})"
     if current is not None:
@@ -176,24 +248,35 @@ def _decide_champion(client, config: RelaunchConfig, version: str, value: float)
     return version, why
 
 
+def _current_champion(client, name: str):
+    """The version holding ``champion``, or None when the model or the alias does not exist. Any
+    other failure to read it (a 5xx, a lost connection) is retryable: guessing "no champion" would
+    hand the alias to a model that may be worse."""
+    from components.core.tracking import _call
+
+    def read():
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return client.get_registered_model(name)
+        except MlflowException as err:
+            if err.error_code == "RESOURCE_DOES_NOT_EXIST":
+                return None
+            raise
+
+    model = _call("read the registered model", read)
+    if model is None or "champion" not in model.aliases:
+        return None
+    return _call("read the champion", client.get_model_version, name, str(model.aliases["champion"]))
+
+
 def _pin(checkpoint_uri: str, reason: str) -> None:
     from components.core.checkpoint import CheckpointManager, parse_checkpoint_uri
     from components.core.storage import open_store
 
     store_uri, step = parse_checkpoint_uri(checkpoint_uri)
-    CheckpointManager(open_store(store_uri), async_save=False).pin(step, reason)
-
-
-def git_commit() -> str:
-    """``RELAUNCH_GIT_COMMIT`` (set in images), else the checkout's HEAD, else "unknown"."""
-    if os.environ.get("RELAUNCH_GIT_COMMIT"):
-        return os.environ["RELAUNCH_GIT_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parent)
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    return out.stdout.strip() if out.returncode == 0 else "unknown"
+    with CheckpointManager(open_store(store_uri), async_save=False) as mgr:
+        mgr.pin(step, reason)
 
 
 if __name__ == "__main__":

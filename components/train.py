@@ -43,6 +43,7 @@ from components.core.config import RelaunchConfig, config_from_cli, parse_failur
 from components.core.errors import BadInput, Diverged, Preempted, RelaunchError, TransientFailure  # noqa: E402
 from components.core.exitcodes import PERMANENT, RETRYABLE, ExitCode  # noqa: E402
 from components.core.health import SpikeDetector, Watchdog, is_finite  # noqa: E402
+from components.core.lineage import start_system_metrics  # noqa: E402
 from components.tasks.base import load_task  # noqa: E402
 
 _IMPORTED = time.time()
@@ -304,6 +305,7 @@ class Training:
 
     def setup(self) -> None:
         from components.core.checkpoint import CheckpointManager
+        from components.core.parallel import wrap_model
         from components.core.state import TrainingState, model_fingerprint
         from components.core.storage import open_store
 
@@ -337,10 +339,8 @@ class Training:
                            "samples; lower it")
         self.total_steps = self.t.max_steps or self.t.epochs * self.steps_per_epoch
         self.module = task.build_model().to(self.device)
-        self.model = self.module
-        if env.world_size > 1:
-            self.model = torch.nn.parallel.DistributedDataParallel(
-                self.module, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        self.model = wrap_model(self.module, parallelism=self.t.parallelism, device=self.device,
+                                mixed_precision=self.t.mixed_precision, blocks=getattr(task, "shard_blocks", None))
         self.optimizer = task.build_optimizer(self.module)
         self.scheduler = task.build_scheduler(self.optimizer, self.total_steps)
         self.scaler = torch.amp.GradScaler("cuda") if self.t.amp and self.device.type == "cuda" else None
@@ -354,6 +354,7 @@ class Training:
             self.attempt = record.attempt
             self.run_id = _resolve_run_id(self.config, self.store)
         self.attempt, self.run_id = distr.broadcast_object((self.attempt, self.run_id))
+        self.system_metrics = start_system_metrics(self.config, self.run_id, env)
         # one writer identity per training, stable across torchrun restarts and pipeline retries
         owner = os.environ.get("RELAUNCH_OWNER") or os.environ.get("RELAUNCH_PIPELINE_RUN_ID") or f"run:{self.run_id}"
         self.manager = CheckpointManager(
@@ -362,12 +363,19 @@ class Training:
             model_fingerprint=model_fingerprint(self.module))
 
     def resume(self) -> None:
-        latest = self.manager.latest()  # collective: rank 0 locates, every rank gets the same answer
-        uri = latest.uri if latest is not None else self.t.resume_from
-        if latest is not None:
-            self.last_committed = latest
-        if uri:
+        from components.core.checkpoint.start import start_point
+        from components.core.state import ModelWeights
+
+        start = start_point(self.config, self.manager)  # collective: rank 0 decides, every rank gets it
+        uri = start.uri
+        if start.weights_only:
+            self.manager.load(ModelWeights(self.module), uri=uri)
+        elif start.source == "latest":  # a checkpoint found damaged while read: the previous one, together
+            self.last_committed = self.manager.load(self.state)
+            uri = self.last_committed.uri if self.last_committed is not None else ""
+        elif uri:
             self.manager.load(self.state, uri=uri)
+        if uri and not start.weights_only:
             self.step = self.resumed_from = self.last_saved = int(self.state.step)
         if self.env.is_main:
             self.phases["resume"] = time.time() - _PROCESS_START
@@ -487,8 +495,9 @@ class Training:
             self.scaler.unscale_(self.optimizer)
         else:
             loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), float("inf"))
-        return float(loss.detach()), float(grad_norm)
+        from components.core.parallel import total_grad_norm
+
+        return float(loss.detach()), total_grad_norm(self.module)
 
     def _optimizer_step(self) -> None:
         if self.scaler is not None:

@@ -298,8 +298,11 @@ def render_summary(config: RelaunchConfig, result: RunResult, console) -> None:
     console.rule("summary")
     rows: list[tuple[str, str]] = []
     if prep.get("run_id"):
+        from components.core.lineage import run_url
+
+        browse = "open" if config.tracking.uri.startswith(("http://", "https://")) else "make ui, then open"
         rows.append(("MLflow run", f"{prep['run_id']} in experiment {config.tracking.experiment!r} at "
-                                   f"{config.tracking.uri} — browse it: make ui, then http://127.0.0.1:5000"))
+                                   f"{config.tracking.uri} — {browse} {run_url(config, prep['run_id'])}"))
         rows.append(("dataset", f"{prep.get('dataset_version')} at {prep.get('dataset_uri')}"))
     committed = _committed(config)
     if committed:
@@ -331,6 +334,7 @@ def _committed(config: RelaunchConfig) -> list[str]:
     try:
         from components.locate import checkpoint_manager
 
-        return [c.uri for c in checkpoint_manager(config).list()]
+        with checkpoint_manager(config) as mgr:
+            return [c.uri for c in mgr.list()]
     except Exception:  # the summary must not fail a finished run
         return []

@@ -133,6 +133,8 @@ class TrainConfig(_Model):
     seed: int = Field(0, ge=0, description="Seed of model init, data order and every RNG.")
     deterministic: bool = Field(True, description="Deterministic algorithms, so a resumed run is bitwise equal.")
     amp: bool = Field(False, description="Mixed precision (bf16 on CPU, fp16 + GradScaler on CUDA).")
+    parallelism: Literal["ddp", "fsdp"] = Field("ddp", description="ddp replicates the model on every rank; fsdp shards parameters, gradients and optimizer state (FSDP2 fully_shard per block).")
+    mixed_precision: Literal["none", "bf16", "fp16"] = Field("none", description="FSDP parameter/compute dtype (gradients are reduced in float32); needs parallelism=fsdp.")
     step_sleep_seconds: float = Field(0.0, ge=0, description="Artificial delay per step (demos and benchmarks).")
     checkpoint_every_steps: int | None = Field(20, ge=1, description="Save every N optimizer steps.")
     checkpoint_every_seconds: float | None = Field(None, gt=0, description="Save at most every T seconds.")
@@ -157,6 +159,12 @@ class TrainConfig(_Model):
         if v is not None and not MODEL_URI.match(v):
             raise ValueError(f"{v!r} is not models:/name/version or models:/name@alias")
         return v
+
+    @model_validator(mode="after")
+    def _mixed_precision_needs_fsdp(self) -> "TrainConfig":
+        if self.mixed_precision != "none" and self.parallelism != "fsdp":
+            raise ValueError(f"mixed_precision={self.mixed_precision!r} needs parallelism=fsdp (with ddp use train.amp)")
+        return self
 
 
 class KubernetesConfig(_Model):

@@ -144,3 +144,21 @@ class TrainingState:
         self.rng_restored = mine is not None
         if mine is not None:
             restore_rng(mine)
+
+
+class ModelWeights:
+    """Only a model's weights, as a DCP ``Stateful``: what a warm start loads (never the optimizer,
+    the scheduler, the step counter or the RNG of the checkpoint it starts from)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return {"model": get_model_state_dict(self.model)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(self.model, sd["model"])

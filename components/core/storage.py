@@ -59,12 +59,30 @@ class Store(Protocol):
     def write_if_absent(self, key: str, data: bytes) -> bool: ...
     def upload_file(self, key: str, path: str | os.PathLike) -> None: ...
     def download_file(self, key: str, path: str | os.PathLike) -> None: ...
+    def read_into(self, key: str, offset: int, buffer: Any) -> None: ...
+    def open_writer(self, key: str) -> "StreamWriter": ...
+    def sizes(self, prefix: str) -> dict[str, int]: ...
     def exists(self, key: str) -> bool: ...
     def etag(self, key: str) -> str | None: ...
     def list(self, prefix: str = "", recursive: bool = True) -> list[str]: ...
     def delete(self, key: str) -> None: ...
     def delete_many(self, keys: Iterable[str]) -> None: ...
     def uri_for(self, key: str) -> str: ...
+
+
+class StreamWriter(Protocol):
+    """A key being written front to back (``Store.open_writer``): nothing is visible under the key
+    before ``close()`` returns on S3; on a filesystem the file is written in place (callers write
+    only into uncommitted checkpoint directories). ``abort()`` drops what was written."""
+
+    def write(self, data: Any) -> None: ...
+    def close(self) -> None: ...
+    def abort(self) -> None: ...
+
+
+def _byte_view(buffer: Any) -> memoryview:
+    view = memoryview(buffer)
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
 def _join(root: str, key: str) -> str:
@@ -92,19 +110,61 @@ class FileStore:
         self.root = Path(root).absolute()
         self.uri = str(self.root)
         self.stats: collections.Counter = collections.Counter()
+        self._stats_lock = threading.Lock()
 
     def path(self, key: str) -> Path:
         """The local path of ``key`` (DCP writes and reads there directly)."""
         return self.root / _check_key(key) if key else self.root
 
-    def _count(self, op: str) -> None:
-        self.stats[op] += 1
-        self.stats["requests"] += 1
+    def _count(self, op: str, nbytes: str = "", n: int = 0) -> None:
+        with self._stats_lock:
+            self.stats[op] += 1
+            self.stats["requests"] += 1
+            if nbytes:
+                self.stats[nbytes] += n
 
     def read_bytes(self, key: str) -> bytes:
         """The content of ``key``; FileNotFoundError if absent."""
-        self._count("read")
-        return self.path(key).read_bytes()
+        data = self.path(key).read_bytes()
+        self._count("read", "bytes_read", len(data))
+        return data
+
+    def read_into(self, key: str, offset: int, buffer: Any) -> None:
+        """Fill ``buffer`` (any writable buffer) with the bytes of ``key`` from ``offset`` on.
+
+        Raises:
+            FileNotFoundError: no such key.
+            EOFError: the key ends before the buffer is full.
+        """
+        view = _byte_view(buffer)
+        with open(self.path(key), "rb", buffering=0) as fh:
+            done = 0
+            while done < len(view):
+                n = os.preadv(fh.fileno(), [view[done:]], offset + done)
+                if not n:
+                    raise EOFError(f"{self.uri_for(key)} ends at byte {offset + done}, "
+                                   f"{len(view) - done} bytes before the range asked for")
+                done += n
+        self._count("read_range", "bytes_read", done)
+
+    def open_writer(self, key: str) -> StreamWriter:
+        """Write ``key`` in place, front to back; ``close()`` makes it durable (fsync)."""
+        self._count("open_writer")
+        return _FileWriter(self, self.path(key))
+
+    def sizes(self, prefix: str) -> dict[str, int]:
+        """``{key: size}`` of the files directly under the directory ``prefix`` (one listing)."""
+        self._count("sizes")
+        base = self.path(prefix.rstrip("/"))
+        out: dict[str, int] = {}
+        try:
+            with os.scandir(base) as it:
+                for entry in it:
+                    if entry.is_file() and not _is_tmp(entry.name):
+                        out[f"{prefix.rstrip('/')}/{entry.name}"] = entry.stat().st_size
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        return out
 
     def _atomic_write(self, target: Path, writer: Callable[[Any], None]) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -200,7 +260,10 @@ class FileStore:
         target = self.path(key)
         with contextlib.suppress(FileNotFoundError):
             target.unlink()
-        parent = target.parent
+        self._prune(target.parent)
+
+    def _prune(self, parent: Path) -> None:
+        """Remove ``parent`` and its ancestors below the root while they are empty."""
         while parent != self.root and parent.is_dir():
             try:
                 parent.rmdir()
@@ -214,6 +277,32 @@ class FileStore:
 
     def uri_for(self, key: str) -> str:
         return _join(self.uri, key)
+
+
+class _FileWriter:
+    def __init__(self, store: FileStore, path: Path):
+        self.store, self.path = store, path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.fh = open(path, "wb")
+
+    def write(self, data: Any) -> None:
+        n = self.fh.write(data)
+        with self.store._stats_lock:
+            self.store.stats["bytes_written"] += n
+
+    def close(self) -> None:
+        if self.fh.closed:
+            return
+        self.fh.flush()
+        os.fsync(self.fh.fileno())
+        self.fh.close()
+        _fsync_dir(self.path.parent)
+
+    def abort(self) -> None:
+        self.fh.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        self.store._prune(self.path.parent)
 
 
 def _is_tmp(name: str) -> bool:
@@ -299,6 +388,10 @@ class S3Store:
             self.stats[op] += n
             self.stats["requests"] += n
 
+    def _add_bytes(self, what: str, n: int) -> None:
+        with self._stats_lock:
+            self.stats[what] += n
+
     def _call(self, op: str, fn: Callable[[], T], *, key: str = "") -> T:
         """Run one request with bounded retries of transient failures; map permanent ones."""
         from minio.error import S3Error
@@ -311,6 +404,8 @@ class S3Store:
             except S3Error as err:
                 if err.code in ("NoSuchKey", "NoSuchUpload") or (err.code == "ResourceNotFound" and key):
                     raise FileNotFoundError(self.uri_for(key)) from None
+                if err.code == "InvalidRange":
+                    raise EOFError(f"{self.uri_for(key)} is shorter than the range asked for") from None
                 if err.code == "NoSuchBucket":
                     raise BadInput(f"bucket {self.bucket!r} does not exist at {self.endpoint}; create it "
                                    f"or fix the store URI") from None
@@ -356,7 +451,53 @@ class S3Store:
                 resp.close()
                 resp.release_conn()
 
-        return self._call("get", get, key=key)
+        data = self._call("get", get, key=key)
+        self._add_bytes("bytes_read", len(data))
+        return data
+
+    def read_into(self, key: str, offset: int, buffer: Any) -> None:
+        """One ranged GET of ``len(buffer)`` bytes of ``key`` from ``offset``, straight into ``buffer``
+        (a retried request starts the buffer over). FileNotFoundError if absent; EOFError if short."""
+        view = _byte_view(buffer)
+        if not len(view):
+            return
+        name = self._name(key)
+
+        def get() -> int:
+            resp = self.client.get_object(self.bucket, name, offset=offset, length=len(view))
+            try:
+                done = 0
+                while done < len(view):
+                    n = resp.readinto(view[done:])
+                    if not n:
+                        break
+                    done += n
+                return done
+            finally:
+                resp.close()
+                resp.release_conn()
+
+        done = self._call("get_range", get, key=key)
+        if done < len(view):
+            raise EOFError(f"{self.uri_for(key)} ends {len(view) - done} bytes before the range asked for")
+        self._add_bytes("bytes_read", done)
+
+    def open_writer(self, key: str) -> StreamWriter:
+        """Stream ``key`` up: one PUT when it stays below one part, else a multipart upload whose
+        parts go up in parallel while the caller writes on (at most PARALLEL_PARTS in flight)."""
+        self._count("open_writer")
+        return _MultipartWriter(self, key)
+
+    def sizes(self, prefix: str) -> dict[str, int]:
+        """``{key: size}`` of the objects directly under ``prefix`` (one LIST request)."""
+        full = self._name(prefix.rstrip("/")) + "/"
+        strip = len(self.prefix) + 1 if self.prefix else 0
+
+        def listing() -> dict[str, int]:
+            return {o.object_name[strip:]: int(o.size or 0) for o in
+                    self.client.list_objects(self.bucket, prefix=full, recursive=False) if not o.is_dir}
+
+        return self._call("list", listing, key=prefix)
 
     def write_bytes(self, key: str, data: bytes, *, if_match: str | None = None) -> str | None:
         """PUT ``key``; with ``if_match`` only if its ETag is still that one. Returns the new ETag."""
@@ -474,6 +615,85 @@ class S3Store:
 
     def uri_for(self, key: str) -> str:
         return _join(self.uri, key)
+
+
+class _MultipartWriter:
+    def __init__(self, store: S3Store, key: str):
+        self.store, self.key, self.name = store, key, store._name(key)
+        self.buf = bytearray()
+        self.upload_id: str | None = None
+        self.parts: list[concurrent.futures.Future] = []
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.closed = False
+
+    def write(self, data: Any) -> None:
+        view = _byte_view(data)
+        while len(view):
+            take = min(PART_SIZE - len(self.buf), len(view))
+            self.buf += view[:take]
+            view = view[take:]
+            if len(self.buf) >= PART_SIZE:
+                self._send_part()
+
+    def _send_part(self) -> None:
+        from minio.datatypes import Part
+
+        store, chunk, self.buf = self.store, bytes(self.buf), bytearray()
+        if self.upload_id is None:
+            self.upload_id = store._call("multipart_create", lambda: store.client._create_multipart_upload(
+                store.bucket, self.name, {"Content-Type": "application/octet-stream"}), key=self.key)
+            self.pool = concurrent.futures.ThreadPoolExecutor(PARALLEL_PARTS)
+        in_flight = [f for f in self.parts if not f.done()]
+        if len(in_flight) >= PARALLEL_PARTS:  # bounded memory: wait for one to finish
+            concurrent.futures.wait(in_flight, return_when=concurrent.futures.FIRST_COMPLETED)
+        for f in self.parts:
+            if f.done() and f.exception() is not None:
+                raise f.exception()
+        number = len(self.parts) + 1
+
+        def put() -> Part:
+            etag = store._call("multipart_part", lambda: store.client._upload_part(
+                store.bucket, self.name, chunk, None, self.upload_id, number), key=self.key)
+            store._add_bytes("bytes_written", len(chunk))
+            return Part(number, etag)
+
+        self.parts.append(self.pool.submit(put))
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        store = self.store
+        try:
+            if self.upload_id is None:
+                data = bytes(self.buf)
+                store._call("put", lambda: store.client._put_object(
+                    store.bucket, self.name, data, headers={"Content-Type": "application/octet-stream"}), key=self.key)
+                store._add_bytes("bytes_written", len(data))
+            else:
+                if self.buf:
+                    self._send_part()
+                parts = [f.result() for f in self.parts]
+                store._call("multipart_complete", lambda: store.client._complete_multipart_upload(
+                    store.bucket, self.name, self.upload_id, parts), key=self.key)
+        except BaseException:
+            self.abort()
+            raise
+        finally:
+            if self.pool is not None:
+                self.pool.shutdown(wait=True)
+        self.closed = True
+
+    def abort(self) -> None:
+        self.closed = True
+        self.buf = bytearray()
+        if self.pool is not None:
+            for f in self.parts:
+                f.cancel()
+            self.pool.shutdown(wait=True)
+        if self.upload_id is not None:
+            with contextlib.suppress(Exception):
+                self.store._count("multipart_abort")
+                self.store.client._abort_multipart_upload(self.store.bucket, self.name, self.upload_id)
 
 
 def _certifi_where() -> str | None:

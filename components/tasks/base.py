@@ -62,6 +62,10 @@ class Task(Protocol):
         """Predicted labels of ``x`` (used for the confusion matrix)."""
         ...
 
+    # Optional: ``shard_blocks(model) -> list[torch.nn.Module]``, the submodules that
+    # ``train.parallelism=fsdp`` shards one by one (e.g. a transformer's layers) before the root.
+    # Without it every direct child that holds parameters is one block (components/core/parallel.py).
+
 
 def load_task(spec: str, config: "RelaunchConfig") -> Task:
     """Import ``package.module:factory`` and call ``factory(config)``.

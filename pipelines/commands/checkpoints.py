@@ -1,11 +1,13 @@
-"""``relaunch checkpoints list|latest|verify --store URI [--step N] [--json]``.
+"""``relaunch checkpoints list|latest|verify --store URI [--step N] [--deep] [--json]``.
 
     relaunch checkpoints list   --store s3://bucket/exp/run            # every committed checkpoint
     relaunch checkpoints latest --store ./.relaunch/store --json       # what a resume would load
-    relaunch checkpoints verify --store /shared/exp --step 1200        # re-hash every file
+    relaunch checkpoints verify --store /shared/exp --step 1200        # manifest, files and sizes
+    relaunch checkpoints verify --store /shared/exp --deep             # read and check every byte
 
 Read-only: never takes the write lease, never deletes. Exit 2 on bad input (malformed URI, missing
-bucket, no checkpoint to verify, a checkpoint that does not verify).
+bucket or directory, no checkpoint to verify, a checkpoint that does not verify, a checkpoint of a
+newer format version).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("action", choices=["list", "latest", "verify"])
     p.add_argument("--store", required=True, help="store root: a path, file:///path or s3://bucket/prefix")
     p.add_argument("--step", type=int, help="checkpoint step (verify; default: the latest)")
+    p.add_argument("--deep", action="store_true",
+                   help="verify: read every byte (format 2: every chunk digest; format 1: each file's sha256)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=checkpoints)
 
@@ -32,42 +36,44 @@ def checkpoints(args: argparse.Namespace) -> int:
     from components.core.errors import BadInput
     from components.core.storage import FileStore
 
-    mgr = CheckpointManager(args.store, async_save=False)
-    if isinstance(mgr.store, FileStore) and not mgr.store.root.is_dir():  # a typo, not an empty store
-        raise BadInput(f"--store {args.store!r}: no such directory; pass the store root (e.g. ./.relaunch/store)")
-    try:
-        if args.action == "list":
-            infos = mgr.list()
-            pins = mgr.pins()
-            rows = [{**i.to_dict(), "pinned": pins.get(i.step, [])} for i in infos]
-            _print(rows, args.json, empty=f"no checkpoints in {mgr.store.uri}")
-            return 0
-        if args.action == "latest":
-            info = mgr.latest()
-            if info is None:
-                if args.json:
-                    print("null")
-                else:
-                    print(f"no committed checkpoint in {mgr.store.uri}")
-                return 0
-            _print([info.to_dict()], args.json, single=True)
-            return 0
-        step = args.step
-        if step is None:
-            latest = mgr.latest()
-            if latest is None:
-                raise BadInput(f"no committed checkpoint to verify in {mgr.store.uri}")
-            step = latest.step
-        try:
-            info = mgr.verify(step)
-        except CorruptCheckpoint as err:
-            if args.json:
-                print(json.dumps({"step": step, "ok": False, "error": str(err)}))
-            raise
-        _print([{**info.to_dict(), "ok": True}], args.json, single=True)
+    with CheckpointManager(args.store, async_save=False) as mgr:
+        if isinstance(mgr.store, FileStore) and not mgr.store.root.is_dir():  # a typo, not an empty store
+            raise BadInput(f"--store {args.store!r}: no such directory; pass the store root (e.g. ./.relaunch/store)")
+        return _action(mgr, args)
+
+
+def _action(mgr, args: argparse.Namespace) -> int:
+    """One action on an open manager; returns the exit code."""
+    if args.action == "list":
+        infos = mgr.list()
+        pins = mgr.pins()
+        rows = [{**i.to_dict(), "pinned": pins.get(i.step, [])} for i in infos]
+        _print(rows, args.json, empty=f"no checkpoints in {mgr.store.uri}")
         return 0
-    finally:
-        mgr.close()
+    if args.action == "latest":
+        info = mgr.latest()
+        if info is None:
+            if args.json:
+                print("null")
+            else:
+                print(f"no committed checkpoint in {mgr.store.uri}")
+            return 0
+        _print([info.to_dict()], args.json, single=True)
+        return 0
+    step = args.step
+    if step is None:
+        latest = mgr.latest()
+        if latest is None:
+            raise BadInput(f"no committed checkpoint to verify in {mgr.store.uri}")
+        step = latest.step
+    try:
+        info = mgr.verify(step, deep=args.deep)
+    except CorruptCheckpoint as err:
+        if args.json:
+            print(json.dumps({"step": step, "ok": False, "error": str(err)}))
+        raise
+    _print([{**info.to_dict(), "ok": True, "deep": bool(args.deep)}], args.json, single=True)
+    return 0
 
 
 def _print(rows: list[dict], as_json: bool, *, single: bool = False, empty: str = "") -> None:

@@ -1,23 +1,35 @@
-"""Checkpoint core: stall, throughput and locate, measured side by side in one run.
+"""Checkpoint core: stall, throughput, locate and sharded restore, measured side by side in one run.
+
+Size: ``BENCH_CHECKPOINT_MIB`` (default 256; 32 with --quick), e.g.
+``BENCH_CHECKPOINT_MIB=1024 make bench ARGS=checkpoint`` for the issue's >= 1 GiB state (needs ~4x
+that in free memory; too heavy for a shared 2-core machine).
 
 - stall: seconds the training thread is blocked by ``CheckpointManager.save`` (async) divided by the
   seed's synchronous way (``torch.save`` of the whole state to a local file, then upload to the store)
   for the same state (256 MiB; 32 MiB with --quick). Goal <= 0.02.
 - throughput: raw sequential write (with fsync) / read of the same number of bytes to the same place,
-  divided by our save (end to end: snapshot, DCP write, fsync, sha256, manifest, pointer) / restore
-  (locate with full sha256 verification + DCP load). Goal >= 0.9 on the filesystem. Both restore
+  divided by our save (end to end: snapshot, DCP write with chunk digests, fsync, manifest, pointer) /
+  restore (locate + DCP load checking every chunk digest as it arrives). Goal >= 0.9. On S3 the raw
+  side is parallel ranged GETs of the checkpoint's own objects from the same server. Both restore
   sides read into memory that exists already (see ``_restore_rows``); on the filesystem with the page
   cache warm and, as a second row, cold (``posix_fadvise(DONTNEED)`` on both sides' files first).
 - locate: store requests and seconds of ``latest()`` with 10 and with 10,000 checkpoints present
   (S3: 10 and 1,000; --quick: 10 and 1,000 / 100). Goal: the same small number of requests.
+- sharded restore (FSDP2, torchrun, gloo): the same total state saved by 2 ranks, loaded by 1, 2 and 4:
+  restore / raw sequential read of the same files (warm cache), kill -> state loaded on 4 ranks / on 1
+  (goal <= 1.2), and each rank's peak RSS growth during the load / its share (goal <= 1.1).
+- replicated (DDP) restore on 4 ranks: read by every rank, once per node (2 nodes of 2), once per job;
+  bytes read from the store and the slowest rank's load time, side by side.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -146,18 +158,19 @@ def _restore_rows(root: str, store, state, work: Path, label: str) -> list[dict]
         shutil.rmtree(cache, ignore_errors=True)
         return seconds
 
-    if not hasattr(store, "path"):  # S3: a plain download of the same bytes vs download+verify+load
+    if not hasattr(store, "path"):  # S3: parallel ranged GETs of the same objects vs locate+load
+        sizes = store.sizes(step_key(3))
         raw, ours = [], []
-        for i in range(2):
+        for _ in range(2):
             t0 = time.perf_counter()
-            store.download_file("raw/raw.bin", work / f"raw-back-{i}.bin")
+            _parallel_get(store, sizes, dest)
             raw.append(time.perf_counter() - t0)
-            (work / f"raw-back-{i}.bin").unlink()
             ours.append(restore())
         assert all(torch.equal(target["model"][k], v) for k, v in state["model"].items())
         return [{"metric": f"restore throughput ratio ({label})", "value": min(raw) / min(ours),
-                 "goal": ">= 0.9 (fs)",
-                 "detail": f"raw download {min(raw):.2f} s vs download+verify+load {min(ours):.2f} s"}]
+                 "goal": ">= 0.9",
+                 "detail": f"raw parallel ranged GETs of the {len(sizes)} objects {min(raw):.2f} s vs "
+                           f"locate+load with digests {min(ours):.2f} s"}]
     raw_path = store.path("raw/raw.bin")
     ckpt_files = [p for p in store.path(step_key(3)).iterdir() if p.is_file()]
     rows = []
@@ -178,8 +191,90 @@ def _restore_rows(root: str, store, state, work: Path, label: str) -> list[dict]
             "metric": f"restore throughput ratio ({label}{', cold cache' if cold else ''})",
             "value": min(raw) / min(ours), "goal": ">= 0.9 (fs)",
             "detail": f"page cache {cache} on both sides: raw read into a preallocated buffer {min(raw):.3f} s "
-                      f"vs locate+sha256 verify+load into the existing model {min(ours):.3f} s "
+                      f"vs locate+load (chunk digests checked) into the existing model {min(ours):.3f} s "
                       f"({len(ckpt_files)} files, {nbytes / min(ours) / 1e9:.2f} GB/s)"})
+    return rows
+
+
+def _parallel_get(store, sizes: dict[str, int], dest: torch.Tensor, piece: int = 16 << 20) -> None:
+    """Every byte of the objects, 8 ranged GETs in flight, into one preallocated buffer."""
+    jobs, at = [], 0
+    for key, size in sorted(sizes.items()):
+        for offset in range(0, size, piece):
+            n = min(piece, size - offset)
+            jobs.append((key, offset, at, n))
+            at += n
+    buf = torch.empty(at, dtype=torch.uint8) if at > dest.numel() else dest
+    view = memoryview(buf.numpy())
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda j: store.read_into(j[0], j[1], view[j[2]:j[2] + j[3]]), jobs))
+
+
+def _torchrun(nproc: int, *args: str) -> float:
+    """Run the sharded-checkpoint worker; returns the wall time the command was started at."""
+    root = Path(__file__).resolve().parents[2]
+    started = time.time()
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", str(nproc),
+           "-m", "tests.core.fsdp_worker", *args, "--no-dump"]
+    proc = subprocess.run(cmd, cwd=root, env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=1800)
+    if proc.returncode:
+        raise RuntimeError(f"torchrun {nproc}: {proc.stderr[-1500:]}")
+    return started
+
+
+def _sharded_rows(total_bytes: int, work: Path) -> list[dict]:
+    """FSDP2 state of ``total_bytes`` (model + AdamW moments) saved by 2 ranks, loaded by 1, 2, 4."""
+    width = max(64, total_bytes // 252)  # Linear(16, w) + Linear(w, 4): 21 w floats, x3 with AdamW
+    root = str(work / "sharded-store")
+    _torchrun(2, "--root", root, "--out", str(work / "sharded-save"), "--steps", "1", "--save-at", "1",
+              "--width", str(width))
+    files = sorted(open_store(root).path(step_key(1)).glob("__*.distcp"))
+    dest = torch.empty(sum(f.stat().st_size for f in files), dtype=torch.uint8)
+    view, at = memoryview(dest.numpy()), 0
+    t0 = time.perf_counter()
+    for f in files:  # warm cache, like the restores right after it
+        size = f.stat().st_size
+        _read_into(f, view[at:at + size])
+        at += size
+    raw = time.perf_counter() - t0
+    rows, to_loaded = [], {}
+    for nproc in (1, 2, 4):
+        out = work / f"sharded-load-{nproc}"
+        started = _torchrun(nproc, "--root", root, "--out", str(out), "--resume", "--width", str(width))
+        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+        load = max(r["load_seconds"] for r in ranks)
+        to_loaded[nproc] = max(r["loaded_at"] for r in ranks) - started
+        rss = max((r["rss_peak_during_load"] - r["rss_before_load"]) / r["share_bytes"] for r in ranks)
+        rows.append({"metric": f"sharded restore throughput ratio (fs, {nproc} rank{'s' * (nproc > 1)})",
+                     "value": raw / load, "goal": ">= 0.9",
+                     "detail": f"raw sequential read of the {len(files)} files {raw:.2f} s vs the slowest rank's "
+                               f"load {load:.2f} s, {dest.numel() / 2**20:.0f} MiB"})
+        rows.append({"metric": f"peak RSS growth / share ({nproc} rank{'s' * (nproc > 1)})", "value": rss,
+                     "goal": "<= 1.1", "detail": f"share {ranks[0]['share_bytes'] / 2**20:.0f} MiB per rank"})
+    rows.append({"metric": "kill -> state loaded, 4 ranks / 1 rank", "value": to_loaded[4] / to_loaded[1],
+                 "goal": "<= 1.2", "detail": ", ".join(f"{n}: {s:.1f} s" for n, s in to_loaded.items())
+                 + " (process start, imports, process group, locate, load; 2 cores shared by 4 ranks)"})
+    return rows
+
+
+def _replicated_rows(total_bytes: int, work: Path) -> list[dict]:
+    """A DDP state saved by 4 ranks, loaded by 4 with 1, 2 and 4 ranks per "node"."""
+    width = max(64, total_bytes // 252)
+    root = str(work / "replicated-store")
+    _torchrun(4, "--root", root, "--out", str(work / "replicated-save"), "--parallelism", "ddp", "--steps", "1",
+              "--save-at", "1", "--width", str(width))
+    rows, seconds = [], {}
+    for per_node, label in ((1, "every rank reads"), (2, "once per node"), (4, "once per job")):
+        out = work / f"replicated-load-{per_node}"
+        _torchrun(4, "--root", root, "--out", str(out), "--parallelism", "ddp", "--resume", "--width", str(width),
+                  "--ranks-per-node", str(per_node))
+        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+        seconds[per_node] = max(r["load_seconds"] for r in ranks)
+        read = sum(r["stats"].get("bytes_read", 0) for r in ranks)
+        rows.append({"metric": f"replicated restore, 4 ranks, {label}: load / every-rank load",
+                     "value": seconds[per_node] / seconds[1], "goal": "measured (choice)",
+                     "detail": f"slowest rank {seconds[per_node]:.2f} s, {read / 2**20:.0f} MiB read from the store"})
     return rows
 
 
@@ -221,7 +316,7 @@ def _locate(root: str, n: int, label: str) -> dict:
 
 def run(quick: bool) -> list[dict]:
     """Rows of the benchmark table (see the module docstring)."""
-    size = (32 if quick else 256) << 20
+    size = int(os.environ.get("BENCH_CHECKPOINT_MIB") or (32 if quick else 256)) << 20
     work = Path(tempfile.mkdtemp(prefix="bench-ckpt-"))
     rows: list[dict] = []
     server = None
@@ -232,6 +327,10 @@ def run(quick: bool) -> list[dict]:
         for n in (10, 1000 if quick else 10000):
             _log(f"locate on the filesystem with {n} checkpoints")
             rows.append(_locate(str(work / f"locate-{n}"), n, "fs"))
+        _log(f"sharded (FSDP2) restore on 1, 2 and 4 ranks, {size >> 20} MiB")
+        rows += _sharded_rows(size, work)
+        _log(f"replicated (DDP) restore on 4 ranks: per rank, per node, per job, {size >> 20} MiB")
+        rows += _replicated_rows(size, work)
         try:
             from tests.services import S3Server
 

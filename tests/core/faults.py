@@ -15,7 +15,7 @@ from collections import Counter
 from typing import Any
 
 OPS = ("read_bytes", "write_bytes", "write_if_absent", "upload_file", "download_file", "exists", "etag",
-       "list", "delete", "delete_many")
+       "list", "delete", "delete_many", "read_into", "open_writer", "sizes")
 
 
 class InjectedCrash(Exception):
@@ -42,13 +42,38 @@ class FaultyStore:
             with self._lock:
                 self.ops.append(f"{name}({args[0] if args else ''})")
                 n = len(self.ops)
-            if self.crash_at is not None and n >= self.crash_at:
-                if self.kill:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                raise InjectedCrash(f"injected crash at storage op #{n}: {self.ops[-1]}")
-            return target(*args, **kwargs)
+            self._maybe_crash(n)
+            result = target(*args, **kwargs)
+            return _FaultyWriter(self, args[0], result) if name == "open_writer" else result
 
         return op
+
+    def _maybe_crash(self, n: int) -> None:
+        if self.crash_at is not None and n >= self.crash_at:
+            if self.kill:
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise InjectedCrash(f"injected crash at storage op #{n}: {self.ops[-1]}")
+
+
+class _FaultyWriter:
+    """A streamed write whose completion (``close``: the fsync, or the upload's last request) is an
+    operation of its own, so a crash can land between a file's first byte and its last."""
+
+    def __init__(self, store: FaultyStore, key: str, inner: Any):
+        self.store, self.key, self.inner = store, key, inner
+
+    def write(self, data: Any) -> None:
+        self.inner.write(data)
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+    def close(self) -> None:
+        with self.store._lock:
+            self.store.ops.append(f"close_writer({self.key})")
+            n = len(self.store.ops)
+        self.store._maybe_crash(n)
+        self.inner.close()
 
 
 _SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'

@@ -1,4 +1,4 @@
-"""``relaunch checkpoints list|latest|verify``: JSON out, exit 2 on bad input, never writes."""
+"""``relaunch checkpoints list|latest|verify [--deep]``: JSON out, exit 2 on bad input, never writes."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from components.core.checkpoint import CheckpointManager, step_key
+from components.core.errors import BadInput
 from components.core.storage import open_store
 from pipelines.cli import main
 from tests.core.helpers import make_state, train_steps
@@ -44,6 +45,7 @@ def test_list_latest_and_verify_print_json(root, capsys):
     (["checkpoints", "frobnicate", "--store", "/tmp/x"], "invalid choice"),
     (["checkpoints", "list", "--store", "/nonexistent/relaunch-store"], "no such directory"),
     (["checkpoints", "latest", "--store", "file:///nonexistent/relaunch-store"], "no such directory"),
+    (["checkpoints", "verify", "--deep", "--store", "/nonexistent/relaunch-store"], "no such directory"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, message):
     proc = subprocess.run([sys.executable, "-m", "pipelines.cli", *argv], capture_output=True, text=True)
@@ -62,3 +64,36 @@ def test_verify_of_a_missing_or_corrupt_checkpoint_exits_2(root, tmp_path, capsy
     assert main(["checkpoints", "latest", "--store", root, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["step"] == 9000
     assert set(store.list()) == before
+
+
+def _flip(store, key):
+    data = bytearray(store.read_bytes(key))
+    data[len(data) // 2] ^= 0x10
+    store.write_bytes(key, bytes(data))
+
+
+def test_verify_checks_files_and_sizes_and_verify_deep_reads_every_byte(root, capsys):
+    store = open_store(root)
+    _flip(store, f"{step_key(10000)}/__0_0.distcp")
+    assert main(["checkpoints", "verify", "--store", root, "--step", "10000", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] is True  # sizes unchanged: only a read can tell
+    assert main(["checkpoints", "verify", "--deep", "--store", root, "--step", "10000", "--json"]) == 2
+    assert json.loads(capsys.readouterr().out)["ok"] is False
+    assert main(["checkpoints", "verify", "--deep", "--store", root, "--step", "9000"]) == 0
+
+
+def test_a_checkpoint_of_a_newer_format_version_is_refused_with_exit_2_and_nothing_changes(root, capsys):
+    store = open_store(root)
+    key = f"{step_key(10000)}/MANIFEST.json"
+    manifest = json.loads(store.read_bytes(key))
+    manifest["format_version"] = 3
+    store.write_bytes(key, json.dumps(manifest).encode())
+    before = {k: store.read_bytes(k) for k in store.list()}
+    for action in (["latest"], ["verify", "--step", "10000"], ["verify", "--deep", "--step", "10000"]):
+        assert main(["checkpoints", *action, "--store", root]) == 2
+        err = capsys.readouterr().err
+        assert "format_version 3, written by a newer relaunch" in err and len(err.strip().splitlines()) == 1, err
+    with pytest.raises(BadInput, match="newer relaunch"):
+        with CheckpointManager(root) as mgr:
+            mgr.load(make_state())
+    assert {k: store.read_bytes(k) for k in store.list()} == before

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from components.core.checkpoint import CheckpointManager, step_key
+from components.core.checkpoint import CheckpointManager, checkpoint_steps, step_key
 from components.core.storage import open_store
 from tests.core.faults import FaultyStore, InjectedCrash
 from tests.core.helpers import make_state, s3_root, train_steps
@@ -94,7 +94,7 @@ def _enumerate(root_factory, config, steps, tmp_path) -> int:
             mgr.load(state)
             mgr.save(50, state, metrics={"loss": 0.1})
             assert mgr.wait().step == 50
-            leftovers = [s for s in mgr._step_dirs() if not mgr.store.exists(f"{step_key(s)}/MANIFEST.json")]
+            leftovers = [s for s in checkpoint_steps(mgr.store) if not mgr.store.exists(f"{step_key(s)}/MANIFEST.json")]
             assert leftovers == [], f"debris of crashed saves not cleaned: {leftovers}"
             mgr.close()
         except AssertionError as err:

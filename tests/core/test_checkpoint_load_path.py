@@ -1,5 +1,6 @@
-"""The fast load path: tensors read straight into their destination, several files per rank for a
-large state, and one sha256 pass for latest() then load() — without letting changed bytes through."""
+"""The load path: tensors read straight into their destination, items cut into digested chunks,
+several files per rank for a large state, no staging copy on S3 (ranged reads of exactly the bytes
+needed), and changed bytes caught by the read that loads them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import time
 import pytest
 import torch
 
-import components.core.checkpoint as checkpoint
+import components.core.checkpoint.manager as manager
+import components.core.checkpoint.verify as verify
 from components.core.checkpoint import CheckpointManager, step_key
 from components.core.errors import CorruptCheckpoint
 from components.core.storage import open_store
@@ -30,9 +32,9 @@ def _save(root, state, step=1):
         mgr.save(step, state)
 
 
-@pytest.mark.parametrize("direct_min_bytes", [0, 1 << 40], ids=["read in place", "stock DCP read"])
-def test_every_dtype_and_shape_loads_back_bitwise_into_existing_tensors(tmp_path, monkeypatch, direct_min_bytes):
-    monkeypatch.setattr(checkpoint, "_DIRECT_MIN_BYTES", direct_min_bytes)
+@pytest.mark.parametrize("chunk_bytes", [verify.CHUNK_BYTES, 7], ids=["one chunk per item", "7-byte chunks"])
+def test_every_dtype_and_shape_loads_back_bitwise_into_existing_tensors(tmp_path, monkeypatch, chunk_bytes):
+    monkeypatch.setattr(verify, "CHUNK_BYTES", chunk_bytes)
     root = str(tmp_path / "store")
     _save(root, {"t": dict(TENSORS)})
     target = {"t": {k: torch.zeros_like(v) for k, v in TENSORS.items()}}
@@ -43,8 +45,7 @@ def test_every_dtype_and_shape_loads_back_bitwise_into_existing_tensors(tmp_path
         assert target["t"][name].data_ptr() == keep[name].data_ptr() or original.numel() == 0, name
 
 
-def test_a_non_contiguous_destination_is_filled_correctly(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpoint, "_DIRECT_MIN_BYTES", 0)
+def test_a_non_contiguous_destination_is_filled_correctly(tmp_path):
     root = str(tmp_path / "store")
     source = torch.arange(12.0).reshape(3, 4)
     _save(root, {"w": source})
@@ -55,8 +56,8 @@ def test_a_non_contiguous_destination_is_filled_correctly(tmp_path, monkeypatch)
 
 
 def test_a_large_state_is_split_into_several_files_per_rank_and_loads_back(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpoint, "_SPLIT_BYTES", 1)
-    monkeypatch.setattr(checkpoint, "_IO_THREADS", 2)
+    monkeypatch.setattr(manager, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(manager, "IO_THREADS", 2)
     root = str(tmp_path / "store")
     state = make_state(width=64)
     train_steps(state, 2)
@@ -86,9 +87,9 @@ def test_a_shard_altered_in_place_after_latest_is_caught_by_load(tmp_path):
         train_steps(state, 1)
         mgr.save(2, state)
     reader = CheckpointManager(root)
-    assert reader.latest().step == 2  # verified (and remembered as verified) here
+    assert reader.latest().step == 2  # manifest, files and sizes: no byte read here
     _flip_in_place(open_store(root).path(f"{step_key(2)}/__0_0.distcp"))
-    with pytest.raises(CorruptCheckpoint, match="sha256"):
+    with pytest.raises(CorruptCheckpoint, match="xxh3_128"):
         reader.load(make_state(seed=3), step=2)
     assert reader.load(make_state(seed=3)).step == 1  # and locate falls back
     reader.close()

@@ -26,13 +26,14 @@ class _Payload:
 
 def _plant(store, key: str, payload: bytes) -> None:
     """Replace a committed checkpoint's .metadata and re-seal its manifest, as an attacker with write
-    access to the store could: the sha256 check passes, only the unpickler stands in the way."""
-    import hashlib
+    access to the store could: the digest check passes, only the unpickler stands in the way."""
     import json
+
+    from components.core.checkpoint.verify import digest
 
     store.write_bytes(f"{key}/.metadata", payload)
     manifest = json.loads(store.read_bytes(f"{key}/MANIFEST.json"))
-    manifest["files"][".metadata"] = {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    manifest["files"][".metadata"] = {"size": len(payload), "chunks": [[0, len(payload), digest(payload)]]}
     store.write_bytes(f"{key}/MANIFEST.json", json.dumps(manifest).encode())
 
 

@@ -67,13 +67,20 @@ def summary_of(store_uri: str) -> dict:
 @pytest.fixture(scope="module")
 def embedded(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("embedded")
-    out = relaunch_run(cwd, "--set", "train.max_steps=40", "--inject-failure", "kill-worker@step=25")
+    (cwd / "tmp").mkdir()
+    out = relaunch_run(cwd, "--set", "train.max_steps=40", "--inject-failure", "kill-worker@step=25",
+                       env={"TMPDIR": str(cwd / "tmp")})
     return cwd, out
 
 
 def test_the_embedded_run_finishes_despite_the_killed_worker(embedded):
     cwd, out = embedded
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def test_a_whole_pipeline_run_leaves_no_checkpoint_manager_temp_directory_behind(embedded):
+    cwd, _ = embedded
+    assert sorted(p.name for p in (cwd / "tmp").glob("relaunch-ckpt-*")) == []
 
 
 def resumed_step(cwd: Path) -> int:

@@ -128,3 +128,118 @@ def test_the_registered_model_loads_and_predicts_without_unpickling(setup, histo
 
 def _uri(mgr, step: int) -> str:
     return next(c.uri for c in mgr.list() if c.step == step)
+
+
+# ---------------------------------------------------------------- the champion read against a real server
+
+
+class _BlipProxy:
+    """An HTTP proxy in front of the real ``mlflow server``: once a request matching ``arm_on``
+    (method, path part) has been forwarded, the next GET whose path contains one of ``fail_paths``
+    is answered 503 (one transient blip); everything else is forwarded."""
+
+    def __init__(self, upstream: str, arm_on: tuple[str, str], fail_paths: tuple[str, ...]):
+        import http.client
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from urllib.parse import urlparse
+
+        target = urlparse(upstream)
+        self.refused: list[str] = []
+        self.armed = False
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _forward(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if proxy.armed and self.command == "GET" and any(p in self.path for p in fail_paths):
+                    proxy.armed = False
+                    proxy.refused.append(self.path)
+                    self.send_response(503)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                conn = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+                conn.request(self.command, self.path, body=body or None, headers=headers)
+                answer = conn.getresponse()
+                data = answer.read()
+                self.send_response(answer.status)
+                for key, value in answer.getheaders():
+                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                conn.close()
+                if self.command == arm_on[0] and arm_on[1] in self.path and not proxy.refused:
+                    proxy.armed = True
+
+            do_GET = do_POST = do_PATCH = do_PUT = do_DELETE = _forward
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.uri = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_champion_that_cannot_be_read_is_a_retryable_failure_not_no_champion(tmp_path, mlflow_server, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    from components.core.errors import TransientFailure
+    from components.core.exitcodes import ExitCode
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the 503 reaches our code at once
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    config = RelaunchConfig.model_validate({
+        "store": {"uri": str(tmp_path / "store")}, "tracking": {"uri": mlflow_server.uri},
+        "train": {"hidden_size": 8}, "registry": {"model_name": "flaky-champion"},
+    })
+    config.tracking.run_id = ensure_run(config, pipeline_run_id="flaky-champion")
+    task = load_task(config.train.task, config)
+    mgr = CheckpointManager(config.store.uri, async_save=False)
+    for step in (10, 11):
+        torch.manual_seed(step)
+        mgr.save(step, TrainingState(task.build_model()), metrics={"val_loss": 1.0})
+    first = register.run(config, _uri(mgr, 10), json.dumps({"accuracy": 0.9}))
+    assert first.champion_version == "1"
+
+    from components import evaluate
+
+    assert evaluate.run(config).checkpoint_uri == _uri(mgr, 11)  # its LoggedModel, made directly
+    # after challenger is set, the champion's read answers 503 once (before the fix that read was
+    # the alias lookup, now it is the registered model's)
+    proxy = _BlipProxy(mlflow_server.uri, arm_on=("POST", "registered-models/alias"),
+                       fail_paths=("registered-models/alias", "registered-models/get"))
+    try:
+        flaky = config.model_copy(update={"tracking": config.tracking.model_copy(update={"uri": proxy.uri})})
+        with pytest.raises(TransientFailure) as raised:
+            register.run(flaky, _uri(mgr, 11), json.dumps({"accuracy": 0.5}))
+    finally:
+        proxy.close()
+    assert raised.value.exit_code == ExitCode.RETRY_ME and proxy.refused
+    champion = MlflowClient(mlflow_server.uri).get_model_version_by_alias("flaky-champion", "champion")
+    assert champion.version == "1"  # the worse model did not take the alias
+
+
+def test_a_model_without_a_champion_alias_gets_its_first_champion_on_a_real_server(tmp_path, mlflow_server):
+    config = RelaunchConfig.model_validate({
+        "store": {"uri": str(tmp_path / "store")}, "tracking": {"uri": mlflow_server.uri},
+        "train": {"hidden_size": 8}, "registry": {"model_name": "no-champion-yet"},
+    })
+    config.tracking.run_id = ensure_run(config, pipeline_run_id="no-champion-yet")
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient(mlflow_server.uri).create_registered_model("no-champion-yet")  # a model, no alias
+    torch.manual_seed(0)
+    mgr = CheckpointManager(config.store.uri, async_save=False)
+    mgr.save(5, TrainingState(load_task(config.train.task, config).build_model()), metrics={"val_loss": 1.0})
+    out = register.run(config, _uri(mgr, 5), json.dumps({"accuracy": 0.7}))
+    assert out.champion_version == out.version and out.champion_decision.startswith("promoted: first version")

@@ -1,0 +1,657 @@
+"""The checkpoint life cycle of one training: save, commit, locate, load, retention.
+
+    with CheckpointManager("s3://bucket/exp/run", keep_last=3, keep_best=1, best_metric="val_loss") as mgr:
+        info = mgr.load(state)                 # newest committed checkpoint, resharded to this world
+        mgr.save(step, state, metrics={...})   # every rank; returns once the state is snapshotted to CPU
+        mgr.wait()                             # the pending save is committed (or its error is raised)
+
+Every rank writes its own DCP shards straight into the store and reads only the items its load plan
+names (``dcp_io``); the manifest, the commit point, carries a digest of every chunk, checked as the
+bytes arrive. The commit protocol and the layout are in ``docs/checkpoint-format.md``. Under
+``torch.distributed`` the manager makes its own gloo group (and one per node, for replicated state),
+so a background save's collectives never interleave with the training process group.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from components.core.checkpoint import legacy_v1
+from components.core.checkpoint.layout import (FORMAT_VERSION, INFLIGHT, LATEST, MANIFEST, METADATA, PINS,
+                                               CheckpointInfo, checkpoint_steps, info_of, manifest_body, now,
+                                               parse_checkpoint_uri, parse_pin, pin_key, read_json,
+                                               read_manifest, step_key, versions, write_conditional)
+from components.core.checkpoint.lease import Lease, default_owner
+from components.core.checkpoint.retention import apply_retention
+from components.core.checkpoint.verify import CHUNK_BYTES, DIGEST, ChunkDigests, check_files, deep_verify
+from components.core.errors import BadInput, CorruptCheckpoint, RelaunchError, TransientFailure
+from components.core.storage import PreconditionFailed, Store, open_store
+
+# A single process is a supported use (tests, evaluation, the CLI): DCP's note about it is noise.
+warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")
+
+SPLIT_BYTES = 64 * 1024 * 1024  # a rank's state above this is written as IO_THREADS files
+IO_THREADS = max(1, min(4, os.cpu_count() or 1))
+READ_THREADS = 8  # ranged reads in flight per rank
+
+_ERRORS = {cls.__name__: cls for cls in (BadInput, CorruptCheckpoint, TransientFailure, PreconditionFailed)}
+
+
+class _Job:
+    def __init__(self, step: int, epoch: int, snapshot: Any, metrics: dict[str, float], started: float):
+        self.step, self.epoch, self.snapshot, self.metrics, self.started = step, epoch, snapshot, metrics, started
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.info: CheckpointInfo | None = None
+
+
+def _original(err: BaseException) -> BaseException:
+    """The exception behind DCP's CheckpointException: a RelaunchError of any rank (so that a store
+    failure keeps its exit code), else this process's own, else ``err``."""
+    failures = getattr(err, "failures", {}) or {}
+    originals = [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    for original in originals:
+        if isinstance(original, RelaunchError):
+            return original
+    return originals[0] if len(originals) == 1 and isinstance(originals[0], BaseException) else err
+
+
+def _state_bytes(snapshot: Any) -> int:
+    total = 0
+
+    def visit(obj: Any) -> None:
+        nonlocal total
+        if isinstance(obj, torch.Tensor):
+            local = getattr(obj, "_local_tensor", obj)
+            total += local.numel() * local.element_size()
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                visit(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                visit(v)
+
+    visit(snapshot)
+    return total
+
+
+class CheckpointManager:
+    """Owns the checkpoint life cycle of one training run in one store root.
+
+    Args:
+        store: a store URI (path, file:///path, s3://bucket/prefix) or an open :class:`Store`.
+        keep_last: committed checkpoints kept by recency; 0 keeps every checkpoint.
+        keep_best: checkpoints kept by ``best_metric`` (ties: the newer step wins).
+        best_metric: metric name used by ``keep_best``.
+        mode: ``"min"`` or ``"max"`` for ``best_metric``.
+        async_save: persist and commit in a background thread (the next save waits for it).
+        process_group: unused when None; when ``torch.distributed`` is initialized a dedicated gloo
+            group is created (collectively: every rank must construct the manager).
+        owner: the logical writer holding the lease (default: $RELAUNCH_OWNER, the pipeline run id or
+            $TORCHELASTIC_RUN_ID, else host:pid). The same owner may re-take its lease at once.
+        lease_seconds: how long the lease lasts without a renewal (each save renews it).
+        model_fingerprint: stored in each manifest; a load of a checkpoint with another fingerprint
+            raises BadInput. Computed from ``TrainingState.model`` when not given.
+        cache_dir: local directory for downloads of format-1 checkpoints from S3 (default: a temp
+            dir, made on first use and removed at close).
+        ranks_per_node: ranks that share a node (default: $LOCAL_WORLD_SIZE); replicated state is
+            read once per node and broadcast to the others. ``world_size`` reads it once per job.
+    """
+
+    def __init__(self, store: str | Store, *, keep_last: int = 3, keep_best: int = 0,
+                 best_metric: str | None = None, mode: str = "min", async_save: bool = True,
+                 process_group: Any = None, owner: str | None = None, lease_seconds: float = 300,
+                 model_fingerprint: str | None = None, cache_dir: str | os.PathLike | None = None,
+                 ranks_per_node: int | None = None):
+        if mode not in ("min", "max"):
+            raise BadInput(f"checkpoint mode {mode!r} must be 'min' or 'max'")
+        if keep_best and not best_metric:
+            raise BadInput("keep_best needs best_metric (the metric name to rank checkpoints by)")
+        if keep_last < 0 or keep_best < 0:
+            raise BadInput(f"keep_last ({keep_last}) and keep_best ({keep_best}) must be >= 0")
+        self.store: Store = open_store(store) if isinstance(store, str) else store
+        self.keep_last, self.keep_best, self.best_metric, self.mode = keep_last, keep_best, best_metric, mode
+        self.async_save = async_save
+        self.owner = owner or default_owner()
+        self.lease = Lease(self.store, self.owner, lease_seconds)
+        self.lease_seconds = float(lease_seconds)
+        self.model_fingerprint = model_fingerprint
+        self.last_save_seconds: float | None = None
+        self.stall_seconds_total = 0.0
+        self._lease_checked = False
+        self._latest_etag: str | None = None
+        self._latest_known = False
+        self._manifests: dict[int, dict[str, Any]] = {}
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._pending: _Job | None = None
+        self._last_info: CheckpointInfo | None = None
+        self._closed = False
+        self._cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self._own_cache: Path | None = None
+        self._distributed = dist.is_available() and dist.is_initialized()
+        self._node_group, self._node_ranks = None, None
+        if self._distributed:
+            self._group = process_group or dist.new_group(backend="gloo")
+            self.rank = dist.get_rank(self._group)
+            self.world_size = dist.get_world_size(self._group)
+            self._make_node_groups(ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)))
+        else:
+            self._group, self.rank, self.world_size = None, 0, 1
+
+    def _make_node_groups(self, per_node: int) -> None:
+        """One gloo group per node (collective: every rank makes every group, in the same order)."""
+        if per_node <= 1 or self.world_size % per_node or per_node > self.world_size:
+            return
+        self._node_ranks = [list(range(n, n + per_node)) for n in range(0, self.world_size, per_node)]
+        if per_node == self.world_size:
+            self._node_group = self._group
+            return
+        me = dist.get_rank()
+        for ranks in self._node_ranks:
+            group = dist.new_group(ranks, backend="gloo")
+            if me in ranks:
+                self._node_group = group
+
+    @classmethod
+    def from_config(cls, config: Any, **overrides: Any) -> "CheckpointManager":
+        """The manager of "this training": store from ``config.store.uri``, retention from
+        ``config.train`` (keep_last, keep_best, best_metric, best_mode, async_save); keyword
+        ``overrides`` win (e.g. ``async_save=False`` for a read-only step, ``owner=run_id``)."""
+        train = config.train
+        kwargs: dict[str, Any] = dict(keep_last=train.keep_last, keep_best=train.keep_best,
+                                      best_metric=train.best_metric,
+                                      mode=train.best_mode, async_save=train.async_save)
+        kwargs.update(overrides)
+        return cls(config.store.uri, **kwargs)
+
+    # ------------------------------------------------------------------ public API
+    def save(self, step: int, state: Any, metrics: dict | None = None, epoch: int = 0) -> None:
+        """Snapshot ``state`` to CPU and persist it as checkpoint ``step`` (every rank calls it).
+
+        Returns once the snapshot is taken (async) or the checkpoint is committed (sync). Raises the
+        error of the previous background save, if it failed, and BadInput when another writer holds
+        the store's lease.
+        """
+        self._guard()
+        t0 = time.perf_counter()
+        try:
+            self.wait()
+            step_key(step)
+            if self.model_fingerprint is None and hasattr(state, "model"):
+                from components.core.state import model_fingerprint
+
+                self.model_fingerprint = model_fingerprint(state.model)
+            if not self.lease.held and not self._lease_checked:
+                self._agree(self._rank0(self._take_lease))  # a second writer is refused right here
+                self._lease_checked = True
+            if epoch == 0 and hasattr(state, "epoch"):
+                epoch = int(state.epoch)
+            job = _Job(step, int(epoch), self._snapshot(state),
+                       {k: float(v) for k, v in (metrics or {}).items()}, t0)
+            self._pending = job
+            if self.async_save:
+                job.thread = threading.Thread(target=self._run_job, args=(job,), name=f"ckpt-save-{step}",
+                                              daemon=True)
+                job.thread.start()
+            else:
+                self._run_job(job)
+        finally:
+            self.stall_seconds_total += time.perf_counter() - t0
+        if not self.async_save:
+            self.wait()
+
+    def wait(self) -> CheckpointInfo | None:
+        """Block until the pending save is committed and return its info (with no save pending: the
+        info of the last save this manager committed, or None); raise the pending save's error."""
+        job, self._pending = self._pending, None
+        if job is None:
+            return self._last_info
+        if job.thread is not None:
+            job.thread.join()
+        if job.error is not None:
+            raise job.error
+        self._last_info = job.info
+        return job.info
+
+    def latest(self) -> CheckpointInfo | None:
+        """The newest committed checkpoint whose manifest parses and whose files all exist with their
+        sizes, or None (rank 0 decides; O(1) requests, no data read: the bytes are checked by the
+        read that loads them)."""
+        self._guard()
+        self.wait()
+        return self._agree(self._rank0(self._locate))
+
+    def load(self, state: Any, step: int | None = None, uri: str | None = None) -> CheckpointInfo | None:
+        """Restore ``state`` in place from ``step``/``uri`` (default: the latest); None if there is none.
+
+        With neither, a checkpoint found damaged while it is read is skipped by every rank together
+        and the previous committed one is loaded instead.
+
+        Raises:
+            CorruptCheckpoint: the asked-for checkpoint does not verify, or holds unsafe objects.
+            BadInput: the checkpoint belongs to another model, is of a newer format, or is not in the store.
+        """
+        self._guard()
+        self.wait()
+        store = self.store
+        if uri is not None:
+            root, step = parse_checkpoint_uri(uri)
+            if root.rstrip("/") != self.store.uri.rstrip("/"):
+                store = open_store(root)
+        damaged: set[int] = set()
+        while True:
+            if step is None:
+                info = self._agree(self._rank0(lambda: self._locate(skip=damaged)))
+            else:
+                info = self._agree(self._rank0(lambda: self._checked(step, store)))
+            if info is None:
+                return None
+            manifest = self._agree(self._rank0(lambda: self._manifest(info.step, store)))
+            self._check_fingerprint(info, manifest, state)
+            try:
+                self._read(state, info, manifest, store)
+            except CorruptCheckpoint as err:
+                if step is not None:
+                    raise
+                print(f"relaunch: checkpoint {info.uri} is damaged ({err}); loading the previous committed "
+                      f"checkpoint instead", file=sys.stderr, flush=True)
+                damaged.add(info.step)
+                continue
+            if store is self.store:
+                self._latest_known = False
+            return info
+
+    def list(self) -> list[CheckpointInfo]:
+        """Every checkpoint with a well-formed manifest, oldest first (files not read)."""
+        self._guard()
+        out = []
+        for step in checkpoint_steps(self.store):
+            try:
+                out.append(info_of(self.store, step, self._manifest(step)))
+            except (CorruptCheckpoint, FileNotFoundError):
+                continue
+        return out
+
+    def verify(self, step: int, deep: bool = True) -> CheckpointInfo:
+        """Check checkpoint ``step`` against its manifest: with ``deep`` every byte (format 1: each
+        file's sha256; format 2: every chunk digest), else that every file exists with its size.
+
+        Raises:
+            CorruptCheckpoint: missing or malformed manifest, a missing, truncated or altered file.
+            BadInput: a checkpoint of a newer format.
+        """
+        self._guard()
+        manifest = self._manifest(step)
+        if deep:
+            deep_verify(self.store, step, manifest)
+        else:
+            check_files(self.store, step, manifest)
+        return info_of(self.store, step, manifest)
+
+    def best(self, metric: str | None = None, mode: str | None = None) -> CheckpointInfo | None:
+        """The committed checkpoint with the best ``metric`` (default: ``best_metric``/``mode``) whose
+        files are all there; ties go to the newer step; None when no checkpoint has the metric."""
+        self._guard()
+        metric, mode = metric or self.best_metric, mode or self.mode
+        if not metric:
+            raise BadInput("best() needs a metric name (best_metric)")
+        scored = [i for i in self.list() if metric in i.metrics]
+        scored.sort(key=lambda i: (i.metrics[metric] if mode == "min" else -i.metrics[metric], -i.step))
+        for info in scored:
+            if self._checked_quiet(info.step) is not None:
+                return info
+        return None
+
+    def pin(self, step: int, reason: str) -> None:
+        """Protect committed checkpoint ``step`` from retention until unpinned with the same reason."""
+        self._guard()
+        self._manifest(step)  # raises CorruptCheckpoint if not committed
+        body = json.dumps({"step": step, "reason": reason, "created_at": now(), "owner": self.owner})
+        self.store.write_bytes(pin_key(step, reason), body.encode())
+
+    def unpin(self, step: int, reason: str) -> None:
+        """Remove the pin ``reason`` of ``step`` (no error if it was not pinned)."""
+        self._guard()
+        self.store.delete(pin_key(step, reason))
+
+    def pins(self) -> dict[int, list[str]]:
+        """Pinned steps and their reasons."""
+        out: dict[int, list[str]] = {}
+        for key in self.store.list(PINS + "/"):
+            parsed = parse_pin(key)
+            if parsed:
+                out.setdefault(parsed[0], []).append(parsed[1])
+        return out
+
+    def close(self) -> None:
+        """Wait for the pending save, release the lease; idempotent. Raises the pending save's error."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+        finally:
+            if self.rank == 0:
+                self.lease.release()
+            if self._own_cache is not None:
+                shutil.rmtree(self._own_cache, ignore_errors=True)
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ collectives
+    def _catch(self, fn):
+        try:
+            return ("ok", fn())
+        except BaseException as err:  # noqa: BLE001 - carried to every rank, re-raised below
+            return ("err", err)
+
+    def _rank0(self, fn):
+        """Run ``fn`` on rank 0 only; the outcome is handed to :meth:`_agree`."""
+        return self._catch(fn) if self.rank == 0 else ("ok", None)
+
+    def _agree(self, outcome, share: bool = True):
+        """Gather every rank's outcome; raise the first error on every rank, else return rank 0's
+        value (``share``) or this rank's own."""
+        kind, value = outcome
+        if not self._distributed:
+            if kind == "err":
+                raise value
+            return value
+        local = (kind, (type(value).__name__, str(value)) if kind == "err" else value)
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, local if share and self.rank == 0 or kind == "err" else ("ok", None),
+                               group=self._group)
+        for r, (k, v) in enumerate(gathered):
+            if k == "err":
+                if kind == "err":
+                    raise value
+                cls, msg = v
+                raise _ERRORS.get(cls, RuntimeError)(f"rank {r}: {msg}")
+        return gathered[0][1] if share else value
+
+    # ------------------------------------------------------------------ snapshot & persist
+    def _take_lease(self) -> None:
+        self.lease.take()
+        self._latest_etag = self.store.etag(LATEST)
+        self._latest_known = True
+
+    def _snapshot(self, state: Any) -> Any:
+        """A CPU copy of ``state.state_dict()`` that training can no longer change."""
+        if hasattr(state, "state_dict") and not isinstance(state, dict):
+            sd = state.state_dict()
+        else:
+            sd = {k: (v.state_dict() if hasattr(v, "state_dict") and not isinstance(v, torch.Tensor) else v)
+                  for k, v in dict(state).items()}
+        return self._copy(sd, "", torch.cuda.is_available())
+
+    def _copy(self, obj: Any, path: str, pin: bool) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(obj, DTensor):  # this rank's shard, re-wrapped so DCP still sees the global layout
+            local = self._copy(obj._local_tensor, path, pin)
+            return DTensor(local, obj._spec, requires_grad=False)
+        if isinstance(obj, torch.Tensor):
+            src = obj.detach()
+            buf = self._buffers.get(path)
+            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+                buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin and src.is_cuda)
+                self._buffers[path] = buf
+            buf.copy_(src, non_blocking=pin and src.is_cuda)
+            return buf
+        if isinstance(obj, dict):
+            return {k: self._copy(v, f"{path}.{k}", pin) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            items = [self._copy(v, f"{path}.{i}", pin) for i, v in enumerate(obj)]
+            return type(obj)(items) if isinstance(obj, list) else tuple(items)
+        return copy.deepcopy(obj)
+
+    def _run_job(self, job: _Job) -> None:
+        try:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            job.info = self._persist(job)
+            self.last_save_seconds = time.perf_counter() - job.started
+        except BaseException as err:  # noqa: BLE001 - surfaces at the next save()/wait()
+            job.error = err
+        finally:
+            job.snapshot = None
+
+    def _persist(self, job: _Job) -> CheckpointInfo:
+        import torch.distributed.checkpoint as dcp
+
+        from components.core.checkpoint.dcp_io import StoreWriter
+
+        self._agree(self._rank0(lambda: self._preflight(job.step)))
+        files_per_rank = 1 if _state_bytes(job.snapshot) < SPLIT_BYTES else IO_THREADS
+        writer = StoreWriter(self.store, step_key(job.step), files_per_rank=files_per_rank)
+
+        def write() -> dict[str, dict[str, Any]]:
+            from torch.distributed.checkpoint.api import CheckpointException
+
+            try:
+                dcp.save(job.snapshot, storage_writer=writer, process_group=self._group)
+            except CheckpointException as err:  # DCP wraps what the store raised: surface that
+                raise _original(err) from None
+            return writer.files
+
+        outcome = self._catch(write)
+        if self._distributed:
+            gathered: list[Any] = [None] * self.world_size
+            local = outcome if outcome[0] == "ok" else ("err", (type(outcome[1]).__name__, str(outcome[1])))
+            dist.all_gather_object(gathered, local, group=self._group)
+            if outcome[0] == "err":
+                raise outcome[1]
+            files: dict[str, Any] = {}
+            for r, (kind, value) in enumerate(gathered):
+                if kind == "err":
+                    raise _ERRORS.get(value[0], RuntimeError)(f"rank {r}: {value[1]}")
+                files.update(value)
+        else:
+            if outcome[0] == "err":
+                raise outcome[1]
+            files = outcome[1]
+        return self._agree(self._rank0(lambda: self._commit(job, files)))
+
+    def _preflight(self, step: int) -> None:
+        if self.lease.held:
+            self.lease.take()  # renewal, off the training thread
+        key = step_key(step)
+        if self.store.exists(f"{key}/{MANIFEST}"):
+            raise BadInput(f"checkpoint {self.store.uri_for(key)} is already committed; refusing to "
+                           f"overwrite it (save a later step)")
+        self.store.write_bytes(INFLIGHT, json.dumps({"step": step, "owner": self.owner,
+                                                     "started_at": now()}).encode())
+
+    def _commit(self, job: _Job, files: dict[str, Any]) -> CheckpointInfo:
+        key = step_key(job.step)
+        manifest = {
+            "format_version": FORMAT_VERSION, "step": job.step, "epoch": job.epoch,
+            "world_size": self.world_size, "created_at": now(), "files": dict(sorted(files.items())),
+            "digest": DIGEST, "chunk_bytes": CHUNK_BYTES, "byteorder": sys.byteorder,
+            "metrics": job.metrics, "versions": versions(), "model_fingerprint": self.model_fingerprint,
+            "owner": self.owner,
+        }
+        body = manifest_body(manifest)
+        self.store.write_bytes(f"{key}/{MANIFEST}", body)  # the commit point
+        manifest["_sha256"] = hashlib.sha256(body).hexdigest()
+        self._manifests[job.step] = manifest
+        self._advance_latest(job.step, manifest["_sha256"])
+        for deleted in apply_retention(self.store, keep_last=self.keep_last, keep_best=self.keep_best,
+                                       best_metric=self.best_metric, mode=self.mode, in_flight=job.step,
+                                       manifest=self._manifest):
+            self._manifests.pop(deleted, None)
+        return info_of(self.store, job.step, manifest)
+
+    def _advance_latest(self, step: int, sha: str) -> None:
+        body = json.dumps({"step": step, "path": step_key(step), "manifest_sha256": sha}).encode()
+        if not self._latest_known:
+            self._latest_etag = self.store.etag(LATEST)
+            self._latest_known = True
+        try:
+            if self._latest_etag is None:
+                if not self.store.write_if_absent(LATEST, body) and self.store.read_bytes(LATEST) != body:
+                    raise PreconditionFailed("latest.json appeared")
+                self._latest_etag = self.store.etag(LATEST)
+            else:
+                self._latest_etag = write_conditional(self.store, LATEST, body, if_match=self._latest_etag)
+        except PreconditionFailed:
+            if self.store.read_bytes(LATEST) != body:  # not just our own retried request landing twice
+                raise BadInput(f"{self.store.uri_for(LATEST)} was changed by another writer; "
+                               f"refusing to interleave histories") from None
+            self._latest_etag = self.store.etag(LATEST)
+
+    # ------------------------------------------------------------------ locate & check
+    def _locate(self, skip: set[int] | frozenset = frozenset()) -> CheckpointInfo | None:
+        """latest.json and inflight.json first (3 reads and one listing), the step directories
+        newest first only when both fail."""
+        tried: set[int] = set(skip)
+        pointer = read_json(self.store, LATEST)
+        inflight = read_json(self.store, INFLIGHT)
+        p = pointer.get("step") if pointer else None
+        q = inflight.get("step") if inflight else None
+        if isinstance(q, int) and q not in tried and (not isinstance(p, int) or q > p):
+            tried.add(q)  # committed after the pointer was last advanced (a crash in between)?
+            if (info := self._checked_quiet(q)) is not None:
+                return info
+        if isinstance(p, int) and p not in tried:
+            tried.add(p)
+            info = self._checked_quiet(p)
+            if info is not None and info.manifest_sha256 == pointer.get("manifest_sha256"):
+                return info
+        for step in reversed(checkpoint_steps(self.store)):
+            if step in tried:
+                continue
+            if (info := self._checked_quiet(step)) is not None:
+                return info
+        return None
+
+    def _manifest(self, step: int, store: Store | None = None) -> dict[str, Any]:
+        return read_manifest(store or self.store, step)
+
+    def _checked(self, step: int, store: Store | None = None) -> CheckpointInfo:
+        store = store or self.store
+        manifest = self._manifest(step, store)
+        check_files(store, step, manifest)
+        return info_of(store, step, manifest)
+
+    def _checked_quiet(self, step: int) -> CheckpointInfo | None:
+        try:
+            return self._checked(step)
+        except (CorruptCheckpoint, FileNotFoundError):
+            return None
+
+    # ------------------------------------------------------------------ load
+    def _check_fingerprint(self, info: CheckpointInfo, manifest: dict[str, Any], state: Any) -> None:
+        mine = self.model_fingerprint
+        if mine is None and hasattr(state, "model"):
+            from components.core.state import model_fingerprint
+
+            mine = model_fingerprint(state.model)
+        theirs = manifest.get("model_fingerprint")
+        if mine and theirs and mine != theirs:
+            raise BadInput(f"checkpoint of another model: {info.uri} was written for model {theirs}, "
+                           f"this model is {mine} (wrong store URI or model config?)")
+        if manifest.get("byteorder", "little") != sys.byteorder:
+            raise BadInput(f"{info.uri} was written on a {manifest.get('byteorder')}-endian machine; "
+                           f"this one is {sys.byteorder}-endian")
+
+    def _cache(self) -> Path:
+        if self._cache_dir is not None:
+            return self._cache_dir
+        if self._own_cache is None:
+            self._own_cache = Path(tempfile.mkdtemp(prefix="relaunch-ckpt-"))
+        return self._own_cache
+
+    def _read(self, state: Any, info: CheckpointInfo, manifest: dict[str, Any], store: Store) -> None:
+        """Load the checkpoint into ``state`` with DCP (every rank)."""
+        from components.core.safe_pickle import load_metadata
+
+        if manifest["format_version"] == 1:
+            local = self._agree(self._catch(lambda: str(legacy_v1.materialize(
+                store, info.step, manifest, self._cache()))), share=False)
+            metadata = legacy_v1.read_metadata(local)
+            reader = legacy_v1.safe_reader(local)
+        else:
+            from components.core.checkpoint.dcp_io import StoreReader
+
+            digests = ChunkDigests(info.uri, manifest["files"])
+            body = self._agree(self._rank0(lambda: self._metadata_bytes(store, info, digests)))
+            metadata = load_metadata(body, source=f"{info.uri}/{METADATA}")
+            reader = StoreReader(store, info.key, metadata, digests, node_group=self._node_group,
+                                 node_ranks=self._node_ranks, threads=READ_THREADS)
+        self._dcp_load(state, metadata, reader, info)
+
+    def _metadata_bytes(self, store: Store, info: CheckpointInfo, digests: ChunkDigests) -> bytes:
+        """``.metadata``, read once per job (rank 0) and checked against its digest."""
+        try:
+            body = store.read_bytes(f"{info.key}/{METADATA}")
+        except FileNotFoundError:
+            raise CorruptCheckpoint(f"{info.uri}/{METADATA} is missing") from None
+        digests.check(METADATA, 0, body)
+        return body
+
+    def _dcp_load(self, state: Any, metadata: Any, reader: Any, info: CheckpointInfo) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+        from torch.distributed.checkpoint.stateful import Stateful
+
+        from components.core.checkpoint.dcp_io import safe_load_planner
+
+        stored = set(metadata.state_dict_metadata)
+        wrapped = hasattr(state, "state_dict") and hasattr(state, "load_state_dict") and not isinstance(state, dict)
+        template = state.state_dict() if wrapped else dict(state)
+        if isinstance(template.get("rng"), dict):  # another world size: a rank's stream may be absent
+            for name in list(template["rng"]):
+                if not any(k.startswith(f"rng.{name}.") for k in stored):
+                    del template["rng"][name]
+            if not template["rng"]:
+                del template["rng"]
+        try:
+            dcp.load(template, storage_reader=reader, planner=safe_load_planner(), process_group=self._group)
+        except RelaunchError:
+            raise
+        except (Exception, CheckpointException) as err:  # DCP wraps per-rank errors (a BaseException)
+            originals = [f[0] if isinstance(f, tuple) else f for f in getattr(err, "failures", {}).values()]
+            for original in originals:  # a damaged checkpoint first: every rank then falls back together
+                if isinstance(original, CorruptCheckpoint):
+                    raise CorruptCheckpoint(str(original)) from None
+            for original in originals:
+                if isinstance(original, RelaunchError):
+                    raise original from None
+            text = str(err)
+            if "CorruptCheckpoint" in text or "weights_only" in text or "unsafe" in text:
+                raise CorruptCheckpoint(f"{info.uri}: {text.splitlines()[0][:300]}") from None
+            if "Missing key" in text or "size" in text or "mismatch" in text:
+                raise BadInput(f"checkpoint of another model: {info.uri} does not fit this state "
+                               f"({text.splitlines()[0][:200]})") from None
+            raise
+        if wrapped:
+            state.load_state_dict(template)
+        else:
+            for k, v in template.items():
+                if isinstance(state.get(k), Stateful) and not isinstance(state[k], torch.Tensor):
+                    pass  # DCP called load_state_dict on it already
+                else:
+                    state[k] = v
+
+    def _guard(self) -> None:
+        if self._closed:
+            raise RuntimeError("CheckpointManager is closed")

@@ -1,0 +1,356 @@
+"""MLflow 3 lineage of a training: what a person sees in the MLflow UI besides the metrics.
+
+- the run's name (pipeline name + dataset version + start time, unless ``tracking.run_name`` is set),
+  MLflow's own source/git/user tags, a run description that says what the pipeline does and, at
+  the end, what it did, and the experiment's description and kind ("Model training" view);
+- the prepared dataset as a run input (``mlflow.data``: name, digest = the content-addressed
+  version, source = the store URI);
+- each checkpoint evaluate or register uses as a LoggedModel (``step=``, linked to the run as an
+  output, its metrics logged with its ``model_id``); the registered version is made from it;
+- system metrics per node (``system/node-<n>/...``) from every node's local rank 0;
+- the params that apply to the chosen launch backend, and the link that opens the run.
+
+Every call goes through the tracking module's error contract (credentials -> BadInput, anything
+else -> TransientFailure); reading is idempotent, so a retried step finds what it made before.
+"""
+
+from __future__ import annotations
+
+import atexit
+import getpass
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+EXPERIMENT_KIND = "custom_model_development"  # MLflow 3's "Model training" experiment kind
+DESCRIPTION_TAG = "mlflow.note.content"  # the run's / experiment's description in the UI
+CHECKPOINT_TAG = "relaunch.checkpoint_uri"
+MODEL_TYPE = "relaunch-checkpoint"
+OUTCOME = "**Outcome:"  # where finalize's part of the run description begins
+SYSTEM_METRICS_SECONDS = 5.0  # sampling interval; MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL wins
+DATASET_CONTEXT = "training"
+
+
+# -------------------------------------------------------------------------------------------------
+# the run: name, source tags, descriptions, link
+
+
+def run_name(config, dataset_version: str, started: float | None = None) -> str:
+    """``tracking.run_name`` when set, else ``<pipeline>-<dataset version>-<UTC start time>``."""
+    if config.tracking.run_name:
+        return config.tracking.run_name
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(started if started is not None else time.time()))
+    return f"{config.name}-{dataset_version}-{stamp}"
+
+
+def with_run_name(config, dataset_version: str):
+    """A copy of ``config`` whose ``tracking.run_name`` is :func:`run_name` (for creating the run)."""
+    named = config.model_copy(deep=True)
+    named.tracking.run_name = run_name(config, dataset_version)
+    return named
+
+
+def git_commit() -> str:
+    """``RELAUNCH_GIT_COMMIT`` (set in images), else the checkout's HEAD, else "unknown"."""
+    return os.environ.get("RELAUNCH_GIT_COMMIT") or _git("rev-parse", "HEAD") or "unknown"
+
+
+def _git(*args: str) -> str:
+    try:
+        out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def source_tags(config) -> dict[str, str]:
+    """MLflow's own ``mlflow.source.*`` / ``mlflow.user`` tags: the UI's Source and Created by."""
+    tags = {
+        "mlflow.source.type": "JOB",
+        "mlflow.source.name": f"relaunch pipeline {config.name!r} ({config.launch.backend})",
+        "mlflow.source.git.commit": git_commit(),
+        "mlflow.user": os.environ.get("RELAUNCH_USER") or _user(),
+    }
+    if repo := os.environ.get("RELAUNCH_GIT_REPO") or _git("config", "--get", "remote.origin.url"):
+        tags["mlflow.source.git.repoURL"] = repo
+    if branch := _git("rev-parse", "--abbrev-ref", "HEAD"):
+        tags["mlflow.source.git.branch"] = branch
+    return tags
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry for the uid (containers)
+        return "unknown"
+
+
+def plan_description(config, dataset_version: str, dataset_uri: str) -> str:
+    """The run description prepare writes: what this pipeline run is going to do."""
+    t, launch, ev, reg = config.train, config.launch, config.evaluate, config.registry
+    length = f"{t.max_steps} steps" if t.max_steps else f"{t.epochs} epoch(s)"
+    return (f"relaunch pipeline **{config.name}**: trains `{t.task}` on dataset `{config.data.dataset}` "
+            f"version `{dataset_version}` ({dataset_uri}) for {length} on {launch.nodes} node(s) x "
+            f"{launch.procs_per_node} process(es) ({launch.backend} backend), checkpointing to {config.store.uri}; "
+            f"evaluates the {ev.checkpoint} committed checkpoint on the {ev.split} split and registers it as "
+            f"`{reg.model_name}` when {ev.gate_metric} >= {ev.gate_min:g}.")
+
+
+def outcome_description(config, run, status: str, summary: dict | None, versions: list) -> str:
+    """What the pipeline did, appended to the plan by finalize."""
+    lines = [f"{OUTCOME} {status}.**"]
+    if summary:
+        resumed = [s for s in summary.get("resumed_from_steps", []) if s >= 0]
+        restarts = max(0, int(summary.get("attempts", 1)) - 1)
+        lines.append(f"Trained to step {summary.get('last_step')} of {summary.get('total_steps')} in "
+                     f"{summary.get('attempts')} attempt(s), {restarts} restart(s)"
+                     + (f", resumed from step(s) {', '.join(map(str, resumed))}" if resumed else "") + ".")
+    evaluated = run.data.tags.get("relaunch.evaluated_checkpoint")
+    prefix = f"eval_{config.evaluate.split}_"
+    scores = ", ".join(f"{k.removeprefix(prefix)}={v:.4g}" for k, v in sorted(run.data.metrics.items())
+                       if k.startswith(prefix))
+    if evaluated:
+        lines.append(f"Evaluated {evaluated}" + (f": {scores}." if scores else "."))
+    for v in versions:
+        aliases = ", ".join(sorted(getattr(v, "aliases", []) or [])) or "no alias"
+        lines.append(f"Registered `{v.name}` version {v.version} ({aliases}).")
+    return "\n\n".join(lines)
+
+
+def describe_run(config, run_id: str, dataset_version: str, dataset_uri: str) -> None:
+    """Source tags and the plan as the run's description; the experiment's description and kind
+    when it has none. Idempotent (a retried prepare writes the same)."""
+    from mlflow.entities import RunTag
+
+    from components.core.tracking import _call, _client, tracking_uri
+
+    client = _client(tracking_uri(config))
+    run = _call("read the run", client.get_run, run_id)
+    outcome = run.data.tags.get(DESCRIPTION_TAG, "").partition(OUTCOME)[1:]  # kept until finalize rewrites it
+    description = plan_description(config, dataset_version, dataset_uri) + ("\n\n" + "".join(outcome) if outcome[0] else "")
+    tags = {**source_tags(config), DESCRIPTION_TAG: description}
+    _call("tag the run", client.log_batch, run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+    experiment = _call("read the experiment", client.get_experiment, run.info.experiment_id)
+    if DESCRIPTION_TAG not in experiment.tags:
+        _call("describe the experiment", client.set_experiment_tag, experiment.experiment_id, DESCRIPTION_TAG,
+              f"Trainings of relaunch pipeline **{config.name}**: one run per training, every attempt of it "
+              f"(restarts, retries) logged into that run; models registered as `{config.registry.model_name}`.")
+    if "mlflow.experimentKind" not in experiment.tags:
+        _call("set the experiment kind", client.set_experiment_tag, experiment.experiment_id,
+              "mlflow.experimentKind", EXPERIMENT_KIND)
+
+
+def describe_outcome(config, run_id: str, status: str) -> None:
+    """Append what the pipeline did to the run's description (finalize)."""
+    from components.core.tracking import _call, _client, tracking_uri
+
+    client = _client(tracking_uri(config))
+    run = _call("read the run", client.get_run, run_id)
+    plan = run.data.tags.get(DESCRIPTION_TAG, "").partition(OUTCOME)[0].strip()
+    versions = _call("search model versions", client.search_model_versions, f"run_id = '{run_id}'")
+    versions = [_call("read the version", client.get_model_version, v.name, v.version) for v in versions]
+    text = outcome_description(config, run, status, _training_summary(config), versions)
+    _call("describe the run", client.set_tag, run_id, DESCRIPTION_TAG, f"{plan}\n\n{text}".strip())
+
+
+def _training_summary(config) -> dict | None:
+    from components.core.goodput import read_summary
+    from components.core.storage import open_store
+
+    try:
+        return read_summary(open_store(config.store.uri))
+    except FileNotFoundError:  # the pipeline stopped before training
+        return None
+
+
+def run_url(config, run_id: str) -> str:
+    """The run's page in MLflow 3's "Model training" view: the server's own address for an
+    ``http(s)://`` tracking URI, else ``make ui``'s http://127.0.0.1:5000."""
+    from components.core.tracking import _call, _client, tracking_uri
+
+    uri = tracking_uri(config)
+    base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
+    from components.core.errors import RelaunchError
+
+    try:
+        experiment_id = _call("read the run", _client(uri).get_run, run_id).info.experiment_id
+    except RelaunchError:  # a summary line is no reason to fail: the experiments list still helps
+        return f"{base}/#/experiments?workflowType=machine_learning"
+    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
+
+
+# -------------------------------------------------------------------------------------------------
+# params of the chosen backend
+
+
+BACKEND_SECTIONS = {
+    "launch.kubernetes.": {"kubernetes", "pytorchjob", "trainjob"},
+    "launch.trainjob.": {"trainjob"},
+}
+"""Param prefix -> the launch backends it applies to; params outside these apply to every backend."""
+
+
+def backend_params(flat: dict[str, Any], backend: str) -> dict[str, Any]:
+    """``flat`` without the params that only other launch backends read."""
+    return {k: v for k, v in flat.items()
+            if all(backend in users for prefix, users in BACKEND_SECTIONS.items() if k.startswith(prefix))}
+
+
+# -------------------------------------------------------------------------------------------------
+# the dataset
+
+
+def log_dataset_input(config, run_id: str, splits: dict, version: str, uri: str) -> None:
+    """The prepared dataset as a run input (context ``training``); MLflow keeps one per digest."""
+    import mlflow.data
+    import numpy as np
+    from mlflow.entities import DatasetInput, InputTag
+
+    from components.core.tracking import _call, _client, tracking_uri
+
+    train = splits["train"]
+    dataset = mlflow.data.from_numpy(np.asarray(train["x"]), targets=np.asarray(train["y"]), source=uri,
+                                     name=config.data.dataset, digest=version)
+    entity = DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", DATASET_CONTEXT)])
+    client = _client(tracking_uri(config))
+    _call("log the dataset input", client.log_inputs, run_id, datasets=[entity])
+
+
+# -------------------------------------------------------------------------------------------------
+# checkpoints as LoggedModels
+
+
+def logged_model(config, checkpoint_uri: str, step: int, write_model: Callable[[Path], None]) -> str:
+    """The id of the LoggedModel of ``checkpoint_uri`` in this run: found, or created with
+    ``write_model(folder)``'s MLflow model directory as its artifacts and linked to the run as an
+    output at ``step``.
+
+    Raises:
+        BadInput: no MLflow run (``tracking.run_id`` empty) or refused credentials.
+        TransientFailure: the tracking server could not be reached.
+    """
+    import tempfile
+
+    from mlflow.entities import LoggedModelOutput, LoggedModelStatus
+
+    from components.core.errors import BadInput
+    from components.core.tracking import _call, _client, tracking_uri
+
+    run_id = config.tracking.run_id
+    if not run_id:
+        raise BadInput("tracking.run_id is empty; run prepare first (it opens the MLflow run)")
+    client = _client(tracking_uri(config))
+    found = find_logged_model(config, checkpoint_uri)
+    if found is not None and str(found.status) == str(LoggedModelStatus.READY):
+        return found.model_id
+    if found is None:
+        experiment_id = _call("read the run", client.get_run, run_id).info.experiment_id
+        found = _call("create the logged model", client.create_logged_model, experiment_id,
+                      name=checkpoint_uri.rstrip("/").rsplit("/", 1)[-1], source_run_id=run_id,
+                      tags={CHECKPOINT_TAG: checkpoint_uri, "relaunch.dataset_version": config.data.version or "",
+                            "relaunch.task": config.train.task, "relaunch.git_commit": git_commit()},
+                      params={"step": str(step), "task": config.train.task}, model_type=MODEL_TYPE)
+    with tempfile.TemporaryDirectory() as tmp:
+        write_model(Path(tmp) / "model")
+        _call("upload the logged model", client.log_model_artifacts, found.model_id, str(Path(tmp) / "model"))
+    _call("link the model to the run", client.log_outputs, run_id, [LoggedModelOutput(found.model_id, step=step)])
+    _call("finalize the logged model", client.finalize_logged_model, found.model_id, LoggedModelStatus.READY)
+    return found.model_id
+
+
+def find_logged_model(config, checkpoint_uri: str):
+    """The LoggedModel this run made of ``checkpoint_uri`` (READY ones first), or None."""
+    from components.core.tracking import _call, _client, tracking_uri
+
+    client = _client(tracking_uri(config))
+    run = _call("read the run", client.get_run, config.tracking.run_id)
+    found = _call("search logged models", client.search_logged_models, [run.info.experiment_id],
+                  filter_string=f"source_run_id = '{config.tracking.run_id}'")
+    mine = [m for m in found if m.tags.get(CHECKPOINT_TAG) == checkpoint_uri]
+    mine.sort(key=lambda m: (str(m.status) != "READY", m.creation_timestamp))
+    return mine[0] if mine else None
+
+
+def log_model_metrics(config, model_id: str, metrics: dict[str, float], step: int, prefix: str = "") -> None:
+    """Log ``metrics`` to the run linked to ``model_id`` and to the dataset input."""
+    from mlflow.entities import Metric
+
+    from components.core.tracking import _call, _client, tracking_uri
+
+    now = int(time.time() * 1000)
+    linked = {"model_id": model_id}
+    if config.data.version:
+        linked.update(dataset_name=config.data.dataset, dataset_digest=config.data.version)
+    client = _client(tracking_uri(config))
+    _call("log the model's metrics", client.log_batch, config.tracking.run_id,
+          metrics=[Metric(prefix + k, float(v), now, step, **linked) for k, v in metrics.items()])
+
+
+# -------------------------------------------------------------------------------------------------
+# system metrics
+
+
+def start_system_metrics(config, run_id: str | None, env):
+    """On each node's local rank 0: MLflow's system-metrics monitor (CPU, memory, disk, network,
+    GPU when present) logging ``system/node-<node rank>/...`` into the run until the process
+    exits; None elsewhere. It is built and started on a daemon thread (building it asks the server
+    for the last logged step), so neither the mlflow import nor a tracking server that is away
+    delays training; a monitor that cannot start costs one line on stderr, never the training."""
+    import threading
+
+    if not run_id or env.local_rank != 0:
+        return None
+    node = f"node-{env.node_rank}"
+    started: dict = {}
+
+    def begin() -> None:
+        try:
+            import mlflow.system_metrics
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            from components.core.tracking import tracking_uri
+
+            mlflow.system_metrics.set_system_metrics_node_id(node)
+            monitor = SystemMetricsMonitor(run_id, sampling_interval=SYSTEM_METRICS_SECONDS, node_id=node,
+                                           resume_logging=True, tracking_uri=tracking_uri(config))
+        except Exception as err:  # psutil missing, the server away: the training goes on without them
+            print(f"relaunch: no system metrics on {node}: {err}", file=sys.stderr)
+            return
+        started["monitor"] = monitor
+        monitor.start()
+
+    starter = threading.Thread(target=begin, name="relaunch-system-metrics", daemon=True)
+    starter.start()
+    atexit.register(stop_system_metrics, starter, started)
+    return starter
+
+
+def stop_system_metrics(starter, started: dict, timeout: float = 10.0) -> None:
+    """Stop the monitor, take one last sample (an attempt shorter than the sampling interval still
+    reports its node) and send what is unsent, waiting at most ``timeout`` seconds in all: a
+    process told to go (preemption's grace period) must not wait on a tracking server that is
+    away. A SIGKILLed attempt loses only the samples since the last send."""
+    import threading
+
+    deadline = time.monotonic() + timeout
+    starter.join(timeout)
+    monitor = started.get("monitor")
+    if monitor is None:
+        return
+
+    def finish() -> None:
+        monitor.finish()  # stops the sampling thread and sends what it buffered
+        try:
+            monitor.collect_metrics()
+            monitor.publish_metrics(monitor.aggregate_metrics())
+            monitor.mlflow_logger.flush()
+        except Exception as err:  # the server is away or the run ended: the last sample is not worth more
+            print(f"relaunch: last system-metrics sample not sent: {err}", file=sys.stderr)
+
+    stopper = threading.Thread(target=finish, name="relaunch-system-metrics-stop", daemon=True)
+    stopper.start()
+    stopper.join(max(0.0, deadline - time.monotonic()))
