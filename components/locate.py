@@ -13,7 +13,6 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from components.core.checkpoint.start import MODEL_URI as _MODEL_URI  # noqa: F401 - prepare checks the form
 from components.core.checkpoint.start import warm_start_checkpoint  # noqa: F401 - part of this step's API
 from components.core.config import RelaunchConfig
 

@@ -16,22 +16,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from components.core.config import RelaunchConfig, apply_overrides
+from components.core.config import RelaunchConfig, with_pipeline_parameters
 from components.core.errors import BadInput, TransientFailure
-
-PIPELINE_OVERRIDES: dict[str, str] = {
-    "epochs": "train.epochs",
-    "max_steps": "train.max_steps",
-    "learning_rate": "train.lr",
-    "nodes": "launch.nodes",
-    "procs_per_node": "launch.procs_per_node",
-    "inject_failure": "launch.inject_failure",
-    "resume_from": "train.resume_from",
-    "warm_start_model": "train.warm_start_model",
-    "run_name": "tracking.run_name",
-}
-"""Pipeline parameter -> configuration field; the one table the KFP/Argo parameters are built from."""
-
 
 @dataclass
 class PrepareOutputs:
@@ -47,7 +33,8 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", **overrides: Any) -> 
     Args:
         config: the pipeline's configuration.
         pipeline_run_id: the orchestrator's run id; the MLflow run is found or created by it.
-        **overrides: pipeline parameters named in :data:`PIPELINE_OVERRIDES` (0 or "" keeps the value).
+        **overrides: pipeline parameters named in :data:`~components.core.config.PIPELINE_PARAMETERS`
+            (0 or "" keeps the value).
 
     Raises:
         BadInput: an override, the task, the store or the tracking URI is wrong.
@@ -59,7 +46,7 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", **overrides: Any) -> 
     from components.core.tracking import ensure_run
     from components.tasks.base import load_task
 
-    config = fold_overrides(config, overrides)
+    config = with_pipeline_parameters(config, overrides)
     task = load_task(config.train.task, config)
     store = open_store(config.store.uri)
     splits = task.build_splits()
@@ -79,7 +66,8 @@ def check_inputs(config: RelaunchConfig) -> None:
     """Refuse, before anything starts, what the pipeline would fail on later; reads, never writes.
 
     Checks the task imports, the store answers (bucket, credentials), the tracking URI is usable, and
-    ``train.resume_from`` / ``train.warm_start_model`` name what they should.
+    ``train.resume_from`` names a committed checkpoint (the configuration model checked the syntax of
+    every URI when it was loaded).
 
     Raises:
         BadInput: one line naming the field and what is wrong.
@@ -97,12 +85,6 @@ def check_inputs(config: RelaunchConfig) -> None:
         from components.locate import verify_checkpoint_uri
 
         verify_checkpoint_uri(config.train.resume_from, config)
-    if config.train.warm_start_model:
-        from components.locate import _MODEL_URI
-
-        if not _MODEL_URI.match(config.train.warm_start_model):
-            raise BadInput(f"train.warm_start_model: {config.train.warm_start_model!r} is not "
-                           "models:/name/version or models:/name@alias")
 
 
 def _check_tracking(config: RelaunchConfig) -> None:
@@ -139,29 +121,6 @@ def _check_tracking(config: RelaunchConfig) -> None:
         except Exception as err:  # sqlalchemy/psycopg2 errors: unreachable host, bad credentials, no database
             first = str(err).splitlines()[0][:200]
             raise BadInput(f"tracking.uri: cannot connect to the tracking database ({first})") from None
-
-
-def fold_overrides(config: RelaunchConfig, overrides: dict[str, Any]) -> RelaunchConfig:
-    """Apply the pipeline parameters that differ from their "keep" value; refuse unknown ones."""
-    unknown = sorted(set(overrides) - set(PIPELINE_OVERRIDES))
-    if unknown:
-        raise BadInput(f"prepare: unknown input(s) {', '.join(unknown)}; known: {', '.join(PIPELINE_OVERRIDES)}")
-    items = [f"{PIPELINE_OVERRIDES[k]}={json.dumps(v) if not isinstance(v, str) else v}"
-             for k, v in overrides.items() if v not in (None, "", 0, 0.0, "0", "0.0")]
-    if not items:
-        return config
-    return _validated(apply_overrides(json.loads(config.to_json()), items))
-
-
-def _validated(data: dict[str, Any]) -> RelaunchConfig:
-    from pydantic import ValidationError
-
-    from components.core.config import describe_validation_error
-
-    try:
-        return RelaunchConfig.model_validate(data)
-    except ValidationError as err:
-        raise BadInput(describe_validation_error(err)) from None
 
 
 def _log_config(config: RelaunchConfig) -> None:

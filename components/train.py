@@ -581,5 +581,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from components.core.stepcli import end_process
+
     sys.stdout.reconfigure(line_buffering=True)
-    sys.exit(main())
+    code = main()
+    if code == ExitCode.OK:  # a failed rank ends the usual way: torchrun stops its peers once it has ended
+        end_process(code)
+    sys.exit(code)

@@ -27,7 +27,7 @@ import yaml
 from hera.workflows import DAG, Container, CronWorkflow, Parameter, RetryStrategy, Workflow, WorkflowTemplate
 from hera.workflows import models as m
 
-from components import STEP_MODULES
+from components import FINALIZE, STEP_MODULES
 from components.core.config import RelaunchConfig
 from components.core.exitcodes import RETRY_POLICIES, RetryPolicy, argo_retry_expression
 from components.launchers.jobs import OWNER_ENV, plain_env, secret_env
@@ -44,17 +44,17 @@ EXIT_HANDLER_RETRY = RetryPolicy(limit=5, backoff_seconds=5, factor=2, max_backo
 # MLflow or Kubernetes API call) by EXIT_HANDLER_ATTEMPT_SECONDS.
 STEP_ATTEMPT_SECONDS = 3600
 EXIT_HANDLER_ATTEMPT_SECONDS = 600
-EXIT_HANDLER_STEPS = ("finalize", DELETE_JOB)
+EXIT_HANDLER_STEPS = (FINALIZE.name, DELETE_JOB)
 WORKFLOW_OWNER = {"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow",
                   "name": "{{workflow.name}}", "uid": "{{workflow.uid}}"}
 
 
 def pipeline_parameters(config: RelaunchConfig) -> list[Parameter]:
     """The workflow's parameters: the KFP pipeline's, same names, defaults and descriptions."""
-    from pipelines.kfp_pipeline import relaunch_pipeline
+    from pipelines.kfp_pipeline import build_pipeline
 
     params = []
-    for name, spec in relaunch_pipeline.component_spec.inputs.items():
+    for name, spec in build_pipeline(config).component_spec.inputs.items():
         default = config.to_json() if name == "config_json" else spec.default
         text = default if isinstance(default, str) else yaml.safe_dump(default).strip().removesuffix("...").strip()
         params.append(Parameter(name=name, value=text, description=f"({spec.type}) {spec.description or ''}".strip()))

@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from components import STEP_TABLE
 from components.core.config import RelaunchConfig
 from components.core.exitcodes import MEANING
 
-STEPS = ("prepare", "locate-latest-checkpoint", "launch", "evaluate", "register", "finalize")
+STEPS = tuple(STEP_TABLE)  # the five steps and the exit task
 
 
 @dataclass

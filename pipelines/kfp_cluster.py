@@ -55,7 +55,7 @@ def secret_env_config(config: RelaunchConfig) -> dict:
 
 def compile_for_cluster(path: str | Path, config: RelaunchConfig | None = None) -> None:
     """Compile the KFP pipeline to ``path`` with secrets-as-env and the store endpoint on every executor."""
-    from pipelines.kfp_pipeline import compile_pipeline
+    from pipelines.kfp_pipeline import compile_pipeline, to_yaml
 
     config = config or RelaunchConfig()
     k8s = config.launch.kubernetes
@@ -72,7 +72,7 @@ def compile_for_cluster(path: str | Path, config: RelaunchConfig | None = None) 
         if k8s.store_endpoint:
             env = executor["container"].setdefault("env", [])
             env.append({"name": "AWS_ENDPOINT_URL", "value": k8s.store_endpoint})
-    Path(path).write_text(yaml.safe_dump_all([pipeline, platform], sort_keys=True))
+    Path(path).write_text(to_yaml([pipeline, platform]))
 
 
 # --------------------------------------------------------------------------- kfp.Client calls

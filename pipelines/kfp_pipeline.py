@@ -5,39 +5,46 @@ imports :func:`pipelines.kfp_entry.call`, which runs the step's ``run``.
 
     python -m pipelines.kfp_pipeline build/pipeline.kfp.yaml     # or: relaunch compile --target kfp
 
-The same definition runs on one machine with ``kfp.local`` (``relaunch run``, :mod:`pipelines.local_run`).
-Retries come from :data:`components.core.exitcodes.RETRY_POLICIES`; caching is off for every step (a
-cached "latest checkpoint" is a wrong one, and prepare's outputs include this run's MLflow run).
+:func:`build_pipeline` makes the components and the pipeline for one configuration: its image is
+each component's ``base_image`` (KFP's own setting, nothing rewritten afterwards) and its JSON the
+default of ``config_json``. The typed parameters come from
+:data:`components.core.config.PIPELINE_PARAMETERS`. The same definition runs on one machine with
+``kfp.local`` (``relaunch run``, :mod:`pipelines.local_run`). Retries come from
+:data:`components.core.exitcodes.RETRY_POLICIES`; caching is off for every step (a cached "latest
+checkpoint" is a wrong one, and prepare's outputs include this run's MLflow run).
+
+KFP ships each component body as source and reads its outputs from the inline ``NamedTuple``
+return annotation; tests/pipelines/test_kfp_pipeline.py compares those with the steps' output
+dataclasses and prepare's parameters with the table.
 """
 
 # no `from __future__ import annotations`: kfp reads the component annotations as real types
+import inspect
 import sys
 from typing import NamedTuple
 
+import yaml
 from kfp import compiler, dsl
 
-from components.core.config import KubernetesConfig, RelaunchConfig
+from components import EVALUATE, FINALIZE, LAUNCH, LOCATE, PREPARE, REGISTER
+from components.core.config import (PIPELINE_PARAMETERS, RelaunchConfig, pipeline_parameter_description,
+                                    pipeline_parameter_type)
 from components.core.exitcodes import RETRY_POLICIES
 
-IMAGE = KubernetesConfig.model_fields["image"].default
-DEFAULT_CONFIG_JSON = RelaunchConfig().to_json()
+# ---------------------------------------------------------------- component bodies (shipped as source)
 
 
-@dsl.component(base_image=IMAGE, install_kfp_package=False)
 def prepare(config_json: str, pipeline_run_id: str, epochs: int, max_steps: int, learning_rate: float,
             nodes: int, procs_per_node: int, inject_failure: str, resume_from: str, warm_start_model: str,
             run_name: str) -> NamedTuple("PrepareOutputs", [("config_json", str), ("run_id", str),
                                                             ("dataset_version", str), ("dataset_uri", str)]):
     """Build or reuse the dataset, open the MLflow run, resolve the configuration."""
+    arguments = dict(locals())  # config_json, pipeline_run_id and the pipeline parameters
     from pipelines.kfp_entry import call
 
-    return call("prepare", config_json, pipeline_run_id=pipeline_run_id, epochs=epochs, max_steps=max_steps,
-                learning_rate=learning_rate, nodes=nodes, procs_per_node=procs_per_node,
-                inject_failure=inject_failure, resume_from=resume_from, warm_start_model=warm_start_model,
-                run_name=run_name)
+    return call("prepare", **arguments)
 
 
-@dsl.component(base_image=IMAGE, install_kfp_package=False)
 def locate_latest_checkpoint(config_json: str) -> NamedTuple(
         "LocateOutputs", [("checkpoint_uri", str), ("step", int), ("source", str)]):
     """The checkpoint training starts from ("" when none)."""
@@ -46,7 +53,6 @@ def locate_latest_checkpoint(config_json: str) -> NamedTuple(
     return call("locate-latest-checkpoint", config_json)
 
 
-@dsl.component(base_image=IMAGE, install_kfp_package=False)
 def launch(config_json: str, resume_from: str, pipeline_run_id: str) -> NamedTuple(
         "LaunchOutputs", [("exit_code", int), ("restarts", int), ("resumed_from_steps", str),
                           ("train_seconds", float), ("duration_seconds", float), ("ettr", float),
@@ -57,7 +63,6 @@ def launch(config_json: str, resume_from: str, pipeline_run_id: str) -> NamedTup
     return call("launch", config_json, resume_from=resume_from, pipeline_run_id=pipeline_run_id)
 
 
-@dsl.component(base_image=IMAGE, install_kfp_package=False)
 def evaluate(config_json: str) -> NamedTuple(
         "EvaluateOutputs", [("metrics_json", str), ("passed", bool), ("checkpoint_uri", str), ("step", int)]):
     """Metrics of the final checkpoint on the held-out split, and the gate's verdict."""
@@ -66,7 +71,6 @@ def evaluate(config_json: str) -> NamedTuple(
     return call("evaluate", config_json)
 
 
-@dsl.component(base_image=IMAGE, install_kfp_package=False)
 def register(config_json: str, checkpoint_uri: str, metrics_json: str) -> NamedTuple(
         "RegisterOutputs", [("model_name", str), ("version", str), ("aliases", str),
                             ("champion_version", str), ("champion_decision", str)]):
@@ -76,7 +80,6 @@ def register(config_json: str, checkpoint_uri: str, metrics_json: str) -> NamedT
     return call("register", config_json, checkpoint_uri=checkpoint_uri, metrics_json=metrics_json)
 
 
-@dsl.component(base_image=IMAGE, install_kfp_package=False)
 def finalize(config_json: str, pipeline_run_id: str, status: dsl.PipelineTaskFinalStatus) -> NamedTuple(
         "FinalizeOutputs", [("run_id", str), ("status", str)]):
     """Exit task: mark the MLflow run FINISHED, or FAILED with the reason."""
@@ -84,6 +87,24 @@ def finalize(config_json: str, pipeline_run_id: str, status: dsl.PipelineTaskFin
 
     return call("finalize", config_json, pipeline_run_id=pipeline_run_id, state=status.state,
                 error=status.error_message or "")
+
+
+COMPONENT_BODIES = {PREPARE.name: prepare, LOCATE.name: locate_latest_checkpoint, LAUNCH.name: launch,
+                    EVALUATE.name: evaluate, REGISTER.name: register, FINALIZE.name: finalize}
+"""Step name -> the function KFP turns into its component (KFP names the task after the function)."""
+
+PIPELINE_DESCRIPTION = ("Fault-tolerant, resumable distributed PyTorch training: prepare, locate the latest "
+                        "checkpoint, launch, evaluate, register.")
+CONFIG_JSON_DESCRIPTION = ("The whole relaunch configuration as JSON (see the README's configuration reference); "
+                           "the parameters below override single fields of it.")
+
+# ---------------------------------------------------------------- the pipeline of one configuration
+
+
+def build_components(image: str) -> dict:
+    """Every step's lightweight component, running in ``image`` (the project image has kfp installed)."""
+    return {name: dsl.component(body, base_image=image, install_kfp_package=False)
+            for name, body in COMPONENT_BODIES.items()}
 
 
 def _step(task: dsl.PipelineTask, step: str) -> dsl.PipelineTask:
@@ -94,64 +115,71 @@ def _step(task: dsl.PipelineTask, step: str) -> dsl.PipelineTask:
     return task
 
 
-@dsl.pipeline(name="relaunch", description="Fault-tolerant, resumable distributed PyTorch training: "
-              "prepare, locate the latest checkpoint, launch, evaluate, register.")
-def relaunch_pipeline(config_json: str = DEFAULT_CONFIG_JSON, epochs: int = 0, max_steps: int = 0,
-                      learning_rate: float = 0.0, nodes: int = 0, procs_per_node: int = 0,
-                      inject_failure: str = "", resume_from: str = "", warm_start_model: str = "",
-                      run_name: str = ""):
-    """Train, evaluate and register a model; a retried or re-run pipeline resumes from the latest checkpoint.
+def _signature(config: RelaunchConfig) -> inspect.Signature:
+    """``(config_json: str = <config>, epochs: int = 0, ..., run_name: str = "")``: 0 or "" keeps."""
+    keyword = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    params = [inspect.Parameter("config_json", keyword, annotation=str, default=config.to_json())]
+    for name in PIPELINE_PARAMETERS:
+        kind = pipeline_parameter_type(name)
+        params.append(inspect.Parameter(name, keyword, annotation=kind, default=kind()))
+    return inspect.Signature(params)
 
-    Args:
-        config_json: The whole relaunch configuration as JSON (see the README's configuration reference); the parameters below override single fields of it.
-        epochs: train.epochs, passes over the training split; 0 keeps the configuration's value.
-        max_steps: train.max_steps, stop after this many optimizer steps; 0 keeps the configuration's value.
-        learning_rate: train.lr, the peak learning rate; 0 keeps the configuration's value.
-        nodes: launch.nodes, number of nodes; 0 keeps the configuration's value.
-        procs_per_node: launch.procs_per_node, training processes per node; 0 keeps the configuration's value.
-        inject_failure: launch.inject_failure, kill-worker@step=N, preempt@step=N or storage-outage@step=N; empty for none.
-        resume_from: train.resume_from, a checkpoint URI to start from; empty for the latest of this training.
-        warm_start_model: train.warm_start_model, models:/name/version or models:/name@alias; empty for none.
-        run_name: tracking.run_name, display name of a new MLflow run; empty for MLflow's choice.
+
+def _docstring() -> str:
+    args = "\n".join(f"    {name}: {pipeline_parameter_description(name)}" for name in PIPELINE_PARAMETERS)
+    return ("Train, evaluate and register a model; a retried or re-run pipeline resumes from the latest "
+            f"checkpoint.\n\nArgs:\n    config_json: {CONFIG_JSON_DESCRIPTION}\n{args}\n")
+
+
+def build_pipeline(config: RelaunchConfig | None = None):
+    """The KFP pipeline of ``config``: its image in every component, its JSON as ``config_json``'s default.
+
+    Returns:
+        the ``@dsl.pipeline`` object: compile it, or call it under ``kfp.local``.
     """
-    closing = finalize(config_json=config_json, pipeline_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER)
-    closing.set_caching_options(False)
-    with dsl.ExitHandler(closing, name="relaunch-run"):
-        prep = _step(prepare(config_json=config_json, pipeline_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
-                             epochs=epochs, max_steps=max_steps, learning_rate=learning_rate, nodes=nodes,
-                             procs_per_node=procs_per_node, inject_failure=inject_failure,
-                             resume_from=resume_from, warm_start_model=warm_start_model, run_name=run_name),
-                     "prepare")
-        resolved = prep.outputs["config_json"]
-        located = _step(locate_latest_checkpoint(config_json=resolved), "locate-latest-checkpoint")
-        trained = _step(launch(config_json=resolved, resume_from=located.outputs["checkpoint_uri"],
-                               pipeline_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER), "launch")
-        evaluated = _step(evaluate(config_json=resolved), "evaluate").after(trained)
-        with dsl.If(evaluated.outputs["passed"] == True, name="gate-passed"):  # noqa: E712 - a DSL expression
-            _step(register(config_json=resolved, checkpoint_uri=evaluated.outputs["checkpoint_uri"],
-                           metrics_json=evaluated.outputs["metrics_json"]), "register")
+    config = config or RelaunchConfig()
+    comp = build_components(config.launch.kubernetes.image)
+    signature = _signature(config)
+
+    def relaunch_pipeline(*args, **kwargs):
+        values = signature.bind(*args, **kwargs).arguments
+        config_json = values.pop("config_json")
+        closing = comp[FINALIZE.name](config_json=config_json, pipeline_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER)
+        closing.set_caching_options(False)
+        with dsl.ExitHandler(closing, name="relaunch-run"):
+            prep = _step(comp[PREPARE.name](config_json=config_json, pipeline_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+                                            **values), PREPARE.name)
+            resolved = prep.outputs["config_json"]
+            located = _step(comp[LOCATE.name](config_json=resolved), LOCATE.name)
+            trained = _step(comp[LAUNCH.name](config_json=resolved, resume_from=located.outputs["checkpoint_uri"],
+                                              pipeline_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER), LAUNCH.name)
+            evaluated = _step(comp[EVALUATE.name](config_json=resolved), EVALUATE.name).after(trained)
+            with dsl.If(evaluated.outputs["passed"] == True, name="gate-passed"):  # noqa: E712 - a DSL expression
+                _step(comp[REGISTER.name](config_json=resolved, checkpoint_uri=evaluated.outputs["checkpoint_uri"],
+                                          metrics_json=evaluated.outputs["metrics_json"]), REGISTER.name)
+
+    relaunch_pipeline.__signature__ = signature
+    relaunch_pipeline.__doc__ = _docstring()
+    return dsl.pipeline(name="relaunch", description=PIPELINE_DESCRIPTION)(relaunch_pipeline)
 
 
 def compile_pipeline(path: str, config: RelaunchConfig | None = None) -> None:
-    """Write the KFP v2 pipeline YAML to ``path``.
+    """Write the KFP v2 pipeline YAML of ``config`` (the defaults when None) to ``path``."""
+    compiler.Compiler().compile(build_pipeline(config), path)
 
-    Args:
-        path: output file.
-        config: the configuration whose JSON becomes ``config_json``'s default and whose
-            ``launch.kubernetes.image`` every step runs in; the defaults when None.
-    """
-    import yaml
 
-    config = config or RelaunchConfig()
-    compiler.Compiler().compile(relaunch_pipeline, path, pipeline_parameters={"config_json": config.to_json()})
-    image = config.launch.kubernetes.image
-    if image != IMAGE:  # components are decorated once, with the default image; point them at this one
-        with open(path) as fh:
-            docs = list(yaml.safe_load_all(fh))
-        for executor in docs[0]["deploymentSpec"]["executors"].values():
-            executor["container"]["image"] = image
-        with open(path, "w") as fh:
-            yaml.safe_dump_all(docs, fh, sort_keys=True)
+class _YamlDumper(yaml.SafeDumper):
+    """Our own string style: the output must not depend on what else the process imported (hera
+    swaps SafeDumper's global str representer)."""
+
+
+_YamlDumper.add_representer(
+    str, lambda dumper, text: dumper.represent_scalar("tag:yaml.org,2002:str", text, style="|" if "\n" in text else None))
+
+
+def to_yaml(documents: list) -> str:
+    """Stable YAML (sorted keys, multi-line strings as blocks) for compiled files and goldens."""
+    return yaml.dump_all(documents, Dumper=_YamlDumper, sort_keys=True, width=1000)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ def run_pipeline(config: RelaunchConfig, *, console=None, state_dir: str | Path 
     from kfp import local
     from rich.console import Console
 
-    from pipelines.kfp_pipeline import relaunch_pipeline
+    from pipelines.kfp_pipeline import build_pipeline
 
     console = console or Console()
     console.file = console.file  # pin today's stdout: the pipeline's own output is redirected below
@@ -73,7 +73,7 @@ def run_pipeline(config: RelaunchConfig, *, console=None, state_dir: str | Path 
     pipeline_error = ""
     try:
         with open(run_dir / "pipeline.log", "a", buffering=1) as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-            relaunch_pipeline(config_json=config.to_json())
+            build_pipeline(config)(config_json=config.to_json())
     except RuntimeError as err:  # kfp.local's "pipeline finished with status FAILURE"; the step said why
         pipeline_error = str(err)
     finally:

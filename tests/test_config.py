@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from components.core.config import RelaunchConfig, config_from_cli, load_config
+from components.core.config import (PIPELINE_PARAMETERS, RelaunchConfig, config_from_cli, load_config,
+                                    parse_failure_spec, parse_store_uri, pipeline_parameter_type,
+                                    with_pipeline_parameters)
 from components.core.errors import BadInput
 
 
@@ -42,6 +44,15 @@ def test_config_json_round_trips_through_the_step_cli_path():
         (["tracking.uri=ftp://host"], "tracking.uri"),
         (["tracking.uri=http://user:pw@host:5000"], "tracking.uri"),
         (["launch.inject_failure=explode@step=3"], "launch.inject_failure"),
+        (["launch.inject_failure=preempt@step=x"], "launch.inject_failure"),
+        (["store.uri=s3://Bad_Bucket/x"], "store.uri"),
+        (["store.uri=s3://ab/x"], "store.uri"),
+        (["store.uri=s3://bucket:9000/x"], "store.uri"),
+        (["store.uri=s3://bucket/a/../b"], "store.uri"),
+        (["store.uri=file://host/x"], "store.uri"),
+        (["store.uri="], "store.uri"),
+        (["train.warm_start_model=relaunch-digits"], "train.warm_start_model"),
+        (["train.warm_start_model=models:/m/v1"], "train.warm_start_model"),
         (["name=Not_Kebab"], "name"),
         (["launch.min_nodes=5"], "launch"),
         (["noequals"], "noequals"),
@@ -83,3 +94,89 @@ def test_every_field_has_a_description_for_the_ui_and_readme():
 
     walk(RelaunchConfig, "")
     assert missing == []
+
+
+@pytest.mark.parametrize("uri", ["s3://Bad_Bucket/x", "s3://bucket:9000/x", "s3://bucket/a/../b", "gs://b/x",
+                                 "file://host/x", ""])
+def test_every_entry_point_refuses_a_bad_store_uri_with_the_same_rule(uri):
+    """The configuration and open_store (the checkpoints CLI, a --store argument) apply one rule set."""
+    from components.core.storage import open_store
+
+    with pytest.raises(ValueError) as in_config:
+        parse_store_uri(uri)
+    with pytest.raises(BadInput) as in_store:
+        open_store(uri)
+    assert str(in_store.value) == str(in_config.value)
+    with pytest.raises(BadInput, match="store.uri"):
+        load_config(None, [f"store.uri={uri}"])
+
+
+@pytest.mark.parametrize("uri, parsed", [
+    ("./.relaunch/store", ("file", "./.relaunch/store", "")),
+    ("file:///data/exp", ("file", "/data/exp", "")),
+    ("s3://bucket-a/exp/run", ("s3", "bucket-a", "exp/run")),
+])
+def test_store_uris_parse_into_backend_and_location(uri, parsed):
+    assert parse_store_uri(uri) == parsed
+    assert load_config(None, [f"store.uri={uri}"]).store.uri == uri
+
+
+@pytest.mark.parametrize("spec, parsed", [(None, (None, -1)), ("kill-worker@step=30", ("kill-worker", 30)),
+                                          ("storage-outage@step=0", ("storage-outage", 0))])
+def test_failure_specs_parse_into_kind_and_step(spec, parsed):
+    assert parse_failure_spec(spec) == parsed
+
+
+def test_a_bad_model_uri_is_refused_when_the_config_is_built_from_json():
+    data = RelaunchConfig().model_dump()
+    data["train"]["warm_start_model"] = "relaunch-digits@champion"
+    with pytest.raises(BadInput, match="train.warm_start_model"):
+        RelaunchConfig.from_json(__import__("json").dumps(data))
+    data["train"]["warm_start_model"] = "models:/relaunch-digits@champion"
+    assert RelaunchConfig.from_json(__import__("json").dumps(data)).train.warm_start_model.endswith("@champion")
+
+
+def test_pipeline_parameters_are_typed_from_the_fields_they_override():
+    assert {n: pipeline_parameter_type(n) for n in PIPELINE_PARAMETERS} == {
+        "epochs": int, "max_steps": int, "learning_rate": float, "nodes": int, "procs_per_node": int,
+        "inject_failure": str, "resume_from": str, "warm_start_model": str, "run_name": str}
+
+
+@pytest.mark.parametrize("overrides, field, expected", [
+    ({"epochs": 0}, "train.epochs", 4),
+    ({"epochs": 7}, "train.epochs", 7),
+    ({"epochs": "7"}, "train.epochs", 7),  # Argo passes every parameter as text
+    ({"epochs": "0"}, "train.epochs", 4),
+    ({"nodes": 3, "procs_per_node": 2}, "launch.nodes", 3),
+    ({"learning_rate": 0.0}, "train.lr", 0.05),
+    ({"learning_rate": 0.2}, "train.lr", 0.2),
+    ({"inject_failure": ""}, "launch.inject_failure", None),
+    ({"inject_failure": "preempt@step=4"}, "launch.inject_failure", "preempt@step=4"),
+    ({"run_name": "nightly"}, "tracking.run_name", "nightly"),
+    ({"warm_start_model": "models:/m@champion"}, "train.warm_start_model", "models:/m@champion"),
+])
+def test_pipeline_parameters_override_the_config_unless_they_hold_the_keep_value(overrides, field, expected):
+    config = RelaunchConfig()
+    folded = with_pipeline_parameters(config, overrides)
+    section, key = field.split(".")
+    assert getattr(getattr(folded, section), key) == expected
+    assert config == RelaunchConfig(), "the configuration passed in is left as it was"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"epochs": -3}, "train.epochs"),
+    ({"nodes": "many"}, "launch.nodes"),
+    ({"inject_failure": "explode"}, "not a failure spec"),
+    ({"warm_start_model": "relaunch-digits"}, "train.warm_start_model"),
+    ({"colour": "blue"}, r"unknown pipeline parameter\(s\) colour"),
+])
+def test_bad_pipeline_parameters_are_bad_input_in_one_line(overrides, message):
+    with pytest.raises(BadInput, match=message) as err:
+        with_pipeline_parameters(RelaunchConfig(), overrides)
+    assert "\n" not in str(err.value)
+
+
+def test_folding_pipeline_parameters_never_parses_text_as_yaml():
+    # "yes" and "1e3" are a bool and a float to YAML; a run name is text whatever it looks like
+    assert with_pipeline_parameters(RelaunchConfig(), {"run_name": "yes"}).tracking.run_name == "yes"
+    assert with_pipeline_parameters(RelaunchConfig(), {"run_name": "1e3"}).tracking.run_name == "1e3"

@@ -20,6 +20,54 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from components.core.errors import BadInput
 
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<version>\d+)|@(?P<alias>[A-Za-z0-9_-]+))$")
+"""A registered model version: ``models:/name/version`` or ``models:/name@alias``."""
+FAILURE_SPEC = re.compile(r"^(?P<kind>kill-worker|preempt|storage-outage)@step=(?P<step>\d+)$")
+"""``launch.inject_failure``: ``kill-worker@step=N``, ``preempt@step=N`` or ``storage-outage@step=N``."""
+
+
+def parse_store_uri(uri: str) -> tuple[str, str, str]:
+    """Split a store URI into ``("file", path, "")`` or ``("s3", bucket, prefix)``; the one set of
+    rules the configuration and :func:`components.core.storage.open_store` apply.
+
+    Raises:
+        ValueError: one line saying what is wrong and how to write it.
+    """
+    import urllib.parse
+
+    if not isinstance(uri, str) or not uri.strip():
+        raise ValueError("store URI is empty; use a path, file:///path or s3://bucket/prefix")
+    if "://" not in uri:
+        return "file", uri, ""
+    scheme, rest = uri.split("://", 1)
+    if scheme == "file":
+        parsed = urllib.parse.urlparse(uri)
+        if parsed.netloc not in ("", "localhost") or not parsed.path:
+            raise ValueError(f"file URI {uri!r} must be file:///absolute/path")
+        return "file", urllib.parse.unquote(parsed.path), ""
+    if scheme != "s3":
+        raise ValueError(f"store URI scheme {scheme!r} is not supported; use a path, file:///path or s3://bucket/prefix")
+    bucket, _, prefix = rest.partition("/")
+    if not bucket:
+        raise ValueError(f"s3 URI {uri!r} has no bucket; write s3://bucket/prefix")
+    if "@" in bucket or ":" in bucket:
+        raise ValueError("s3 URI must not carry credentials or a port; set AWS_ENDPOINT_URL and "
+                         "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY")
+    if len(bucket) < 3 or len(bucket) > 63 or not all(c.islower() or c.isdigit() or c in "-." for c in bucket):
+        raise ValueError(f"s3 bucket name {bucket!r} is invalid (3-63 lowercase letters, digits, '-', '.')")
+    if any(p in ("..", ".") for p in prefix.split("/")):
+        raise ValueError(f"s3 URI {uri!r} must not contain '.' or '..' path parts")
+    return "s3", bucket, prefix
+
+
+def parse_failure_spec(spec: str | None) -> tuple[str | None, int]:
+    """``("kill-worker", 30)`` for ``kill-worker@step=30``; ``(None, -1)`` when no failure is injected."""
+    if not spec:
+        return None, -1
+    match = FAILURE_SPEC.match(spec)
+    if not match:
+        raise ValueError(f"{spec!r} is not a failure spec; use kill-worker@step=N, preempt@step=N or storage-outage@step=N")
+    return match["kind"], int(match["step"])
 
 
 class _Model(BaseModel):
@@ -36,16 +84,7 @@ class StoreConfig(_Model):
     @field_validator("uri")
     @classmethod
     def _uri_scheme(cls, v: str) -> str:
-        if not v:
-            raise ValueError("must not be empty; use a path, file:///path or s3://bucket/prefix")
-        if "://" in v:
-            scheme, rest = v.split("://", 1)
-            if scheme not in ("file", "s3"):
-                raise ValueError(f"scheme {scheme!r} is not supported; use a path, file:///path or s3://bucket/prefix")
-            if scheme == "s3" and not rest.split("/", 1)[0]:
-                raise ValueError("s3 URI has no bucket; write s3://bucket/prefix")
-            if scheme == "s3" and "@" in rest.split("/", 1)[0]:
-                raise ValueError("s3 URI must not carry credentials; set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY")
+        parse_store_uri(v)
         return v
 
 
@@ -113,6 +152,13 @@ class TrainConfig(_Model):
     process_group_timeout_seconds: float = Field(120.0, gt=0, description="torch.distributed collective timeout.")
     resume_from: str | None = Field(None, description="Checkpoint URI to start from instead of the latest of this run.")
     warm_start_model: str | None = Field(None, description="models:/name/version or models:/name@alias to initialise weights from.")
+
+    @field_validator("warm_start_model")
+    @classmethod
+    def _model_uri(cls, v: str | None) -> str | None:
+        if v is not None and not MODEL_URI.match(v):
+            raise ValueError(f"{v!r} is not models:/name/version or models:/name@alias")
+        return v
 
     @model_validator(mode="after")
     def _mixed_precision_needs_fsdp(self) -> "TrainConfig":
@@ -193,8 +239,7 @@ class LaunchConfig(_Model):
     @field_validator("inject_failure")
     @classmethod
     def _failure_spec(cls, v: str | None) -> str | None:
-        if v is not None and not re.fullmatch(r"(kill-worker|preempt|storage-outage)@step=\d+", v):
-            raise ValueError(f"{v!r} is not a failure spec; use kill-worker@step=N, preempt@step=N or storage-outage@step=N")
+        parse_failure_spec(v)
         return v
 
     @model_validator(mode="after")
@@ -250,6 +295,75 @@ class RelaunchConfig(_Model):
             return cls.model_validate_json(text)
         except ValidationError as err:
             raise BadInput(describe_validation_error(err)) from None
+
+
+PIPELINE_PARAMETERS: dict[str, str] = {
+    "epochs": "train.epochs",
+    "max_steps": "train.max_steps",
+    "learning_rate": "train.lr",
+    "nodes": "launch.nodes",
+    "procs_per_node": "launch.procs_per_node",
+    "inject_failure": "launch.inject_failure",
+    "resume_from": "train.resume_from",
+    "warm_start_model": "train.warm_start_model",
+    "run_name": "tracking.run_name",
+}
+"""Typed pipeline parameter -> the configuration field it overrides: the one table the KFP and Argo
+parameters (their types, "keep" defaults and descriptions) and prepare's folding are built from."""
+
+KEEP_VALUES = (None, "", 0, 0.0, "0", "0.0")
+"""A pipeline parameter holding one of these keeps the configuration's value (Argo passes text)."""
+
+
+def _field(path: str):
+    model: type[BaseModel] = RelaunchConfig
+    *sections, name = path.split(".")
+    for section in sections:
+        model = model.model_fields[section].annotation
+    return model.model_fields[name]
+
+
+def pipeline_parameter_type(name: str) -> type:
+    """``int``, ``float`` or ``str``: the type of the field parameter ``name`` overrides, less ``None``."""
+    annotation = _field(PIPELINE_PARAMETERS[name]).annotation
+    return next(t for t in (int, float, str) if t is annotation or t in getattr(annotation, "__args__", ()))
+
+
+def pipeline_parameter_description(name: str) -> str:
+    """``train.epochs: Passes over the training split. 0 keeps the configuration's value.``"""
+    path = PIPELINE_PARAMETERS[name]
+    keep = "Empty" if pipeline_parameter_type(name) is str else "0"
+    return f"{path}: {_field(path).description} {keep} keeps the configuration's value."
+
+
+def with_pipeline_parameters(config: RelaunchConfig, values: dict[str, Any]) -> RelaunchConfig:
+    """A copy of ``config`` with the pipeline parameters that differ from their "keep" value.
+
+    Each value is validated once, by assignment to its field (no text round trip); the rest of the
+    configuration was validated when it was loaded.
+
+    Raises:
+        BadInput: an unknown parameter, or a value its field refuses (named in one line).
+    """
+    unknown = sorted(set(values) - set(PIPELINE_PARAMETERS))
+    if unknown:
+        raise BadInput(f"unknown pipeline parameter(s) {', '.join(unknown)}; known: {', '.join(PIPELINE_PARAMETERS)}")
+    changed = {name: v for name, v in values.items() if v not in KEEP_VALUES}
+    if not changed:
+        return config
+    folded = config.model_copy(deep=True)
+    for name, value in changed.items():
+        *sections, field = PIPELINE_PARAMETERS[name].split(".")
+        target = folded
+        for section in sections:
+            target = getattr(target, section)
+        try:
+            setattr(target, field, value)
+        except ValidationError as err:
+            first = err.errors()[0]
+            raise BadInput(f"config: {PIPELINE_PARAMETERS[name]} (pipeline parameter {name}): "
+                           f"{first['msg'].removeprefix('Value error, ')} (got {value!r})") from None
+    return folded
 
 
 def describe_validation_error(err: ValidationError) -> str:

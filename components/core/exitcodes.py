@@ -12,6 +12,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from components import EVALUATE, LAUNCH, STEPS  # the step names, written once in components/__init__.py
+
 
 class ExitCode(enum.IntEnum):
     OK = 0
@@ -77,16 +79,15 @@ class RetryPolicy:
     max_backoff_seconds: int
 
 
-STEPS: tuple[str, ...] = ("prepare", "locate-latest-checkpoint", "launch", "evaluate", "register")
+DEFAULT_RETRY = RetryPolicy(limit=3, backoff_seconds=5, factor=2, max_backoff_seconds=60)
 
 RETRY_POLICIES: dict[str, RetryPolicy] = {
-    "prepare": RetryPolicy(limit=3, backoff_seconds=5, factor=2, max_backoff_seconds=60),
-    "locate-latest-checkpoint": RetryPolicy(limit=3, backoff_seconds=5, factor=2, max_backoff_seconds=60),
+    **dict.fromkeys(STEPS, DEFAULT_RETRY),
     # Training restarts inside torchrun/PyTorchJob first; a whole launch retry is the outer loop.
-    "launch": RetryPolicy(limit=4, backoff_seconds=10, factor=2, max_backoff_seconds=300),
-    "evaluate": RetryPolicy(limit=2, backoff_seconds=5, factor=2, max_backoff_seconds=60),
-    "register": RetryPolicy(limit=3, backoff_seconds=5, factor=2, max_backoff_seconds=60),
+    LAUNCH.name: RetryPolicy(limit=4, backoff_seconds=10, factor=2, max_backoff_seconds=300),
+    EVALUATE.name: RetryPolicy(limit=2, backoff_seconds=5, factor=2, max_backoff_seconds=60),
 }
+"""Retries of each step of :data:`components.STEPS` (the exit task is never retried)."""
 
 
 def argo_retry_expression() -> str:

@@ -718,37 +718,35 @@ def _is_transient(err: BaseException) -> bool:
     return isinstance(err, OSError) and not isinstance(err, (FileNotFoundError, PermissionError))
 
 
+_CHECKED_BUCKETS: set[tuple] = set()
+"""(endpoint, bucket, credentials) one request of this process already proved: opening the same
+store again (every step opens it a few times) costs no further request."""
+
+
 def open_store(uri: str, *, retries: int | None = None, backoff: float | None = None) -> Store:
     """Open the store at ``uri``: a path, ``file:///path`` or ``s3://bucket/prefix``.
 
-    The S3 backend is checked with one cheap request (bucket exists, credentials accepted).
+    The S3 backend is checked with one cheap request (bucket exists, credentials accepted), once per
+    process for the same endpoint, bucket and credentials.
 
     Raises:
         BadInput: malformed URI, unsupported scheme, missing bucket, rejected credentials.
         TransientFailure: the endpoint could not be reached after the bounded retries.
     """
-    if not isinstance(uri, str) or not uri.strip():
-        raise BadInput("store URI is empty; use a path, file:///path or s3://bucket/prefix")
-    if "://" not in uri:
-        return FileStore(uri)
-    scheme, rest = uri.split("://", 1)
+    from components.core.config import parse_store_uri
+
+    try:
+        scheme, where, prefix = parse_store_uri(uri)
+    except ValueError as err:
+        raise BadInput(str(err)) from None
     if scheme == "file":
-        parsed = urllib.parse.urlparse(uri)
-        if parsed.netloc not in ("", "localhost") or not parsed.path:
-            raise BadInput(f"file URI {uri!r} must be file:///absolute/path")
-        return FileStore(urllib.parse.unquote(parsed.path))
-    if scheme == "s3":
-        bucket, _, prefix = rest.partition("/")
-        if not bucket:
-            raise BadInput(f"s3 URI {uri!r} has no bucket; write s3://bucket/prefix")
-        if "@" in bucket or ":" in bucket:
-            raise BadInput("s3 URI must not carry credentials or a port; set AWS_ENDPOINT_URL and "
-                           "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY")
-        if len(bucket) < 3 or len(bucket) > 63 or not all(c.islower() or c.isdigit() or c in "-." for c in bucket):
-            raise BadInput(f"s3 bucket name {bucket!r} is invalid (3-63 lowercase letters, digits, '-', '.')")
-        if any(p in ("..", ".") for p in prefix.split("/")):
-            raise BadInput(f"s3 URI {uri!r} must not contain '.' or '..' path parts")
-        store = S3Store(bucket, prefix, retries=retries, backoff=backoff)
+        return FileStore(where)
+    store = S3Store(where, prefix, retries=retries, backoff=backoff)
+    settings = _s3_settings()
+    secret = f"{settings['secret_key']}|{settings['session_token']}"
+    proof = (settings["endpoint"], settings["secure"], where, settings["access_key"],
+             hashlib.sha256(secret.encode()).hexdigest())
+    if proof not in _CHECKED_BUCKETS:
         store.check()
-        return store
-    raise BadInput(f"store URI scheme {scheme!r} is not supported; use a path, file:///path or s3://bucket/prefix")
+        _CHECKED_BUCKETS.add(proof)
+    return store

@@ -56,6 +56,10 @@ def client(uri: str):
     import_mlflow()
     from mlflow.tracking import MlflowClient
 
+    if uri.startswith("sqlite:"):
+        from components.core.localdb import use_write_ahead_log
+
+        use_write_ahead_log()
     return MlflowClient(tracking_uri=uri)
 
 

@@ -1,18 +1,25 @@
 """The built-in task: a small MLP classifier on scikit-learn's bundled digits (8x8 images, 10
 classes, 1797 samples shipped inside the package; nothing is downloaded). Trains in seconds on CPU.
+
+torch is imported by the methods that use it: prepare only builds the splits, and a process that
+does not train should not pay for importing torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
-from torch import nn
 
 from components.core.config import RelaunchConfig
 from components.core.errors import BadInput
 from components.tasks.base import Splits
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 
 def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
@@ -65,35 +72,48 @@ class DigitsTask:
         return digits_splits(d.val_fraction, d.test_fraction, d.split_seed)
 
     def build_model(self) -> nn.Module:
+        from torch import nn
+
         hidden = self.config.train.hidden_size
         return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        import torch
+
         t = self.config.train
         return torch.optim.SGD(model.parameters(), lr=t.lr, momentum=0.9, weight_decay=t.weight_decay)
 
     def build_scheduler(self, optimizer: torch.optim.Optimizer, total_steps: int):
+        import torch
+
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, total_steps))
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return nn.functional.cross_entropy(model(batch["x"]), batch["y"])
+        from torch.nn.functional import cross_entropy
 
-    @torch.no_grad()
+        return cross_entropy(model(batch["x"]), batch["y"])
+
     def evaluate(self, model: nn.Module, split: dict[str, np.ndarray]) -> dict[str, float]:
+        import torch
+        from torch.nn.functional import cross_entropy
+
         was_training = model.training
         model.eval()
-        logits = model(torch.from_numpy(split["x"]))
-        y = torch.from_numpy(split["y"])
-        metrics = {"loss": float(nn.functional.cross_entropy(logits, y)),
-                   "accuracy": float((logits.argmax(1) == y).float().mean())}
+        with torch.no_grad():
+            logits = model(torch.from_numpy(split["x"]))
+            y = torch.from_numpy(split["y"])
+            metrics = {"loss": float(cross_entropy(logits, y)),
+                       "accuracy": float((logits.argmax(1) == y).float().mean())}
         model.train(was_training)
         return metrics
 
-    @torch.no_grad()
     def predict(self, model: nn.Module, x: np.ndarray) -> np.ndarray:
+        import torch
+
         was_training = model.training
         model.eval()
-        labels = model(torch.from_numpy(np.asarray(x, dtype=np.float32))).argmax(1).numpy()
+        with torch.no_grad():
+            labels = model(torch.from_numpy(np.asarray(x, dtype=np.float32))).argmax(1).numpy()
         model.train(was_training)
         return labels
 

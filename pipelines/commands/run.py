@@ -23,7 +23,7 @@ import json
 import sys
 import time
 
-from components.core.config import RelaunchConfig, config_from_cli
+from components.core.config import RelaunchConfig, config_from_cli, with_pipeline_parameters
 
 TRAININGS = "trainings"
 
@@ -46,10 +46,9 @@ def run(args: argparse.Namespace) -> int:
 
     from components.prepare import check_inputs
 
-    overrides = list(args.overrides)
-    if args.inject_failure:
-        overrides.append(f"launch.inject_failure={args.inject_failure}")
-    config = config_from_cli(args.config, None, overrides)
+    config = config_from_cli(args.config, None, args.overrides)
+    if args.inject_failure:  # typed, like the pipeline parameter of the same name
+        config = with_pipeline_parameters(config, {"inject_failure": args.inject_failure})
     check_inputs(config)
     console = Console(file=sys.stdout)
     if args.resume:

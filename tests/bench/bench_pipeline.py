@@ -1,49 +1,123 @@
-"""Pipeline overhead of ``relaunch run``: wall time minus the training time inside launch, per step.
+"""Where a ``relaunch run`` spends its wall time: per step, next to the time the step's processes spent importing.
 
-Runs the whole local pipeline once (2 torchrun "nodes" on CPU, embedded store and MLflow, in a
-temporary directory) and splits its wall time by step from the run's event file. "training" is the
-productive time the trainer measured (goodput); everything else is overhead: process start-up and
-imports of each kfp.local subprocess, torchrun rendezvous, checkpoint stalls, MLflow calls.
+Runs the whole local pipeline (2 torchrun "nodes" on CPU, embedded store and MLflow, in a temporary
+directory) twice: once plainly, for the wall time and each step's seconds from the run's event
+file, and once with ``PYTHONPROFILEIMPORTTIME=1``, for the seconds every process of each step
+(kfp's executor, torchrun agents and workers) spent in imports (the sum of its top-level imports;
+importtime's own overhead makes these a little high). "training" is the productive time the trainer
+measured (goodput); everything else is overhead.
+
+With ``RELAUNCH_BENCH_BASELINE=/path/to/another/checkout`` the plain run is also made with that
+source tree first (``PYTHONPATH``), back to back, and each row gets the baseline's seconds and the
+ratio: the only fair comparison on a shared machine.
+
+    make bench ARGS="pipeline"
+    RELAUNCH_BENCH_BASELINE=/tmp/relaunch-main make bench ARGS="pipeline --quick"
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import re
+import resource
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-STEPS = ("prepare", "locate-latest-checkpoint", "launch", "evaluate", "register", "finalize")
+from components import STEP_TABLE
+
+_TASK = re.compile(r"Executing task .*?'(?:\x1b\[[0-9;]*m)?([a-z-]+)")
+_IMPORT = re.compile(r"import time:\s+\d+ \|\s+(\d+) \| (\S.*)$")
+
+
+def _relaunch_run(steps: int, *, source: str | None = None, import_times: bool = False) -> dict:
+    """One ``relaunch run`` in a fresh directory: wall and CPU seconds, its events and its log."""
+    env = dict(os.environ)
+    if source:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [source, env.get("PYTHONPATH")]))
+    if import_times:
+        env["PYTHONPROFILEIMPORTTIME"] = "1"
+    command = [sys.executable, "-c", "import sys; from pipelines.cli import main; sys.exit(main())",
+               "run", "--set", f"train.max_steps={steps}"]
+    with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        started = time.monotonic()
+        out = subprocess.run(command, cwd=tmp, capture_output=True, text=True, timeout=900, env=env)
+        wall = time.monotonic() - started
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        if out.returncode != 0:
+            raise RuntimeError(f"relaunch run failed ({out.returncode}): {out.stderr[-500:]}")
+        runs = Path(tmp, ".relaunch", "runs")
+        events = [json.loads(line) for f in runs.rglob("events.jsonl") for line in f.read_text().splitlines()]
+        log = "\n".join(f.read_text(errors="replace") for f in runs.rglob("pipeline.log"))
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {"wall": wall, "cpu": cpu, "events": events, "log": log}
+
+
+def step_seconds(events: list[dict]) -> dict[str, tuple[float, float]]:
+    """Step -> (seconds from its start to its end event, training seconds inside it)."""
+    starts = {e["step"]: e["time"] for e in events if e["kind"] == "step-start"}
+    out = {}
+    for e in events:
+        if e["kind"] == "step-end" and e["step"] in starts:
+            training = float(e.get("outputs", {}).get("train_seconds", 0.0)) if e["step"] == "launch" else 0.0
+            out[e["step"]] = (e["time"] - starts[e["step"]], training)
+    return out
+
+
+def import_seconds(log: str) -> dict[str, float]:
+    """Step -> seconds its processes spent in top-level imports, from a ``PYTHONPROFILEIMPORTTIME`` log."""
+    totals: dict[str, float] = collections.defaultdict(float)
+    step = None
+    for line in log.splitlines():
+        task = _TASK.search(line)
+        if task:
+            step = task.group(1)
+            continue
+        found = _IMPORT.search(line)
+        if found and step and not found.group(2).startswith(" "):  # top level: the name is not indented
+            totals[step] += int(found.group(1)) / 1e6
+    return dict(totals)
 
 
 def run(quick: bool) -> list[dict]:
     steps = 20 if quick else 120
-    with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:
-        started = time.monotonic()
-        out = subprocess.run([str(Path(sys.executable).parent / "relaunch"), "run", "--set", f"train.max_steps={steps}"],
-                             cwd=tmp, capture_output=True, text=True, timeout=900, env=dict(os.environ))
-        wall = time.monotonic() - started
-        if out.returncode != 0:
-            raise RuntimeError(f"relaunch run failed ({out.returncode}): {out.stderr[-500:]}")
-        events = [json.loads(l) for f in Path(tmp, ".relaunch", "runs").rglob("events.jsonl")
-                  for l in f.read_text().splitlines()]
-    starts = {e["step"]: e["time"] for e in events if e["kind"] == "step-start"}
-    ends = {e["step"]: e for e in events if e["kind"] == "step-end"}
+    baseline_source = os.environ.get("RELAUNCH_BENCH_BASELINE")
+    baseline = _relaunch_run(steps, source=baseline_source) if baseline_source else None
+    plain = _relaunch_run(steps)
+    imports = import_seconds(_relaunch_run(steps, import_times=True)["log"])
+    seconds = step_seconds(plain["events"])
+    base_seconds = step_seconds(baseline["events"]) if baseline else {}
+
     rows, accounted = [], 0.0
-    for step in STEPS:
-        if step not in ends:
+    wall = plain["wall"]
+    for step in STEP_TABLE:
+        if step not in seconds:
             continue
-        seconds = ends[step]["time"] - starts[step]
-        training = float(ends[step]["outputs"].get("train_seconds", 0.0)) if step == "launch" else 0.0
-        accounted += seconds
-        rows.append({"step": step, "seconds": seconds, "training_s": training, "overhead_s": seconds - training,
-                     "overhead_share_of_wall": (seconds - training) / wall})
+        took, training = seconds[step]
+        accounted += took
+        row = {"step": step, "seconds": took, "imports_s": imports.get(step, 0.0), "training_s": training,
+               "overhead_s": took - training, "overhead_share_of_wall": (took - training) / wall}
+        if baseline:
+            row.update(baseline_s=base_seconds.get(step, (0.0, 0.0))[0],
+                       ratio=took / base_seconds[step][0] if base_seconds.get(step, (0, 0))[0] else 0.0)
+        rows.append(row)
     training = sum(r["training_s"] for r in rows)
-    rows.append({"step": "between steps (kfp.local, process start)", "seconds": wall - accounted, "training_s": 0.0,
-                 "overhead_s": wall - accounted, "overhead_share_of_wall": (wall - accounted) / wall})
-    rows.append({"step": f"total relaunch run ({steps} steps)", "seconds": wall, "training_s": training,
-                 "overhead_s": wall - training, "overhead_share_of_wall": (wall - training) / wall})
-    return rows
+    between = {"step": "between steps (kfp.local, process start)", "seconds": wall - accounted,
+               "imports_s": 0.0, "training_s": 0.0, "overhead_s": wall - accounted,
+               "overhead_share_of_wall": (wall - accounted) / wall}
+    total = {"step": f"total relaunch run ({steps} steps), wall", "seconds": wall, "imports_s": sum(imports.values()),
+             "training_s": training, "overhead_s": wall - training, "overhead_share_of_wall": (wall - training) / wall}
+    cpu = {"step": "total CPU seconds (all processes)", "seconds": plain["cpu"], "imports_s": 0.0,
+           "training_s": 0.0, "overhead_s": 0.0, "overhead_share_of_wall": 0.0}
+    if baseline:
+        base_accounted = sum(v[0] for v in base_seconds.values())
+        between.update(baseline_s=baseline["wall"] - base_accounted,
+                       ratio=(wall - accounted) / max(1e-9, baseline["wall"] - base_accounted))
+        total.update(baseline_s=baseline["wall"], ratio=wall / baseline["wall"])
+        cpu.update(baseline_s=baseline["cpu"], ratio=plain["cpu"] / baseline["cpu"])
+    return rows + [between, total, cpu]

@@ -1,10 +1,12 @@
 """The compiled KFP v2 pipeline: a valid PipelineSpec, the five steps wired right, retries and caching
-from the one table, no secret values, and a golden YAML a reviewer sees changes in."""
+from the one table, no secret values, and a golden YAML (what `relaunch compile --target kfp` writes)
+a reviewer sees changes in."""
 
 from __future__ import annotations
 
-import dataclasses
+import inspect
 import os
+import typing
 from pathlib import Path
 
 import pytest
@@ -12,18 +14,23 @@ import yaml
 from google.protobuf import json_format
 from kfp.pipeline_spec import pipeline_spec_pb2
 
-from components.core.config import RelaunchConfig
+from components import STEP_TABLE
+from components.core.config import PIPELINE_PARAMETERS, RelaunchConfig, pipeline_parameter_type
 from components.core.exitcodes import RETRY_POLICIES, STEPS
-from pipelines.kfp_pipeline import compile_pipeline
+from pipelines import kfp_pipeline
+from pipelines.commands.compile import render
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "kfp-pipeline.yaml"
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory) -> dict:
-    path = tmp_path_factory.mktemp("kfp") / "pipeline.yaml"
-    compile_pipeline(str(path))
-    return yaml.safe_load(path.read_text())
+def compiled_text() -> str:
+    return render("kfp", RelaunchConfig())
+
+
+@pytest.fixture(scope="module")
+def compiled(compiled_text) -> dict:
+    return next(yaml.safe_load_all(compiled_text))
 
 
 def _dag(compiled: dict) -> dict:
@@ -99,10 +106,9 @@ def test_every_step_runs_in_the_project_image_without_installing_kfp(compiled):
         assert "pip install" not in " ".join(container["command"])
 
 
-def test_a_configured_image_and_config_become_the_defaults(tmp_path):
+def test_a_configured_image_and_config_become_the_defaults():
     config = RelaunchConfig.model_validate({"launch": {"nodes": 4, "kubernetes": {"image": "registry.example/r:9"}}})
-    compile_pipeline(str(tmp_path / "p.yaml"), config)
-    compiled = yaml.safe_load((tmp_path / "p.yaml").read_text())
+    compiled = next(yaml.safe_load_all(render("kfp", config)))
     assert {e["container"]["image"] for e in compiled["deploymentSpec"]["executors"].values()} == {"registry.example/r:9"}
     default = compiled["root"]["inputDefinitions"]["parameters"]["config_json"]["defaultValue"]
     assert RelaunchConfig.from_json(default).launch.nodes == 4
@@ -117,44 +123,51 @@ def test_the_compiled_yaml_holds_no_secret_values(compiled, monkeypatch):
     assert S3_SECRET_KEY not in text
 
 
-@pytest.mark.parametrize("component, outputs", [
-    ("prepare", "components.prepare:PrepareOutputs"),
-    ("locate-latest-checkpoint", "components.locate:LocateOutputs"),
-    ("launch", "components.launch:LaunchOutputs"),
-    ("evaluate", "components.evaluate:EvaluateOutputs"),
-    ("register", "components.register:RegisterOutputs"),
-    ("finalize", "components.finalize:FinalizeOutputs"),
-])
-def test_component_outputs_match_the_step_outputs_in_order(compiled, component, outputs):
-    import importlib
+def test_the_image_is_set_through_kfp_when_the_components_are_built():
+    # no YAML rewriting: each component's own spec names the configured image
+    components = kfp_pipeline.build_components("registry.example/r:9")
+    assert {c.component_spec.implementation.container.image for c in components.values()} == {"registry.example/r:9"}
 
-    module, name = outputs.split(":")
-    fields = [f.name for f in dataclasses.fields(getattr(importlib.import_module(module), name))]
-    declared = compiled["components"][f"comp-{component}"]["outputDefinitions"]["parameters"]
-    assert sorted(declared) == sorted(fields)
+
+@pytest.mark.parametrize("step", list(STEP_TABLE))
+def test_component_outputs_match_the_step_output_dataclass_in_order_and_type(compiled, step):
+    """KFP reads a component's outputs from its inline NamedTuple; it must say what the dataclass says."""
+    fields = STEP_TABLE[step].output_fields()
+    declared = compiled["components"][f"comp-{step}"]["outputDefinitions"]["parameters"]
+    assert sorted(declared) == sorted(name for name, _ in fields)
     # the body returns a tuple in the dataclass's order; KFP maps it by the NamedTuple's order
-    from pipelines import kfp_pipeline
-
-    fn = getattr(kfp_pipeline, component.replace("-", "_")).python_func
-    assert list(fn.__annotations__["return"]._fields) == fields
-
-
-class _GoldenDumper(yaml.SafeDumper):
-    """Our own string style: importing hera swaps SafeDumper's global str representer, which would
-    make the golden depend on which tests ran first."""
+    body = kfp_pipeline.COMPONENT_BODIES[step]
+    annotation = typing.get_type_hints(body)["return"]
+    assert list(typing.get_type_hints(annotation).items()) == fields
+    assert body.__name__.replace("_", "-") == step, "KFP names the task after the function"
 
 
-def _literal_when_multiline(dumper, data: str):
-    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style="|" if "\n" in data else None)
+def test_prepare_takes_every_pipeline_parameter_with_its_type():
+    params = inspect.signature(kfp_pipeline.prepare).parameters
+    assert list(params) == ["config_json", "pipeline_run_id", *PIPELINE_PARAMETERS]
+    for name in PIPELINE_PARAMETERS:
+        assert params[name].annotation is pipeline_parameter_type(name), name
 
 
-_GoldenDumper.add_representer(str, _literal_when_multiline)
+def test_pipeline_parameters_come_from_the_table_with_keep_defaults(compiled):
+    params = compiled["root"]["inputDefinitions"]["parameters"]
+    assert list(params) == sorted(["config_json", *PIPELINE_PARAMETERS])
+    kinds = {int: "NUMBER_INTEGER", float: "NUMBER_DOUBLE", str: "STRING"}
+    for name, field in PIPELINE_PARAMETERS.items():
+        assert params[name]["parameterType"] == kinds[pipeline_parameter_type(name)], name
+        assert params[name]["defaultValue"] in (0, 0.0, ""), name
+        assert params[name]["description"].startswith(f"{field}: "), name
 
 
-def test_the_golden_yaml_matches_the_default_pipeline(compiled):
-    text = yaml.dump(compiled, Dumper=_GoldenDumper, sort_keys=True, width=1000)
+def test_the_golden_yaml_is_what_relaunch_compile_writes(compiled_text):
     if os.environ.get("RELAUNCH_UPDATE_GOLDEN"):
         GOLDEN.parent.mkdir(parents=True, exist_ok=True)
-        GOLDEN.write_text(text)
+        GOLDEN.write_text(compiled_text)
     assert GOLDEN.exists(), "no golden file: run `make golden`"
-    assert GOLDEN.read_text() == text, "the compiled pipeline changed: review, then `make golden`"
+    assert GOLDEN.read_text() == compiled_text, "the compiled pipeline changed: review, then `make golden`"
+
+
+def test_compiled_yaml_does_not_depend_on_what_the_process_imported_before():
+    import hera.workflows  # noqa: F401 - swaps yaml.SafeDumper's str representer
+
+    assert render("kfp", RelaunchConfig()) == GOLDEN.read_text()

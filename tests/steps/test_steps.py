@@ -27,34 +27,6 @@ def config(tmp_path) -> RelaunchConfig:
     })
 
 
-@pytest.mark.parametrize("overrides, field, expected", [
-    ({"epochs": 0}, "train.epochs", 4),
-    ({"epochs": 7}, "train.epochs", 7),
-    ({"epochs": "7"}, "train.epochs", 7),
-    ({"nodes": 3, "procs_per_node": 2}, "launch.nodes", 3),
-    ({"learning_rate": 0.0}, "train.lr", 0.05),
-    ({"learning_rate": 0.2}, "train.lr", 0.2),
-    ({"inject_failure": ""}, "launch.inject_failure", None),
-    ({"inject_failure": "preempt@step=4"}, "launch.inject_failure", "preempt@step=4"),
-    ({"run_name": "nightly"}, "tracking.run_name", "nightly"),
-])
-def test_pipeline_parameters_override_the_config_unless_they_hold_the_keep_value(overrides, field, expected):
-    folded = prepare.fold_overrides(RelaunchConfig(), overrides)
-    section, key = field.split(".")
-    assert getattr(getattr(folded, section), key) == expected
-
-
-@pytest.mark.parametrize("overrides, message", [
-    ({"epochs": -3}, "train.epochs"),
-    ({"nodes": "many"}, "launch.nodes"),
-    ({"inject_failure": "explode"}, "not a failure spec"),
-    ({"colour": "blue"}, r"unknown input\(s\) colour"),
-])
-def test_bad_pipeline_parameters_are_bad_input(overrides, message):
-    with pytest.raises(BadInput, match=message):
-        prepare.fold_overrides(RelaunchConfig(), overrides)
-
-
 def test_prepare_reuses_the_dataset_version_and_the_run_of_the_same_pipeline_run(config):
     first = prepare.run(config, pipeline_run_id="p-1")
     again = prepare.run(config, pipeline_run_id="p-1")

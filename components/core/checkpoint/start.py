@@ -10,13 +10,12 @@ are verified once, by the read that loads them.
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any, Callable
 
 from components.core.checkpoint.layout import parse_checkpoint_uri
+from components.core.config import MODEL_URI
 from components.core.errors import BadInput, CorruptCheckpoint
 
-MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<version>\d+)|@(?P<alias>[A-Za-z0-9_-]+))$")
 
 
 @dataclasses.dataclass
@@ -113,9 +112,7 @@ def warm_start_checkpoint(config: Any) -> str:
     from components.core.tracking import _call, _client, tracking_uri
 
     spec = config.train.warm_start_model or ""
-    match = MODEL_URI.match(spec)
-    if not match:
-        raise BadInput(f"train.warm_start_model: {spec!r} is not models:/name/version or models:/name@alias")
+    match = MODEL_URI.match(spec)  # the configuration model refused any other form at load time
     client = _client(tracking_uri(config))
     name = match["name"]
     try:
