@@ -379,19 +379,20 @@ class Training:
             self.log.finish(ExitCode.RETRY_ME)
 
     def _forward_backward(self, batch) -> tuple[float, float]:
+        from components.core.parallel import total_grad_norm
+
         amp = self.t.amp
-        with torch.autocast(self.device.type, dtype=torch.bfloat16 if self.device.type == "cpu" else torch.float16,
-                            enabled=amp):
-            loss = self.task.loss(self.model, batch)
-        with self._peers():  # DDP and FSDP reduce the gradients during backward
+        # Every part waits on the peers: FSDP gathers parameters in forward, DDP and FSDP reduce the
+        # gradients in backward, and the norm of sharded gradients is a collective.
+        with self._peers():
+            with torch.autocast(self.device.type, dtype=torch.bfloat16 if self.device.type == "cpu" else torch.float16,
+                                enabled=amp):
+                loss = self.task.loss(self.model, batch)
             if self.scaler is not None:
                 self.scaler.scale(loss).backward()
                 self.scaler.unscale_(self.optimizer)
             else:
                 loss.backward()
-        from components.core.parallel import total_grad_norm
-
-        with self._peers():  # FSDP: the norm of sharded gradients is a collective
             return float(loss.detach()), total_grad_norm(self.module)
 
     def _optimizer_step(self) -> None:
@@ -435,7 +436,8 @@ class Training:
 
     def evaluate(self) -> dict[str, float]:
         began = time.perf_counter()
-        metrics = {f"val_{k}": v for k, v in self.task.evaluate(self.module, self.splits["val"]).items()}
+        with self._peers():  # under FSDP the forward gathers parameters from the other ranks
+            metrics = {f"val_{k}": v for k, v in self.task.evaluate(self.module, self.splits["val"]).items()}
         spent = time.perf_counter() - began
         self.overhead += spent
         if self.log:
