@@ -44,7 +44,8 @@ from components.core.storage import PreconditionFailed, Store, open_store
 # A single process is a supported use (tests, evaluation, the CLI): DCP's note about it is noise.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")
 
-SPLIT_BYTES = 64 * 1024 * 1024  # a rank's state above this is written as IO_THREADS files
+FILE_BYTES = 64 * 1024 * 1024  # a rank's state is spread over files of about this size (a file is
+# the most one ranged read asks for; many files also give S3 parallel uploads and downloads)
 IO_THREADS = max(1, min(4, os.cpu_count() or 1))
 READ_THREADS = 8  # ranged reads in flight per rank
 
@@ -440,8 +441,8 @@ class CheckpointManager:
         from components.core.checkpoint.dcp_io import StoreWriter
 
         self._agree(self._rank0(lambda: self._preflight(job.step)))
-        files_per_rank = 1 if _state_bytes(job.snapshot) < SPLIT_BYTES else IO_THREADS
-        writer = StoreWriter(self.store, step_key(job.step), files_per_rank=files_per_rank)
+        files_per_rank = max(1, -(-_state_bytes(job.snapshot) // FILE_BYTES))
+        writer = StoreWriter(self.store, step_key(job.step), files_per_rank=files_per_rank, threads=IO_THREADS)
 
         def write() -> dict[str, dict[str, Any]]:
             from torch.distributed.checkpoint.api import CheckpointException
@@ -609,14 +610,23 @@ class CheckpointManager:
         return body
 
     def _dcp_load(self, state: Any, metadata: Any, reader: Any, info: CheckpointInfo) -> None:
+        stored = set(metadata.state_dict_metadata)
+        wrapped = hasattr(state, "state_dict") and hasattr(state, "load_state_dict") and not isinstance(state, dict)
+        undo = state.prepare_load(metadata.state_dict_metadata) if wrapped and hasattr(state, "prepare_load") else None
+        try:
+            self._dcp_load_into(state, wrapped, stored, reader, info)
+        except BaseException:
+            if undo is not None:
+                undo()
+            raise
+
+    def _dcp_load_into(self, state: Any, wrapped: bool, stored: set[str], reader: Any, info: CheckpointInfo) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.stateful import Stateful
 
         from components.core.checkpoint.dcp_io import safe_load_planner
 
-        stored = set(metadata.state_dict_metadata)
-        wrapped = hasattr(state, "state_dict") and hasattr(state, "load_state_dict") and not isinstance(state, dict)
         template = state.state_dict() if wrapped else dict(state)
         if isinstance(template.get("rng"), dict):  # another world size: a rank's stream may be absent
             for name in list(template["rng"]):
