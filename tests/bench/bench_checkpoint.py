@@ -10,14 +10,19 @@ that in free memory; too heavy for a shared 2-core machine).
 - throughput: raw sequential write (with fsync) / read of the same number of bytes to the same place,
   divided by our save (end to end: snapshot, DCP write with chunk digests, fsync, manifest, pointer) /
   restore (locate + DCP load checking every chunk digest as it arrives). Goal >= 0.9. On S3 the raw
-  side is parallel ranged GETs of the checkpoint's own objects from the same server. Both restore
+  side GETs every object of the checkpoint whole, 8 in flight, from the same server (the fastest way
+  on moto, which spends time in proportion to the object's size on every ranged GET). Both restore
   sides read into memory that exists already (see ``_restore_rows``); on the filesystem with the page
-  cache warm and, as a second row, cold (``posix_fadvise(DONTNEED)`` on both sides' files first).
+  cache warm and, as a second row, cold (``posix_fadvise(DONTNEED)`` first, on the raw file / on every
+  file under ``checkpoints/``).
 - locate: store requests and seconds of ``latest()`` with 10 and with 10,000 checkpoints present
   (S3: 10 and 1,000; --quick: 10 and 1,000 / 100). Goal: the same small number of requests.
 - sharded restore (FSDP2, torchrun, gloo): the same total state saved by 2 ranks, loaded by 1, 2 and 4:
   restore / raw sequential read of the same files (warm cache), kill -> state loaded on 4 ranks / on 1
-  (goal <= 1.2), and each rank's peak RSS growth during the load / its share (goal <= 1.1).
+  (goal <= 1.2; split into torchrun + interpreter start and the worker's own part), and each rank's
+  peak RSS growth during the load / its share (goal <= 1.1). The load is timed, and its RSS baseline
+  taken, after the worker imported the checkpoint modules (a per-process cost, inside "kill -> state
+  loaded"); the optimizer state it allocates is inside both.
 - replicated (DDP) restore on 4 ranks: read by every rank, once per node (2 nodes of 2), once per job;
   bytes read from the store and the slowest rank's load time, side by side.
 """

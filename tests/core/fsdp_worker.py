@@ -16,6 +16,7 @@ import time
 PROCESS_STARTED = time.time()  # before torch is imported: "kill -> state loaded" splits here
 
 import argparse
+import importlib
 import json
 import os
 import random
@@ -87,9 +88,8 @@ def main() -> None:
     if args.resume:
         # What every process pays once whatever it loads (imports) is part of "kill -> state loaded",
         # not of the load: the load's time and peak RSS are measured from here on.
-        import torch.distributed.checkpoint.state_dict  # noqa: F401
-
-        import components.core.checkpoint.dcp_io  # noqa: F401
+        for module_name in ("torch.distributed.checkpoint.state_dict", "components.core.checkpoint.dcp_io"):
+            importlib.import_module(module_name)
         mgr.store.stats.clear()
         Path("/proc/self/clear_refs").write_text("5")  # peak RSS from here on (the load's own)
         rss_before = _rss()[0]
