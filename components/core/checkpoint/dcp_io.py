@@ -6,11 +6,12 @@ a tensor's bytes in its dtype's native (little-endian) order, a bytes item as DC
 Each item is cut into chunks of at most ``CHUNK_BYTES`` whose XXH3-128 digests are taken while
 writing and returned in ``files`` for the manifest.
 
-:class:`StoreReader` reads exactly the items its rank's load plan names, each chunk by one ranged
-read (``Store.read_into``) in parallel, straight into the destination tensor when it has the stored
-shape, dtype and layout on CPU, and checks every chunk's digest as it arrives. A stored item that
-several ranks of one node need (replicated state: DDP, or unsharded buffers under FSDP) is read by
-one of them and broadcast over the node's gloo group.
+:class:`StoreReader` reads exactly the byte ranges its rank's load plan names (a part of a stored
+item when resharding), merged per file into ranged reads of whole chunks (``Store.read_into``, in
+parallel) that fill the destination tensors themselves when they are contiguous CPU tensors of the
+stored dtype, and feeds every block to its chunk's digest as it arrives. A stored item that several
+ranks of one node need whole (replicated state: DDP, or unsharded buffers under FSDP) is read by one
+of them and broadcast over the node's gloo group.
 """
 
 from __future__ import annotations
