@@ -396,6 +396,10 @@ class Training:
             return float(loss.detach()), total_grad_norm(self.module)
 
     def _optimizer_step(self) -> None:
+        blocked = self.manager.wait_for_snapshot()  # an async save may still be copying what this step changes
+        self.overhead += blocked
+        if self.log:
+            self.log.record.stall_seconds += blocked
         if self.scaler is not None:
             scale = self.scaler.get_scale()
             self.scaler.step(self.optimizer)
@@ -458,7 +462,7 @@ class Training:
         step_done_at = time.time()
         self._note_commit(self._wait_for_save())  # the previous async save commits here (save() waits too)
         with self._peers():
-            self.manager.save(self.step, self.state, metrics=metrics, epoch=self.state.epoch)
+            self.manager.save(self.step, self.state, metrics=metrics, epoch=self.state.epoch, defer_copy=True)
         if self.env.is_main:
             self._pending[self.step] = (step_done_at, self.overhead)
         if wait:

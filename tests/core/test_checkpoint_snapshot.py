@@ -1,0 +1,101 @@
+"""An async save with ``defer_copy`` copies the parameters and optimizer state in the background while
+the next step's forward and backward run; ``wait_for_snapshot()`` holds back the step that changes
+them, and the committed checkpoint holds the state of the step it was saved at."""
+
+from __future__ import annotations
+
+import torch
+
+from components.core.checkpoint import CheckpointManager
+from components.core.state import TrainingState
+
+
+def _state(seed: int, width: int, batch_norm: bool = False) -> TrainingState:
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(width, width), torch.nn.Linear(width, width)]
+    if batch_norm:
+        layers.insert(1, torch.nn.BatchNorm1d(width))
+    model = torch.nn.Sequential(*layers)
+    return TrainingState(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+
+
+def _step(state: TrainingState, width: int) -> None:
+    state.model(torch.randn(8, width)).pow(2).mean().backward()
+    state.optimizer.step()
+    state.optimizer.zero_grad()
+    state.step += 1
+
+
+def _tensors(state: TrainingState) -> list[torch.Tensor]:
+    """Parameters, buffers and optimizer state, in a fixed order."""
+    out = [t.detach() for t in state.model.state_dict().values()]
+    for param_state in state.optimizer.state.values():
+        out += [v for v in param_state.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def _loaded(root, width: int, batch_norm: bool = False) -> TrainingState:
+    fresh = _state(seed=99, width=width, batch_norm=batch_norm)
+    _step(fresh, width)  # the optimizer state exists, with other values
+    with CheckpointManager(root, owner="snapshot-test") as mgr:
+        mgr.load(fresh)
+    return fresh
+
+
+def test_state_changed_in_place_right_after_wait_for_snapshot_is_not_in_the_checkpoint(tmp_path):
+    # 2048 x 2048 layers: ~100 MB of parameters and AdamW moments, so that the background copy is
+    # still running when save() returns (without the wait, the in-place change below lands in it)
+    width = 2048
+    state = _state(seed=1, width=width)
+    _step(state, width)
+    saved = [t.clone() for t in _tensors(state)]
+    mgr = CheckpointManager(str(tmp_path / "store"), owner="snapshot-test")
+    mgr.save(1, state, defer_copy=True)
+    mgr.wait_for_snapshot()
+    for t in reversed(_tensors(state)):  # the tensors copied last are changed first
+        t.add_(1.0)
+    mgr.close()
+
+    changed = _tensors(state)
+    assert not any(torch.equal(a, b) for a, b in zip(saved, changed))
+    loaded = _loaded(str(tmp_path / "store"), width)
+    assert loaded.step == 1
+    for before, got in zip(saved, _tensors(loaded), strict=True):
+        assert torch.equal(before, got)
+
+
+def test_buffers_and_counters_a_forward_changes_are_taken_in_save_itself(tmp_path):
+    width = 16
+    state = _state(seed=2, width=width, batch_norm=True)
+    _step(state, width)
+    saved = [t.clone() for t in _tensors(state)]
+    running_mean = state.model[1].running_mean.clone()
+    mgr = CheckpointManager(str(tmp_path / "store"), owner="snapshot-test")
+    mgr.save(1, state, defer_copy=True)
+    state.model(torch.randn(8, width) + 5.0).sum().backward()  # BatchNorm updates its running stats
+    state.step += 1
+    mgr.wait_for_snapshot()
+    mgr.close()
+
+    assert not torch.equal(state.model[1].running_mean, running_mean)  # the forward did change it
+    loaded = _loaded(str(tmp_path / "store"), width, batch_norm=True)
+    assert loaded.step == 1
+    for before, got in zip(saved, _tensors(loaded), strict=True):
+        assert torch.equal(before, got)
+
+
+def test_a_deferred_copy_is_finished_before_the_next_save_or_a_load(tmp_path):
+    width = 64
+    state = _state(seed=3, width=width)
+    root = str(tmp_path / "store")
+    mgr = CheckpointManager(root, owner="snapshot-test", keep_last=0)
+    _step(state, width)
+    mgr.save(1, state, defer_copy=True)
+    first = [t.clone() for t in _tensors(state)]
+    mgr.save(2, state, defer_copy=True)  # the same state saved again: waits for the first job
+    mgr.wait_for_snapshot()
+    _step(state, width)
+    mgr.load(state, step=1)  # waits for the second save, then reads the first
+    for before, got in zip(first, _tensors(state), strict=True):
+        assert torch.equal(before, got)
+    mgr.close()
