@@ -85,7 +85,7 @@ def _stall_and_throughput(root: str, state, work: Path, label: str) -> list[dict
         save_seconds.append(time.perf_counter() - t0)
     stall_s, save_s = min(stall), min(save_seconds)
     mgr.close()
-    overlap = _overlapped_stall(root + "-overlap", state, work)
+    overlapped = {reads: _overlapped_stall(f"{root}-overlap{reads}", state, work, reads) for reads in (3, 1)}
 
     # raw sequential write (fsync) of the same bytes to the same place
     blob = b"".join(t.numpy().tobytes() for t in state["model"].values())
@@ -106,11 +106,11 @@ def _stall_and_throughput(root: str, state, work: Path, label: str) -> list[dict
     rows = [
         {"metric": f"stall ratio, copy in save() ({label})", "value": stall_s / seed_seconds, "goal": "<= 0.02",
          "detail": f"save() blocked {stall_s * 1e3:.1f} ms vs torch.save+upload {seed_seconds:.2f} s, {mib:.0f} MiB"},
-        {"metric": f"stall ratio, copy overlapped with the next step ({label})",
-         "value": overlap["stall"] / seed_seconds, "goal": "<= 0.02",
-         "detail": f"save() {overlap['save'] * 1e3:.1f} ms + blocked before the optimizer step "
-                   f"{overlap['blocked'] * 1e3:.1f} ms, behind a {overlap['step'] * 1e3:.0f} ms forward/backward "
-                   f"(3 reads of every parameter: the shortest step of a model this size)"},
+        *({"metric": f"stall ratio, copy overlapped with a {reads}-read step ({label})",
+           "value": o["stall"] / seed_seconds, "goal": "<= 0.02" if reads == 3 else "measured",
+           "detail": f"save() {o['save'] * 1e3:.1f} ms + blocked before the optimizer step "
+                     f"{o['blocked'] * 1e3:.1f} ms, behind a {o['step'] * 1e3:.0f} ms simulated forward/backward"}
+          for reads, o in overlapped.items()),
         {"metric": f"save throughput ratio ({label})", "value": raw_write / save_s, "goal": ">= 0.9 (fs)",
          "detail": f"raw write {raw_write:.2f} s vs save end to end {save_s:.2f} s"},
     ]
@@ -119,12 +119,13 @@ def _stall_and_throughput(root: str, state, work: Path, label: str) -> list[dict
     return rows
 
 
-def _overlapped_stall(root: str, state, work: Path) -> dict[str, float]:
+def _overlapped_stall(root: str, state, work: Path, reads: int) -> dict[str, float]:
     """The trainer's stall with ``save(defer_copy=True)``: time in save() plus time blocked in
     ``wait_for_snapshot()`` before the next optimizer step, with a simulated forward and backward in
-    between. The simulation reads every parameter three times (forward, input gradient, weight
-    gradient) and does no arithmetic beyond a sum: a lower bound of the step of any model of this size,
-    so the figure is the least favourable one. Best of 2, after a warm-up save."""
+    between that sums every parameter ``reads`` times. A real step reads each parameter at least 3
+    times (forward, input gradient, weight gradient) and does far more arithmetic than a sum, so
+    3 reads is a lower bound of the step of any model of this size (1 read: a harsher case still).
+    Best of 2, after a warm-up save."""
     model = torch.nn.Module()
     for name, tensor in state["model"].items():  # parameters sharing the state's memory: the same bytes
         layer, _, attr = name.partition(".")
@@ -135,7 +136,7 @@ def _overlapped_stall(root: str, state, work: Path) -> dict[str, float]:
 
     def forward_backward() -> float:
         t0 = time.perf_counter()
-        for _ in range(3):
+        for _ in range(reads):
             for p in params:
                 p.sum()
         return time.perf_counter() - t0

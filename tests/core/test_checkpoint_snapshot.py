@@ -4,23 +4,28 @@ them, and the committed checkpoint holds the state of the step it was saved at."
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from components.core.checkpoint import CheckpointManager
 from components.core.state import TrainingState
 
 
-def _state(seed: int, width: int, batch_norm: bool = False) -> TrainingState:
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))
+
+
+def _state(seed: int, width: int, batch_norm: bool = False, device: str = "cpu") -> TrainingState:
     torch.manual_seed(seed)
     layers = [torch.nn.Linear(width, width), torch.nn.Linear(width, width)]
     if batch_norm:
         layers.insert(1, torch.nn.BatchNorm1d(width))
-    model = torch.nn.Sequential(*layers)
+    model = torch.nn.Sequential(*layers).to(device)
     return TrainingState(model, torch.optim.AdamW(model.parameters(), lr=0.01))
 
 
 def _step(state: TrainingState, width: int) -> None:
-    state.model(torch.randn(8, width)).pow(2).mean().backward()
+    device = next(state.model.parameters()).device
+    state.model(torch.randn(8, width, device=device)).pow(2).mean().backward()
     state.optimizer.step()
     state.optimizer.zero_grad()
     state.step += 1
@@ -34,19 +39,20 @@ def _tensors(state: TrainingState) -> list[torch.Tensor]:
     return out
 
 
-def _loaded(root, width: int, batch_norm: bool = False) -> TrainingState:
-    fresh = _state(seed=99, width=width, batch_norm=batch_norm)
+def _loaded(root, width: int, batch_norm: bool = False, device: str = "cpu") -> TrainingState:
+    fresh = _state(seed=99, width=width, batch_norm=batch_norm, device=device)
     _step(fresh, width)  # the optimizer state exists, with other values
     with CheckpointManager(root, owner="snapshot-test") as mgr:
         mgr.load(fresh)
     return fresh
 
 
-def test_state_changed_in_place_right_after_wait_for_snapshot_is_not_in_the_checkpoint(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_state_changed_in_place_right_after_wait_for_snapshot_is_not_in_the_checkpoint(tmp_path, device):
     # 2048 x 2048 layers: ~100 MB of parameters and AdamW moments, so that the background copy is
     # still running when save() returns (without the wait, the in-place change below lands in it)
     width = 2048
-    state = _state(seed=1, width=width)
+    state = _state(seed=1, width=width, device=device)
     _step(state, width)
     saved = [t.clone() for t in _tensors(state)]
     mgr = CheckpointManager(str(tmp_path / "store"), owner="snapshot-test")
@@ -58,7 +64,7 @@ def test_state_changed_in_place_right_after_wait_for_snapshot_is_not_in_the_chec
 
     changed = _tensors(state)
     assert not any(torch.equal(a, b) for a, b in zip(saved, changed))
-    loaded = _loaded(str(tmp_path / "store"), width)
+    loaded = _loaded(str(tmp_path / "store"), width, device=device)
     assert loaded.step == 1
     for before, got in zip(saved, _tensors(loaded), strict=True):
         assert torch.equal(before, got)

@@ -63,6 +63,8 @@ class _Job:
         self.step, self.epoch, self.snapshot, self.metrics, self.started = step, epoch, snapshot, metrics, started
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (snapshot buffer, live tensor) still to copy
         self.copied = threading.Event()
+        self.cuda_ready: torch.cuda.Event | None = None  # recorded after the work the snapshot must see
+        self.cuda_device: int | None = None
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.info: CheckpointInfo | None = None
@@ -263,6 +265,10 @@ class CheckpointManager:
                 epoch = int(state.epoch)
             job = _Job(step, int(epoch), None, {k: float(v) for k, v in (metrics or {}).items()}, t0)
             job.snapshot = self._snapshot(state, job.copies if self.async_save and defer_copy else None)
+            if torch.cuda.is_available():
+                job.cuda_device = torch.cuda.current_device()  # the background thread's would be device 0
+                job.cuda_ready = torch.cuda.Event()
+                job.cuda_ready.record()
             self._pending = job
             if self.async_save:
                 job.thread = threading.Thread(target=self._run_job, args=(job,), name=f"ckpt-save-{step}",
@@ -514,10 +520,18 @@ class CheckpointManager:
     def _copy_deferred(self, job: _Job) -> None:
         """The background half of an async snapshot; :meth:`wait_for_snapshot` waits for it."""
         try:
-            for buf, src in job.copies:
-                _copy_into(buf, src, torch.cuda.is_available(), unlocked=True)
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
+            if job.cuda_ready is None:
+                for buf, src in job.copies:
+                    _copy_into(buf, src, False, unlocked=True)
+            else:  # on a side stream: the training thread's forward kernels keep the default stream
+                with torch.cuda.device(job.cuda_device):
+                    stream = torch.cuda.Stream()
+                    stream.wait_event(job.cuda_ready)
+                    with torch.cuda.stream(stream):
+                        for buf, src in job.copies:
+                            _copy_into(buf, src, True, unlocked=True)
+                    stream.synchronize()
+                    job.cuda_ready.synchronize()  # the copies save() itself started
         finally:
             job.copies = []
             job.copied.set()
