@@ -196,6 +196,7 @@ def test_each_relaunch_run_is_a_new_training_with_its_own_mlflow_run_and_both_fi
     assert plain.data.tags["relaunch.restarts"] == "0" and killed.data.tags["relaunch.restarts"] == "1"
     assert summary_of(first_training)["resumed_from_steps"] == [-1]
     assert "0 torchrun restart(s)" in first.stdout and "1 torchrun restart(s)" in second.stdout
+    assert "relaunch-digits version 1" in first.stdout  # what the README's first demo line promises
 
 
 def test_resuming_a_training_that_reached_its_end_says_so_in_one_line_and_trains_nothing(demo):
