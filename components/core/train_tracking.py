@@ -59,6 +59,7 @@ class TrainingTracker:
         self.recent: list[list] = []  # [step, metrics] not yet confirmed by the tracking server
         self._counters: tuple | None = None
         self._resumed_from = -1
+        self._artifacts: tempfile.TemporaryDirectory | None = None  # files the logger uploads; removed at close
 
     # ---- the attempt's start
 
@@ -218,7 +219,9 @@ class TrainingTracker:
             curve = [(m.step, m.value) for m in client.get_metric_history(self.run_id, "train/loss")]
         except Exception as err:  # noqa: BLE001 - the server is away: the plot goes without its loss curve
             print(f"relaunch: no loss curve for the goodput plot: {err}", file=sys.stderr)
-        folder = tempfile.mkdtemp(prefix="relaunch-goodput-")
+        # the logger uploads from its thread: the folder lives until close() has flushed it
+        self._artifacts = self._artifacts or tempfile.TemporaryDirectory(prefix="relaunch-goodput-")
+        folder = self._artifacts.name
         with open(os.path.join(folder, "goodput.json"), "w") as fh:
             json.dump(report, fh, indent=2)
         goodput.plot_goodput(report, curve, os.path.join(folder, "goodput.png"))
@@ -247,6 +250,9 @@ class TrainingTracker:
             self.tensorboard = None
         if self.logger is not None:
             self.logger.close(timeout=timeout)
+        if self._artifacts is not None:
+            self._artifacts.cleanup()
+            self._artifacts = None
 
     def overhead(self, steps: int, compute_seconds: float) -> dict[str, float]:
         """MLflow logging cost of this attempt per step (caller's time + the sender thread's CPU, which

@@ -27,10 +27,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
-from components.core.checkpoint import legacy_v1
 from components.core.checkpoint.layout import (FORMAT_VERSION, INFLIGHT, LATEST, MANIFEST, METADATA, PINS,
                                                CheckpointInfo, checkpoint_steps, info_of, manifest_body, now,
                                                parse_checkpoint_uri, parse_pin, pin_key, read_json,
@@ -71,6 +67,8 @@ def _original(err: BaseException) -> BaseException:
 
 
 def _state_bytes(snapshot: Any) -> int:
+    import torch
+
     total = 0
 
     def visit(obj: Any) -> None:
@@ -142,7 +140,8 @@ class CheckpointManager:
         self._closed = False
         self._cache_dir = Path(cache_dir) if cache_dir is not None else None
         self._own_cache: Path | None = None
-        self._distributed = dist.is_available() and dist.is_initialized()
+        dist = sys.modules.get("torch.distributed")  # an initialized process group imported it already
+        self._distributed = dist is not None and dist.is_available() and dist.is_initialized()
         self._node_group, self._node_ranks = None, None
         if self._distributed:
             self._group = process_group or dist.new_group(backend="gloo")
@@ -154,6 +153,8 @@ class CheckpointManager:
 
     def _make_node_groups(self, per_node: int) -> None:
         """One gloo group per node (collective: every rank makes every group, in the same order)."""
+        import torch.distributed as dist
+
         if per_node <= 1 or self.world_size % per_node or per_node > self.world_size:
             return
         self._node_ranks = [list(range(n, n + per_node)) for n in range(0, self.world_size, per_node)]
@@ -375,6 +376,8 @@ class CheckpointManager:
             if kind == "err":
                 raise value
             return value
+        import torch.distributed as dist
+
         local = (kind, (type(value).__name__, str(value)) if kind == "err" else value)
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, local if share and self.rank == 0 or kind == "err" else ("ok", None),
@@ -395,6 +398,8 @@ class CheckpointManager:
 
     def _snapshot(self, state: Any) -> Any:
         """A CPU copy of ``state.state_dict()`` that training can no longer change."""
+        import torch
+
         if hasattr(state, "state_dict") and not isinstance(state, dict):
             sd = state.state_dict()
         else:
@@ -403,6 +408,7 @@ class CheckpointManager:
         return self._copy(sd, "", torch.cuda.is_available())
 
     def _copy(self, obj: Any, path: str, pin: bool) -> Any:
+        import torch
         from torch.distributed.tensor import DTensor
 
         if isinstance(obj, DTensor):  # this rank's shard, re-wrapped so DCP still sees the global layout
@@ -424,6 +430,8 @@ class CheckpointManager:
         return copy.deepcopy(obj)
 
     def _run_job(self, job: _Job) -> None:
+        import torch
+
         try:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
@@ -435,6 +443,7 @@ class CheckpointManager:
             job.snapshot = None
 
     def _persist(self, job: _Job) -> CheckpointInfo:
+        import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
         from components.core.checkpoint.dcp_io import StoreWriter
@@ -585,6 +594,8 @@ class CheckpointManager:
         from components.core.safe_pickle import load_metadata
 
         if manifest["format_version"] == 1:
+            from components.core.checkpoint import legacy_v1
+
             local = self._agree(self._catch(lambda: str(legacy_v1.materialize(
                 store, info.step, manifest, self._cache()))), share=False)
             metadata = legacy_v1.read_metadata(local)
@@ -609,6 +620,7 @@ class CheckpointManager:
         return body
 
     def _dcp_load(self, state: Any, metadata: Any, reader: Any, info: CheckpointInfo) -> None:
+        import torch
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.stateful import Stateful
