@@ -25,7 +25,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from components.core.checkpoint.layout import (FORMAT_VERSION, INFLIGHT, LATEST, MANIFEST, METADATA, PINS,
                                                CheckpointInfo, checkpoint_steps, info_of, manifest_body, now,
@@ -36,6 +36,9 @@ from components.core.checkpoint.retention import apply_retention
 from components.core.checkpoint.verify import CHUNK_BYTES, DIGEST, ChunkDigests, check_files, deep_verify
 from components.core.errors import BadInput, CorruptCheckpoint, RelaunchError, TransientFailure
 from components.core.storage import PreconditionFailed, Store, open_store
+
+if TYPE_CHECKING:
+    import torch
 
 # A single process is a supported use (tests, evaluation, the CLI): DCP's note about it is noise.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")
