@@ -40,6 +40,53 @@ CLOSE_SECONDS_FINISHED = 60.0
 FLUSH_SECONDS_BEFORE_PLOT = 30.0
 
 
+def emit(kind: str, payload: dict) -> None:
+    """One machine-readable line on stdout, ``RELAUNCH_<KIND> {json}``, that the launchers parse (rank 0)."""
+    print(f"RELAUNCH_{kind} {json.dumps(payload, sort_keys=True, default=str)}", flush=True)
+
+
+def resolve_run_id(config, store) -> str:
+    """config.tracking.run_id, else the one stored beside the checkpoints, else a new one (stored)."""
+    if config.tracking.run_id:
+        return config.tracking.run_id
+    try:
+        return json.loads(store.read_bytes(goodput.RUN_KEY))["run_id"]
+    except FileNotFoundError:
+        pass
+    from components.core.tracking import ensure_run, tracking_uri
+
+    run_id = ensure_run(config)
+    if not store.write_if_absent(goodput.RUN_KEY, json.dumps({"run_id": run_id, "tracking_uri": tracking_uri(config),
+                                                              "experiment": config.tracking.experiment}).encode()):
+        run_id = json.loads(store.read_bytes(goodput.RUN_KEY))["run_id"]  # another start won the race
+    return run_id
+
+
+def run_params(config, env) -> dict[str, Any]:
+    """The params of the run: the training's hyper-parameters, the world, the code and the versions."""
+    import subprocess
+
+    import torch
+
+    from components.core import distributed as distr
+
+    commit = os.environ.get("RELAUNCH_GIT_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                                    cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+        except (OSError, subprocess.SubprocessError):
+            commit = "unknown"
+    hp = {f"train.{k}": v for k, v in config.train.model_dump().items() if v is not None}
+    return {**hp, "world_size": env.world_size, "nodes": env.nodes, "procs_per_node": env.local_world_size,
+            "nodes_x_procs": f"{env.nodes}x{env.local_world_size}",
+            "accelerator": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+            "backend": distr.backend(), "dataset_version": config.data.version or "built-by-task", "git_commit": commit,
+            "image": os.environ.get("RELAUNCH_IMAGE", config.launch.kubernetes.image if config.launch.on_cluster
+                                    else "local"),
+            "torch_version": torch.__version__, "cuda_version": torch.version.cuda or "none"}
+
+
 def checkpoint_tag(key: str) -> str:
     """``checkpoint.step-000000000038``: the tag of a checkpoint is its folder's name (one step format)."""
     return CHECKPOINT_TAG_PREFIX + key.rstrip("/").rsplit("/", 1)[-1]
@@ -90,6 +137,7 @@ class TrainingTracker:
                               **goodput.attempt_tags(attempts, current=self.attempt)})
         if earlier:
             self.logger.submit(self._mark_deleted_checkpoints)
+        emit("RESUMED", {"step": resumed_from, "uri": resumed_uri, "attempt": self.attempt, "world_size": world_size})
         self.tensorboard = self._open_tensorboard()
 
     def _open_tensorboard(self):
@@ -126,15 +174,23 @@ class TrainingTracker:
         if step == self._resumed_from + 2:
             self.logger.start()  # after the first step of this attempt has completed and been timed
 
-    def log_step(self, step: int, metrics: dict[str, float], slow: dict[str, float]) -> None:
-        """One step's metrics; ``slow`` (epoch, counters) is logged only when it changed."""
+    def log_step(self, step: int, metrics: dict[str, float], slow: dict[str, float], *, total_steps: int,
+                 epoch: int, spike: bool) -> None:
+        """One step's metrics (``slow``: epoch, counters, logged only when they changed), a line on a
+        loss spike, and the ``RELAUNCH_PROGRESS`` line."""
         if not self.enabled:
             return
+        loss = metrics["train/loss"]
+        if spike:
+            print(f"relaunch: loss spike at step {step}: {loss:.4g} > {self.config.train.loss_spike_factor} x "
+                  "running mean", file=sys.stderr, flush=True)
         key = tuple(slow.values())
         if key != self._counters:
             self._counters = key
             metrics = {**metrics, **slow}
         self._log(step, metrics)
+        emit("PROGRESS", {"step": step, "total_steps": total_steps, "loss": round(loss, 6), "epoch": epoch,
+                          "attempt": self.attempt})
 
     def log_evaluation(self, step: int, metrics: dict[str, float], *, before_checkpoint: bool) -> None:
         """Validation metrics; before a checkpoint, also persist what the server has not confirmed."""
