@@ -35,7 +35,7 @@ from components.core.checkpoint.lease import Lease, default_owner
 from components.core.checkpoint.retention import apply_retention
 from components.core.checkpoint.verify import CHUNK_BYTES, DIGEST, ChunkDigests, check_files, deep_verify
 from components.core.errors import BadInput, CorruptCheckpoint, RelaunchError, TransientFailure
-from components.core.storage import PreconditionFailed, Store, open_store
+from components.core.storage import FileStore, PreconditionFailed, Store, open_store
 
 if TYPE_CHECKING:
     import torch
@@ -599,8 +599,9 @@ class CheckpointManager:
         if manifest["format_version"] == 1:
             from components.core.checkpoint import legacy_v1
 
+            cache = None if type(store) is FileStore else self._cache()  # a local store is read in place
             local = self._agree(self._catch(lambda: str(legacy_v1.materialize(
-                store, info.step, manifest, self._cache()))), share=False)
+                store, info.step, manifest, cache))), share=False)
             metadata = legacy_v1.read_metadata(local)
             reader = legacy_v1.safe_reader(local)
         else:
