@@ -137,8 +137,8 @@ class TrainingTracker:
                               **goodput.attempt_tags(attempts, current=self.attempt)})
         if earlier:
             self.logger.submit(self._mark_deleted_checkpoints)
-        emit("RESUMED", {"step": resumed_from, "uri": resumed_uri, "attempt": self.attempt, "world_size": world_size})
         self.tensorboard = self._open_tensorboard()
+        emit("RESUMED", {"step": resumed_from, "uri": resumed_uri, "attempt": self.attempt, "world_size": world_size})
 
     def _open_tensorboard(self):
         folder = self.config.tracking.tensorboard_dir
