@@ -112,7 +112,8 @@ class TrainingTracker:
 
     def start(self, *, resumed_from: int, resumed_uri: str | None, params: dict[str, Any], world_size: int) -> None:
         """Open the logger (sending starts after the first step), requeue the points an earlier attempt
-        left unsent, reopen the run, log params and the attempt's tags (earlier attempts' included)."""
+        left unsent, reopen the run, log params and the attempt's tags (earlier attempts' included), then
+        print ``RELAUNCH_RESUMED``."""
         if not self.enabled:
             return
         from components.core.runlogger import RunLogger
