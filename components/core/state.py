@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -101,6 +101,30 @@ class TrainingState:
             return get_model_state_dict(self.model), None
         return get_state_dict(self.model, self.optimizer)
 
+    def prepare_load(self, stored: dict[str, Any]) -> Callable[[], None] | None:
+        """Before a load of a checkpoint whose DCP metadata is ``stored``: give an optimizer that has
+        no state yet the state tensors the checkpoint holds for it, allocated but not filled, so the
+        load reads straight into them. (Else ``get_state_dict`` makes them by one optimizer step on
+        zero gradients: gradients and temporaries the size of the model, and seconds of DTensor
+        dispatch under FSDP.) Returns the undo (back to no state) for a load that fails, or None
+        when nothing was allocated: an optimizer state this cannot mirror exactly (a value that is
+        not a tensor, a tensor neither of its parameter's shape nor a scalar) is left to DCP's way.
+        """
+        optimizer = self.optimizer
+        if optimizer is None or optimizer.state:
+            return None
+        planned = _optimizer_state_like(self.model, optimizer, stored)
+        if not planned:
+            return None
+        for param, entries in planned.items():
+            optimizer.state[param] = entries
+
+        def undo() -> None:
+            for param in planned:
+                optimizer.state.pop(param, None)
+
+        return undo
+
     def state_dict(self) -> dict[str, Any]:
         """The nested state DCP saves; ``rng`` holds only this rank's streams."""
         model_sd, optim_sd = self._model_optim()
@@ -144,6 +168,52 @@ class TrainingState:
         self.rng_restored = mine is not None
         if mine is not None:
             restore_rng(mine)
+
+
+def _optimizer_state_like(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                          stored: dict[str, Any]) -> dict[Any, dict[str, torch.Tensor]] | None:
+    """``{param: {state key: empty tensor}}`` mirroring the checkpoint's ``optimizer.state.<fqn>.<key>``
+    entries, or None when any of them cannot be mirrored exactly (see ``prepare_load``)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        from torch.distributed.checkpoint.state_dict import _get_fqns
+    except ImportError:  # pragma: no cover - a torch without the helper: DCP's own way
+        return None
+    prefix = "optimizer.state."
+    by_fqn: dict[str, dict[str, Any]] = {}
+    for key, meta in stored.items():
+        if key.startswith(prefix):
+            fqn, _, name = key[len(prefix):].rpartition(".")
+            by_fqn.setdefault(fqn, {})[name] = meta
+    if not by_fqn:
+        return None
+    params: dict[int, tuple[str, torch.nn.Parameter]] = {}
+    for name, param in model.named_parameters():
+        fqns = _get_fqns(model, name)
+        if len(fqns) != 1:
+            return None
+        params[id(param)] = (next(iter(fqns)), param)
+    planned: dict[Any, dict[str, torch.Tensor]] = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if id(param) not in params:
+                return None
+            fqn = params[id(param)][0]
+            entries: dict[str, torch.Tensor] = {}
+            for name, meta in by_fqn.pop(fqn, {}).items():
+                if not isinstance(meta, TensorStorageMetadata):
+                    return None
+                dtype = meta.properties.dtype
+                if tuple(meta.size) == tuple(param.shape):
+                    entries[name] = torch.empty_like(param, dtype=dtype, requires_grad=False)
+                elif len(meta.size) == 0:
+                    entries[name] = torch.zeros((), dtype=dtype)
+                else:
+                    return None
+            if entries:
+                planned[param] = entries
+    return None if by_fqn else planned  # state of a parameter this optimizer does not have: DCP's way
 
 
 class ModelWeights:

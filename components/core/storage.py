@@ -20,6 +20,7 @@ equivalents ``MINIO_ENDPOINT`` (``host:port`` or a URL), ``MINIO_ACCESS_KEY``, `
 
 from __future__ import annotations
 
+import bisect
 import collections
 import concurrent.futures
 import contextlib
@@ -39,6 +40,10 @@ from components.core.errors import BadInput, TransientFailure
 T = TypeVar("T")
 
 MULTIPART_THRESHOLD = 64 * 1024 * 1024
+# A ranged read fills its buffers in blocks of this size and reports each (``sink``): small enough
+# that a check of the block (a digest) finds it still in the CPU's cache, which made the digest
+# almost free here (measured: 512 KiB blocks read+digest ~ a plain read; 1 MiB and up ~ +40%).
+READ_BLOCK = 512 * 1024
 PART_SIZE = 32 * 1024 * 1024
 PARALLEL_PARTS = 4
 
@@ -59,7 +64,7 @@ class Store(Protocol):
     def write_if_absent(self, key: str, data: bytes) -> bool: ...
     def upload_file(self, key: str, path: str | os.PathLike) -> None: ...
     def download_file(self, key: str, path: str | os.PathLike) -> None: ...
-    def read_into(self, key: str, offset: int, buffer: Any) -> None: ...
+    def read_into(self, key: str, offset: int, buffer: Any, *, sink: Callable[[int], None] | None = None) -> None: ...
     def open_writer(self, key: str) -> "StreamWriter": ...
     def sizes(self, prefix: str) -> dict[str, int]: ...
     def exists(self, key: str) -> bool: ...
@@ -83,6 +88,33 @@ class StreamWriter(Protocol):
 def _byte_view(buffer: Any) -> memoryview:
     view = memoryview(buffer)
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+class _Segments:
+    """Writable buffers filled one after another as if they were one (a vectored read's target)."""
+
+    def __init__(self, buffer: Any):
+        parts = buffer if isinstance(buffer, (list, tuple)) else [buffer]
+        self.views = [v for v in (_byte_view(b) for b in parts) if len(v)]
+        self.starts = []
+        total = 0
+        for v in self.views:
+            self.starts.append(total)
+            total += len(v)
+        self.total = total
+
+    def slices(self, pos: int, n: int) -> list[memoryview]:
+        """The views covering bytes ``[pos, pos + n)``."""
+        out, end = [], pos + n
+        i = max(0, bisect.bisect_right(self.starts, pos) - 1)
+        while pos < end and i < len(self.views):
+            start, view = self.starts[i], self.views[i]
+            lo, hi = pos - start, min(len(view), end - start)
+            if lo < hi:
+                out.append(view[lo:hi])
+                pos = start + hi
+            i += 1
+        return out
 
 
 def _join(root: str, key: str) -> str:
@@ -129,22 +161,30 @@ class FileStore:
         self._count("read", "bytes_read", len(data))
         return data
 
-    def read_into(self, key: str, offset: int, buffer: Any) -> None:
-        """Fill ``buffer`` (any writable buffer) with the bytes of ``key`` from ``offset`` on.
+    def read_into(self, key: str, offset: int, buffer: Any, *, sink: Callable[[int], None] | None = None) -> None:
+        """Fill ``buffer`` (a writable buffer, or a list of them filled one after another) with the
+        bytes of ``key`` from ``offset`` on, one pass front to back in blocks of READ_BLOCK; after
+        each block ``sink(bytes filled so far)`` (a check of what arrived, while it is in cache).
 
         Raises:
             FileNotFoundError: no such key.
-            EOFError: the key ends before the buffer is full.
+            EOFError: the key ends before the buffers are full.
         """
-        view = _byte_view(buffer)
+        segments = _Segments(buffer)
+        total = segments.total
         with open(self.path(key), "rb", buffering=0) as fh:
+            fd = fh.fileno()
+            if total > READ_BLOCK and hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, offset, total, os.POSIX_FADV_SEQUENTIAL)
             done = 0
-            while done < len(view):
-                n = os.preadv(fh.fileno(), [view[done:]], offset + done)
+            while done < total:
+                n = os.preadv(fd, segments.slices(done, min(READ_BLOCK, total - done)), offset + done)
                 if not n:
                     raise EOFError(f"{self.uri_for(key)} ends at byte {offset + done}, "
-                                   f"{len(view) - done} bytes before the range asked for")
+                                   f"{total - done} bytes before the range asked for")
                 done += n
+                if sink is not None:
+                    sink(done)
         self._count("read_range", "bytes_read", done)
 
     def open_writer(self, key: str) -> StreamWriter:
@@ -455,31 +495,47 @@ class S3Store:
         self._add_bytes("bytes_read", len(data))
         return data
 
-    def read_into(self, key: str, offset: int, buffer: Any) -> None:
-        """One ranged GET of ``len(buffer)`` bytes of ``key`` from ``offset``, straight into ``buffer``
-        (a retried request starts the buffer over). FileNotFoundError if absent; EOFError if short."""
-        view = _byte_view(buffer)
-        if not len(view):
+    def read_into(self, key: str, offset: int, buffer: Any, *, sink: Callable[[int], None] | None = None) -> None:
+        """One ranged GET of the bytes that fill ``buffer`` (a writable buffer, or a list of them
+        filled one after another) from ``offset``, straight from the socket into the buffers, with
+        ``sink(bytes filled so far)`` after each READ_BLOCK (a retried request starts over at
+        ``sink(0)``). FileNotFoundError if absent; EOFError if short."""
+        segments = _Segments(buffer)
+        total = segments.total
+        if not total:
             return
         name = self._name(key)
 
         def get() -> int:
-            resp = self.client.get_object(self.bucket, name, offset=offset, length=len(view))
+            if sink is not None:
+                sink(0)
+            resp = self.client.get_object(self.bucket, name, offset=offset, length=total)
             try:
+                # http.client's readinto fills our buffer from the socket; urllib3's own readinto
+                # reads into a new bytes object first and copies (twice the memory traffic).
+                raw = getattr(resp, "_fp", None)
+                plain = raw is not None and hasattr(raw, "readinto") and not resp.headers.get("content-encoding")
+                readinto = raw.readinto if plain else resp.readinto
                 done = 0
-                while done < len(view):
-                    n = resp.readinto(view[done:])
-                    if not n:
-                        break
-                    done += n
+                while done < total:
+                    for piece in segments.slices(done, min(READ_BLOCK, total - done)):
+                        filled = 0
+                        while filled < len(piece):
+                            n = readinto(piece[filled:])
+                            if not n:
+                                return done + filled
+                            filled += n
+                        done += filled
+                    if sink is not None:
+                        sink(done)
                 return done
             finally:
                 resp.close()
                 resp.release_conn()
 
         done = self._call("get_range", get, key=key)
-        if done < len(view):
-            raise EOFError(f"{self.uri_for(key)} ends {len(view) - done} bytes before the range asked for")
+        if done < total:
+            raise EOFError(f"{self.uri_for(key)} ends {total - done} bytes before the range asked for")
         self._add_bytes("bytes_read", done)
 
     def open_writer(self, key: str) -> StreamWriter:

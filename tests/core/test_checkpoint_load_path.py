@@ -56,7 +56,7 @@ def test_a_non_contiguous_destination_is_filled_correctly(tmp_path):
 
 
 def test_a_large_state_is_split_into_several_files_per_rank_and_loads_back(tmp_path, monkeypatch):
-    monkeypatch.setattr(manager, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(manager, "FILE_BYTES", 8192)
     monkeypatch.setattr(manager, "IO_THREADS", 2)
     root = str(tmp_path / "store")
     state = make_state(width=64)

@@ -6,11 +6,12 @@ a tensor's bytes in its dtype's native (little-endian) order, a bytes item as DC
 Each item is cut into chunks of at most ``CHUNK_BYTES`` whose XXH3-128 digests are taken while
 writing and returned in ``files`` for the manifest.
 
-:class:`StoreReader` reads exactly the items its rank's load plan names, each chunk by one ranged
-read (``Store.read_into``) in parallel, straight into the destination tensor when it has the stored
-shape, dtype and layout on CPU, and checks every chunk's digest as it arrives. A stored item that
-several ranks of one node need (replicated state: DDP, or unsharded buffers under FSDP) is read by
-one of them and broadcast over the node's gloo group.
+:class:`StoreReader` reads exactly the byte ranges its rank's load plan names (a part of a stored
+item when resharding), merged per file into ranged reads of whole chunks (``Store.read_into``, in
+parallel) that fill the destination tensors themselves when they are contiguous CPU tensors of the
+stored dtype, and feeds every block to its chunk's digest as it arrives. A stored item that several
+ranks of one node need whole (replicated state: DDP, or unsharded buffers under FSDP) is read by one
+of them and broadcast over the node's gloo group.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, SavePla
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
 from components.core.checkpoint.layout import METADATA
-from components.core.checkpoint.verify import ChunkDigests, chunk_spans, digest
+from components.core.checkpoint.verify import REQUEST_BYTES, ChunkDigests, chunk_spans, digest
 from components.core.errors import CorruptCheckpoint
 from components.core.storage import Store
 
@@ -54,9 +55,10 @@ class StoreWriter(StorageWriter):
     """Writes one checkpoint directory ``key`` of ``store``; ``files`` holds, after ``dcp.save``,
     the size and chunk digests of every file this rank wrote (and ``.metadata`` on the coordinator)."""
 
-    def __init__(self, store: Store, key: str, *, files_per_rank: int = 1):
+    def __init__(self, store: Store, key: str, *, files_per_rank: int = 1, threads: int = 4):
         super().__init__()
         self.store, self.key, self.files_per_rank = store, key, max(1, files_per_rank)
+        self.threads = max(1, threads)
         self.files: dict[str, dict[str, Any]] = {}
         self.save_id = uuid.uuid4().hex
         self._lock = threading.Lock()
@@ -78,7 +80,7 @@ class StoreWriter(StorageWriter):
         buckets = [b for b in _split_by_size_and_type(self.files_per_rank, plan.items) if b]
         names = [f"{prefix}{n}{DCP_SUFFIX}" for n in range(len(buckets))]
         if len(buckets) > 1:
-            with concurrent.futures.ThreadPoolExecutor(len(buckets)) as pool:
+            with concurrent.futures.ThreadPoolExecutor(min(self.threads, len(buckets))) as pool:
                 parts = list(pool.map(lambda nb: self._write_file(nb[0], nb[1], planner), zip(names, buckets)))
         else:
             parts = [self._write_file(n, b, planner) for n, b in zip(names, buckets)]
@@ -135,16 +137,17 @@ class StoreWriter(StorageWriter):
 # ------------------------------------------------------------------------------------ reading
 
 @dataclasses.dataclass
-class _Item:
-    """One stored item this rank needs: where its bytes go, and the requests it serves."""
+class _Part:
+    """One load request of this rank: the bytes ``[start, end)`` of file ``name`` it needs, where they
+    land (``buf``, flat uint8) and, unless they land in the target itself, how to view them."""
 
-    index: Any
-    info: _StorageInfo
     reqs: list[Any]
-    is_bytes: bool
-    dest: torch.Tensor | None = None  # tensors: the stored chunk (or the request's target itself)
-    direct: bool = False
-    raw: torch.Tensor | None = None  # the stored bytes (uint8)
+    name: str
+    start: int
+    end: int
+    buf: torch.Tensor
+    source: torch.Tensor | None = None  # tensors read into a buffer: the request's region of it
+    is_bytes: bool = False
 
 
 class StoreReader(StorageReader):
@@ -183,21 +186,38 @@ class StoreReader(StorageReader):
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
 
+    def _whole(self, req: Any) -> bool:
+        if req.type == LoadItemType.BYTE_IO:
+            return True
+        chunk = _stored_chunk(self.metadata.state_dict_metadata[req.storage_index.fqn], req.storage_index)
+        return not any(req.storage_offsets) and tuple(req.lengths) == tuple(chunk.sizes)
+
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        """Per node, each stored item that two or more of its ranks need gets one reader (the lowest
-        of them); every rank of the node learns the node's ``[(item, reader)]`` list."""
+        """Per node, each stored item that two or more of its ranks need whole (replicated state)
+        gets one reader (the lowest of them); every rank of the node learns the node's
+        ``[(item, reader)]`` list. Items that ranks need parts of (shards being resharded) are
+        read by each rank for its own part."""
         if not self.node_ranks:
             return plans
         out = list(plans)
         for ranks in self.node_ranks:
             needers: dict[Any, list[int]] = {}
+            partial: set[Any] = set()
             for r in ranks:
                 if r < len(plans):
-                    for req in plans[r].items:
-                        rs = needers.setdefault(req.storage_index, [])
+                    mine = [req for req in plans[r].items]
+                    counts: dict[Any, int] = {}
+                    for req in mine:
+                        counts[req.storage_index] = counts.get(req.storage_index, 0) + 1
+                        if not self._whole(req):
+                            partial.add(req.storage_index)
+                    for index, count in counts.items():
+                        if count > 1:
+                            partial.add(index)
+                        rs = needers.setdefault(index, [])
                         if r not in rs:
                             rs.append(r)
-            shared = sorted(((index, min(rs)) for index, rs in needers.items() if len(rs) > 1),
+            shared = sorted(((index, min(rs)) for index, rs in needers.items() if len(rs) > 1 and index not in partial),
                             key=lambda x: (self.storage_data[x[0]].relative_path, self.storage_data[x[0]].offset))
             for r in ranks:
                 if r < len(plans):
@@ -206,85 +226,113 @@ class StoreReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: Any) -> torch.futures.Future:
         shared = {index: reader for index, reader in (plan.storage_data or [])}
-        items: dict[Any, _Item] = {}
+        parts: list[_Part] = []
+        by_index: dict[Any, _Part] = {}
         for req in plan.items:
             info = self.storage_data[req.storage_index]
             if getattr(info, "transform_descriptors", None):
                 raise CorruptCheckpoint(f"{self.digests.uri}/{info.relative_path}: stream transforms are not "
                                         f"part of checkpoint format 2")
-            item = items.setdefault(req.storage_index, _Item(req.storage_index, info, [],
-                                                             req.type == LoadItemType.BYTE_IO))
-            item.reqs.append(req)
+            if req.type == LoadItemType.BYTE_IO and req.storage_index in by_index:
+                by_index[req.storage_index].reqs.append(req)
+                continue
+            part = self._part(req, info, planner)
+            by_index.setdefault(req.storage_index, part)
+            parts.append(part)
         error: BaseException | None = None
         try:
-            for item in items.values():
-                self._place(item, planner)
-            self._read_all([it for index, it in items.items() if shared.get(index, self.rank) == self.rank])
+            self._read_all([p for p in parts if shared.get(p.reqs[0].storage_index, self.rank) == self.rank])
         except BaseException as err:  # noqa: BLE001 - the node must hear of it before any broadcast
             error = err
         if shared and self.node_group is not None:
             self._agree_in_node(error)
-            self._broadcast(shared, items)
+            self._broadcast(shared, by_index)
         elif error is not None:
             raise error
-        for item in sorted(items.values(), key=lambda it: (it.info.relative_path, it.info.offset)):
-            self._deliver(item, planner)
+        for part in sorted(parts, key=lambda p: (p.name, p.start)):
+            self._deliver(part, planner)
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(None)
         return fut
 
     # -- helpers
-    def _place(self, item: _Item, planner: Any) -> None:
-        """Where the bytes of ``item`` land: its only target tensor when that has the stored chunk's
-        exact shape, dtype and layout on CPU, else a fresh buffer of the stored chunk."""
-        length = item.info.length
-        if item.is_bytes:
-            item.raw = torch.empty(length, dtype=torch.uint8)
-            return
-        meta = self.metadata.state_dict_metadata[item.index.fqn]
-        chunk = _stored_chunk(meta, item.index)
+    def _part(self, req: Any, info: Any, planner: Any) -> _Part:
+        """The bytes request ``req`` needs and where they land: straight in its target tensor when
+        they are one contiguous range of the stored item and the target is a contiguous CPU tensor
+        of the stored dtype; else a buffer of the smallest range holding them, copied afterwards."""
+        name = info.relative_path
+        if req.type == LoadItemType.BYTE_IO:
+            return _Part([req], name, info.offset, info.offset + info.length,
+                         torch.empty(info.length, dtype=torch.uint8), is_bytes=True)
+        meta = self.metadata.state_dict_metadata[req.storage_index.fqn]
+        chunk = _stored_chunk(meta, req.storage_index)
         dtype = meta.properties.dtype
         shape = torch.Size(chunk.sizes)
-        if math.prod(shape) * torch._utils._element_size(dtype) != length:
-            raise CorruptCheckpoint(f"{self.digests.uri}/{item.info.relative_path}: item {item.index.fqn!r} has "
-                                    f"{length} bytes, its metadata says {tuple(shape)} x {dtype}")
-        if len(item.reqs) == 1:
-            req = item.reqs[0]
-            target = planner.resolve_tensor(req).detach()
-            if (not any(req.storage_offsets) and tuple(req.lengths) == tuple(shape) and target.device.type == "cpu"
-                    and target.dtype == dtype and target.shape == shape and target.is_contiguous()):
-                item.dest, item.direct = target, True
-        if item.dest is None:
-            item.dest = torch.empty(shape, dtype=dtype)
-        item.raw = raw_bytes(item.dest) if item.dest.numel() else torch.empty(0, dtype=torch.uint8)
+        size = torch._utils._element_size(dtype)
+        if math.prod(shape) * size != info.length:
+            raise CorruptCheckpoint(f"{self.digests.uri}/{name}: item {req.storage_index.fqn!r} has "
+                                    f"{info.length} bytes, its metadata says {tuple(shape)} x {dtype}")
+        target = planner.resolve_tensor(req).detach()
+        lengths = torch.Size(req.lengths)
+        if target.size() != lengths:
+            raise CorruptCheckpoint(f"{self.digests.uri}: item {req.storage_index.fqn!r} does not fit its "
+                                    f"destination ({tuple(lengths)} vs {tuple(target.size())})")
+        strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+        numel = math.prod(lengths)
+        if numel == 0:
+            return _Part([req], name, info.offset, info.offset, torch.empty(0, dtype=torch.uint8),
+                         source=torch.empty(lengths, dtype=dtype))
+        first = sum(o * s for o, s in zip(req.storage_offsets, strides))
+        last = sum((o + n - 1) * s for o, n, s in zip(req.storage_offsets, lengths, strides))
+        start, end = info.offset + first * size, info.offset + (last + 1) * size
+        if (last + 1 - first == numel and target.device.type == "cpu" and target.dtype == dtype
+                and target.is_contiguous()):
+            return _Part([req], name, start, end, raw_bytes(target))
+        region = torch.empty(last + 1 - first, dtype=dtype)
+        return _Part([req], name, start, end, raw_bytes(region), source=region.as_strided(lengths, strides, 0))
 
-    def _read_all(self, items: list[_Item]) -> None:
-        pieces = []
-        for item in items:
-            base = item.info.offset
-            for offset, n in chunk_spans(base, item.info.length):
-                pieces.append((item.info.relative_path, offset, item.raw[offset - base: offset - base + n]))
-        if not pieces:
+    def _read_all(self, parts: list[_Part]) -> None:
+        """Each file's parts, by offset, merged into ranged reads of whole chunks (at most
+        REQUEST_BYTES, or one part) whose bytes between and around the parts go to scratch."""
+        by_file: dict[str, list[_Part]] = {}
+        for p in parts:
+            if p.end > p.start:
+                by_file.setdefault(p.name, []).append(p)
+        reads: list[tuple[str, int, list[Any]]] = []
+        for name, file_parts in by_file.items():
+            file_parts.sort(key=lambda p: (p.start, p.end))
+            current: list[Any] = []
+            first = data_end = chunk_end = 0
+            for p in file_parts:
+                chunks = self.digests.covering(name, p.start, p.end)
+                lo, hi = chunks[0][0], chunks[-1][0] + chunks[-1][1]
+                if current and lo <= chunk_end and p.start >= data_end and max(hi, chunk_end) - first <= REQUEST_BYTES:
+                    current += [bytearray(p.start - data_end), p.buf]
+                    chunk_end = max(chunk_end, hi)
+                else:
+                    if current:
+                        current.append(bytearray(chunk_end - data_end))
+                        reads.append((name, first, current))
+                    current, first, chunk_end = [bytearray(p.start - lo), p.buf], lo, hi
+                data_end = p.end
+            if current:
+                current.append(bytearray(chunk_end - data_end))
+                reads.append((name, first, current))
+        if not reads:
             return
 
-        def read(piece: tuple[str, int, torch.Tensor]) -> None:
-            name, offset, view = piece
-            buf = _buffer(view)
-            try:
-                self.store.read_into(f"{self.key}/{name}", offset, buf)
-            except FileNotFoundError:
-                raise CorruptCheckpoint(f"{self.digests.uri}/{name} is missing") from None
-            except EOFError:
-                raise CorruptCheckpoint(f"{self.digests.uri}/{name} is shorter than its metadata says "
-                                        f"(truncated?)") from None
-            self.digests.check(name, offset, buf)
+        def read(job: tuple[str, int, list[Any]]) -> None:
+            name, first, buffers = job
+            self.digests.read(self.store, self.key, name, first, [_buffer(b) if isinstance(b, torch.Tensor) else b
+                                                                  for b in buffers])
 
-        if len(pieces) == 1 or self.threads == 1:
-            for p in pieces:
-                read(p)
+        reads.sort(key=lambda r: -sum(len(b) if not isinstance(b, torch.Tensor) else b.numel() for b in r[2]))
+        if len(reads) == 1 or self.threads == 1:
+            for r in reads:
+                read(r)
             return
-        with concurrent.futures.ThreadPoolExecutor(min(self.threads, len(pieces))) as pool:
-            for f in [pool.submit(read, p) for p in pieces]:
+        with concurrent.futures.ThreadPoolExecutor(min(self.threads, len(reads))) as pool:
+            for f in [pool.submit(read, r) for r in reads]:
                 f.result()
 
     def _agree_in_node(self, error: BaseException | None) -> None:
@@ -297,34 +345,26 @@ class StoreReader(StorageReader):
             if outcome is not None:
                 raise CorruptCheckpoint(f"a rank of this node could not read the checkpoint: {outcome[1]}")
 
-    def _broadcast(self, shared: dict[Any, int], items: dict[Any, _Item]) -> None:
+    def _broadcast(self, shared: dict[Any, int], by_index: dict[Any, _Part]) -> None:
         for index, reader in shared.items():  # the same order on every rank of the node
             length = self.storage_data[index].length
             if not length:
                 continue
-            item = items.get(index)
-            buf = item.raw if item is not None else torch.empty(length, dtype=torch.uint8)
+            part = by_index.get(index)
+            buf = part.buf if part is not None else torch.empty(length, dtype=torch.uint8)
             dist.broadcast(buf, src=reader, group=self.node_group)
 
-    def _deliver(self, item: _Item, planner: Any) -> None:
-        from torch.distributed._shard._utils import narrow_tensor_by_index
-
-        if item.is_bytes:
-            data = bytes(_buffer(item.raw))
-            for req in item.reqs:
+    def _deliver(self, part: _Part, planner: Any) -> None:
+        if part.is_bytes:
+            data = bytes(_buffer(part.buf))
+            for req in part.reqs:
                 planner.load_bytes(req, io.BytesIO(data))
             return
-        for req in item.reqs:
-            if item.direct:
-                planner.commit_tensor(req, item.dest)
-                continue
-            source = narrow_tensor_by_index(item.dest, req.storage_offsets, req.lengths)
-            target = planner.resolve_tensor(req).detach()
-            if target.size() != source.size():
-                raise CorruptCheckpoint(f"{self.digests.uri}: item {req.storage_index.fqn!r} does not fit its "
-                                        f"destination ({tuple(source.size())} vs {tuple(target.size())})")
-            target.copy_(source)
-            planner.commit_tensor(req, target)
+        req = part.reqs[0]
+        target = planner.resolve_tensor(req).detach()
+        if part.source is not None:
+            target.copy_(part.source)
+        planner.commit_tensor(req, target)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:

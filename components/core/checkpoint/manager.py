@@ -43,9 +43,11 @@ if TYPE_CHECKING:
 # A single process is a supported use (tests, evaluation, the CLI): DCP's note about it is noise.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")
 
-SPLIT_BYTES = 64 * 1024 * 1024  # a rank's state above this is written as IO_THREADS files
+FILE_BYTES = 64 * 1024 * 1024  # a rank's state is spread over files of about this size (a file is
+# the most one ranged read asks for; many files also give S3 parallel uploads and downloads)
 IO_THREADS = max(1, min(4, os.cpu_count() or 1))
-READ_THREADS = 8  # ranged reads in flight per rank
+READ_THREADS = 8  # ranged reads (GETs) in flight per rank on S3; on a filesystem IO_THREADS, each one
+# file front to back (more concurrent streams made cold reads slower on the 2-core machine's disk)
 
 _ERRORS = {cls.__name__: cls for cls in (BadInput, CorruptCheckpoint, TransientFailure, PreconditionFailed)}
 
@@ -88,6 +90,15 @@ def _state_bytes(snapshot: Any) -> int:
 
     visit(snapshot)
     return total
+
+
+def _memcpy(dest: torch.Tensor, src: torch.Tensor) -> None:
+    """One plain memcpy of a contiguous CPU tensor. ``Tensor.copy_`` splits a large copy over
+    torch's intra-op threads, which on a busy machine wait on each other: measured on the shared
+    2-core machine, 128 MiB took 190-260 ms with 2 threads and 60-100 ms as one memcpy."""
+    import torch
+
+    memoryview(dest.reshape(-1).view(torch.uint8).numpy())[:] = memoryview(src.reshape(-1).view(torch.uint8).numpy())
 
 
 class CheckpointManager:
@@ -423,7 +434,10 @@ class CheckpointManager:
             if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
                 buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin and src.is_cuda)
                 self._buffers[path] = buf
-            buf.copy_(src, non_blocking=pin and src.is_cuda)
+            if src.device.type == "cpu" and src.is_contiguous() and src.numel():
+                _memcpy(buf, src)
+            else:
+                buf.copy_(src, non_blocking=pin and src.is_cuda)
             return buf
         if isinstance(obj, dict):
             return {k: self._copy(v, f"{path}.{k}", pin) for k, v in obj.items()}
@@ -452,8 +466,8 @@ class CheckpointManager:
         from components.core.checkpoint.dcp_io import StoreWriter
 
         self._agree(self._rank0(lambda: self._preflight(job.step)))
-        files_per_rank = 1 if _state_bytes(job.snapshot) < SPLIT_BYTES else IO_THREADS
-        writer = StoreWriter(self.store, step_key(job.step), files_per_rank=files_per_rank)
+        files_per_rank = max(1, -(-_state_bytes(job.snapshot) // FILE_BYTES))
+        writer = StoreWriter(self.store, step_key(job.step), files_per_rank=files_per_rank, threads=IO_THREADS)
 
         def write() -> dict[str, dict[str, Any]]:
             from torch.distributed.checkpoint.api import CheckpointException
@@ -611,7 +625,8 @@ class CheckpointManager:
             body = self._agree(self._rank0(lambda: self._metadata_bytes(store, info, digests)))
             metadata = load_metadata(body, source=f"{info.uri}/{METADATA}")
             reader = StoreReader(store, info.key, metadata, digests, node_group=self._node_group,
-                                 node_ranks=self._node_ranks, threads=READ_THREADS)
+                                 node_ranks=self._node_ranks,
+                                 threads=IO_THREADS if hasattr(store, "path") else READ_THREADS)
         self._dcp_load(state, metadata, reader, info)
 
     def _metadata_bytes(self, store: Store, info: CheckpointInfo, digests: ChunkDigests) -> bytes:
@@ -624,6 +639,17 @@ class CheckpointManager:
         return body
 
     def _dcp_load(self, state: Any, metadata: Any, reader: Any, info: CheckpointInfo) -> None:
+        stored = set(metadata.state_dict_metadata)
+        wrapped = hasattr(state, "state_dict") and hasattr(state, "load_state_dict") and not isinstance(state, dict)
+        undo = state.prepare_load(metadata.state_dict_metadata) if wrapped and hasattr(state, "prepare_load") else None
+        try:
+            self._dcp_load_into(state, wrapped, stored, reader, info)
+        except BaseException:
+            if undo is not None:
+                undo()
+            raise
+
+    def _dcp_load_into(self, state: Any, wrapped: bool, stored: set[str], reader: Any, info: CheckpointInfo) -> None:
         import torch
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
@@ -631,8 +657,6 @@ class CheckpointManager:
 
         from components.core.checkpoint.dcp_io import safe_load_planner
 
-        stored = set(metadata.state_dict_metadata)
-        wrapped = hasattr(state, "state_dict") and hasattr(state, "load_state_dict") and not isinstance(state, dict)
         template = state.state_dict() if wrapped else dict(state)
         if isinstance(template.get("rng"), dict):  # another world size: a rank's stream may be absent
             for name in list(template["rng"]):

@@ -14,6 +14,7 @@ accepts read-only ``bytes``, so a tensor would first be copied (~0.4 GB/s here);
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
 import hashlib
 import os
@@ -24,8 +25,12 @@ from components.core.errors import CorruptCheckpoint
 from components.core.storage import Store
 
 DIGEST = "xxh3_128"
-CHUNK_BYTES = 16 * 1024 * 1024  # an item is digested (and read) in pieces of at most this size
-_READ_BYTES = 8 * 1024 * 1024
+# An item is digested in chunks of at most this size. Reads are larger (REQUEST_BYTES) and check
+# every chunk as soon as its last byte is in: a chunk is the unit a reader must read to verify,
+# so a rank that needs part of an item (resharding) reads at most one chunk more at each end.
+CHUNK_BYTES = 1024 * 1024
+REQUEST_BYTES = 64 * 1024 * 1024  # the most one ranged read asks for
+_READ_BYTES = 8 * 1024 * 1024  # format 1 deep verify: sha256 of each file in pieces of this size
 _IO_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
@@ -37,29 +42,113 @@ def digest(view: Any) -> str:
 
 
 class ChunkDigests:
-    """The chunk digests of one checkpoint (format 2): ``(file, offset) -> (length, digest)``."""
+    """The chunk digests of one checkpoint (format 2), per file sorted by offset."""
 
     def __init__(self, uri: str, files: dict[str, dict[str, Any]]):
         self.uri = uri
-        self.chunks: dict[tuple[str, int], tuple[int, str]] = {}
+        self.files: dict[str, list[tuple[int, int, str]]] = {}
+        self.starts: dict[str, list[int]] = {}
         for name, meta in files.items():
-            for offset, length, hexdigest in meta.get("chunks", []):
-                self.chunks[(name, int(offset))] = (int(length), str(hexdigest))
+            # an empty item has an empty chunk: nothing to read or check, and it would share
+            # its offset with the next item's first chunk
+            chunks = sorted((int(o), int(n), str(h)) for o, n, h in meta.get("chunks", []) if int(n))
+            self.files[name] = chunks
+            self.starts[name] = [c[0] for c in chunks]
 
-    def expect(self, name: str, offset: int, length: int) -> str:
-        """The recorded digest of the chunk of ``name`` at ``offset``; CorruptCheckpoint if the
-        manifest has no chunk of exactly that extent."""
-        found = self.chunks.get((name, offset))
-        if found is None or found[0] != length:
-            raise CorruptCheckpoint(f"{self.uri}/{name}: the manifest records no chunk of {length} bytes at "
-                                    f"offset {offset} (a manifest of another checkpoint?)")
-        return found[1]
+    def covering(self, name: str, start: int, end: int) -> list[tuple[int, int, str]]:
+        """The recorded chunks, in order, that tile the smallest range covering ``[start, end)`` of
+        ``name`` (``end > start``); CorruptCheckpoint when the manifest's chunks leave a gap there."""
+        chunks, starts = self.files.get(name, []), self.starts.get(name, [])
+        i = bisect.bisect_right(starts, start) - 1
+        out: list[tuple[int, int, str]] = []
+        at = -1
+        while 0 <= i < len(chunks) and (at < 0 or at < end):
+            off, n, _ = chunks[i]
+            if at >= 0 and off != at:
+                break
+            out.append(chunks[i])
+            at = off + n
+            i += 1
+        if not out or out[0][0] + out[0][1] <= start or at < end:
+            raise CorruptCheckpoint(f"{self.uri}/{name}: the manifest records no chunks covering bytes "
+                                    f"{start}..{end} (a manifest of another checkpoint?)")
+        return out
 
     def check(self, name: str, offset: int, view: Any) -> None:
-        """Raise CorruptCheckpoint unless ``view`` (the bytes read at ``offset``) has its digest."""
-        if digest(view) != self.expect(name, offset, len(memoryview(view).cast("B"))):
-            raise CorruptCheckpoint(f"{self.uri}/{name}: bytes {offset}..{offset + len(memoryview(view).cast('B'))} "
-                                    f"do not match their {DIGEST} in the manifest (flipped bits on storage?)")
+        """Raise CorruptCheckpoint unless ``view`` (the bytes read at ``offset``) is exactly one
+        recorded chunk with its digest."""
+        length = len(memoryview(view).cast("B"))
+        if not length:
+            return
+        i = bisect.bisect_left(self.starts.get(name, []), offset)
+        chunks = self.files.get(name, [])
+        if i >= len(chunks) or chunks[i][0] != offset or chunks[i][1] != length:
+            raise CorruptCheckpoint(f"{self.uri}/{name}: the manifest records no chunk of {length} bytes at "
+                                    f"offset {offset} (a manifest of another checkpoint?)")
+        if digest(view) != chunks[i][2]:
+            raise self.mismatch(name, offset, length)
+
+    def mismatch(self, name: str, offset: int, length: int) -> CorruptCheckpoint:
+        return CorruptCheckpoint(f"{self.uri}/{name}: bytes {offset}..{offset + length} do not match their "
+                                 f"{DIGEST} in the manifest (flipped bits on storage?)")
+
+    def read(self, store: Store, key: str, name: str, start: int, buffer: Any) -> None:
+        """One ranged read of ``name`` from ``start`` into ``buffer`` (a buffer or a list of them),
+        which must cover whole recorded chunks, each checked as soon as its last byte arrives.
+
+        Raises:
+            CorruptCheckpoint: a chunk does not match, the file is missing or shorter.
+        """
+        verifier = _Verifier(self, name, start, buffer)
+        if not verifier.total:
+            return
+        try:
+            store.read_into(f"{key}/{name}", start, buffer, sink=verifier)
+        except FileNotFoundError:
+            raise CorruptCheckpoint(f"{self.uri}/{name} is missing") from None
+        except EOFError:
+            raise CorruptCheckpoint(f"{self.uri}/{name} is shorter than the manifest says (truncated?)") from None
+        if verifier.next < len(verifier.chunks):
+            raise CorruptCheckpoint(f"{self.uri}/{name}: bytes {start}..{start + verifier.total} were not all read")
+
+
+class _Verifier:
+    """``sink`` of a ranged read: feeds each block that arrived to its chunk's digest while the block
+    is still in the CPU cache, and compares each chunk's digest once its last byte is in."""
+
+    def __init__(self, digests: ChunkDigests, name: str, start: int, buffer: Any):
+        import xxhash
+
+        from components.core.storage import _Segments
+
+        self.digests, self.name, self.start = digests, name, start
+        self.segments = _Segments(buffer)
+        self.total = self.segments.total
+        self.chunks = digests.covering(name, start, start + self.total) if self.total else []
+        if self.total and (self.chunks[0][0] != start or sum(c[1] for c in self.chunks) != self.total):
+            raise CorruptCheckpoint(f"{digests.uri}/{name}: bytes {start}..{start + self.total} are not whole "
+                                    f"chunks of the manifest (a manifest of another checkpoint?)")
+        self.hasher = xxhash.xxh3_128()
+        self.next = 0  # the chunk being digested
+        self.hashed = 0  # bytes of the range fed to the digests so far
+
+    def __call__(self, filled: int) -> None:
+        if filled == 0 or filled < self.hashed:  # a retried request starts over
+            self.next, self.hashed = 0, 0
+            self.hasher.reset()
+        while self.next < len(self.chunks) and self.hashed < filled:
+            off, n, expected = self.chunks[self.next]
+            chunk_end = off - self.start + n
+            upto = min(filled, chunk_end)
+            for view in self.segments.slices(self.hashed, upto - self.hashed):
+                self.hasher.update(view)
+            self.hashed = upto
+            if upto < chunk_end:
+                return
+            if self.hasher.hexdigest() != expected:
+                raise self.digests.mismatch(self.name, off, n)
+            self.hasher.reset()
+            self.next += 1
 
 
 def chunk_spans(offset: int, length: int) -> list[tuple[int, int]]:
@@ -115,20 +204,25 @@ def _sha256_check(store: Store, key: str, name: str, meta: dict[str, Any]) -> No
 
 def _chunks_check(store: Store, key: str, name: str, meta: dict[str, Any]) -> None:
     digests = ChunkDigests(store.uri_for(key), {name: meta})
+    size = int(meta["size"])
     covered = 0
-    buf = bytearray(CHUNK_BYTES)
-    for offset, length, _ in sorted(meta.get("chunks", []), key=lambda c: (c[0], c[1])):
+    for offset, length, _ in digests.files[name]:
         if offset != covered:
             raise CorruptCheckpoint(f"{store.uri_for(key)}/{name}: its chunks in the manifest leave bytes "
                                     f"{covered}..{offset} unchecked")
-        if length > len(buf):
-            buf = bytearray(length)
-        view = memoryview(buf)[:length]
-        _read(store, key, name, offset, view)
-        digests.check(name, offset, view)
         covered = offset + length
-    if covered != meta["size"]:
-        raise CorruptCheckpoint(f"{store.uri_for(key)}/{name}: its chunks cover {covered} of {meta['size']} bytes")
+    if covered != size:
+        raise CorruptCheckpoint(f"{store.uri_for(key)}/{name}: its chunks cover {covered} of {size} bytes")
+    buf = bytearray(min(size, REQUEST_BYTES) or 1)
+    at, chunks = 0, digests.files[name]
+    while at < len(chunks):  # requests of whole chunks, up to REQUEST_BYTES (at least one chunk)
+        first, n = chunks[at][0], 0
+        while at < len(chunks) and (n == 0 or n + chunks[at][1] <= REQUEST_BYTES):
+            n += chunks[at][1]
+            at += 1
+        if n > len(buf):
+            buf = bytearray(n)
+        digests.read(store, key, name, first, memoryview(buf)[:n])
 
 
 def _read(store: Store, key: str, name: str, offset: int, view: memoryview) -> None:
@@ -140,4 +234,4 @@ def _read(store: Store, key: str, name: str, offset: int, view: memoryview) -> N
         raise CorruptCheckpoint(f"{store.uri_for(key)}/{name} is shorter than its manifest says (truncated?)") from None
 
 
-__all__ = ["DIGEST", "CHUNK_BYTES", "ChunkDigests", "chunk_spans", "check_files", "deep_verify", "digest"]
+__all__ = ["DIGEST", "CHUNK_BYTES", "REQUEST_BYTES", "ChunkDigests", "chunk_spans", "check_files", "deep_verify", "digest"]
