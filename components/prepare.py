@@ -86,7 +86,7 @@ def check_inputs(config: RelaunchConfig) -> None:
     from components.core.storage import open_store
     from components.tasks.base import load_task
 
-    load_task(config.train.task, config)
+    task = load_task(config.train.task, config)
     _check_world_sizes(config)
     try:
         open_store(config.store.uri, retries=2, backoff=0.1)
@@ -96,7 +96,7 @@ def check_inputs(config: RelaunchConfig) -> None:
     if config.train.resume_from:
         from components.locate import verify_checkpoint_uri
 
-        verify_checkpoint_uri(config.train.resume_from, config)
+        verify_checkpoint_uri(config.train.resume_from, config, task)  # built once per process
 
 
 def _check_world_sizes(config: RelaunchConfig) -> None:

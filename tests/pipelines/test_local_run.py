@@ -148,9 +148,9 @@ def test_the_embedded_run_finishes_despite_the_killed_worker(embedded):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
 
-def test_a_whole_pipeline_run_leaves_no_checkpoint_manager_temp_directory_behind(embedded):
-    cwd, _ = embedded
-    assert sorted(p.name for p in (cwd / "tmp").glob("relaunch-ckpt-*")) == []
+def test_a_whole_pipeline_run_leaves_no_temp_directory_of_ours_behind(embedded):
+    cwd, _ = embedded  # relaunch-ckpt-* (checkpoint manager), relaunch-goodput-* (trainer), relaunch-model-* (register)
+    assert sorted(p.name for p in (cwd / "tmp").glob("relaunch-*")) == []
 
 
 def resumed_step(cwd: Path) -> int:

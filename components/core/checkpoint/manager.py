@@ -25,12 +25,8 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
-
-from components.core.checkpoint import legacy_v1
 from components.core.checkpoint.layout import (FORMAT_VERSION, INFLIGHT, LATEST, MANIFEST, METADATA, PINS,
                                                CheckpointInfo, checkpoint_steps, info_of, manifest_body, now,
                                                parse_checkpoint_uri, parse_pin, pin_key, read_json,
@@ -39,7 +35,10 @@ from components.core.checkpoint.lease import Lease, default_owner
 from components.core.checkpoint.retention import apply_retention
 from components.core.checkpoint.verify import CHUNK_BYTES, DIGEST, ChunkDigests, check_files, deep_verify
 from components.core.errors import BadInput, CorruptCheckpoint, RelaunchError, TransientFailure
-from components.core.storage import PreconditionFailed, Store, open_store
+from components.core.storage import FileStore, PreconditionFailed, Store, open_store
+
+if TYPE_CHECKING:
+    import torch
 
 # A single process is a supported use (tests, evaluation, the CLI): DCP's note about it is noise.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")
@@ -73,6 +72,8 @@ def _original(err: BaseException) -> BaseException:
 
 
 def _state_bytes(snapshot: Any) -> int:
+    import torch
+
     total = 0
 
     def visit(obj: Any) -> None:
@@ -95,6 +96,8 @@ def _memcpy(dest: torch.Tensor, src: torch.Tensor) -> None:
     """One plain memcpy of a contiguous CPU tensor. ``Tensor.copy_`` splits a large copy over
     torch's intra-op threads, which on a busy machine wait on each other: measured on the shared
     2-core machine, 128 MiB took 190-260 ms with 2 threads and 60-100 ms as one memcpy."""
+    import torch
+
     memoryview(dest.reshape(-1).view(torch.uint8).numpy())[:] = memoryview(src.reshape(-1).view(torch.uint8).numpy())
 
 
@@ -151,7 +154,8 @@ class CheckpointManager:
         self._closed = False
         self._cache_dir = Path(cache_dir) if cache_dir is not None else None
         self._own_cache: Path | None = None
-        self._distributed = dist.is_available() and dist.is_initialized()
+        dist = sys.modules.get("torch.distributed")  # an initialized process group imported it already
+        self._distributed = dist is not None and dist.is_available() and dist.is_initialized()
         self._node_group, self._node_ranks = None, None
         if self._distributed:
             self._group = process_group or dist.new_group(backend="gloo")
@@ -163,6 +167,8 @@ class CheckpointManager:
 
     def _make_node_groups(self, per_node: int) -> None:
         """One gloo group per node (collective: every rank makes every group, in the same order)."""
+        import torch.distributed as dist
+
         if per_node <= 1 or self.world_size % per_node or per_node > self.world_size:
             return
         self._node_ranks = [list(range(n, n + per_node)) for n in range(0, self.world_size, per_node)]
@@ -384,6 +390,8 @@ class CheckpointManager:
             if kind == "err":
                 raise value
             return value
+        import torch.distributed as dist
+
         local = (kind, (type(value).__name__, str(value)) if kind == "err" else value)
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, local if share and self.rank == 0 or kind == "err" else ("ok", None),
@@ -404,6 +412,8 @@ class CheckpointManager:
 
     def _snapshot(self, state: Any) -> Any:
         """A CPU copy of ``state.state_dict()`` that training can no longer change."""
+        import torch
+
         if hasattr(state, "state_dict") and not isinstance(state, dict):
             sd = state.state_dict()
         else:
@@ -412,6 +422,7 @@ class CheckpointManager:
         return self._copy(sd, "", torch.cuda.is_available())
 
     def _copy(self, obj: Any, path: str, pin: bool) -> Any:
+        import torch
         from torch.distributed.tensor import DTensor
 
         if isinstance(obj, DTensor):  # this rank's shard, re-wrapped so DCP still sees the global layout
@@ -436,6 +447,8 @@ class CheckpointManager:
         return copy.deepcopy(obj)
 
     def _run_job(self, job: _Job) -> None:
+        import torch
+
         try:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
@@ -447,6 +460,7 @@ class CheckpointManager:
             job.snapshot = None
 
     def _persist(self, job: _Job) -> CheckpointInfo:
+        import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
         from components.core.checkpoint.dcp_io import StoreWriter
@@ -597,8 +611,11 @@ class CheckpointManager:
         from components.core.safe_pickle import load_metadata
 
         if manifest["format_version"] == 1:
+            from components.core.checkpoint import legacy_v1
+
+            cache = None if type(store) is FileStore else self._cache()  # a local store is read in place
             local = self._agree(self._catch(lambda: str(legacy_v1.materialize(
-                store, info.step, manifest, self._cache()))), share=False)
+                store, info.step, manifest, cache))), share=False)
             metadata = legacy_v1.read_metadata(local)
             reader = legacy_v1.safe_reader(local)
         else:
@@ -633,6 +650,7 @@ class CheckpointManager:
             raise
 
     def _dcp_load_into(self, state: Any, wrapped: bool, stored: set[str], reader: Any, info: CheckpointInfo) -> None:
+        import torch
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.stateful import Stateful
