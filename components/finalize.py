@@ -3,15 +3,24 @@ pipeline run — FINISHED when the pipeline succeeded, FAILED with the reason wh
 add what the pipeline did to the run's description (steps trained, restarts, evaluation, the
 registered version). It only looks the run up (by the ``relaunch.pipeline_run_id`` tag); it never creates one.
 
+It also writes what only the side that survives can: every attempt's tags, a last attempt SIGKILLed
+with nothing after it included; and, when the pipeline succeeded, ``runs/pipeline-finished.json`` in
+the store, which tells ``relaunch run --resume`` that nothing is left to do.
+
     python -m components.finalize --config configs/local.yaml --input pipeline_run_id=ID --input state=FAILED
 """
 
 from __future__ import annotations
 
+import json
 import sys
+import time
 from dataclasses import dataclass
 
 from components.core.config import RelaunchConfig
+from components.core.errors import RelaunchError
+
+PIPELINE_FINISHED_KEY = "runs/pipeline-finished.json"
 
 
 @dataclass
@@ -22,7 +31,7 @@ class FinalizeOutputs:
 
 def run(config: RelaunchConfig, pipeline_run_id: str = "", state: str = "SUCCEEDED", error: str = "") -> FinalizeOutputs:
     """Mark the run FINISHED (``state`` SUCCEEDED) or FAILED; a no-op when no run was opened."""
-    from components.core.lineage import describe_outcome
+    from components.core.lineage import describe_outcome, record_attempts
     from components.core.tracking import find_pipeline_run, mark_run_finished
 
     run_id = config.tracking.run_id or ""
@@ -31,9 +40,34 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", state: str = "SUCCEED
     if not run_id:
         return FinalizeOutputs(run_id="", status="none")
     status = "FINISHED" if state == "SUCCEEDED" else "FAILED"
+    try:
+        record_attempts(config, run_id)
+    except (RelaunchError, OSError) as err:  # the store or the server is away: the run still gets its status
+        print(f"finalize: attempt tags not written: {err}", file=sys.stderr)
     describe_outcome(config, run_id, status)
     mark_run_finished(config, run_id, status, "" if status == "FINISHED" else f"pipeline {state}: {error}".strip())
+    if status == "FINISHED":
+        try:
+            write_pipeline_finished(config, run_id, pipeline_run_id)
+        except (RelaunchError, OSError) as err:  # costs only a repeated evaluate/register on --resume
+            print(f"finalize: {PIPELINE_FINISHED_KEY} not written: {err}", file=sys.stderr)
     return FinalizeOutputs(run_id=run_id, status=status)
+
+
+def write_pipeline_finished(config: RelaunchConfig, run_id: str, pipeline_run_id: str) -> None:
+    """Record in the store that a pipeline of MLflow run ``run_id`` went through to its end."""
+    from components.core.storage import open_store
+
+    record = {"run_id": run_id, "pipeline_run_id": pipeline_run_id, "time": time.time()}
+    open_store(config.store.uri).write_bytes(PIPELINE_FINISHED_KEY, json.dumps(record).encode())
+
+
+def pipeline_finished(store, run_id: str | None) -> bool:
+    """Whether a pipeline of MLflow run ``run_id`` went through to its end in ``store``."""
+    try:
+        return json.loads(store.read_bytes(PIPELINE_FINISHED_KEY)).get("run_id") == run_id
+    except FileNotFoundError:
+        return False
 
 
 if __name__ == "__main__":

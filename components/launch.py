@@ -47,6 +47,9 @@ def run(config: RelaunchConfig, resume_from: str = "", pipeline_run_id: str = ""
     Raises:
         LaunchFailed: the training's exit code (retryable ones make the pipeline retry this step).
     """
+    trained = finished_training(config)
+    if trained is not None:
+        return trained
     backend = backend_module(config)  # local | pytorchjob | trainjob
     result = backend.launch(config, pipeline_run_id=pipeline_run_id, resume_from=resume_from or None)
     if result.exit_code != 0:
@@ -58,6 +61,35 @@ def run(config: RelaunchConfig, resume_from: str = "", pipeline_run_id: str = ""
         train_seconds=float(summary.get("train_seconds", 0.0)), duration_seconds=result.duration_seconds,
         ettr=float(summary.get("ettr", 0.0)), last_checkpoint_uri=str(summary.get("last_checkpoint_uri") or ""),
         job_name=result.job_name or "")
+
+
+def reached_its_end(summary: dict | None) -> bool:
+    """Whether the trainer's summary says the training trained its last step and ended well."""
+    from components.core.goodput import TrainSummary
+
+    if not summary:
+        return False
+    return TrainSummary(**{k: v for k, v in summary.items() if k in TrainSummary.__dataclass_fields__}).reached_the_end
+
+
+def finished_training(config: RelaunchConfig) -> LaunchOutputs | None:
+    """The outputs of this MLflow run's training when it already reached its end, else None.
+
+    That is a pipeline run again after its training ended (``relaunch run --resume`` after evaluate
+    or register failed, or a launch retried after the training ended): nothing is launched, so no
+    attempt is added and the run's restarts and goodput stay those of the real training.
+    """
+    summary = read_summary(config)
+    if not config.tracking.run_id or summary.get("run_id") != config.tracking.run_id or not reached_its_end(summary):
+        return None
+    print(f"launch: the training of MLflow run {config.tracking.run_id} already reached its end (step "
+          f"{summary['last_step']} of {summary['total_steps']}); nothing to launch", file=sys.stderr)
+    return LaunchOutputs(
+        exit_code=0, restarts=max(0, int(summary.get("attempts") or 1) - 1),
+        resumed_from_steps=json.dumps(summary.get("resumed_from_steps", [])),
+        train_seconds=float(summary.get("train_seconds", 0.0)), duration_seconds=0.0,
+        ettr=float(summary.get("ettr") or 0.0), last_checkpoint_uri=str(summary.get("last_checkpoint_uri") or ""),
+        job_name="")
 
 
 def read_summary(config: RelaunchConfig) -> dict:

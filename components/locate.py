@@ -46,19 +46,20 @@ def checkpoint_manager(config: RelaunchConfig, *, async_save: bool = False):
     return CheckpointManager.from_config(config, async_save=async_save)
 
 
-def verify_checkpoint_uri(uri: str, config: RelaunchConfig | None = None) -> int:
+def verify_checkpoint_uri(uri: str, config: RelaunchConfig | None = None, task=None) -> int:
     """The step of the committed checkpoint at ``uri``; BadInput when it is not one of ours, or (with
-    ``config``) when it holds another model than the task builds. O(1): manifest, files and sizes."""
+    ``config``) when it holds another model than the task (``task``, else the configuration's)
+    builds. O(1): manifest, files and sizes."""
     from components.core.checkpoint.start import checked_step
 
-    return checked_step(uri, (lambda: _task_fingerprint(config)) if config is not None else None)
+    return checked_step(uri, (lambda: _task_fingerprint(config, task)) if config is not None else None)
 
 
-def _task_fingerprint(config: RelaunchConfig) -> str:
+def _task_fingerprint(config: RelaunchConfig, task=None) -> str:
     from components.core.state import model_fingerprint
     from components.tasks.base import load_task
 
-    return model_fingerprint(load_task(config.train.task, config).build_model())
+    return model_fingerprint((task or load_task(config.train.task, config)).build_model())
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", **overrides: Any) -> 
     splits = task.build_splits()
     version = write_dataset(store, splits)
     run_id = ensure_run(lineage.with_run_name(config, version), pipeline_run_id=pipeline_run_id or None)
+    _remember_run(config, store, run_id)
     resolved = config.model_copy(deep=True)
     resolved.data.version = version
     resolved.tracking.run_id = run_id
@@ -60,6 +61,16 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", **overrides: Any) -> 
     lineage.log_dataset_input(resolved, run_id, splits, version, uri)
     lineage.describe_run(resolved, run_id, version, uri)
     return PrepareOutputs(config_json=resolved.to_json(), run_id=run_id, dataset_version=version, dataset_uri=uri)
+
+
+def _remember_run(config: RelaunchConfig, store, run_id: str) -> None:
+    """The training's MLflow run beside its checkpoints (``runs/mlflow-run.json``, as the trainer writes
+    it when it opens the run itself): what ``relaunch run --resume`` continues. The first one stays."""
+    from components.core.goodput import RUN_KEY
+    from components.core.tracking import tracking_uri
+
+    store.write_if_absent(RUN_KEY, json.dumps({"run_id": run_id, "tracking_uri": tracking_uri(config),
+                                               "experiment": config.tracking.experiment}).encode())
 
 
 def check_inputs(config: RelaunchConfig) -> None:
@@ -75,7 +86,8 @@ def check_inputs(config: RelaunchConfig) -> None:
     from components.core.storage import open_store
     from components.tasks.base import load_task
 
-    load_task(config.train.task, config)
+    task = load_task(config.train.task, config)
+    _check_world_sizes(config)
     try:
         open_store(config.store.uri, retries=2, backoff=0.1)
     except TransientFailure as err:
@@ -84,7 +96,18 @@ def check_inputs(config: RelaunchConfig) -> None:
     if config.train.resume_from:
         from components.locate import verify_checkpoint_uri
 
-        verify_checkpoint_uri(config.train.resume_from, config)
+        verify_checkpoint_uri(config.train.resume_from, config, task)  # built once per process
+
+
+def _check_world_sizes(config: RelaunchConfig) -> None:
+    """Every world size the launch may reach (``min_nodes``..``nodes`` x ``procs_per_node``) must divide
+    ``train.global_batch_size``; the trainer would refuse it only after the workers started."""
+    launch, batch = config.launch, config.train.global_batch_size
+    for nodes in range(launch.min_nodes or launch.nodes, launch.nodes + 1):
+        world = nodes * launch.procs_per_node
+        if batch % world:
+            raise BadInput(f"train.global_batch_size={batch} is not divisible by the world size {world} "
+                           f"({nodes} node(s) x launch.procs_per_node={launch.procs_per_node}); pick a multiple")
 
 
 def _check_tracking(config: RelaunchConfig) -> None:

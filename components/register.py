@@ -167,16 +167,17 @@ def save_model(config: RelaunchConfig, checkpoint_uri: str, path: Path, task=Non
         store_uri, step = parse_checkpoint_uri(checkpoint_uri)
         with CheckpointManager(open_store(store_uri), async_save=False) as mgr:
             model = load_model(task, mgr, step)
-    data = Path(tempfile.mkdtemp(prefix="relaunch-model-"))
-    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(data / "model.safetensors"))
-    (data / "config.json").write_text(config.to_json())
     x = np.asarray(task.build_splits()["test"]["x"][:2])
-    mlflow.pyfunc.save_model(
-        str(path), loader_module="components.register", data_path=str(data),
-        code_paths=code_paths(config.train.task),
-        signature=infer_signature(x, task.predict(model, x)),
-        pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "safetensors", "numpy", "pydantic>=2",
-                          "pyyaml", "scikit-learn"])
+    with tempfile.TemporaryDirectory(prefix="relaunch-model-") as tmp:  # save_model copies it into ``path``
+        data = Path(tmp)
+        save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(data / "model.safetensors"))
+        (data / "config.json").write_text(config.to_json())
+        mlflow.pyfunc.save_model(
+            str(path), loader_module="components.register", data_path=str(data),
+            code_paths=code_paths(config.train.task),
+            signature=infer_signature(x, task.predict(model, x)),
+            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "safetensors", "numpy", "pydantic>=2",
+                              "pyyaml", "scikit-learn"])
 
 
 def code_paths(task_spec: str) -> list[str]:

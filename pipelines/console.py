@@ -7,7 +7,8 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,14 @@ class StepRecord:
     seconds: float = 0.0
     exit_code: int | None = None
     message: str = ""
-    outputs: dict[str, Any] = field(default_factory=dict)
+    outputs: Any = None
+    """The step's outputs dataclass (:data:`components.STEP_TABLE`) once it succeeded, else None."""
+
+
+def step_outputs(step: str, values: dict[str, Any]) -> Any:
+    """The outputs dataclass of ``step`` from the values its end event carried (unknown keys ignored)."""
+    cls = STEP_TABLE[step].outputs_class()
+    return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values})
 
 
 class RunView:
@@ -97,14 +105,16 @@ class RunView:
 
     def _step_end(self, rec: StepRecord, step: str, ev: dict[str, Any]) -> None:
         rec.seconds = ev["time"] - rec.started
-        rec.exit_code, rec.message, rec.outputs = ev.get("exit_code", 0), ev.get("message", ""), ev.get("outputs", {})
+        rec.exit_code, rec.message = ev.get("exit_code", 0), ev.get("message", "")
         rec.state = "succeeded" if rec.exit_code == 0 else "failed"
+        if rec.exit_code == 0:
+            rec.outputs = step_outputs(step, ev.get("outputs", {}))
         if step == "launch":
             self._end_bar()
         mark = "[green]✓[/]" if rec.exit_code == 0 else "[red]✗[/]"
         detail = _detail(step, rec) if rec.exit_code == 0 else f"exit {rec.exit_code}: {rec.message}"
         self._print(f"  {mark} {step:<26} {rec.seconds:6.1f}s  {detail}")
-        if step == "evaluate" and rec.exit_code == 0 and not rec.outputs.get("passed"):
+        if step == "evaluate" and rec.exit_code == 0 and not rec.outputs.passed:
             self.steps["register"].state = "skipped"
             self._print(f"  [yellow]–[/] {'register':<26} {'':>7}  skipped: the evaluation gate failed")
 
@@ -132,18 +142,17 @@ class RunView:
 def _detail(step: str, rec: StepRecord) -> str:
     o = rec.outputs
     if step == "prepare":
-        return f"dataset {o.get('dataset_version')}, MLflow run {o.get('run_id')}"
+        return f"dataset {o.dataset_version}, MLflow run {o.run_id}"
     if step == "locate-latest-checkpoint":
-        return f"{o.get('source')}: step {o.get('step')}" if o.get("checkpoint_uri") else "no checkpoint: fresh start"
+        return f"{o.source}: step {o.step}" if o.checkpoint_uri else "no checkpoint: fresh start"
     if step == "launch":
-        return (f"{o.get('train_seconds', 0):.1f}s training, {o.get('restarts', 0)} restart(s), "
-                f"ETTR {o.get('ettr', 0):.3f}")
+        return f"{o.train_seconds:.1f}s training, {o.restarts} restart(s), ETTR {o.ettr:.3f}"
     if step == "evaluate":
-        return f"{_metrics(o.get('metrics_json'))} at step {o.get('step')}, gate {'passed' if o.get('passed') else 'failed'}"
+        return f"{_metrics(o.metrics_json)} at step {o.step}, gate {'passed' if o.passed else 'failed'}"
     if step == "register":
-        return f"{o.get('model_name')} v{o.get('version')} {o.get('aliases')}"
+        return f"{o.model_name} v{o.version} {o.aliases}"
     if step == "finalize":
-        return f"MLflow run {o.get('status')}"
+        return f"MLflow run {o.status}"
     return ""
 
 
@@ -161,32 +170,31 @@ def render_summary(config: RelaunchConfig, result, console) -> None:
     prep, ev, reg, lau = (s[k].outputs for k in ("prepare", "evaluate", "register", "launch"))
     console.rule("summary")
     rows: list[tuple[str, str]] = []
-    if prep.get("run_id"):
+    if prep is not None and prep.run_id:
         from components.core.lineage import run_url
 
         browse = "open" if config.tracking.uri.startswith(("http://", "https://")) else "make ui, then open"
-        rows.append(("MLflow run", f"{prep['run_id']} in experiment {config.tracking.experiment!r} at "
-                                   f"{config.tracking.uri} — {browse} {run_url(config, prep['run_id'])}"))
-        rows.append(("dataset", f"{prep.get('dataset_version')} at {prep.get('dataset_uri')}"))
+        rows.append(("MLflow run", f"{prep.run_id} in experiment {config.tracking.experiment!r} at "
+                                   f"{config.tracking.uri} — {browse} {run_url(config, prep.run_id)}"))
+        rows.append(("dataset", f"{prep.dataset_version} at {prep.dataset_uri}"))
     committed = _committed(config)
     if committed:
         rows.append(("checkpoints", f"{len(committed)} committed, newest {committed[-1]}"))
-    if ev.get("checkpoint_uri"):
-        rows.append(("evaluated", ev["checkpoint_uri"]))
-        rows.append(("metrics", f"{config.evaluate.split} split: {_metrics(ev.get('metrics_json'))} — gate {config.evaluate.gate_metric}"
-                                f" >= {config.evaluate.gate_min:g} {'passed' if ev.get('passed') else 'failed'}"))
-    if reg.get("version"):
-        rows.append(("model", f"{reg['model_name']} version {reg['version']}, aliases {', '.join(json.loads(reg['aliases']))}"
-                              f" ({reg.get('champion_decision')})"))
+    if ev is not None and ev.checkpoint_uri:
+        rows.append(("evaluated", ev.checkpoint_uri))
+        rows.append(("metrics", f"{config.evaluate.split} split: {_metrics(ev.metrics_json)} — gate {config.evaluate.gate_metric}"
+                                f" >= {config.evaluate.gate_min:g} {'passed' if ev.passed else 'failed'}"))
+    if reg is not None and reg.version:
+        rows.append(("model", f"{reg.model_name} version {reg.version}, aliases {', '.join(json.loads(reg.aliases))}"
+                              f" ({reg.champion_decision})"))
     elif s["evaluate"].state == "succeeded":
         rows.append(("model", "not registered: the evaluation gate failed"))
-    if lau:
-        starts = json.loads(lau.get("resumed_from_steps") or "[]")
-        resumed = [x for x in starts if x >= 0]
-        rows.append(("training", f"{lau.get('train_seconds', 0):.1f}s training in {lau.get('duration_seconds', 0):.1f}s "
-                                 f"launch; ETTR {lau.get('ettr', 0):.3f}"))
+    if lau is not None:
+        resumed = [x for x in json.loads(lau.resumed_from_steps or "[]") if x >= 0]
+        rows.append(("training", f"{lau.train_seconds:.1f}s training in {lau.duration_seconds:.1f}s "
+                                 f"launch; ETTR {lau.ettr:.3f}"))
         launch_retries = max(0, s["launch"].attempts - 1)
-        rows.append(("fault tolerance", f"{lau.get('restarts', 0)} torchrun restart(s), {launch_retries} launch retr"
+        rows.append(("fault tolerance", f"{lau.restarts} torchrun restart(s), {launch_retries} launch retr"
                                         f"{'y' if launch_retries == 1 else 'ies'}; "
                                         + (f"resumed from step {', '.join(map(str, resumed))}" if resumed else "no resume")))
     rows.append(("took", f"{result.seconds:.1f}s; log {result.run_dir / 'pipeline.log'}"))

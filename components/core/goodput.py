@@ -262,6 +262,21 @@ def plot_goodput(report: dict[str, Any], loss_curve: list[tuple[int, float]], pa
     return path
 
 
+def summarize(store, code: int, reason: str, *, run_id: str | None, attempt: int, last_step: int, last_committed: Any,
+              total_steps: int, train_seconds: float, report: dict[str, Any] | None,
+              final_metrics: dict[str, float]) -> TrainSummary:
+    """The summary of an attempt that ends with ``code``; with ``store`` (rank 0) every attempt's start
+    step too. ``last_committed``: the CheckpointInfo of the newest committed checkpoint, or None."""
+    attempts = load_attempts(store) if store is not None else []
+    return TrainSummary(
+        exit_code=int(code), reason=reason, run_id=run_id, attempt=attempt, attempts=len(attempts),
+        resumed_from_steps=[a.resumed_from_step for a in attempts], last_step=last_step,
+        last_committed_step=last_committed.step if last_committed is not None else -1,
+        last_checkpoint_uri=last_committed.uri if last_committed is not None else None, total_steps=total_steps,
+        train_seconds=round(train_seconds, 3), ettr=report.get("ettr") if report else None,
+        goodput=report or {}, final_metrics=final_metrics)
+
+
 def write_exit_record(store, attempt: int, exit_code: int, reason: str, elastic_run_id: str = "") -> None:
     """How this attempt ended (rank 0, every ending under our control)."""
     store.write_bytes(EXIT_KEY, json.dumps({"attempt": attempt, "exit_code": int(exit_code), "reason": reason,
@@ -279,6 +294,22 @@ def read_exit_record(store) -> dict[str, Any] | None:
         return json.loads(store.read_bytes(EXIT_KEY))
     except FileNotFoundError:
         return None
+
+
+def refuse_permanent_restart(store, restart_count: int, elastic_run_id: str) -> None:
+    """torchrun restarts a worker group whatever its exit code; a permanent failure (bad input, a
+    divergence, a bug) of this same torchrun run ends the restart at once with the same code."""
+    from components.core.errors import BadInput, Diverged, RelaunchError
+    from components.core.exitcodes import PERMANENT
+
+    if restart_count == 0 or not elastic_run_id:
+        return
+    record = read_exit_record(store)
+    if record and record.get("elastic_run_id") == elastic_run_id and record.get("exit_code") in PERMANENT:
+        err = {ExitCode.BAD_INPUT: BadInput, ExitCode.DIVERGED: Diverged}.get(record["exit_code"], RelaunchError)(
+            f"not restarting after a permanent failure: {record.get('reason', '')}")
+        err.exit_code = int(record["exit_code"])
+        raise err
 
 
 def mapped_exit_code(store, torchrun_returncode: int, started_at: float) -> int:

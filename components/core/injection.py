@@ -31,6 +31,18 @@ class Injection:
         self.store, self.rank, self.world, self.pids = store, rank, world, pids
         self.outage_until = 0.0
 
+    @classmethod
+    def for_world(cls, spec: str | None, store, env) -> "Injection":
+        """The injection of this rank (collective: every rank learns every rank's pid, which a
+        preemption signals)."""
+        pids = [os.getpid()]
+        if env.world_size > 1:
+            import torch.distributed as dist
+
+            pids = [None] * env.world_size
+            dist.all_gather_object(pids, os.getpid())
+        return cls(spec, store, env.rank, env.world_size, pids)
+
     def _claim(self) -> bool:
         return self.store.write_if_absent(f"{INJECTED_PREFIX}{self.kind}-step-{self.step}", b"fired")
 

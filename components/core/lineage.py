@@ -157,6 +157,26 @@ def describe_outcome(config, run_id: str, status: str) -> None:
     call("describe the run", client.set_tag, run_id, DESCRIPTION_TAG, f"{plan}\n\n{text}".strip())
 
 
+def record_attempts(config, run_id: str) -> None:
+    """Every attempt's ``relaunch.attempt.<n>.*`` tags and the restart count, from the store's attempt
+    records. Each attempt's trainer writes the tags of the attempts before it, but one SIGKILLed with
+    no attempt after it (its rank 0 killed, restarts and retries spent) leaves its tags to the side
+    that survives: finalize. Idempotent: an ended attempt's record no longer changes."""
+    from mlflow.entities import RunTag
+
+    from components.core import goodput
+    from components.core.storage import open_store
+    from components.core.tracking import TAGS_PER_REQUEST, call, client as tracking_client, tracking_uri
+
+    attempts = goodput.load_attempts(open_store(config.store.uri))
+    if not attempts:  # the pipeline stopped before training
+        return
+    tags = [RunTag(k, v) for k, v in goodput.attempt_tags(attempts).items()]
+    client = tracking_client(tracking_uri(config))
+    for i in range(0, len(tags), TAGS_PER_REQUEST):
+        call("tag the attempts", client.log_batch, run_id, tags=tags[i:i + TAGS_PER_REQUEST])
+
+
 def _training_summary(config) -> dict | None:
     from components.core.goodput import read_summary
     from components.core.storage import open_store

@@ -29,6 +29,7 @@ PIPELINE_RUN_TAG = "relaunch.pipeline_run_id"
 END_REASON_TAG = "relaunch.end_reason"
 STATUSES = ("FINISHED", "FAILED", "KILLED", "RUNNING")
 PARAMS_PER_REQUEST = 100  # MLflow's log_batch limit on params per request
+TAGS_PER_REQUEST = 100  # and on tags
 _MAX_TAG_VALUE = 5000
 _MAX_PARAM_VALUE = 6000
 
@@ -212,7 +213,8 @@ def ensure_run(config, pipeline_run_id: str | None = None) -> str:
 
 
 def mark_run_finished(config, run_id: str, status: str, reason: str = "") -> None:
-    """Set the run's terminal status (FINISHED, FAILED or KILLED) and, when given, a reason tag.
+    """Set the run's terminal status (FINISHED, FAILED or KILLED) and, when given, a reason tag; a
+    FINISHED run loses the reason tag an earlier failure left.
 
     Raises:
         BadInput: an unknown status or refused credentials.
@@ -223,6 +225,9 @@ def mark_run_finished(config, run_id: str, status: str, reason: str = "") -> Non
     mlflow_client = client(tracking_uri(config))
     if reason:
         call("tag the run", mlflow_client.set_tag, run_id, END_REASON_TAG, reason[:_MAX_TAG_VALUE])
+    elif status == "FINISHED" and END_REASON_TAG in call("read the run", mlflow_client.get_run, run_id).data.tags:
+        # a failed attempt's or an earlier pipeline's reason; the attempt tags keep each attempt's exit code
+        call("untag the run", mlflow_client.delete_tag, run_id, END_REASON_TAG)
     call("end the run" if status != "RUNNING" else "update the run", set_run_status, mlflow_client, run_id, status)
 
 

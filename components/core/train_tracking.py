@@ -40,6 +40,53 @@ CLOSE_SECONDS_FINISHED = 60.0
 FLUSH_SECONDS_BEFORE_PLOT = 30.0
 
 
+def emit(kind: str, payload: dict) -> None:
+    """One machine-readable line on stdout, ``RELAUNCH_<KIND> {json}``, that the launchers parse (rank 0)."""
+    print(f"RELAUNCH_{kind} {json.dumps(payload, sort_keys=True, default=str)}", flush=True)
+
+
+def resolve_run_id(config, store) -> str:
+    """config.tracking.run_id, else the one stored beside the checkpoints, else a new one (stored)."""
+    if config.tracking.run_id:
+        return config.tracking.run_id
+    try:
+        return json.loads(store.read_bytes(goodput.RUN_KEY))["run_id"]
+    except FileNotFoundError:
+        pass
+    from components.core.tracking import ensure_run, tracking_uri
+
+    run_id = ensure_run(config)
+    if not store.write_if_absent(goodput.RUN_KEY, json.dumps({"run_id": run_id, "tracking_uri": tracking_uri(config),
+                                                              "experiment": config.tracking.experiment}).encode()):
+        run_id = json.loads(store.read_bytes(goodput.RUN_KEY))["run_id"]  # another start won the race
+    return run_id
+
+
+def run_params(config, env) -> dict[str, Any]:
+    """The params of the run: the training's hyper-parameters, the world, the code and the versions."""
+    import subprocess
+
+    import torch
+
+    from components.core import distributed as distr
+
+    commit = os.environ.get("RELAUNCH_GIT_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                                    cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+        except (OSError, subprocess.SubprocessError):
+            commit = "unknown"
+    hp = {f"train.{k}": v for k, v in config.train.model_dump().items() if v is not None}
+    return {**hp, "world_size": env.world_size, "nodes": env.nodes, "procs_per_node": env.local_world_size,
+            "nodes_x_procs": f"{env.nodes}x{env.local_world_size}",
+            "accelerator": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+            "backend": distr.backend(), "dataset_version": config.data.version or "built-by-task", "git_commit": commit,
+            "image": os.environ.get("RELAUNCH_IMAGE", config.launch.kubernetes.image if config.launch.on_cluster
+                                    else "local"),
+            "torch_version": torch.__version__, "cuda_version": torch.version.cuda or "none"}
+
+
 def checkpoint_tag(key: str) -> str:
     """``checkpoint.step-000000000038``: the tag of a checkpoint is its folder's name (one step format)."""
     return CHECKPOINT_TAG_PREFIX + key.rstrip("/").rsplit("/", 1)[-1]
@@ -59,12 +106,14 @@ class TrainingTracker:
         self.recent: list[list] = []  # [step, metrics] not yet confirmed by the tracking server
         self._counters: tuple | None = None
         self._resumed_from = -1
+        self._artifacts: tempfile.TemporaryDirectory | None = None  # files the logger uploads; removed at close
 
     # ---- the attempt's start
 
     def start(self, *, resumed_from: int, resumed_uri: str | None, params: dict[str, Any], world_size: int) -> None:
         """Open the logger (sending starts after the first step), requeue the points an earlier attempt
-        left unsent, reopen the run, log params and the attempt's tags (earlier attempts' included)."""
+        left unsent, reopen the run, log params and the attempt's tags (earlier attempts' included), then
+        print ``RELAUNCH_RESUMED``."""
         if not self.enabled:
             return
         from components.core.runlogger import RunLogger
@@ -90,6 +139,7 @@ class TrainingTracker:
         if earlier:
             self.logger.submit(self._mark_deleted_checkpoints)
         self.tensorboard = self._open_tensorboard()
+        emit("RESUMED", {"step": resumed_from, "uri": resumed_uri, "attempt": self.attempt, "world_size": world_size})
 
     def _open_tensorboard(self):
         folder = self.config.tracking.tensorboard_dir
@@ -125,15 +175,23 @@ class TrainingTracker:
         if step == self._resumed_from + 2:
             self.logger.start()  # after the first step of this attempt has completed and been timed
 
-    def log_step(self, step: int, metrics: dict[str, float], slow: dict[str, float]) -> None:
-        """One step's metrics; ``slow`` (epoch, counters) is logged only when it changed."""
+    def log_step(self, step: int, metrics: dict[str, float], slow: dict[str, float], *, total_steps: int,
+                 epoch: int, spike: bool) -> None:
+        """One step's metrics (``slow``: epoch, counters, logged only when they changed), a line on a
+        loss spike, and the ``RELAUNCH_PROGRESS`` line."""
         if not self.enabled:
             return
+        loss = metrics["train/loss"]
+        if spike:
+            print(f"relaunch: loss spike at step {step}: {loss:.4g} > {self.config.train.loss_spike_factor} x "
+                  "running mean", file=sys.stderr, flush=True)
         key = tuple(slow.values())
         if key != self._counters:
             self._counters = key
             metrics = {**metrics, **slow}
         self._log(step, metrics)
+        emit("PROGRESS", {"step": step, "total_steps": total_steps, "loss": round(loss, 6), "epoch": epoch,
+                          "attempt": self.attempt})
 
     def log_evaluation(self, step: int, metrics: dict[str, float], *, before_checkpoint: bool) -> None:
         """Validation metrics; before a checkpoint, also persist what the server has not confirmed."""
@@ -218,7 +276,9 @@ class TrainingTracker:
             curve = [(m.step, m.value) for m in client.get_metric_history(self.run_id, "train/loss")]
         except Exception as err:  # noqa: BLE001 - the server is away: the plot goes without its loss curve
             print(f"relaunch: no loss curve for the goodput plot: {err}", file=sys.stderr)
-        folder = tempfile.mkdtemp(prefix="relaunch-goodput-")
+        # the logger uploads from its thread: the folder lives until close() has flushed it
+        self._artifacts = self._artifacts or tempfile.TemporaryDirectory(prefix="relaunch-goodput-")
+        folder = self._artifacts.name
         with open(os.path.join(folder, "goodput.json"), "w") as fh:
             json.dump(report, fh, indent=2)
         goodput.plot_goodput(report, curve, os.path.join(folder, "goodput.png"))
@@ -247,6 +307,9 @@ class TrainingTracker:
             self.tensorboard = None
         if self.logger is not None:
             self.logger.close(timeout=timeout)
+        if self._artifacts is not None:
+            self._artifacts.cleanup()
+            self._artifacts = None
 
     def overhead(self, steps: int, compute_seconds: float) -> dict[str, float]:
         """MLflow logging cost of this attempt per step (caller's time + the sender thread's CPU, which

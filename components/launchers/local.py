@@ -9,7 +9,8 @@ processes standing in for nodes. What it runs, per simulated node ``i`` (agent 0
 It streams the agents' output, turns rank 0's ``RELAUNCH_PROGRESS`` lines into a progress bar, and
 maps the outcome to the exit-code contract: torchrun exits 1 for any worker failure, so the code of
 the worker that ended the attempt is read back from the store (``runs/exit.json``, written by the
-trainer) or, failing that, from torchrun's failure report.
+trainer), else from rank 0's own ``RELAUNCH_EXIT`` line (it failed before it could write the record,
+e.g. a bad input found at set-up), else from torchrun's failure report.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from components.core.net import free_port
 from components.launchers import LaunchResult
 from components.launchers.torchrun import exit_code, torchrun_args
 
-_LINE = re.compile(r"RELAUNCH_(PROGRESS|RESUMED|SUMMARY) (\{.*\})\s*$")
+_LINE = re.compile(r"RELAUNCH_(PROGRESS|RESUMED|SUMMARY|EXIT) (\{.*\})\s*$")
 _TORCHRUN_EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
 AGENT_GRACE_SECONDS = 30.0  # once one agent ended badly, how long the others get to notice
 
@@ -121,7 +122,10 @@ def _stop(agents: list[subprocess.Popen]) -> None:
 def _outcome(config: RelaunchConfig, codes: list[int], watch: "_Watch", started: float) -> int:
     if all(c == 0 for c in codes):
         return ExitCode.OK
-    return exit_code(config, next(c for c in codes if c != 0), started, reported=watch.worker_exit_code)
+    code = exit_code(config, next(c for c in codes if c != 0), started, reported=watch.worker_exit_code)
+    if code == ExitCode.KILLED and watch.rank0_exit is not None:  # no record, but rank 0 said how it ended
+        return int(watch.rank0_exit["exit_code"])
+    return code
 
 
 @dataclass
@@ -132,6 +136,7 @@ class _Watch:
     restarts: int = 0
     resumed: list[int] = field(default_factory=list)
     worker_exit_code: int | None = None
+    rank0_exit: dict | None = None  # the latest attempt's RELAUNCH_EXIT, when rank 0 printed one
     tail: list[str] = field(default_factory=list)
     _attempts: set = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -148,7 +153,11 @@ class _Watch:
         with self._lock:
             if match:
                 kind, payload = match.group(1), _json(match.group(2))
-                if kind == "RESUMED":
+                if kind == "EXIT":
+                    if isinstance(payload.get("exit_code"), int):
+                        self.rank0_exit = payload
+                elif kind == "RESUMED":
+                    self.rank0_exit = None  # a new attempt: an earlier one's ending no longer says anything
                     # attempt numbers count every start of this training; one that died before rank 0
                     # printed leaves a gap, which is still a restart
                     self._attempts.add(int(payload.get("attempt", len(self._attempts) + 1)))
@@ -167,6 +176,8 @@ class _Watch:
         self.reporter.log(f"[node{node}] {line}")
 
     def failure_message(self, code: int) -> str:
+        if self.rank0_exit is not None and self.rank0_exit.get("exit_code") == code and self.rank0_exit.get("reason"):
+            return f"training ended with exit code {code}: {str(self.rank0_exit['reason'])[:300]}"
         interesting = [t for t in self.tail if "error" in t.lower() or "relaunch" in t.lower()]
         last = (interesting or self.tail or ["(no output)"])[-1]
         return f"training ended with exit code {code}: {last.strip()[:300]}"

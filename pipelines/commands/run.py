@@ -10,7 +10,9 @@ Each ``relaunch run`` is a new training: its own store namespace ``<store.uri>/t
 (dataset, checkpoints, attempt records) and its own MLflow run. That is what a user who types the command
 again expects after changing a flag, and it keeps every earlier training, its checkpoints and its
 registered model intact. ``--resume`` continues the newest training of the store in its MLflow run; when
-that training already reached its end it says so in one line and exits 0 without starting anything.
+that training already reached its end and its pipeline finished, it says so in one line and exits 0
+without starting anything; when the training reached its end but evaluate or register failed, it runs
+the pipeline again, which launches nothing and evaluates and registers the last checkpoint.
 
 The configuration, its URIs and the task are checked first: bad input fails (exit 2) before anything
 starts. The exit code is the failing step's, per the exit-code contract.
@@ -56,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         if done:
             console.print(done, highlight=False, soft_wrap=True)
             return 0
-        console.print(f"relaunch: resuming the training in {config.store.uri}", highlight=False, soft_wrap=True)
+        console.print(resuming_line(config), highlight=False, soft_wrap=True)
     else:
         config = new_training(config)
         console.print(f"relaunch: a new training in {config.store.uri} (`relaunch run --resume` continues it)",
@@ -99,16 +101,33 @@ def new_training(config: RelaunchConfig) -> RelaunchConfig:
     return _namespaced(config, candidate)
 
 
+def resuming_line(config: RelaunchConfig) -> str:
+    """What ``--resume`` is about to do with the training of ``config`` (from :func:`resume_training`)."""
+    from components.core.goodput import read_summary
+    from components.core.storage import open_store
+    from components.launch import reached_its_end
+
+    summary = read_summary(open_store(config.store.uri))
+    if reached_its_end(summary):
+        return (f"relaunch: the training in {config.store.uri} reached its end (step {summary['last_step']} of "
+                f"{summary['total_steps']}) but its pipeline did not finish; finishing it: evaluate and register its "
+                f"last checkpoint in MLflow run {summary.get('run_id')}, without training")
+    return f"relaunch: resuming the training in {config.store.uri}"
+
+
 def resume_training(config: RelaunchConfig) -> tuple[RelaunchConfig, str]:
     """The configuration that continues the newest training (its namespace, its MLflow run), and a line
-    to print instead when there is nothing to do ("" otherwise).
+    to print instead when there is nothing to do: its training reached its end and its pipeline
+    finished ("" otherwise).
 
     Raises:
         BadInput: the store holds no training to resume.
     """
     from components.core.errors import BadInput
-    from components.core.goodput import RUN_KEY, TrainSummary, read_summary
+    from components.core.goodput import RUN_KEY, read_summary
     from components.core.storage import open_store
+    from components.finalize import pipeline_finished
+    from components.launch import reached_its_end
 
     names = trainings(config)
     if not names:
@@ -116,12 +135,10 @@ def resume_training(config: RelaunchConfig) -> tuple[RelaunchConfig, str]:
     resumed = _namespaced(config, names[-1])
     store = open_store(resumed.store.uri)
     summary = read_summary(store)
-    if summary:
-        known = {k: v for k, v in summary.items() if k in TrainSummary.__dataclass_fields__}
-        if TrainSummary(**known).reached_the_end:
-            return resumed, (f"relaunch: the training in {resumed.store.uri} already reached its end (step "
-                             f"{summary['last_step']} of {summary['total_steps']}, MLflow run {summary.get('run_id')}); "
-                             "nothing to do — `relaunch run` starts a new training")
+    if reached_its_end(summary) and pipeline_finished(store, summary.get("run_id")):
+        return resumed, (f"relaunch: the training in {resumed.store.uri} already reached its end (step "
+                         f"{summary['last_step']} of {summary['total_steps']}, MLflow run {summary.get('run_id')}); "
+                         "nothing to do — `relaunch run` starts a new training")
     if not resumed.tracking.run_id:
         try:
             resumed.tracking.run_id = json.loads(store.read_bytes(RUN_KEY))["run_id"]

@@ -4,8 +4,9 @@ Runs the whole local pipeline (2 torchrun "nodes" on CPU, embedded store and MLf
 directory) twice: once plainly, for the wall time and each step's seconds from the run's event
 file, and once with ``PYTHONPROFILEIMPORTTIME=1``, for the seconds every process of each step
 (kfp's executor, torchrun agents and workers) spent in imports (the sum of its top-level imports;
-importtime's own overhead makes these a little high). "training" is the productive time the trainer
-measured (goodput); everything else is overhead.
+importtime's own overhead makes these a little high), and the packages those seconds went to
+(``heaviest_imports``). "training" is the productive time the trainer measured (goodput);
+everything else is overhead.
 
 With ``RELAUNCH_BENCH_BASELINE=/path/to/another/checkout`` the plain run is also made with that
 source tree first (``PYTHONPATH``), back to back, and each row gets the baseline's seconds and the
@@ -71,7 +72,13 @@ def step_seconds(events: list[dict]) -> dict[str, tuple[float, float]]:
 
 def import_seconds(log: str) -> dict[str, float]:
     """Step -> seconds its processes spent in top-level imports, from a ``PYTHONPROFILEIMPORTTIME`` log."""
-    totals: dict[str, float] = collections.defaultdict(float)
+    return {step: sum(packages.values()) for step, packages in package_import_seconds(log).items()}
+
+
+def package_import_seconds(log: str) -> dict[str, dict[str, float]]:
+    """Step -> {top-level package: seconds every process of the step spent importing it (with what it
+    imports)}, from a ``PYTHONPROFILEIMPORTTIME`` log."""
+    totals: dict[str, dict[str, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
     step = None
     for line in log.splitlines():
         task = _TASK.search(line)
@@ -80,8 +87,13 @@ def import_seconds(log: str) -> dict[str, float]:
             continue
         found = _IMPORT.search(line)
         if found and step and not found.group(2).startswith(" "):  # top level: the name is not indented
-            totals[step] += int(found.group(1)) / 1e6
-    return dict(totals)
+            totals[step][found.group(2).split(".")[0]] += int(found.group(1)) / 1e6
+    return totals
+
+
+def heaviest(packages: dict[str, float], n: int = 4) -> str:
+    """``"torch 4.1, mlflow 3.2, ..."``: where a step's import seconds go."""
+    return ", ".join(f"{name} {seconds:.1f}" for name, seconds in sorted(packages.items(), key=lambda kv: -kv[1])[:n])
 
 
 def run(quick: bool) -> list[dict]:
@@ -89,7 +101,8 @@ def run(quick: bool) -> list[dict]:
     baseline_source = os.environ.get("RELAUNCH_BENCH_BASELINE")
     baseline = _relaunch_run(steps, source=baseline_source) if baseline_source else None
     plain = _relaunch_run(steps)
-    imports = import_seconds(_relaunch_run(steps, import_times=True)["log"])
+    packages = package_import_seconds(_relaunch_run(steps, import_times=True)["log"])
+    imports = {step: sum(seconds.values()) for step, seconds in packages.items()}
     seconds = step_seconds(plain["events"])
     base_seconds = step_seconds(baseline["events"]) if baseline else {}
 
@@ -101,7 +114,8 @@ def run(quick: bool) -> list[dict]:
         took, training = seconds[step]
         accounted += took
         row = {"step": step, "seconds": took, "imports_s": imports.get(step, 0.0), "training_s": training,
-               "overhead_s": took - training, "overhead_share_of_wall": (took - training) / wall}
+               "overhead_s": took - training, "overhead_share_of_wall": (took - training) / wall,
+               "heaviest_imports": heaviest(packages.get(step, {}))}
         if baseline:
             row.update(baseline_s=base_seconds.get(step, (0.0, 0.0))[0],
                        ratio=took / base_seconds[step][0] if base_seconds.get(step, (0, 0))[0] else 0.0)
@@ -109,11 +123,12 @@ def run(quick: bool) -> list[dict]:
     training = sum(r["training_s"] for r in rows)
     between = {"step": "between steps (kfp.local, process start)", "seconds": wall - accounted,
                "imports_s": 0.0, "training_s": 0.0, "overhead_s": wall - accounted,
-               "overhead_share_of_wall": (wall - accounted) / wall}
+               "overhead_share_of_wall": (wall - accounted) / wall, "heaviest_imports": ""}
     total = {"step": f"total relaunch run ({steps} steps), wall", "seconds": wall, "imports_s": sum(imports.values()),
-             "training_s": training, "overhead_s": wall - training, "overhead_share_of_wall": (wall - training) / wall}
+             "training_s": training, "overhead_s": wall - training, "overhead_share_of_wall": (wall - training) / wall,
+             "heaviest_imports": ""}
     cpu = {"step": "total CPU seconds (all processes)", "seconds": plain["cpu"], "imports_s": 0.0,
-           "training_s": 0.0, "overhead_s": 0.0, "overhead_share_of_wall": 0.0}
+           "training_s": 0.0, "overhead_s": 0.0, "overhead_share_of_wall": 0.0, "heaviest_imports": ""}
     if baseline:
         base_accounted = sum(v[0] for v in base_seconds.values())
         between.update(baseline_s=baseline["wall"] - base_accounted,

@@ -137,13 +137,14 @@ def test_checkpoint_tags_name_the_folder_and_are_marked_when_retention_deleted_i
     assert tags["relaunch.resumed_from"] == store.uri_for(step_key(20))
 
 
-def test_off_rank_0_the_tracking_object_does_nothing(tmp_path):
+def test_off_rank_0_the_tracking_object_does_nothing(tmp_path, capsys):
     from components.core.train_tracking import TrainingTracker
 
     tracker = TrainingTracker(RelaunchConfig(), None, enabled=False, run_id=None, attempt=3)
     tracker.start(resumed_from=-1, resumed_uri=None, params={"a": 1}, world_size=2)
     tracker.step_done(1)
-    tracker.log_step(1, {"train/loss": 1.0}, slow={"train/epoch": 0.0})
+    tracker.log_step(1, {"train/loss": 1.0}, {"train/epoch": 0.0}, total_steps=2, epoch=0, spike=True)
     tracker.log_evaluation(1, {"val_loss": 1.0}, before_checkpoint=True)
     tracker.finish(1, {}, {})
     assert tracker.logger is None and tracker.recent == [] and tracker.overhead(1, 1.0) == {}
+    assert capsys.readouterr() == ("", "")  # no RELAUNCH_RESUMED/PROGRESS line, no spike line

@@ -74,6 +74,8 @@ CASES = [
     ("failure-spec-unknown", ["--inject-failure", "explode@step=3"], {}, "is not a failure spec"),
     ("failure-step-not-a-number", ["--inject-failure", "kill-worker@step=x"], {}, "is not a failure spec"),
     ("min-nodes-above-nodes", ["--set", "launch.min_nodes=5"], {}, "min_nodes=5 exceeds nodes=2"),
+    ("batch-not-divisible-by-the-world-size", ["--set", "launch.nodes=3"], {},
+     "train.global_batch_size=64 is not divisible by the world size 3"),
     ("port-out-of-range", ["--set", "launch.rdzv_port=70000"], {}, "launch.rdzv_port"),
     ("evaluate-checkpoint-unknown", ["--set", "evaluate.checkpoint=worst"], {}, "evaluate.checkpoint"),
     ("negative-margin", ["--set", "registry.champion_margin=-1"], {}, "registry.champion_margin"),

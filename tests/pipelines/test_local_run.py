@@ -1,8 +1,9 @@
 """The whole pipeline on this machine (``relaunch run``: kfp.local, real torchrun, real MLflow), end to end:
-the README's demo lines in their order (a plain run, a new training with a worker killed mid-training, a
-``--resume`` of a finished training), against real services (an S3 server over HTTP, an ``mlflow server``
-on Postgres), with a whole launch step failing and retried, and with permanent failures that must stop
-the pipeline at once."""
+the README's in-order demo (a plain run, a new training with a worker killed mid-training, a ``--resume``
+of a finished training), each line of the README's table of more failures to try (preempt, a storage
+outage, three nodes), a ``--resume`` that finishes a pipeline whose register failed, against real services
+(an S3 server over HTTP, an ``mlflow server`` on Postgres), with a whole launch step failing and retried,
+a last attempt killed with nothing after it, and permanent failures that must stop the pipeline at once."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from components.core.config import RelaunchConfig
-from components.core.exitcodes import RETRYABLE
+from components.core.exitcodes import RETRYABLE, ExitCode
+from components.core.goodput import load_attempts
+from components.core.storage import open_store
 
 ROOT = Path(__file__).resolve().parents[2]
 RELAUNCH = str(Path(sys.executable).parent / "relaunch")
@@ -76,22 +79,50 @@ def newest_training(root: str) -> str:
     return f"{root.rstrip('/')}/trainings/{names[-1]}"
 
 
+def _readme() -> str:
+    return (ROOT / "README.md").read_text()
+
+
+def _make_run_args(line: str) -> list[str]:
+    """``make run`` -> [], ``make run ARGS="..."`` -> its arguments."""
+    found = re.match(r'make run(?: ARGS="([^"]*)")?(?:\s|$)', line)
+    assert found, line
+    return shlex.split(found.group(1) or "")
+
+
 def readme_demo() -> list[list[str]]:
-    """The README's demo lines, in order, as ``relaunch run`` arguments: ``make run`` of "Two commands",
-    then each ``make run ARGS="..."`` of the fault-tolerance block."""
-    text = (ROOT / "README.md").read_text()
-    lines = [[]] if re.search(r"^make run\s", text, re.M) else []
-    for args in re.findall(r'^make run ARGS="([^"]*)"', text, re.M):
-        lines.append(shlex.split(args))
-    return lines
+    """The README's in-order demo (the block after "runs them in this order"), as ``relaunch run`` arguments."""
+    block = re.search(r"runs them in this order:\n\n```\n(.*?)```", _readme(), re.S)
+    assert block, "the README lost its in-order demo"
+    return [_make_run_args(line) for line in block.group(1).splitlines() if line.startswith("make run")]
 
 
-# ---------------------------------------------------------------- the README's demo, in order
+def readme_tries() -> dict[str, list[str]]:
+    """The README's table of more failures to try: the test named on each row -> that row's arguments."""
+    rows = re.findall(r"^\| `(make run[^`]*)` \|[^|]*\| `(test_\w+)` \|$", _readme(), re.M)
+    return {test: _make_run_args(line) for line, test in rows}
+
+
+def readme_line(test: str) -> list[str]:
+    """The arguments of the README row that names ``test``."""
+    return readme_tries()[test]
+
+
+# the tests the README's table names; each runs its row's line, read from the README by readme_line
+PREEMPT = "test_a_preempted_training_checkpoints_exits_143_and_resumes"
+OUTAGE = "test_a_storage_outage_on_s3_is_absorbed_and_the_pipeline_finishes"
+THREE_NODES = "test_three_nodes_train_and_a_failed_launch_step_is_retried_and_resumes"
+
+
+def test_each_row_of_the_readme_failures_table_names_a_test_here_that_runs_its_line():
+    assert set(readme_tries()) == {PREEMPT, OUTAGE, THREE_NODES}
+    assert all(callable(globals().get(name)) for name in (PREEMPT, OUTAGE, THREE_NODES))
+
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    """``make run``, then ``make run ARGS="--inject-failure kill-worker@step=30"``, then
-    ``make run ARGS="--resume"``, as the README lists them, in one directory (shortened trainings)."""
+    """The README's in-order demo: ``make run``, then ``make run ARGS="--inject-failure kill-worker@step=30"``,
+    then ``make run ARGS="--resume"``, in one directory (shortened trainings)."""
     lines = readme_demo()
     plain, kill, resume = lines[0], lines[1], lines[-1]
     assert (plain, kill, resume) == ([], ["--inject-failure", "kill-worker@step=30"], ["--resume"]), lines
@@ -117,9 +148,9 @@ def test_the_embedded_run_finishes_despite_the_killed_worker(embedded):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
 
-def test_a_whole_pipeline_run_leaves_no_checkpoint_manager_temp_directory_behind(embedded):
-    cwd, _ = embedded
-    assert sorted(p.name for p in (cwd / "tmp").glob("relaunch-ckpt-*")) == []
+def test_a_whole_pipeline_run_leaves_no_temp_directory_of_ours_behind(embedded):
+    cwd, _ = embedded  # relaunch-ckpt-* (checkpoint manager), relaunch-goodput-* (trainer), relaunch-model-* (register)
+    assert sorted(p.name for p in (cwd / "tmp").glob("relaunch-*")) == []
 
 
 def resumed_step(cwd: Path) -> int:
@@ -165,6 +196,7 @@ def test_each_relaunch_run_is_a_new_training_with_its_own_mlflow_run_and_both_fi
     assert plain.data.tags["relaunch.restarts"] == "0" and killed.data.tags["relaunch.restarts"] == "1"
     assert summary_of(first_training)["resumed_from_steps"] == [-1]
     assert "0 torchrun restart(s)" in first.stdout and "1 torchrun restart(s)" in second.stdout
+    assert "relaunch-digits version 1" in first.stdout  # what the README's first demo line promises
 
 
 def test_resuming_a_training_that_reached_its_end_says_so_in_one_line_and_trains_nothing(demo):
@@ -233,37 +265,121 @@ def test_the_output_is_a_line_per_step_and_a_summary_with_the_restart(embedded):
     assert "KFP Executor" not in text  # kfp.local's chatter went to the log file
 
 
-# ---------------------------------------------------------------- real services
+# ---------------------------------------------------------------- the README's table of more failures
 
-def test_the_pipeline_runs_against_s3_and_an_mlflow_server_on_postgres(tmp_path, s3_env, mlflow_server):
+
+def pipeline_log(cwd: Path) -> str:
+    return sorted((cwd / ".relaunch" / "runs").rglob("pipeline.log"))[-1].read_text()
+
+
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory):
+    """The README's preempt line on a 40-step training whose register fails (a champion metric the
+    evaluation does not report), then ``--resume``."""
+    cwd = tmp_path_factory.mktemp("preempted")
+    length = ("--set", "train.max_steps=40")
+    failed = relaunch_run(cwd, *length, *readme_line(PREEMPT), "--set", "registry.champion_metric=acuracy")
+    finished = relaunch_run(cwd, *length, "--resume")
+    return cwd, failed, finished
+
+
+def test_a_preempted_training_checkpoints_exits_143_and_resumes(preempted):
+    cwd, failed, _ = preempted
+    run = _runs(cwd)[0]
+    tags = run.data.tags
+    assert tags["relaunch.attempt.1.exit_code"] == "143" and tags["relaunch.attempt.2.exit_code"] == "0"
+    stopped_at = int(tags["relaunch.attempt.1.last_step"])
+    assert stopped_at >= 30 and tags["relaunch.attempt.2.resumed_from_step"] == str(stopped_at)  # nothing recomputed
+    assert summary_of(newest_training(str(cwd / ".relaunch/store")))["resumed_from_steps"] == [-1, stopped_at]
+    assert "1 torchrun restart(s), 0 launch retries" in failed.stdout, failed.stdout[-3000:]
+
+
+def test_resume_after_a_failed_register_finishes_the_pipeline_in_the_same_run_without_training(preempted):
+    cwd, failed, finished = preempted
+    assert failed.returncode == 2 and "register failed (exit 2)" in failed.stderr, failed.stderr[-3000:]
+    assert "registry.champion_metric: 'acuracy'" in failed.stderr
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    assert "reached its end (step 40 of 40) but its pipeline did not finish" in finished.stdout
+    assert "nothing to launch" in pipeline_log(cwd)
+    assert not [e for e in events(cwd) if e["kind"] in ("resumed", "progress")]  # the resume trained nothing
+    (run,) = _runs(cwd)
+    tags = run.data.tags
+    assert run.info.status == "FINISHED" and "relaunch.end_reason" not in tags
+    assert (tags["relaunch.attempts"], tags["relaunch.restarts"], tags["goodput.attempts"]) == ("2", "1", "2")
+    assert "Outcome: FINISHED" in tags["mlflow.note.content"]
+    client = MlflowClient(f"sqlite:///{cwd}/.relaunch/mlflow.db")
+    (version,) = client.search_model_versions("name = 'relaunch-digits'")
+    training = newest_training(str(cwd / ".relaunch/store"))
+    assert version.run_id == run.info.run_id
+    assert version.tags["relaunch.checkpoint_uri"] == f"{training}/checkpoints/step-000000000040"
+    for needle in ("relaunch-digits version 1", "1 torchrun restart(s)", f"runs/{run.info.run_id}?workflowType"):
+        assert needle in finished.stdout, needle
+
+
+def test_a_storage_outage_on_s3_is_absorbed_and_the_pipeline_finishes(tmp_path, s3_env, mlflow_server):
+    """The README's storage-outage line against real services: an S3 server over HTTP and an
+    ``mlflow server`` on Postgres."""
     s3_env.create_bucket("relaunch-e2e")
-    out = relaunch_run(tmp_path, "--set", "train.max_steps=20", "--set", "store.uri=s3://relaunch-e2e/run",
-                       "--set", f"tracking.uri={mlflow_server.uri}", "--set", "registry.model_name=e2e-digits",
-                       "--set", "evaluate.gate_min=0.1")
+    out = relaunch_run(tmp_path, "--set", "train.max_steps=40", *readme_line(OUTAGE),
+                       "--set", "store.uri=s3://relaunch-e2e/run", "--set", f"tracking.uri={mlflow_server.uri}",
+                       "--set", "registry.model_name=e2e-digits", "--set", "evaluate.gate_min=0.1")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "inject storage-outage: the store fails for 3 s" in pipeline_log(tmp_path)
+    assert "0 torchrun restart(s), 0 launch retries" in out.stdout
     training = newest_training("s3://relaunch-e2e/run")
-    assert summary_of(training)["last_committed_step"] == 20
+    assert summary_of(training)["last_committed_step"] == 40
     client = MlflowClient(mlflow_server.uri)
     (version,) = client.search_model_versions("name = 'e2e-digits'")
-    assert version.tags["relaunch.checkpoint_uri"] == f"{training}/checkpoints/step-000000000020"
+    assert version.tags["relaunch.checkpoint_uri"] == f"{training}/checkpoints/step-000000000040"
     assert client.get_run(version.run_id).info.status == "FINISHED"
     assert not (tmp_path / ".relaunch/store").exists() and not (tmp_path / ".relaunch/mlflow.db").exists()
 
 
 # ---------------------------------------------------------------- a whole launch step retried
 
-def test_a_launch_step_failing_with_a_retryable_code_is_retried_with_backoff_and_resumes(tmp_path):
+def test_three_nodes_train_and_a_failed_launch_step_is_retried_and_resumes(tmp_path):
     # synchronous saves: step 10 is committed before step 11 starts, however loaded the machine is
-    out = relaunch_run(tmp_path, "--set", "train.max_steps=30", "--set", "launch.max_restarts=0",
-                       "--set", "train.async_save=false", "--inject-failure", "kill-worker@step=15")
+    out = relaunch_run(tmp_path, "--set", "train.max_steps=30", *readme_line(THREE_NODES),
+                       "--set", "launch.max_restarts=0", "--set", "train.async_save=false",
+                       "--inject-failure", "kill-worker@step=15")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     evs = events(tmp_path)
     (retry,) = [e for e in evs if e["kind"] == "retry"]
-    # the killed worker's peer reports 138 ("a peer rank failed") or the kill itself shows as 137: both retryable
+    # the killed worker's peers report 138 ("a peer rank failed") or the kill itself shows as 137: both retryable
     assert retry["step"] == "launch" and retry["exit_code"] in RETRYABLE and retry["delay"] == 10
     assert [e["step"] for e in evs if e["kind"] == "step-start"].count("launch") == 2
-    assert summary_of(newest_training(str(tmp_path / ".relaunch/store")))["resumed_from_steps"][-1] == 10
+    training = newest_training(str(tmp_path / ".relaunch/store"))
+    assert summary_of(training)["resumed_from_steps"][-1] == 10
+    assert [a.world_size for a in load_attempts(open_store(training))] == [3, 3]
     assert "↻ launch" in out.stdout and "1 launch retry" in out.stdout
+
+
+# ---------------------------------------------------------------- a last attempt killed, nothing after it
+
+def test_a_last_attempt_killed_with_no_attempt_after_it_is_recorded_by_finalize(tmp_path, monkeypatch):
+    """One node, one process, no restarts: the killed rank is rank 0, so no trainer is left to tag its
+    attempt; the launch step fails (run by hand here: no pipeline retry follows) and finalize records it."""
+    from components import finalize, launch, prepare
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RELAUNCH_EVENTS", raising=False)
+    config = RelaunchConfig.model_validate({
+        "store": {"uri": str(tmp_path / "store")}, "tracking": {"uri": f"sqlite:///{tmp_path}/mlflow.db"},
+        "train": {"max_steps": 20, "hidden_size": 32, "checkpoint_every_steps": 2},
+        "launch": {"nodes": 1, "procs_per_node": 1, "max_restarts": 0, "rdzv_port": 0,
+                   "inject_failure": "kill-worker@step=7"}})
+    resolved = RelaunchConfig.from_json(prepare.run(config, pipeline_run_id="by-hand").config_json)
+    with pytest.raises(launch.LaunchFailed) as failed:
+        launch.run(resolved, pipeline_run_id="by-hand")
+    assert failed.value.exit_code == ExitCode.KILLED
+    finalize.run(config, pipeline_run_id="by-hand", state="FAILED", error=str(failed.value))
+    run = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(resolved.tracking.run_id)
+    tags = run.data.tags
+    assert run.info.status == "FAILED"
+    assert (tags["relaunch.attempt.1.exit_code"], tags["relaunch.attempt.1.resumed_from_step"]) == ("137", "-1")
+    assert 0 <= int(tags["relaunch.attempt.1.last_step"]) < 7 and tags["relaunch.attempt.1.end_recorded"] == "false"
+    assert tags["relaunch.attempt.1.start"] <= tags["relaunch.attempt.1.end"]
+    assert (tags["relaunch.attempts"], tags["relaunch.restarts"]) == ("1", "0")
 
 
 # ---------------------------------------------------------------- permanent failures stop at once

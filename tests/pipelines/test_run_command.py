@@ -12,7 +12,8 @@ from components.core import goodput
 from components.core.config import RelaunchConfig
 from components.core.errors import BadInput
 from components.core.storage import open_store
-from pipelines.commands.run import new_training, resume_training, trainings
+from components.finalize import write_pipeline_finished
+from pipelines.commands.run import new_training, resume_training, resuming_line, trainings
 
 
 def _config(root) -> RelaunchConfig:
@@ -47,7 +48,18 @@ def test_resume_continues_the_newest_unfinished_training_in_its_mlflow_run(tmp_p
     assert done == "" and config.store.uri == newest.uri and config.tracking.run_id == "run-b"
 
 
-def test_resuming_a_training_that_reached_its_end_is_one_line_of_nothing_to_do(tmp_path):
-    _summary(open_store(f"{tmp_path}/trainings/20260101-000000"), 76, 76)
+def test_resuming_a_training_whose_pipeline_finished_is_one_line_of_nothing_to_do(tmp_path):
+    training = f"{tmp_path}/trainings/20260101-000000"
+    _summary(open_store(training), 76, 76)
+    write_pipeline_finished(RelaunchConfig.model_validate({"store": {"uri": training}}), "run-a", "pipeline-1")
     _, done = resume_training(_config(tmp_path))
     assert "already reached its end (step 76 of 76" in done and "\n" not in done
+
+
+def test_resuming_a_training_that_reached_its_end_but_whose_pipeline_did_not_finish_runs_the_pipeline(tmp_path):
+    store = open_store(f"{tmp_path}/trainings/20260101-000000")
+    _summary(store, 76, 76)  # trained to its end; evaluate or register failed, so finalize wrote no record
+    store.write_bytes(goodput.RUN_KEY, json.dumps({"run_id": "run-a"}).encode())
+    config, done = resume_training(_config(tmp_path))
+    assert done == "" and config.tracking.run_id == "run-a"
+    assert "reached its end (step 76 of 76) but its pipeline did not finish" in resuming_line(config)

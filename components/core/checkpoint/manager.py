@@ -30,12 +30,8 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
-
-from components.core.checkpoint import legacy_v1
 from components.core.checkpoint.layout import (FORMAT_VERSION, INFLIGHT, LATEST, MANIFEST, METADATA, PINS,
                                                CheckpointInfo, checkpoint_steps, info_of, manifest_body, now,
                                                parse_checkpoint_uri, parse_pin, pin_key, read_json,
@@ -44,7 +40,10 @@ from components.core.checkpoint.lease import Lease, default_owner
 from components.core.checkpoint.retention import apply_retention
 from components.core.checkpoint.verify import CHUNK_BYTES, DIGEST, ChunkDigests, check_files, deep_verify
 from components.core.errors import BadInput, CorruptCheckpoint, RelaunchError, TransientFailure
-from components.core.storage import PreconditionFailed, Store, open_store
+from components.core.storage import FileStore, PreconditionFailed, Store, open_store
+
+if TYPE_CHECKING:
+    import torch
 
 # A single process is a supported use (tests, evaluation, the CLI): DCP's note about it is noise.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")
@@ -82,6 +81,8 @@ def _original(err: BaseException) -> BaseException:
 
 
 def _state_bytes(snapshot: Any) -> int:
+    import torch
+
     total = 0
 
     def visit(obj: Any) -> None:
@@ -104,6 +105,8 @@ def _memcpy(dest: torch.Tensor, src: torch.Tensor) -> None:
     """One plain memcpy of a contiguous CPU tensor. ``Tensor.copy_`` splits a large copy over
     torch's intra-op threads, which on a busy machine wait on each other: measured on the shared
     2-core machine, 128 MiB took 190-260 ms with 2 threads and 60-100 ms as one memcpy."""
+    import torch
+
     memoryview(dest.reshape(-1).view(torch.uint8).numpy())[:] = memoryview(src.reshape(-1).view(torch.uint8).numpy())
 
 
@@ -111,6 +114,7 @@ def _memcpy_unlocked(dest: torch.Tensor, src: torch.Tensor) -> None:
     """:func:`_memcpy` for the background thread: numpy's copy releases the GIL (a memoryview
     assignment holds it), so the training thread's Python runs while the bytes move."""
     import numpy as np
+    import torch
 
     np.copyto(dest.reshape(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy())
 
@@ -120,6 +124,7 @@ def _storages(state: Any) -> set[int]:
     that only ``optimizer.step()`` (or a load) changes in place, so a snapshot may copy them while
     the next step's forward and backward read them. Every other tensor of the state (buffers such
     as BatchNorm statistics, which the forward updates; RNG states; extras) is copied in save()."""
+    import torch
     from torch.distributed.tensor import DTensor
 
     parts = [getattr(state, "model", None), getattr(state, "optimizer", None)]
@@ -200,7 +205,8 @@ class CheckpointManager:
         self._closed = False
         self._cache_dir = Path(cache_dir) if cache_dir is not None else None
         self._own_cache: Path | None = None
-        self._distributed = dist.is_available() and dist.is_initialized()
+        dist = sys.modules.get("torch.distributed")  # an initialized process group imported it already
+        self._distributed = dist is not None and dist.is_available() and dist.is_initialized()
         self._node_group, self._node_ranks = None, None
         if self._distributed:
             self._group = process_group or dist.new_group(backend="gloo")
@@ -212,6 +218,8 @@ class CheckpointManager:
 
     def _make_node_groups(self, per_node: int) -> None:
         """One gloo group per node (collective: every rank makes every group, in the same order)."""
+        import torch.distributed as dist
+
         if per_node <= 1 or self.world_size % per_node or per_node > self.world_size:
             return
         self._node_ranks = [list(range(n, n + per_node)) for n in range(0, self.world_size, per_node)]
@@ -265,6 +273,8 @@ class CheckpointManager:
                 epoch = int(state.epoch)
             job = _Job(step, int(epoch), None, {k: float(v) for k, v in (metrics or {}).items()}, t0)
             job.snapshot = self._snapshot(state, job.copies if self.async_save and defer_copy else None)
+            import torch
+
             if torch.cuda.is_available():
                 job.cuda_device = torch.cuda.current_device()  # the background thread's would be device 0
                 job.cuda_ready = torch.cuda.Event()
@@ -460,6 +470,8 @@ class CheckpointManager:
             if kind == "err":
                 raise value
             return value
+        import torch.distributed as dist
+
         local = (kind, (type(value).__name__, str(value)) if kind == "err" else value)
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, local if share and self.rank == 0 or kind == "err" else ("ok", None),
@@ -485,6 +497,8 @@ class CheckpointManager:
         are appended to it as (buffer, live tensor) for the background thread instead of made here;
         everything else (counters, RNG states, scheduler and scaler state, buffers) is copied now.
         """
+        import torch
+
         if hasattr(state, "state_dict") and not isinstance(state, dict):
             sd = state.state_dict()
         else:
@@ -494,6 +508,8 @@ class CheckpointManager:
         return self._copy(sd, "", torch.cuda.is_available(), later, deferred)
 
     def _copy(self, obj: Any, path: str, pin: bool, later: set[int] = frozenset(), deferred: list | None = None) -> Any:
+        import torch
+
         from torch.distributed.tensor import DTensor
 
         if isinstance(obj, DTensor):  # this rank's shard, re-wrapped so DCP still sees the global layout
@@ -519,6 +535,8 @@ class CheckpointManager:
 
     def _copy_deferred(self, job: _Job) -> None:
         """The background half of an async snapshot; :meth:`wait_for_snapshot` waits for it."""
+        import torch
+
         try:
             if job.cuda_ready is None:
                 for buf, src in job.copies:
@@ -547,6 +565,7 @@ class CheckpointManager:
             job.snapshot = None
 
     def _persist(self, job: _Job) -> CheckpointInfo:
+        import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
         from components.core.checkpoint.dcp_io import StoreWriter
@@ -697,8 +716,11 @@ class CheckpointManager:
         from components.core.safe_pickle import load_metadata
 
         if manifest["format_version"] == 1:
+            from components.core.checkpoint import legacy_v1
+
+            cache = None if type(store) is FileStore else self._cache()  # a local store is read in place
             local = self._agree(self._catch(lambda: str(legacy_v1.materialize(
-                store, info.step, manifest, self._cache()))), share=False)
+                store, info.step, manifest, cache))), share=False)
             metadata = legacy_v1.read_metadata(local)
             reader = legacy_v1.safe_reader(local)
         else:
@@ -733,6 +755,7 @@ class CheckpointManager:
             raise
 
     def _dcp_load_into(self, state: Any, wrapped: bool, stored: set[str], reader: Any, info: CheckpointInfo) -> None:
+        import torch
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.stateful import Stateful

@@ -1,0 +1,141 @@
+"""The trainer's side of its checkpoints: when it saves (:class:`SaveCadence`) and how
+(:class:`TrainerCheckpoints`: evaluate, then save; the commits of background saves recorded in the
+attempt record and tagged on the MLflow run; the last save on preemption when it fits the grace)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Callable
+
+from components.core.health import save_fits_grace
+from components.core.train_tracking import emit
+
+
+class SaveCadence:
+    """Every ``train.checkpoint_every_steps`` steps, at each epoch's end (``train.checkpoint_at_epoch_end``),
+    and every ``train.checkpoint_every_seconds`` of rank 0's clock (the ranks agree on that one in the
+    step's all-reduce, so every rank saves at the same step). Never at the last step: the end of the
+    training saves that one."""
+
+    def __init__(self, train, steps_per_epoch: int, total_steps: int, *, keeps_time: bool):
+        self.every_steps = train.checkpoint_every_steps
+        self.every_seconds = train.checkpoint_every_seconds if keeps_time else None
+        self.at_epoch_end = train.checkpoint_at_epoch_end
+        self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
+        self.last_save = time.monotonic()
+
+    def time_due(self) -> bool:
+        """This rank's clock says a save is due (only the rank that keeps the time ever says so)."""
+        return self.every_seconds is not None and time.monotonic() - self.last_save >= self.every_seconds
+
+    def wanted(self, step: int, time_due: bool) -> bool:
+        """Whether to save after ``step`` (``time_due``: what the ranks agreed on)."""
+        epoch_end = self.at_epoch_end and step % self.steps_per_epoch == 0
+        every = self.every_steps and step % self.every_steps == 0
+        return bool(time_due or epoch_end or every) and step < self.total_steps
+
+    def restart_clock(self) -> None:
+        self.last_save = time.monotonic()
+
+
+class TrainerCheckpoints:
+    """Evaluate-then-save at the cadence, on every rank, and the bookkeeping of commits (rank 0)."""
+
+    def __init__(self, config, env, manager, state, tracker, log, attempt: int,
+                 evaluate_split: Callable[[], dict[str, float]], peers: Callable[[], Any],
+                 steps_per_epoch: int, total_steps: int):
+        self.t = config.train
+        self.env, self.manager, self.state = env, manager, state
+        self.tracker, self.log, self.attempt = tracker, log, attempt
+        self.evaluate_split, self.peers = evaluate_split, peers
+        self.cadence = SaveCadence(config.train, steps_per_epoch, total_steps, keeps_time=env.is_main)
+        self.last_saved = -1
+        self.last_committed = None  # CheckpointInfo of the newest committed checkpoint known here
+        self.overhead = 0.0  # checkpoint stall + evaluation, this attempt
+        self._pending: dict[int, tuple[float, float]] = {}  # rank 0: step -> (done at, overhead then)
+
+    def close(self, *, after_failure: bool = False) -> None:
+        """Wait for the pending save and release the store. After a failure this lets an in-flight save
+        of a good state finish, and an error closing is only printed: the first error wins."""
+        try:
+            self.manager.close()
+        except Exception as err:  # noqa: BLE001 - cleanup after a failure; the first error wins
+            if not after_failure:
+                raise
+            print(f"relaunch: closing the checkpoint manager: {err}", file=sys.stderr)
+
+    def evaluate(self) -> dict[str, float]:
+        """Validation metrics (``val_*``), timed as overhead."""
+        began = time.perf_counter()
+        with self.peers():  # under FSDP the forward gathers parameters from the other ranks
+            metrics = {f"val_{k}": v for k, v in self.evaluate_split().items()}
+        spent = time.perf_counter() - began
+        self.overhead += spent
+        if self.log:
+            self.log.record.eval_seconds += spent
+        return metrics
+
+    def save(self, step: int, *, wait: bool = False) -> None:
+        """Checkpoint ``step`` (a no-op if it is already saved); ``wait`` until it is committed."""
+        if step == self.last_saved:
+            if wait:
+                self.note_commit()
+            return
+        metrics = self.evaluate()
+        if self.env.is_main:
+            emit("SAVING", {"step": step, "attempt": self.attempt})
+        self.tracker.log_evaluation(step, metrics, before_checkpoint=True)
+        began, step_done_at = time.perf_counter(), time.time()
+        self.note_commit()  # the previous async save commits here (save() waits too)
+        with self.peers():
+            self.manager.save(step, self.state, metrics=metrics, epoch=self.state.epoch, defer_copy=True)
+        if self.env.is_main:
+            self._pending[step] = (step_done_at, self.overhead)
+        if wait:
+            self.note_commit()
+        stall = time.perf_counter() - began
+        self.overhead += stall
+        self.last_saved = step
+        if self.log:
+            self.log.record.stall_seconds += stall
+        self.cadence.restart_clock()
+
+    def wait_for_snapshot(self) -> None:
+        """Call before the optimizer step: an async save may still be copying the parameters and
+        optimizer state it changes. The time blocked is checkpoint stall."""
+        blocked = self.manager.wait_for_snapshot()
+        self.overhead += blocked
+        if self.log:
+            self.log.record.stall_seconds += blocked
+
+    def note_commit(self) -> None:
+        """Wait for the pending save; record and tag it once committed (an async save commits while
+        the next steps run)."""
+        with self.peers():
+            latest = self.manager.wait()
+        if latest is None:
+            return
+        self.last_committed = latest
+        if not self.env.is_main:
+            return
+        done_at, overhead = self._pending.pop(latest.step, (time.time(), self.overhead))
+        self.log.committed(latest.step, done_at, overhead)
+        self.tracker.checkpoint_committed(latest)
+
+    def save_on_preemption(self, step: int, grace_left_seconds: float) -> bool:
+        """Save ``step`` if rank 0 finds that a save fits the grace left (every rank gets its answer),
+        else only let the pending save commit; whether it saved."""
+        from components.core import distributed as distr
+
+        fits = True
+        if self.env.is_main:
+            last_save = float(getattr(self.manager, "last_save_seconds", 0.0) or 0.0)
+            fits = save_fits_grace(last_save, grace_left_seconds)
+        with self.peers():
+            fits = distr.broadcast_object(fits)
+        if fits:
+            self.save(step, wait=True)
+        else:
+            self.note_commit()
+        return fits

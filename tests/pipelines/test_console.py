@@ -1,0 +1,57 @@
+"""What ``relaunch run`` prints is read from the steps' typed outputs: the events a run writes (as
+pipelines/kfp_entry.py writes them) become each step's outputs dataclass, and the step lines and the
+summary are rendered from those."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import time
+
+from rich.console import Console
+
+from components.core.config import RelaunchConfig
+from components.evaluate import EvaluateOutputs
+from components.finalize import FinalizeOutputs
+from components.launch import LaunchOutputs
+from components.locate import LocateOutputs
+from components.prepare import PrepareOutputs
+from components.register import RegisterOutputs
+from pipelines.console import RunView, render_summary
+from pipelines.local_run import RunResult
+
+OUTPUTS = {
+    # no MLflow run id: the summary's MLflow line would ask a tracking server for the run's experiment
+    "prepare": PrepareOutputs(config_json="{}", run_id="", dataset_version="ds-1", dataset_uri="/data/ds-1"),
+    "locate-latest-checkpoint": LocateOutputs(checkpoint_uri="", step=-1, source="none"),
+    "launch": LaunchOutputs(exit_code=0, restarts=1, resumed_from_steps="[-1, 30]", train_seconds=1.5,
+                            duration_seconds=9.0, ettr=0.4, last_checkpoint_uri="/c/step-40", job_name="j"),
+    "evaluate": EvaluateOutputs(metrics_json='{"accuracy": 0.9}', passed=True, checkpoint_uri="/c/step-40", step=40),
+    "register": RegisterOutputs(model_name="relaunch-digits", version="2", aliases='["challenger"]',
+                                champion_version="1", champion_decision="kept the champion"),
+    "finalize": FinalizeOutputs(run_id="r1", status="FINISHED"),
+}
+
+
+def test_the_step_lines_and_the_summary_come_from_each_steps_outputs_dataclass(tmp_path):
+    events = tmp_path / "events.jsonl"
+    with open(events, "w") as fh:
+        for step, outputs in OUTPUTS.items():
+            now = time.time()
+            fh.write(json.dumps({"kind": "step-start", "time": now, "step": step}) + "\n")
+            fh.write(json.dumps({"kind": "step-end", "time": now + 1, "step": step, "exit_code": 0,
+                                 "outputs": dataclasses.asdict(outputs)}) + "\n")
+    out = io.StringIO()
+    console = Console(file=out, width=200)
+    view = RunView(console, events, tmp_path / "pipeline.log")
+    view.start()
+    view.stop()  # reads to the end of the file
+    assert {step: rec.outputs for step, rec in view.steps.items()} == OUTPUTS
+    config = RelaunchConfig.model_validate({"store": {"uri": str(tmp_path / "store")}})
+    render_summary(config, RunResult(exit_code=0, seconds=12.0, steps=view.steps, run_dir=tmp_path), console)
+    text = out.getvalue()
+    for needle in ("dataset ds-1", "no checkpoint: fresh start", "1 restart(s), ETTR 0.400",
+                   "accuracy 0.9000 at step 40, gate passed", "relaunch-digits version 2, aliases challenger",
+                   "resumed from step 30", "MLflow run FINISHED"):
+        assert needle in text, needle

@@ -1,0 +1,49 @@
+"""When the trainer saves, and the order it reads the data in: pure functions of the configuration,
+checked without starting a training."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from components.core.config import RelaunchConfig
+from components.core.train_checkpoints import SaveCadence
+from components.core.train_setup import TrainData
+
+
+def _train(**fields):
+    return RelaunchConfig.model_validate({"train": fields}).train
+
+
+@pytest.mark.parametrize("fields,steps_per_epoch,total,saved_after", [
+    ({"checkpoint_every_steps": 10, "checkpoint_at_epoch_end": False}, 100, 35, [10, 20, 30]),
+    ({"checkpoint_every_steps": 10, "checkpoint_at_epoch_end": True}, 19, 40, [10, 19, 20, 30, 38]),
+    ({"checkpoint_every_steps": None, "checkpoint_at_epoch_end": True}, 19, 38, [19]),  # 38: the end saves it
+    ({"checkpoint_every_steps": None, "checkpoint_at_epoch_end": False}, 19, 40, []),
+])
+def test_saves_come_every_n_steps_and_at_epoch_ends_but_never_at_the_last_step(fields, steps_per_epoch, total,
+                                                                               saved_after):
+    cadence = SaveCadence(_train(**fields), steps_per_epoch, total, keeps_time=True)
+    assert [s for s in range(1, total + 1) if cadence.wanted(s, time_due=False)] == saved_after
+
+
+def test_only_the_rank_that_keeps_the_time_says_a_timed_save_is_due():
+    train = _train(checkpoint_every_seconds=1e-9, checkpoint_every_steps=None)
+    assert SaveCadence(train, 10, 100, keeps_time=True).time_due()
+    assert not SaveCadence(train, 10, 100, keeps_time=False).time_due()
+    assert SaveCadence(train, 10, 100, keeps_time=False).wanted(5, time_due=True)  # what the ranks agreed on
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_the_ranks_slices_of_a_step_are_the_global_batch_whatever_the_world_size(world_size):
+    n, global_batch = 64, 8
+    data = TrainData({}, torch.arange(n, dtype=torch.float32)[:, None], torch.arange(n), global_batch, seed=3,
+                     steps_per_epoch=n // global_batch, total_steps=20)
+    perm = data.permutation(epoch=1)
+    for step in (0, 5, 9):
+        rows = [data.batch(step, perm, rank, world_size, "cpu")["index"] for rank in range(world_size)]
+        start = (step % data.steps_per_epoch) * global_batch
+        assert np.array_equal(torch.cat(rows).numpy(), perm[start:start + global_batch])
+    assert not np.array_equal(data.permutation(0), data.permutation(1))
+    assert np.array_equal(data.permutation(1), perm)
