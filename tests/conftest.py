@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 from pathlib import Path
 
@@ -12,6 +13,16 @@ from tests.services import MlflowServer, Postgres, S3Server
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMAS = ROOT.parent / "shared" / "schemas"
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_configure(config):
+    # A session stopped by SIGTERM (CI's or timeout's) tears its servers down like a Ctrl-C does,
+    # instead of leaving PostgreSQL, moto and mlflow running.
+    signal.signal(signal.SIGTERM, _interrupt)
 
 
 @pytest.fixture(scope="session")
