@@ -118,6 +118,16 @@ class Browser:
             time.sleep(0.5)
         return text
 
+    def wait_for_selector(self, selector: str, timeout: float = 90) -> bool:
+        """Whether an element matching ``selector`` appeared before the deadline (an input's
+        placeholder is not page text, so :meth:`wait_for` cannot wait for it)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.count(selector):
+                return True
+            time.sleep(0.5)
+        return False
+
     def screenshot(self, path: Path) -> None:
         data = self.call("Page.captureScreenshot", format="png")["data"]
         path.parent.mkdir(parents=True, exist_ok=True)

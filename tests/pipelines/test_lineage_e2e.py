@@ -145,8 +145,10 @@ def test_the_run_page_draws_the_loss_chart(finished, browser, tmp_path):
     _, _, _, run, server = finished
     page = (f"{server.uri}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}/model-metrics"
             "?workflowType=machine_learning")
-    browser.open(page, ["Search metric charts"])
-    browser.type_into('input[placeholder*="Search metric"]', "train/loss")
+    browser.open(page, [run.info.run_name])
+    search = 'input[placeholder*="Search metric"]'
+    assert browser.wait_for_selector(search), "the model-metrics tab has no metric search box"
+    browser.type_into(search, "train/loss")
     text = browser.wait_for(["(train/loss)"])
     assert f"{run.info.run_name} (train/loss)" in text or "(train/loss)" in text
     assert browser.count(".js-plotly-plot") == 1

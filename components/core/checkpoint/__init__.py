@@ -2,7 +2,8 @@
 
 One job per module: ``layout`` (names, manifest), ``dcp_io`` (DCP reader/writer over the Store),
 ``verify`` (digests, the O(1) check, the deep audit), ``lease`` (single writer), ``retention``,
-``legacy_v1`` (reading format-1 checkpoints), ``start`` (where a training starts) and ``manager``
+``legacy_v1`` (reading format-1 checkpoints), ``snapshot`` (the CPU copy a save takes), ``start`` (where a
+training starts) and ``manager``
 (:class:`CheckpointManager`, which ties them together). The format is in docs/checkpoint-format.md.
 Importing this package does not import torch; :class:`CheckpointManager` does, on first use.
 """
