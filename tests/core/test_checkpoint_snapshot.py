@@ -47,6 +47,13 @@ def _loaded(root, width: int, batch_norm: bool = False, device: str = "cpu") -> 
     return fresh
 
 
+def _assert_step_1_holds(root, saved: list, width: int, **kw) -> None:
+    loaded = _loaded(root, width, **kw)
+    assert loaded.step == 1
+    for before, got in zip(saved, _tensors(loaded), strict=True):
+        assert torch.equal(before, got)
+
+
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_state_changed_in_place_right_after_wait_for_snapshot_is_not_in_the_checkpoint(tmp_path, device):
     # 2048 x 2048 layers: ~100 MB of parameters and AdamW moments, so that the background copy is
@@ -64,10 +71,7 @@ def test_state_changed_in_place_right_after_wait_for_snapshot_is_not_in_the_chec
 
     changed = _tensors(state)
     assert not any(torch.equal(a, b) for a, b in zip(saved, changed))
-    loaded = _loaded(str(tmp_path / "store"), width, device=device)
-    assert loaded.step == 1
-    for before, got in zip(saved, _tensors(loaded), strict=True):
-        assert torch.equal(before, got)
+    _assert_step_1_holds(str(tmp_path / "store"), saved, width, device=device)
 
 
 def test_buffers_and_counters_a_forward_changes_are_taken_in_save_itself(tmp_path):
@@ -84,10 +88,7 @@ def test_buffers_and_counters_a_forward_changes_are_taken_in_save_itself(tmp_pat
     mgr.close()
 
     assert not torch.equal(state.model[1].running_mean, running_mean)  # the forward did change it
-    loaded = _loaded(str(tmp_path / "store"), width, batch_norm=True)
-    assert loaded.step == 1
-    for before, got in zip(saved, _tensors(loaded), strict=True):
-        assert torch.equal(before, got)
+    _assert_step_1_holds(str(tmp_path / "store"), saved, width, batch_norm=True)
 
 
 def test_a_deferred_copy_is_finished_before_the_next_save_or_a_load(tmp_path):
