@@ -54,11 +54,10 @@ def run(args: argparse.Namespace) -> int:
     check_inputs(config)
     console = Console(file=sys.stdout)
     if args.resume:
-        config, done = resume_training(config)
+        config, done, resuming = resume_training(config)
+        console.print(done or resuming, highlight=False, soft_wrap=True)
         if done:
-            console.print(done, highlight=False, soft_wrap=True)
             return 0
-        console.print(resuming_line(config), highlight=False, soft_wrap=True)
     else:
         config = new_training(config)
         console.print(f"relaunch: a new training in {config.store.uri} (`relaunch run --resume` continues it)",
@@ -101,24 +100,10 @@ def new_training(config: RelaunchConfig) -> RelaunchConfig:
     return _namespaced(config, candidate)
 
 
-def resuming_line(config: RelaunchConfig) -> str:
-    """What ``--resume`` is about to do with the training of ``config`` (from :func:`resume_training`)."""
-    from components.core.goodput import read_summary
-    from components.core.storage import open_store
-    from components.launch import reached_its_end
-
-    summary = read_summary(open_store(config.store.uri))
-    if reached_its_end(summary):
-        return (f"relaunch: the training in {config.store.uri} reached its end (step {summary['last_step']} of "
-                f"{summary['total_steps']}) but its pipeline did not finish; finishing it: evaluate and register its "
-                f"last checkpoint in MLflow run {summary.get('run_id')}, without training")
-    return f"relaunch: resuming the training in {config.store.uri}"
-
-
-def resume_training(config: RelaunchConfig) -> tuple[RelaunchConfig, str]:
-    """The configuration that continues the newest training (its namespace, its MLflow run), and a line
+def resume_training(config: RelaunchConfig) -> tuple[RelaunchConfig, str, str]:
+    """The configuration that continues the newest training (its namespace, its MLflow run); a line
     to print instead when there is nothing to do: its training reached its end and its pipeline
-    finished ("" otherwise).
+    finished ("" otherwise); and the line that says what the resume will do.
 
     Raises:
         BadInput: the store holds no training to resume.
@@ -135,13 +120,19 @@ def resume_training(config: RelaunchConfig) -> tuple[RelaunchConfig, str]:
     resumed = _namespaced(config, names[-1])
     store = open_store(resumed.store.uri)
     summary = read_summary(store)
-    if reached_its_end(summary) and pipeline_finished(store, summary.get("run_id")):
+    ended = reached_its_end(summary)
+    if ended and pipeline_finished(store, summary.get("run_id")):
         return resumed, (f"relaunch: the training in {resumed.store.uri} already reached its end (step "
                          f"{summary['last_step']} of {summary['total_steps']}, MLflow run {summary.get('run_id')}); "
-                         "nothing to do — `relaunch run` starts a new training")
+                         "nothing to do — `relaunch run` starts a new training"), ""
     if not resumed.tracking.run_id:
         try:
             resumed.tracking.run_id = json.loads(store.read_bytes(RUN_KEY))["run_id"]
         except FileNotFoundError:
             pass  # it never reached training: prepare opens a run
-    return resumed, ""
+    if ended:
+        return resumed, "", (f"relaunch: the training in {resumed.store.uri} reached its end (step "
+                             f"{summary['last_step']} of {summary['total_steps']}) but its pipeline did not finish; "
+                             f"finishing it: evaluate and register its last checkpoint in MLflow run "
+                             f"{summary.get('run_id')}, without training")
+    return resumed, "", f"relaunch: resuming the training in {resumed.store.uri}"

@@ -13,7 +13,7 @@ from components.core.config import RelaunchConfig
 from components.core.errors import BadInput
 from components.core.storage import open_store
 from components.finalize import write_pipeline_finished
-from pipelines.commands.run import new_training, resume_training, resuming_line, trainings
+from pipelines.commands.run import new_training, resume_training, trainings
 
 
 def _config(root) -> RelaunchConfig:
@@ -44,7 +44,7 @@ def test_resume_continues_the_newest_unfinished_training_in_its_mlflow_run(tmp_p
     newest = open_store(f"{tmp_path}/trainings/20260102-000000")
     _summary(newest, 30, 76, code=137)
     newest.write_bytes(goodput.RUN_KEY, json.dumps({"run_id": "run-b"}).encode())
-    config, done = resume_training(_config(tmp_path))
+    config, done, _ = resume_training(_config(tmp_path))
     assert done == "" and config.store.uri == newest.uri and config.tracking.run_id == "run-b"
 
 
@@ -52,7 +52,7 @@ def test_resuming_a_training_whose_pipeline_finished_is_one_line_of_nothing_to_d
     training = f"{tmp_path}/trainings/20260101-000000"
     _summary(open_store(training), 76, 76)
     write_pipeline_finished(RelaunchConfig.model_validate({"store": {"uri": training}}), "run-a", "pipeline-1")
-    _, done = resume_training(_config(tmp_path))
+    _, done, _ = resume_training(_config(tmp_path))
     assert "already reached its end (step 76 of 76" in done and "\n" not in done
 
 
@@ -60,6 +60,6 @@ def test_resuming_a_training_that_reached_its_end_but_whose_pipeline_did_not_fin
     store = open_store(f"{tmp_path}/trainings/20260101-000000")
     _summary(store, 76, 76)  # trained to its end; evaluate or register failed, so finalize wrote no record
     store.write_bytes(goodput.RUN_KEY, json.dumps({"run_id": "run-a"}).encode())
-    config, done = resume_training(_config(tmp_path))
+    config, done, resuming = resume_training(_config(tmp_path))
     assert done == "" and config.tracking.run_id == "run-a"
-    assert "reached its end (step 76 of 76) but its pipeline did not finish" in resuming_line(config)
+    assert "reached its end (step 76 of 76) but its pipeline did not finish" in resuming
