@@ -42,6 +42,7 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", **overrides: Any) -> 
     """
     from components.core import lineage
     from components.core.datasets import dataset_uri, write_dataset
+    from components.core.goodput import remember_run
     from components.core.storage import open_store
     from components.core.tracking import ensure_run
     from components.tasks.base import load_task
@@ -52,7 +53,7 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", **overrides: Any) -> 
     splits = task.build_splits()
     version = write_dataset(store, splits)
     run_id = ensure_run(lineage.with_run_name(config, version), pipeline_run_id=pipeline_run_id or None)
-    _remember_run(config, store, run_id)
+    remember_run(store, config, run_id)  # what `relaunch run --resume` continues; the first one stays
     resolved = config.model_copy(deep=True)
     resolved.data.version = version
     resolved.tracking.run_id = run_id
@@ -61,16 +62,6 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", **overrides: Any) -> 
     lineage.log_dataset_input(resolved, run_id, splits, version, uri)
     lineage.describe_run(resolved, run_id, version, uri)
     return PrepareOutputs(config_json=resolved.to_json(), run_id=run_id, dataset_version=version, dataset_uri=uri)
-
-
-def _remember_run(config: RelaunchConfig, store, run_id: str) -> None:
-    """The training's MLflow run beside its checkpoints (``runs/mlflow-run.json``, as the trainer writes
-    it when it opens the run itself): what ``relaunch run --resume`` continues. The first one stays."""
-    from components.core.goodput import RUN_KEY
-    from components.core.tracking import tracking_uri
-
-    store.write_if_absent(RUN_KEY, json.dumps({"run_id": run_id, "tracking_uri": tracking_uri(config),
-                                               "experiment": config.tracking.experiment}).encode())
 
 
 def check_inputs(config: RelaunchConfig) -> None:

@@ -35,6 +35,24 @@ SUMMARY_KEY = "runs/summary.json"
 RUN_KEY = "runs/mlflow-run.json"
 
 
+def stored_run_id(store) -> str | None:
+    """The MLflow run of the training in ``store`` (``RUN_KEY``), or None when none is stored yet."""
+    try:
+        return json.loads(store.read_bytes(RUN_KEY))["run_id"]
+    except FileNotFoundError:
+        return None
+
+
+def remember_run(store, config, run_id: str) -> str:
+    """Store ``run_id`` as the training's MLflow run unless one is stored already; the stored one."""
+    from components.core.tracking import tracking_uri
+
+    record = {"run_id": run_id, "tracking_uri": tracking_uri(config), "experiment": config.tracking.experiment}
+    if store.write_if_absent(RUN_KEY, json.dumps(record).encode()):
+        return run_id
+    return stored_run_id(store) or run_id
+
+
 @dataclass
 class Attempt:
     """One start of the worker group, as rank 0 saw it (wall-clock seconds, ``time.time()``)."""

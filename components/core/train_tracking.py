@@ -49,17 +49,12 @@ def resolve_run_id(config, store) -> str:
     """config.tracking.run_id, else the one stored beside the checkpoints, else a new one (stored)."""
     if config.tracking.run_id:
         return config.tracking.run_id
-    try:
-        return json.loads(store.read_bytes(goodput.RUN_KEY))["run_id"]
-    except FileNotFoundError:
-        pass
-    from components.core.tracking import ensure_run, tracking_uri
+    stored = goodput.stored_run_id(store)
+    if stored:
+        return stored
+    from components.core.tracking import ensure_run
 
-    run_id = ensure_run(config)
-    if not store.write_if_absent(goodput.RUN_KEY, json.dumps({"run_id": run_id, "tracking_uri": tracking_uri(config),
-                                                              "experiment": config.tracking.experiment}).encode()):
-        run_id = json.loads(store.read_bytes(goodput.RUN_KEY))["run_id"]  # another start won the race
-    return run_id
+    return goodput.remember_run(store, config, ensure_run(config))  # another start may have won the race
 
 
 def run_params(config, env) -> dict[str, Any]:

@@ -21,7 +21,6 @@ starts. The exit code is the failing step's, per the exit-code contract.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -109,7 +108,7 @@ def resume_training(config: RelaunchConfig) -> tuple[RelaunchConfig, str, str]:
         BadInput: the store holds no training to resume.
     """
     from components.core.errors import BadInput
-    from components.core.goodput import RUN_KEY, read_summary
+    from components.core.goodput import read_summary, stored_run_id
     from components.core.storage import open_store
     from components.finalize import pipeline_finished
     from components.launch import reached_its_end
@@ -125,11 +124,8 @@ def resume_training(config: RelaunchConfig) -> tuple[RelaunchConfig, str, str]:
         return resumed, (f"relaunch: the training in {resumed.store.uri} already reached its end (step "
                          f"{summary['last_step']} of {summary['total_steps']}, MLflow run {summary.get('run_id')}); "
                          "nothing to do — `relaunch run` starts a new training"), ""
-    if not resumed.tracking.run_id:
-        try:
-            resumed.tracking.run_id = json.loads(store.read_bytes(RUN_KEY))["run_id"]
-        except FileNotFoundError:
-            pass  # it never reached training: prepare opens a run
+    if not resumed.tracking.run_id:  # none stored: it never reached prepare's run, which prepare opens
+        resumed.tracking.run_id = stored_run_id(store)
     if ended:
         return resumed, "", (f"relaunch: the training in {resumed.store.uri} reached its end (step "
                              f"{summary['last_step']} of {summary['total_steps']}) but its pipeline did not finish; "
