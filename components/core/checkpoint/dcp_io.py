@@ -205,9 +205,8 @@ class StoreReader(StorageReader):
             partial: set[Any] = set()
             for r in ranks:
                 if r < len(plans):
-                    mine = [req for req in plans[r].items]
                     counts: dict[Any, int] = {}
-                    for req in mine:
+                    for req in plans[r].items:
                         counts[req.storage_index] = counts.get(req.storage_index, 0) + 1
                         if not self._whole(req):
                             partial.add(req.storage_index)
