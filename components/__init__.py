@@ -22,6 +22,9 @@ class Step:
     """The module whose ``run(config, **inputs)`` the task calls (``python -m <module>`` on Argo)."""
     outputs: str
     """The dataclass ``run`` returns, defined in ``module``: the task's outputs, in order."""
+    uses_torch: bool = False
+    """The step, or a process it starts, imports torch (``relaunch run`` forks it from the warm server
+    that loaded torch; the others from the one that did not, which is ready seconds sooner)."""
 
     def outputs_class(self) -> type:
         return getattr(importlib.import_module(self.module), self.outputs)
@@ -36,8 +39,8 @@ class Step:
 
 PREPARE = Step("prepare", "components.prepare", "PrepareOutputs")
 LOCATE = Step("locate-latest-checkpoint", "components.locate", "LocateOutputs")
-LAUNCH = Step("launch", "components.launch", "LaunchOutputs")
-EVALUATE = Step("evaluate", "components.evaluate", "EvaluateOutputs")
+LAUNCH = Step("launch", "components.launch", "LaunchOutputs", uses_torch=True)
+EVALUATE = Step("evaluate", "components.evaluate", "EvaluateOutputs", uses_torch=True)
 REGISTER = Step("register", "components.register", "RegisterOutputs")
 FINALIZE = Step("finalize", "components.finalize", "FinalizeOutputs")
 """The exit handler's task: it runs whatever the steps did."""

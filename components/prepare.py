@@ -25,6 +25,7 @@ class PrepareOutputs:
     run_id: str
     dataset_version: str
     dataset_uri: str
+    experiment_id: str
 
 
 def run(config: RelaunchConfig, pipeline_run_id: str = "", **overrides: Any) -> PrepareOutputs:
@@ -61,7 +62,8 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", **overrides: Any) -> 
     uri = dataset_uri(store, version)
     lineage.log_dataset_input(resolved, run_id, splits, version, uri)
     lineage.describe_run(resolved, run_id, version, uri)
-    return PrepareOutputs(config_json=resolved.to_json(), run_id=run_id, dataset_version=version, dataset_uri=uri)
+    return PrepareOutputs(config_json=resolved.to_json(), run_id=run_id, dataset_version=version, dataset_uri=uri,
+                          experiment_id=lineage.experiment_of(resolved, run_id))
 
 
 def check_inputs(config: RelaunchConfig) -> None:

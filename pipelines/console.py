@@ -175,7 +175,7 @@ def render_summary(config: RelaunchConfig, result, console) -> None:
 
         browse = "open" if config.tracking.uri.startswith(("http://", "https://")) else "make ui, then open"
         rows.append(("MLflow run", f"{prep.run_id} in experiment {config.tracking.experiment!r} at "
-                                   f"{config.tracking.uri} — {browse} {run_url(config, prep.run_id)}"))
+                                   f"{config.tracking.uri} — {browse} {run_url(config, prep.run_id, prep.experiment_id)}"))
         rows.append(("dataset", f"{prep.dataset_version} at {prep.dataset_uri}"))
     committed = _committed(config)
     if committed:

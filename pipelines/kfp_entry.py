@@ -66,8 +66,10 @@ def call(step: str, config_json: str, **inputs: Any) -> tuple:
     from components.core.config import RelaunchConfig
     from components.core.errors import RelaunchError
 
+    from components.core import warm
+
     global _ends_without_teardown
-    if _in_kfp_executor() and not _ends_without_teardown:
+    if _in_kfp_executor() and not _ends_without_teardown and not warm.forked:  # a warm fork ends so itself
         _ends_without_teardown = True
         atexit.register(_end_without_teardown)
     emit("step-start", step=step)

@@ -24,6 +24,13 @@ from typing import Any
 from components.core.exitcodes import ExitCode, is_retryable, normalize
 
 _last_code = threading.local()
+_warm_steps = None  # the running pipelines.warm_steps.WarmSteps, when relaunch run started one
+
+
+def use_warm_steps(warm_steps) -> None:
+    """Run each task's command through ``warm_steps`` (None: every task a fresh subprocess again)."""
+    global _warm_steps
+    _warm_steps = warm_steps
 
 
 def install_local_fixes() -> None:
@@ -38,7 +45,8 @@ def install_local_fixes() -> None:
     resolve = edo.ConditionEvaluator._resolve_pipeline_channel
 
     def recording_subprocess(full_command, env_vars=None):
-        _last_code.value = run_subprocess(full_command, env_vars)
+        code = _warm_steps.run(full_command, env_vars) if _warm_steps is not None else None
+        _last_code.value = run_subprocess(full_command, env_vars) if code is None else code
         return _last_code.value
 
     def resolve_channel(channel_ref: str, io_store):

@@ -37,7 +37,8 @@ from components.core.exitcodes import RETRY_POLICIES
 def prepare(config_json: str, pipeline_run_id: str, epochs: int, max_steps: int, learning_rate: float,
             nodes: int, procs_per_node: int, inject_failure: str, resume_from: str, warm_start_model: str,
             run_name: str) -> NamedTuple("PrepareOutputs", [("config_json", str), ("run_id", str),
-                                                            ("dataset_version", str), ("dataset_uri", str)]):
+                                                            ("dataset_version", str), ("dataset_uri", str),
+                                                            ("experiment_id", str)]):
     """Build or reuse the dataset, open the MLflow run, resolve the configuration."""
     arguments = dict(locals())  # config_json, pipeline_run_id and the pipeline parameters
     from pipelines.kfp_entry import call

@@ -19,7 +19,8 @@ from typing import Any
 from components.core.config import RelaunchConfig
 from components.core.exitcodes import ExitCode
 from pipelines.console import STEPS, RunView, StepRecord, render_summary
-from pipelines.kfp_local_fixes import install_local_fixes
+from pipelines.kfp_local_fixes import install_local_fixes, use_warm_steps
+from pipelines.warm_steps import WarmSteps
 
 __all__ = ["STEPS", "RunResult", "StepRecord", "install_local_fixes", "render_summary", "run_pipeline"]
 
@@ -43,14 +44,30 @@ class RunResult:
         return rec.message or f"{self.failed_step} failed with exit code {rec.exit_code}"
 
 
-def run_pipeline(config: RelaunchConfig, *, console=None, state_dir: str | Path = ".relaunch") -> RunResult:
+def run_pipeline(config: RelaunchConfig, *, console=None, state_dir: str | Path = ".relaunch",
+                 cold: bool = False) -> RunResult:
     """Run the whole pipeline locally; returns when it ended (never raises for a failed step).
 
     Args:
         config: the validated configuration (``relaunch run`` checked it and its URIs first).
         console: a ``rich.console.Console`` for the step lines and the progress bar.
         state_dir: where kfp.local's outputs and this run's logs go.
+        cold: every step, agent and worker a fresh interpreter (as on a cluster) instead of forks of
+            the warm server (:mod:`pipelines.warm_steps`).
     """
+    run_dir = Path(state_dir) / "runs" / time.strftime("%Y%m%d-%H%M%S") / str(os.getpid())
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # started first: its imports overlap ours and kfp.local's set-up
+    warm_steps = None if cold else WarmSteps(log_path=run_dir / "pipeline.log",
+                                             extra_imports=(config.train.task.split(":")[0],))
+    try:
+        return _run_on_kfp_local(config, console, Path(state_dir), run_dir, warm_steps)
+    finally:
+        if warm_steps is not None:
+            warm_steps.close()
+
+
+def _run_on_kfp_local(config: RelaunchConfig, console, state_dir: Path, run_dir: Path, warm_steps) -> RunResult:
     from kfp import local
     from rich.console import Console
 
@@ -58,17 +75,16 @@ def run_pipeline(config: RelaunchConfig, *, console=None, state_dir: str | Path 
 
     console = console or Console()
     console.file = console.file  # pin today's stdout: the pipeline's own output is redirected below
-    run_dir = Path(state_dir) / "runs" / time.strftime("%Y%m%d-%H%M%S") / str(os.getpid())
-    run_dir.mkdir(parents=True, exist_ok=True)
     events = run_dir / "events.jsonl"
     events.touch()
     install_local_fixes()
-    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(Path(state_dir) / "kfp-local"),
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(state_dir / "kfp-local"),
                raise_on_error=True)
     view = RunView(console, events, run_dir / "pipeline.log")
     started = time.time()
     previous = os.environ.get("RELAUNCH_EVENTS")
     os.environ["RELAUNCH_EVENTS"] = str(events.resolve())
+    use_warm_steps(warm_steps)
     view.start()
     pipeline_error = ""
     try:
@@ -77,6 +93,7 @@ def run_pipeline(config: RelaunchConfig, *, console=None, state_dir: str | Path 
     except RuntimeError as err:  # kfp.local's "pipeline finished with status FAILURE"; the step said why
         pipeline_error = str(err)
     finally:
+        use_warm_steps(None)
         if previous is None:
             os.environ.pop("RELAUNCH_EVENTS", None)
         else:

@@ -187,20 +187,29 @@ def _training_summary(config) -> dict | None:
         return None
 
 
-def run_url(config, run_id: str) -> str:
+def run_url(config, run_id: str, experiment_id: str) -> str:
     """The run's page in MLflow 3's "Model training" view: the server's own address for an
-    ``http(s)://`` tracking URI, else ``make ui``'s http://127.0.0.1:5000."""
-    from components.core.tracking import call, client as tracking_client, tracking_uri
+    ``http(s)://`` tracking URI, else ``make ui``'s http://127.0.0.1:5000; the experiments list when
+    the experiment is not known."""
+    from components.core.tracking import tracking_uri
 
     uri = tracking_uri(config)
     base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
-    from components.core.errors import RelaunchError
-
-    try:
-        experiment_id = call("read the run", tracking_client(uri).get_run, run_id).info.experiment_id
-    except RelaunchError:  # a summary line is no reason to fail: the experiments list still helps
+    if not experiment_id:
         return f"{base}/#/experiments?workflowType=machine_learning"
     return f"{base}/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
+
+
+def experiment_of(config, run_id: str) -> str:
+    """The id of the experiment that holds ``run_id`` ("" when the tracking server cannot say: a
+    summary line is no reason to fail)."""
+    from components.core.errors import RelaunchError
+    from components.core.tracking import call, client as tracking_client, tracking_uri
+
+    try:
+        return call("read the run", tracking_client(tracking_uri(config)).get_run, run_id).info.experiment_id
+    except RelaunchError:
+        return ""
 
 
 # -------------------------------------------------------------------------------------------------

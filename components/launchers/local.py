@@ -26,6 +26,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from components.core import warm
 from components.core.config import RelaunchConfig
 from components.core.exitcodes import ExitCode
 from components.core.net import free_port
@@ -54,7 +55,9 @@ def launch(config: RelaunchConfig, *, pipeline_run_id: str, resume_from: str | N
     commands = build_commands(config, job_id=job_id, port=config.launch.rdzv_port or free_port())
     started = time.time()
     watch = _Watch(ProgressReporter.for_environment())
-    agents = [_start(cmd, node, watch) for node, cmd in enumerate(commands)]
+    agents = [_start(cmd, node) for node, cmd in enumerate(commands)]
+    for node, agent in enumerate(agents):  # readers after every start: a warm start forks this process
+        threading.Thread(target=watch.follow, args=(agent, node), daemon=True, name=f"agent-{node}-reader").start()
     codes, timed_out = _wait(agents, config.launch.timeout_seconds)
     watch.close()
     duration = time.time() - started
@@ -66,17 +69,37 @@ def launch(config: RelaunchConfig, *, pipeline_run_id: str, resume_from: str | N
     return LaunchResult(code, message, watch.restarts, watch.resumed, duration, job_id)
 
 
-def _start(cmd: list[str], node: int, watch: "_Watch") -> subprocess.Popen:
+def _start(cmd: list[str], node: int) -> subprocess.Popen | warm.ForkedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RELAUNCH_NODE": str(node)}
     env.setdefault("OMP_NUM_THREADS", "1")
     # A fresh worker store per rendezvous round: with torchrun's shared store, a restart can pair ranks
     # whose TORCHELASTIC_RESTART_COUNT differ (an agent that only saw the others re-join keeps its count)
     # or read keys the dead round left, and the new round waits out the process-group timeout.
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                            env=env, start_new_session=True)
-    threading.Thread(target=watch.follow, args=(proc, node), daemon=True, name=f"agent-{node}-reader").start()
-    return proc
+    return warm.start_python(cmd, env=env, new_session=True, before=_warm_agent)
+
+
+RENDEZVOUS_POLL_SECONDS = 0.1
+"""How often a warm local agent polls the rendezvous state: torch's 1 s is sized for one store under
+hundreds of nodes; here a few processes on one machine share it."""
+
+
+def _warm_agent() -> None:
+    """In an agent forked from a warm launch step: fork the workers too, poll the rendezvous every
+    :data:`RENDEZVOUS_POLL_SECONDS`, and name the rendezvous's callers from the frame (torch calls
+    ``inspect.stack()`` twice per rendezvous event, which resolves every frame's module over
+    ``sys.modules``: seconds per rendezvous with MLflow and torch loaded)."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous, utils
+
+    warm.fork_workers()
+    dynamic_rendezvous.get_method_name = _caller_name
+    dynamic_rendezvous._delay = lambda seconds: utils._delay(RENDEZVOUS_POLL_SECONDS if seconds == 1 else seconds)
+
+
+def _caller_name(depth: int = 2) -> str:
+    """``inspect.stack()[depth].function``, without reading every frame's source."""
+    frame = sys._getframe(depth)
+    return frame.f_code.co_name if frame is not None else "no_method_name"
 
 
 def _wait(agents: list[subprocess.Popen], timeout: float) -> tuple[list[int], bool]:

@@ -39,6 +39,9 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue the newest training of the store instead of starting a new one")
     p.add_argument("--state-dir", default=".relaunch", help="where kfp.local outputs and run logs go")
+    p.add_argument("--cold", action="store_true",
+                   help="start every step, torchrun agent and worker as a fresh interpreter, as a cluster does "
+                        "(slower: by default they are forks of one process that imported kfp, MLflow and torch once)")
     p.set_defaults(func=run)
 
 
@@ -64,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
 
     from pipelines.local_run import render_summary, run_pipeline
 
-    result = run_pipeline(config, console=console, state_dir=args.state_dir)
+    result = run_pipeline(config, console=console, state_dir=args.state_dir, cold=args.cold)
     render_summary(config, result, console)
     if result.exit_code:
         print(f"relaunch: error: {result.failed_step} failed (exit {result.exit_code}): {result.message}",

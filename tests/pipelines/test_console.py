@@ -22,8 +22,8 @@ from pipelines.console import RunView, render_summary
 from pipelines.local_run import RunResult
 
 OUTPUTS = {
-    # no MLflow run id: the summary's MLflow line would ask a tracking server for the run's experiment
-    "prepare": PrepareOutputs(config_json="{}", run_id="", dataset_version="ds-1", dataset_uri="/data/ds-1"),
+    "prepare": PrepareOutputs(config_json="{}", run_id="r1", dataset_version="ds-1", dataset_uri="/data/ds-1",
+                              experiment_id="7"),
     "locate-latest-checkpoint": LocateOutputs(checkpoint_uri="", step=-1, source="none"),
     "launch": LaunchOutputs(exit_code=0, restarts=1, resumed_from_steps="[-1, 30]", train_seconds=1.5,
                             duration_seconds=9.0, ettr=0.4, last_checkpoint_uri="/c/step-40", job_name="j"),
@@ -53,5 +53,6 @@ def test_the_step_lines_and_the_summary_come_from_each_steps_outputs_dataclass(t
     text = out.getvalue()
     for needle in ("dataset ds-1", "no checkpoint: fresh start", "1 restart(s), ETTR 0.400",
                    "accuracy 0.9000 at step 40, gate passed", "relaunch-digits version 2, aliases challenger",
-                   "resumed from step 30", "MLflow run FINISHED"):
+                   "resumed from step 30", "MLflow run FINISHED",
+                   "http://127.0.0.1:5000/#/experiments/7/runs/r1?workflowType=machine_learning"):
         assert needle in text, needle

@@ -144,7 +144,8 @@ def test_a_second_evaluate_of_the_same_checkpoint_reuses_its_logged_model(pipeli
 def test_the_link_opens_the_run_in_the_model_training_view(pipeline):
     config, prepared, _, _, client = pipeline
     experiment_id = client.get_run(prepared.run_id).info.experiment_id
-    assert lineage.run_url(config, prepared.run_id) == (
+    assert prepared.experiment_id == experiment_id
+    assert lineage.run_url(config, prepared.run_id, prepared.experiment_id) == (
         f"http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{prepared.run_id}?workflowType=machine_learning")
 
 

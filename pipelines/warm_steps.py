@@ -1,0 +1,231 @@
+"""The warm servers of ``relaunch run``: processes that import kfp's executor, MLflow with its SQL store,
+(torch with DCP) and the steps once, then fork each kfp.local step from themselves instead of kfp.local
+starting a fresh interpreter that imports them again (seconds per step on a small machine).
+
+kfp.local still runs the pipeline: its orchestrator resolves the inputs, builds each task's command
+and reads the outputs. :func:`pipelines.kfp_local_fixes.install_local_fixes` routes the command of a
+lightweight component (``sh -ec '<kfp script>' <source> --executor_input ... --function_to_execute f``)
+to :meth:`WarmSteps.run`, which has a server fork a child that does what that script does: write the
+source to a temporary file and run ``python -m kfp.dsl.executor_main`` on it, with the task's
+environment, working directory and a pipe for its output. The exit status comes back over a socket.
+A command it does not recognise, or a server that is gone, runs cold as kfp.local would run it.
+
+Two servers start together, one per core: the *light* one imports what prepare, locate, register and
+finalize need and is ready first; the *full* one adds torch, DCP and matplotlib for the steps marked
+:attr:`components.Step.uses_torch` (launch, evaluate). A step's child is warm
+(:data:`components.core.warm.forked`): the launch step forks its torchrun agents, and they fork their
+workers (:mod:`components.core.warm`). ``relaunch run --cold`` starts no server: every process is a
+fresh interpreter, as on a cluster.
+
+    python -m pipelines.warm_steps FD light|full [MODULE ...]    # what WarmSteps starts
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import json
+import os
+import select
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from components import STEP_MODULES, STEP_TABLE
+
+LIGHT_IMPORTS = (
+    "kfp.dsl.executor_main", "pipelines.kfp_entry", *STEP_MODULES.values(),
+    "mlflow", "mlflow.tracking", "mlflow.data", "mlflow.models",
+    "mlflow.store.tracking.sqlalchemy_store", "mlflow.store.model_registry.sqlalchemy_store",
+    "sqlalchemy.dialects.sqlite",
+)
+"""What every step imports (the step modules themselves import little: they import lazily)."""
+TORCH_IMPORTS = (
+    "components.train", "torch", "torch.distributed.run", "torch.distributed.elastic.multiprocessing.subprocess_handler",
+    "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict", "torch.distributed.fsdp",
+    "torch._dynamo.aot_compile", "torch._dynamo.polyfills.loader", "tabulate",
+    "mlflow.system_metrics.system_metrics_monitor", "mlflow.pyfunc.loaders",
+    "matplotlib", "matplotlib.pyplot", "matplotlib.backends.backend_agg",
+)
+"""What the torchrun agents, the workers and evaluate add (DCP's state-dict helpers import torch._dynamo).
+An import that fails is skipped: the step then imports, or fails, as it would cold."""
+SERVER_IMPORTS = {"light": LIGHT_IMPORTS, "full": (*TORCH_IMPORTS, *LIGHT_IMPORTS)}
+LIGHT_SERVER_NICENESS = 10
+
+_HEADER = struct.Struct("!Q")
+_SCRIPT_MARKERS = ('"$program_path/ephemeral_component.py"', "kfp.dsl.executor_main", '"$@"')
+
+
+def executor_call(full_command: list[str]) -> tuple[str, list[str]] | None:
+    """``(component source, executor arguments)`` of a lightweight component's command, else None."""
+    if len(full_command) < 4 or full_command[0] != "sh" or full_command[1] not in ("-c", "-ec"):
+        return None
+    script = full_command[2]
+    if not all(marker in script for marker in _SCRIPT_MARKERS) or "pip" in script:
+        return None
+    return full_command[3], list(full_command[4:])
+
+
+def server_for(executor_args: list[str]) -> str:
+    """"full" for a step that uses torch (or an unknown one), else "light"."""
+    function = executor_args[executor_args.index("--function_to_execute") + 1] \
+        if "--function_to_execute" in executor_args[:-1] else ""
+    step = STEP_TABLE.get(function.replace("_", "-"))
+    return "light" if step is not None and not step.uses_torch else "full"
+
+
+class _Server:
+    def __init__(self, kind: str, log, extra_imports: tuple[str, ...]):
+        self.control, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.lock = threading.Lock()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "pipelines.warm_steps", str(server_end.fileno()), kind, *extra_imports],
+            pass_fds=(server_end.fileno(),), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        server_end.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.control.close()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+class WarmSteps:
+    """The client side, in ``relaunch run``: starts the servers, runs steps through them, stops them."""
+
+    def __init__(self, *, log_path: Path, extra_imports: tuple[str, ...] = ()):
+        with open(log_path, "a") as log:
+            self._servers = {kind: _Server(kind, log, extra_imports) for kind in SERVER_IMPORTS}
+        self.steps_run = 0
+
+    def run(self, full_command: list[str], env_vars: dict[str, str] | None) -> int | None:
+        """Run one task's command in a fork of a server, echoing its output; its exit code, or None
+        when it cannot (the caller runs it cold)."""
+        call = executor_call(full_command)
+        if call is None:
+            return None
+        server = self._servers[server_for(call[1])]
+        if server.process.poll() is not None:
+            return None
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        read_end, write_end = os.pipe()
+        request = json.dumps({"source": call[0], "args": call[1], "cwd": os.getcwd(),
+                              "env": {**os.environ, **(env_vars or {})}}).encode()
+        try:
+            with server.lock:
+                socket.send_fds(server.control, [_HEADER.pack(len(request))], [theirs.fileno(), write_end])
+                server.control.sendall(request)
+        except OSError:
+            os.close(read_end)
+            return None
+        finally:
+            theirs.close()
+            os.close(write_end)
+        with mine:
+            if _message(mine) is None:  # the server ended before it forked the step
+                os.close(read_end)
+                return None
+            with open(read_end, encoding="utf-8", errors="replace") as output:
+                for line in output:
+                    print(line, end="")
+            print("\n")
+            ended = _message(mine)
+        self.steps_run += 1
+        return int(ended["exit"]) if ended else 1
+
+    def close(self) -> None:
+        for server in self._servers.values():
+            server.close()
+
+
+def _message(sock: socket.socket) -> dict | None:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = sock.recv(4096)
+        if not chunk:
+            return None
+        data += chunk
+    return json.loads(data)
+
+
+def _receive(control: socket.socket) -> tuple[dict, list[int]] | None:
+    header, fds, _, _ = socket.recv_fds(control, _HEADER.size, 2)
+    if len(header) < _HEADER.size:
+        for fd in fds:
+            os.close(fd)
+        return None
+    (size,) = _HEADER.unpack(header)
+    body = bytearray()
+    while len(body) < size:
+        chunk = control.recv(min(1 << 20, size - len(body)))
+        if not chunk:
+            return None
+        body += chunk
+    return json.loads(body), fds
+
+
+def serve(control: socket.socket, imports: tuple[str, ...]) -> None:
+    """Import ``imports``, then fork a step per request until the control socket closes."""
+    from components.core.warm import fork_module
+
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    gc.disable()  # imports allocate millions of objects that live as long as the process: ~20% faster
+    for name in imports:
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
+    gc.enable()
+    gc.freeze()  # the forks never scan (and so never copy) what was imported
+    running: dict[int, tuple[int, socket.socket, str]] = {}  # pidfd -> (pid, status socket, source dir)
+    while True:
+        ready, _, _ = select.select([control, *running], [], [])
+        for fd in ready:
+            if fd is control:
+                received = _receive(control)
+                if received is None:
+                    return
+                request, (status_fd, output_fd) = received
+                status = socket.socket(fileno=status_fd)
+                source_dir = tempfile.mkdtemp()
+                path = Path(source_dir, "ephemeral_component.py")
+                path.write_text(request["source"])
+                own = (control.fileno(), output_fd, status_fd, *running,
+                       *(s.fileno() for _, s, _ in running.values()))
+                pid = fork_module("kfp.dsl.executor_main", ["--component_module_path", str(path), *request["args"]],
+                                  env={**request["env"], "_KFP_RUNTIME": "true"}, stdout_fd=output_fd,
+                                  stderr_fd=output_fd, cwd=request["cwd"], keep_atexit=True, close_fds=own)
+                os.close(output_fd)
+                status.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+                running[os.pidfd_open(pid)] = (pid, status, source_dir)
+            else:
+                pid, status, source_dir = running.pop(fd)
+                os.close(fd)
+                _, wait_status = os.waitpid(pid, 0)
+                with contextlib.suppress(OSError):
+                    status.sendall(json.dumps({"exit": os.waitstatus_to_exitcode(wait_status)}).encode() + b"\n")
+                status.close()
+                shutil.rmtree(source_dir, ignore_errors=True)
+
+
+def main(argv: list[str]) -> None:
+    control = socket.socket(fileno=int(argv[0]))
+    if argv[1] == "light":  # the full server's imports are what the run waits for: let them have the CPU
+        os.nice(LIGHT_SERVER_NICENESS)
+    try:
+        serve(control, (*SERVER_IMPORTS[argv[1]], *argv[2:]))
+    except KeyboardInterrupt:  # Ctrl-C of the whole run reaches us too; the parent reports it
+        pass
+    sys.stdout.flush()
+    os._exit(0)  # nothing to tear down: freeing torch and MLflow module by module takes seconds
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
