@@ -72,7 +72,7 @@ def call(step: str, config_json: str, **inputs: Any) -> tuple:
     if _in_kfp_executor() and not _ends_without_teardown and not warm.forked:  # a warm fork ends so itself
         _ends_without_teardown = True
         atexit.register(_end_without_teardown)
-    emit("step-start", step=step)
+    emit("step-start", step=step, warm=warm.forked)
     try:
         config = RelaunchConfig.from_json(config_json)
         outputs = importlib.import_module(STEP_MODULES[step]).run(config, **inputs)

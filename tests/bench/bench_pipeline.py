@@ -1,19 +1,24 @@
-"""Where a ``relaunch run`` spends its wall time: per step, next to the time the step's processes spent importing.
+"""Where a ``relaunch run`` spends its wall time: warm (the default) against ``--cold``, per step.
 
-Runs the whole local pipeline (2 torchrun "nodes" on CPU, embedded store and MLflow, in a temporary
-directory) twice: once plainly, for the wall time and each step's seconds from the run's event
-file, and once with ``PYTHONPROFILEIMPORTTIME=1``, for the seconds every process of each step
-(kfp's executor, torchrun agents and workers) spent in imports (the sum of its top-level imports;
-importtime's own overhead makes these a little high), and the packages those seconds went to
-(``heaviest_imports``). "training" is the productive time the trainer measured (goodput);
-everything else is overhead.
+Runs the whole local pipeline (2 torchrun "nodes" on CPU, embedded store and MLflow, each run in a
+fresh temporary directory, so MLflow's database is created every time, as on a first ``make run``)
+back to back:
 
-With ``RELAUNCH_BENCH_BASELINE=/path/to/another/checkout`` the plain run is also made with that
-source tree first (``PYTHONPATH``), back to back, and each row gets the baseline's seconds and the
-ratio: the only fair comparison on a shared machine.
+- warm: steps, torchrun agents and workers forked from the warm servers (pipelines/warm_steps.py);
+- cold: ``--cold``, every process a fresh interpreter, as on a cluster;
+- cold with ``PYTHONPROFILEIMPORTTIME=1``: the seconds every process of each step (kfp's executor,
+  torchrun agents and workers) spent importing (the sum of its top-level imports; importtime's own
+  overhead makes these a little high), and the packages they went to (``heaviest_imports``): what
+  the warm servers import once instead.
+
+Each step's seconds come from the run's event file; "before the first step" is process start to
+prepare's start (the parent's imports and, warm, the servers' imports it waits for); "training" is
+the productive time the trainer measured (goodput). ``ratio`` is warm ÷ cold, measured side by side.
+
+With ``RELAUNCH_BENCH_BASELINE=/path/to/another/checkout`` the warm run is also made with that source
+tree first (``PYTHONPATH``) and the total row gets its wall time and ratio.
 
     make bench ARGS="pipeline"
-    RELAUNCH_BENCH_BASELINE=/tmp/relaunch-main make bench ARGS="pipeline --quick"
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ _TASK = re.compile(r"Executing task .*?'(?:\x1b\[[0-9;]*m)?([a-z-]+)")
 _IMPORT = re.compile(r"import time:\s+\d+ \|\s+(\d+) \| (\S.*)$")
 
 
-def _relaunch_run(steps: int, *, source: str | None = None, import_times: bool = False) -> dict:
+def _relaunch_run(steps: int, *, source: str | None = None, import_times: bool = False, cold: bool = False) -> dict:
     """One ``relaunch run`` in a fresh directory: wall and CPU seconds, its events and its log."""
     env = dict(os.environ)
     if source:
@@ -43,10 +48,10 @@ def _relaunch_run(steps: int, *, source: str | None = None, import_times: bool =
     if import_times:
         env["PYTHONPROFILEIMPORTTIME"] = "1"
     command = [sys.executable, "-c", "import sys; from pipelines.cli import main; sys.exit(main())",
-               "run", "--set", f"train.max_steps={steps}"]
+               "run", "--set", f"train.max_steps={steps}", *(["--cold"] if cold else [])]
     with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        started = time.monotonic()
+        started, started_at = time.monotonic(), time.time()
         out = subprocess.run(command, cwd=tmp, capture_output=True, text=True, timeout=900, env=env)
         wall = time.monotonic() - started
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -56,7 +61,8 @@ def _relaunch_run(steps: int, *, source: str | None = None, import_times: bool =
         events = [json.loads(line) for f in runs.rglob("events.jsonl") for line in f.read_text().splitlines()]
         log = "\n".join(f.read_text(errors="replace") for f in runs.rglob("pipeline.log"))
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return {"wall": wall, "cpu": cpu, "events": events, "log": log}
+    first = min((e["time"] for e in events if e["kind"] == "step-start"), default=started_at)
+    return {"wall": wall, "cpu": cpu, "events": events, "log": log, "before_first_step": first - started_at}
 
 
 def step_seconds(events: list[dict]) -> dict[str, tuple[float, float]]:
@@ -68,11 +74,6 @@ def step_seconds(events: list[dict]) -> dict[str, tuple[float, float]]:
             training = float(e.get("outputs", {}).get("train_seconds", 0.0)) if e["step"] == "launch" else 0.0
             out[e["step"]] = (e["time"] - starts[e["step"]], training)
     return out
-
-
-def import_seconds(log: str) -> dict[str, float]:
-    """Step -> seconds its processes spent in top-level imports, from a ``PYTHONPROFILEIMPORTTIME`` log."""
-    return {step: sum(packages.values()) for step, packages in package_import_seconds(log).items()}
 
 
 def package_import_seconds(log: str) -> dict[str, dict[str, float]]:
@@ -100,39 +101,29 @@ def run(quick: bool) -> list[dict]:
     steps = 20 if quick else 120
     baseline_source = os.environ.get("RELAUNCH_BENCH_BASELINE")
     baseline = _relaunch_run(steps, source=baseline_source) if baseline_source else None
-    plain = _relaunch_run(steps)
-    packages = package_import_seconds(_relaunch_run(steps, import_times=True)["log"])
-    imports = {step: sum(seconds.values()) for step, seconds in packages.items()}
-    seconds = step_seconds(plain["events"])
-    base_seconds = step_seconds(baseline["events"]) if baseline else {}
+    warm = _relaunch_run(steps)
+    cold = _relaunch_run(steps, cold=True)
+    packages = package_import_seconds(_relaunch_run(steps, cold=True, import_times=True)["log"])
+    warm_seconds, cold_seconds = step_seconds(warm["events"]), step_seconds(cold["events"])
 
-    rows, accounted = [], 0.0
-    wall = plain["wall"]
+    def row(name: str, warm_s: float, cold_s: float, imports: float = 0.0, training: float = 0.0,
+            heaviest_imports: str = "") -> dict:
+        return {"step": name, "warm_s": warm_s, "cold_s": cold_s, "ratio": warm_s / cold_s if cold_s else 0.0,
+                "cold_imports_s": imports, "training_s": training, "heaviest_imports_cold": heaviest_imports}
+
+    rows = [row("before the first step", warm["before_first_step"], cold["before_first_step"])]
     for step in STEP_TABLE:
-        if step not in seconds:
-            continue
-        took, training = seconds[step]
-        accounted += took
-        row = {"step": step, "seconds": took, "imports_s": imports.get(step, 0.0), "training_s": training,
-               "overhead_s": took - training, "overhead_share_of_wall": (took - training) / wall,
-               "heaviest_imports": heaviest(packages.get(step, {}))}
-        if baseline:
-            row.update(baseline_s=base_seconds.get(step, (0.0, 0.0))[0],
-                       ratio=took / base_seconds[step][0] if base_seconds.get(step, (0, 0))[0] else 0.0)
-        rows.append(row)
-    training = sum(r["training_s"] for r in rows)
-    between = {"step": "between steps (kfp.local, process start)", "seconds": wall - accounted,
-               "imports_s": 0.0, "training_s": 0.0, "overhead_s": wall - accounted,
-               "overhead_share_of_wall": (wall - accounted) / wall, "heaviest_imports": ""}
-    total = {"step": f"total relaunch run ({steps} steps), wall", "seconds": wall, "imports_s": sum(imports.values()),
-             "training_s": training, "overhead_s": wall - training, "overhead_share_of_wall": (wall - training) / wall,
-             "heaviest_imports": ""}
-    cpu = {"step": "total CPU seconds (all processes)", "seconds": plain["cpu"], "imports_s": 0.0,
-           "training_s": 0.0, "overhead_s": 0.0, "overhead_share_of_wall": 0.0, "heaviest_imports": ""}
+        if step in warm_seconds and step in cold_seconds:
+            rows.append(row(step, warm_seconds[step][0], cold_seconds[step][0], sum(packages.get(step, {}).values()),
+                            warm_seconds[step][1], heaviest(packages.get(step, {}))))
+
+    def between(run: dict, seconds: dict) -> float:
+        return run["wall"] - run["before_first_step"] - sum(v[0] for v in seconds.values())
+
+    rows.append(row("between steps (kfp.local) and after the last", between(warm, warm_seconds),
+                    between(cold, cold_seconds)))
+    total = row(f"total relaunch run ({steps} steps), wall", warm["wall"], cold["wall"],
+                sum(sum(p.values()) for p in packages.values()), sum(v[1] for v in warm_seconds.values()))
     if baseline:
-        base_accounted = sum(v[0] for v in base_seconds.values())
-        between.update(baseline_s=baseline["wall"] - base_accounted,
-                       ratio=(wall - accounted) / max(1e-9, baseline["wall"] - base_accounted))
-        total.update(baseline_s=baseline["wall"], ratio=wall / baseline["wall"])
-        cpu.update(baseline_s=baseline["cpu"], ratio=plain["cpu"] / baseline["cpu"])
-    return rows + [between, total, cpu]
+        total.update(baseline_s=baseline["wall"], ratio_to_baseline=warm["wall"] / baseline["wall"])
+    return rows + [total, row("total CPU seconds (all processes)", warm["cpu"], cold["cpu"])]

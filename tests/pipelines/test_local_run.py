@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from components import STEP_TABLE
 from components.core.config import RelaunchConfig
 from components.core.exitcodes import RETRYABLE, ExitCode
 from components.core.goodput import load_attempts
@@ -146,6 +147,13 @@ def embedded(demo):
 def test_the_embedded_run_finishes_despite_the_killed_worker(embedded):
     cwd, out = embedded
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def test_every_step_of_a_relaunch_run_is_forked_from_a_warm_server(embedded):
+    cwd, _ = embedded
+    started = [e for e in events(cwd) if e["kind"] == "step-start"]
+    assert {e["step"] for e in started} == set(STEP_TABLE)
+    assert all(e["warm"] for e in started), started
 
 
 def test_a_whole_pipeline_run_leaves_no_temp_directory_of_ours_behind(embedded):
@@ -384,14 +392,14 @@ def test_a_last_attempt_killed_with_no_attempt_after_it_is_recorded_by_finalize(
 
 # ---------------------------------------------------------------- permanent failures stop at once
 
-def _run_in_process(tmp_path, monkeypatch, **overrides):
+def _run_in_process(tmp_path, monkeypatch, cold=False, **overrides):
     from rich.console import Console
 
     from pipelines.local_run import run_pipeline
 
     monkeypatch.chdir(tmp_path)
     config = RelaunchConfig.model_validate(overrides)
-    return run_pipeline(config, console=Console(file=io.StringIO()), state_dir=tmp_path / ".relaunch")
+    return run_pipeline(config, console=Console(file=io.StringIO()), state_dir=tmp_path / ".relaunch", cold=cold)
 
 
 def test_a_bad_task_path_is_not_retried_and_stops_the_pipeline_with_exit_2(tmp_path, monkeypatch):
@@ -413,8 +421,10 @@ def test_a_foreign_checkpoint_to_resume_from_stops_the_pipeline_at_locate(tmp_pa
     torch.manual_seed(0)
     CheckpointManager(str(tmp_path / "other"), async_save=False).save(
         4, TrainingState(load_task(other.train.task, other).build_model()))
-    result = _run_in_process(tmp_path, monkeypatch,
+    result = _run_in_process(tmp_path, monkeypatch, cold=True,  # the cold path: each step a fresh interpreter
                              train={"resume_from": str(tmp_path / "other/checkpoints/step-000000000004")})
+    started = [json.loads(line) for line in (result.run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["warm"] for e in started if e["kind"] == "step-start"] == [False, False, False]
     assert result.exit_code == 2 and result.failed_step == "locate-latest-checkpoint"
     assert "holds another model" in result.message
     assert result.steps["locate-latest-checkpoint"].attempts == 1 and result.steps["launch"].attempts == 0
