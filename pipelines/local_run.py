@@ -20,7 +20,7 @@ from components.core.config import RelaunchConfig
 from components.core.exitcodes import ExitCode
 from pipelines.console import STEPS, RunView, StepRecord, render_summary
 from pipelines.kfp_local_fixes import install_local_fixes, use_warm_steps
-from pipelines.warm_steps import WarmSteps
+from pipelines.warm_steps import WarmSteps, supported as warm_steps_supported
 
 __all__ = ["STEPS", "RunResult", "StepRecord", "install_local_fixes", "render_summary", "run_pipeline"]
 
@@ -53,12 +53,12 @@ def run_pipeline(config: RelaunchConfig, *, console=None, state_dir: str | Path 
         console: a ``rich.console.Console`` for the step lines and the progress bar.
         state_dir: where kfp.local's outputs and this run's logs go.
         cold: every step, agent and worker a fresh interpreter (as on a cluster) instead of forks of
-            the warm server (:mod:`pipelines.warm_steps`).
+            the warm servers (:mod:`pipelines.warm_steps`; always cold where they are not supported).
     """
     run_dir = Path(state_dir) / "runs" / time.strftime("%Y%m%d-%H%M%S") / str(os.getpid())
     run_dir.mkdir(parents=True, exist_ok=True)
     # started first: its imports overlap ours and kfp.local's set-up
-    warm_steps = None if cold else WarmSteps(log_path=run_dir / "pipeline.log",
+    warm_steps = None if cold or not warm_steps_supported() else WarmSteps(log_path=run_dir / "pipeline.log",
                                              extra_imports=(config.train.task.split(":")[0],))
     try:
         return _run_on_kfp_local(config, console, Path(state_dir), run_dir, warm_steps)

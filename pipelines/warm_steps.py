@@ -80,6 +80,12 @@ def server_for(executor_args: list[str]) -> str:
     return "light" if step is not None and not step.uses_torch else "full"
 
 
+def supported() -> bool:
+    """Warm servers need Linux: ``fork`` without ``exec`` is unsafe on macOS (its system libraries), and
+    the server waits for its children with pidfds."""
+    return sys.platform == "linux" and hasattr(os, "pidfd_open")
+
+
 class _Server:
     def __init__(self, kind: str, log, extra_imports: tuple[str, ...]):
         self.control, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
