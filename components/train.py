@@ -276,7 +276,8 @@ class Training:
         main = self.env is not None and self.env.is_main and self.store is not None
         if main:  # first, before torchrun (told by a faster rank) stops us: the launcher reads this
             goodput.write_exit_record(self.store, self.attempt, err.exit_code, str(err), self.env.elastic_run_id)
-        self.preempt.uninstall()
+        told_to_go = self.preempt.raised and not isinstance(err, Preempted)
+        self.preempt.uninstall()  # a C-level wait in the checkpoint's close must stay killable
         status = "KILLED" if isinstance(err, Preempted) else None if err.exit_code in RETRYABLE else "FAILED"
         if self.checkpoints is not None:
             self.checkpoints.close(after_failure=True)
@@ -284,9 +285,15 @@ class Training:
             if self.log:
                 self.log.finish(err.exit_code)
             # told to go (a peer died, torchrun is stopping us): do not linger; unsent points of
-            # committed steps are in the pending-metrics file for the next attempt
-            self.tracker.fail(err, status=status, told_to_go=self.preempt.raised and not isinstance(err, Preempted))
-            self._summary(err.exit_code, str(err))
+            # committed steps are in the pending-metrics file for the next attempt. While the status
+            # goes out a SIGTERM (a faster rank exited and torchrun stops the group) is only noted, so
+            # that MLflow learns how the attempt ended; torchrun's SIGKILL bounds the wait.
+            self.preempt.install()
+            try:
+                self.tracker.fail(err, status=status, told_to_go=told_to_go)
+                self._summary(err.exit_code, str(err))
+            finally:
+                self.preempt.uninstall()
         raise err
 
     def _summary(self, code: int, reason: str, report: dict | None = None) -> TrainSummary:

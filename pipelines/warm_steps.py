@@ -29,6 +29,7 @@ import json
 import os
 import select
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -86,14 +87,100 @@ def supported() -> bool:
     return sys.platform == "linux" and hasattr(os, "pidfd_open")
 
 
-class _Server:
-    def __init__(self, kind: str, log, extra_imports: tuple[str, ...]):
+class RemoteProcess:
+    """A child a warm server forked on our behalf: the ``subprocess.Popen`` surface (``pid``,
+    ``returncode``, ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``). The server is its
+    parent and reaps it; its exit status comes back over ``status``."""
+
+    def __init__(self, status: socket.socket, args: list[str]):
+        self._status, self.args = status, args
+        self._buffer = b""
+        self.pid = 0
+        self.returncode: int | None = None
+
+    def _line(self, timeout: float | None) -> bytes | None:
+        """The next message; None when ``timeout`` passed first, b"" when the server is gone."""
+        while b"\n" not in self._buffer:
+            ready, _, _ = select.select([self._status], [], [], timeout)
+            if not ready:
+                return None
+            chunk = self._status.recv(4096)
+            if not chunk:
+                return b""
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line
+
+    def _ended(self, line: bytes) -> None:
+        self.returncode = int(json.loads(line)["exit"]) if line else 1  # a server that died took it down
+        self._status.close()
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            line = self._line(0)
+            if line is not None:
+                self._ended(line)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            line = self._line(timeout)
+            if line is None:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self._ended(line)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class WarmServer:
+    """One server process (``imports``: "light" or "full") and the requests to it."""
+
+    def __init__(self, imports: str, log, extra_imports: tuple[str, ...] = (), cwd: str | None = None):
         self.control, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.lock = threading.Lock()
+        self._lock = threading.Lock()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "pipelines.warm_steps", str(server_end.fileno()), kind, *extra_imports],
-            pass_fds=(server_end.fileno(),), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+            [sys.executable, "-m", "pipelines.warm_steps", str(server_end.fileno()), imports, *extra_imports],
+            pass_fds=(server_end.fileno(),), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
         server_end.close()
+
+    def start(self, request: dict, fds: list[int]) -> RemoteProcess | None:
+        """Have the server fork a child for ``request``, passing it ``fds`` (its output); None when
+        the server is gone (the caller then starts the process cold)."""
+        if self.process.poll() is not None:
+            return None
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        body = json.dumps(request).encode()
+        try:
+            with self._lock:
+                socket.send_fds(self.control, [_HEADER.pack(len(body))], [theirs.fileno(), *fds])
+                self.control.sendall(body)
+        except OSError:
+            mine.close()
+            return None
+        finally:
+            theirs.close()
+        child = RemoteProcess(mine, request.get("argv") or [request["kind"]])
+        forked = child._line(None)
+        if not forked:  # the server ended before it forked
+            mine.close()
+            return None
+        child.pid = int(json.loads(forked)["pid"])
+        return child
+
+    def start_module(self, module: str, argv: list[str], *, env: dict[str, str], cwd: str, stdout_fd: int,
+                     stderr_fd: int, new_session: bool = False, torchrun_agent: bool = False) -> RemoteProcess | None:
+        """``python -m module *argv`` forked by the server; a torchrun agent forks its workers too."""
+        return self.start({"kind": "module", "module": module, "argv": argv, "env": env, "cwd": cwd,
+                           "new_session": new_session, "torchrun_agent": torchrun_agent}, [stdout_fd, stderr_fd])
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -110,7 +197,7 @@ class WarmSteps:
 
     def __init__(self, *, log_path: Path, extra_imports: tuple[str, ...] = ()):
         with open(log_path, "a") as log:
-            self._servers = {kind: _Server(kind, log, extra_imports) for kind in SERVER_IMPORTS}
+            self._servers = {kind: WarmServer(kind, log, extra_imports) for kind in SERVER_IMPORTS}
         self.steps_run = 0
 
     def run(self, full_command: list[str], env_vars: dict[str, str] | None) -> int | None:
@@ -119,52 +206,30 @@ class WarmSteps:
         call = executor_call(full_command)
         if call is None:
             return None
-        server = self._servers[server_for(call[1])]
-        if server.process.poll() is not None:
-            return None
-        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         read_end, write_end = os.pipe()
-        request = json.dumps({"source": call[0], "args": call[1], "cwd": os.getcwd(),
-                              "env": {**os.environ, **(env_vars or {})}}).encode()
         try:
-            with server.lock:
-                socket.send_fds(server.control, [_HEADER.pack(len(request))], [theirs.fileno(), write_end])
-                server.control.sendall(request)
-        except OSError:
+            step = self._servers[server_for(call[1])].start(
+                {"kind": "kfp", "source": call[0], "args": call[1], "cwd": os.getcwd(),
+                 "env": {**os.environ, **(env_vars or {})}}, [write_end])
+        finally:
+            os.close(write_end)
+        if step is None:
             os.close(read_end)
             return None
-        finally:
-            theirs.close()
-            os.close(write_end)
-        with mine:
-            if _message(mine) is None:  # the server ended before it forked the step
-                os.close(read_end)
-                return None
-            with open(read_end, encoding="utf-8", errors="replace") as output:
-                for line in output:
-                    print(line, end="")
-            print("\n")
-            ended = _message(mine)
+        with open(read_end, encoding="utf-8", errors="replace") as output:
+            for line in output:
+                print(line, end="")
+        print("\n")
         self.steps_run += 1
-        return int(ended["exit"]) if ended else 1
+        return step.wait()
 
     def close(self) -> None:
         for server in self._servers.values():
             server.close()
 
 
-def _message(sock: socket.socket) -> dict | None:
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = sock.recv(4096)
-        if not chunk:
-            return None
-        data += chunk
-    return json.loads(data)
-
-
 def _receive(control: socket.socket) -> tuple[dict, list[int]] | None:
-    header, fds, _, _ = socket.recv_fds(control, _HEADER.size, 2)
+    header, fds, _, _ = socket.recv_fds(control, _HEADER.size, 3)
     if len(header) < _HEADER.size:
         for fd in fds:
             os.close(fd)
@@ -180,17 +245,18 @@ def _receive(control: socket.socket) -> tuple[dict, list[int]] | None:
 
 
 def serve(control: socket.socket, imports: tuple[str, ...]) -> None:
-    """Import ``imports``, then fork a step per request until the control socket closes."""
-    from components.core.warm import fork_module
+    """Import ``imports``, then fork a child per request until the control socket closes."""
+    from components.core.warm import recording_exit_handlers
 
     os.environ.setdefault("MPLBACKEND", "Agg")
     gc.disable()  # imports allocate millions of objects that live as long as the process: ~20% faster
-    for name in imports:
-        with contextlib.suppress(Exception):
-            importlib.import_module(name)
+    with recording_exit_handlers():
+        for name in imports:
+            with contextlib.suppress(Exception):
+                importlib.import_module(name)
     gc.enable()
     gc.freeze()  # the forks never scan (and so never copy) what was imported
-    running: dict[int, tuple[int, socket.socket, str]] = {}  # pidfd -> (pid, status socket, source dir)
+    running: dict[int, tuple[int, socket.socket, str | None]] = {}  # pidfd -> (pid, status socket, temp dir)
     while True:
         ready, _, _ = select.select([control, *running], [], [])
         for fd in ready:
@@ -198,27 +264,43 @@ def serve(control: socket.socket, imports: tuple[str, ...]) -> None:
                 received = _receive(control)
                 if received is None:
                     return
-                request, (status_fd, output_fd) = received
+                request, (status_fd, *output_fds) = received
                 status = socket.socket(fileno=status_fd)
-                source_dir = tempfile.mkdtemp()
-                path = Path(source_dir, "ephemeral_component.py")
-                path.write_text(request["source"])
-                own = (control.fileno(), output_fd, status_fd, *running,
-                       *(s.fileno() for _, s, _ in running.values()))
-                pid = fork_module("kfp.dsl.executor_main", ["--component_module_path", str(path), *request["args"]],
-                                  env={**request["env"], "_KFP_RUNTIME": "true"}, stdout_fd=output_fd,
-                                  stderr_fd=output_fd, cwd=request["cwd"], keep_atexit=True, close_fds=own)
-                os.close(output_fd)
+                own = (control.fileno(), status_fd, *output_fds, *running,
+                       *(sock.fileno() for _, sock, _ in running.values()))
+                pid, temp_dir = _fork(request, output_fds, own)
+                for output_fd in output_fds:
+                    os.close(output_fd)
                 status.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-                running[os.pidfd_open(pid)] = (pid, status, source_dir)
+                running[os.pidfd_open(pid)] = (pid, status, temp_dir)
             else:
-                pid, status, source_dir = running.pop(fd)
+                pid, status, temp_dir = running.pop(fd)
                 os.close(fd)
                 _, wait_status = os.waitpid(pid, 0)
                 with contextlib.suppress(OSError):
                     status.sendall(json.dumps({"exit": os.waitstatus_to_exitcode(wait_status)}).encode() + b"\n")
                 status.close()
-                shutil.rmtree(source_dir, ignore_errors=True)
+                if temp_dir:
+                    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _fork(request: dict, output_fds: list[int], own: tuple[int, ...]) -> tuple[int, str | None]:
+    """Fork the child ``request`` asks for: its pid, and a directory to remove when it has ended."""
+    from components.core.warm import fork_module
+
+    if request["kind"] == "kfp":  # what kfp's lightweight-component script does, in a fork
+        source_dir = tempfile.mkdtemp()
+        path = Path(source_dir, "ephemeral_component.py")
+        path.write_text(request["source"])
+        return fork_module("kfp.dsl.executor_main", ["--component_module_path", str(path), *request["args"]],
+                           env={**request["env"], "_KFP_RUNTIME": "true"}, stdout_fd=output_fds[0],
+                           stderr_fd=output_fds[0], cwd=request["cwd"], keep_atexit=True, close_fds=own), source_dir
+    before = None
+    if request["torchrun_agent"]:
+        from components.launchers.local import prepare_warm_agent as before
+    return fork_module(request["module"], request["argv"], env=request["env"], stdout_fd=output_fds[0],
+                       stderr_fd=output_fds[1], cwd=request["cwd"], new_session=request["new_session"],
+                       keep_atexit=True, close_fds=own, before=before), None
 
 
 def main(argv: list[str]) -> None:

@@ -25,6 +25,12 @@ def pytest_configure(config):
     signal.signal(signal.SIGTERM, _interrupt)
 
 
+def pytest_sessionfinish(session, exitstatus):
+    from tests import warm_processes
+
+    warm_processes.stop()
+
+
 @pytest.fixture(scope="session")
 def schemas_dir() -> Path:
     """``../shared/schemas``: skipped with a reason when absent, a failure when CI is set."""

@@ -22,6 +22,7 @@ here runs: each pod is a fresh ``torchrun``.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import io
 import os
 import runpy
@@ -31,11 +32,30 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 import weakref
 from typing import Callable
 
 forked = False
 """True in a process forked from the warm server (and in the processes it forks in turn)."""
+_import_time_exit_handlers: list[tuple[Callable, tuple, dict]] = []
+
+
+@contextlib.contextmanager
+def recording_exit_handlers():
+    """Remember the ``atexit`` handlers registered inside (the warm server's imports): a fork that
+    drops its parent's handlers gets these back, as a fresh process importing the same modules has them."""
+    register = atexit.register
+
+    def recording(func, *args, **kwargs):
+        _import_time_exit_handlers.append((func, args, kwargs))
+        return register(func, *args, **kwargs)
+
+    atexit.register = recording
+    try:
+        yield
+    finally:
+        atexit.register = register
 
 _DEFAULT_HANDLERS = {signal.SIGINT: signal.default_int_handler, signal.SIGPIPE: signal.SIG_IGN}
 
@@ -106,7 +126,8 @@ def fork_module(module: str, argv: list[str], *, env: dict[str, str], stdout_fd:
         new_session: ``setsid`` in the child, as ``Popen(start_new_session=True)``.
         keep_atexit: keep the ``atexit`` handlers registered so far (the warm server's are only those
             its imports registered, which a fresh process importing the same modules has too);
-            otherwise the child starts with none, as the parent's are the parent's business.
+            otherwise the child starts with only those import-time ones (:func:`recording_exit_handlers`):
+            the parent's own are the parent's business.
         before: called in the child right before the module runs.
 
     Returns:
@@ -151,6 +172,8 @@ def _become_child(env: dict[str, str], stdout_fd: int | None, stderr_fd: int | N
     if not keep_atexit:
         atexit._clear()
         weakref.finalize._registered_with_atexit = False  # the next finalizer registers again, here
+        for func, args, kwargs in _import_time_exit_handlers:
+            atexit.register(func, *args, **kwargs)
     os.environ.clear()
     os.environ.update(env)
     if cwd:
@@ -171,6 +194,8 @@ def _text_stream(fd: int, write_through: bool) -> io.TextIOWrapper:
 def _run_main(module: str, argv: list[str]) -> int:
     """Run ``module`` as ``__main__`` and end as the interpreter would: the exit code."""
     sys.argv = [module, *argv]
+    # runpy's note that ``module`` was imported (by the warm server) before it runs as __main__: expected here
+    warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package", category=RuntimeWarning)
     interrupted = False
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -76,7 +76,7 @@ def _start(cmd: list[str], node: int) -> subprocess.Popen | warm.ForkedProcess:
     # whose TORCHELASTIC_RESTART_COUNT differ (an agent that only saw the others re-join keeps its count)
     # or read keys the dead round left, and the new round waits out the process-group timeout.
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    return warm.start_python(cmd, env=env, new_session=True, before=_warm_agent)
+    return warm.start_python(cmd, env=env, new_session=True, before=prepare_warm_agent)
 
 
 RENDEZVOUS_POLL_SECONDS = 0.1
@@ -84,7 +84,7 @@ RENDEZVOUS_POLL_SECONDS = 0.1
 hundreds of nodes; here a few processes on one machine share it."""
 
 
-def _warm_agent() -> None:
+def prepare_warm_agent() -> None:
     """In an agent forked from a warm launch step: fork the workers too, poll the rendezvous every
     :data:`RENDEZVOUS_POLL_SECONDS`, and name the rendezvous's callers from the frame (torch calls
     ``inspect.stack()`` twice per rendezvous event, which resolves every frame's module over

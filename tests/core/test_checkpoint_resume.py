@@ -6,7 +6,6 @@ with 2 ranks under a real torchrun (gloo); and a 2-rank checkpoint loads the sam
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import torch
 
 from components.core.checkpoint import CheckpointManager
 from components.core.errors import BadInput
+from tests import warm_processes
 from tests.core.helpers import assert_bitwise_equal, make_state, s3_root, train_steps
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,9 +27,8 @@ def _run(args: list[str], nproc: int, env: dict | None = None) -> None:
     else:
         cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", str(nproc),
                "-m", "tests.core.resume_worker", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-                                               **(env or {})},
-                          capture_output=True, text=True, timeout=120)
+    proc = warm_processes.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+                                                   **(env or {})}, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 

@@ -15,6 +15,7 @@ import torch
 
 from components.core.checkpoint import step_key
 from components.core.storage import open_store
+from tests import warm_processes
 from tests.core.helpers import assert_bitwise_equal, s3_root
 
 pytestmark = pytest.mark.slow
@@ -24,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def _torchrun(nproc: int, *args: str, ok: bool = True) -> subprocess.CompletedProcess:
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", str(nproc),
            "-m", "tests.core.fsdp_worker", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=300)
+    proc = warm_processes.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                              timeout=300)
     if ok:
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from pipelines.warm_steps import RemoteProcess
+from tests import warm_processes
 from tests.services import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,7 +38,7 @@ def train_config(tmp_path: Path, tracking_uri: str, **train) -> dict:
 class Torchrun:
     """A running ``torchrun -m components.train`` with its combined output in a file."""
 
-    proc: subprocess.Popen
+    proc: subprocess.Popen | RemoteProcess
     log: Path
     started_at: float = field(default_factory=time.time)
 
@@ -85,8 +87,8 @@ def start_torchrun(config: dict, tmp_path: Path, *, nproc: int = 2, max_restarts
             "--monitor-interval=0.2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
             f"--rdzv-id={uuid.uuid4().hex[:8]}", f"--rdzv-conf={RDZV_CONF}", "--shutdown-timeout=20",
             *(extra_args or []), "-m", "components.train", "--config-json", json.dumps(config)]
-    proc = subprocess.Popen(argv, cwd=ROOT, env=child_env, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    with log.open("w") as out:
+        proc = warm_processes.start(argv, cwd=ROOT, env=child_env, stdout=out, stderr=out, new_session=True)
     return Torchrun(proc, log)
 
 
