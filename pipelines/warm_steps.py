@@ -29,7 +29,6 @@ import json
 import os
 import select
 import shutil
-import signal
 import socket
 import struct
 import subprocess
@@ -39,6 +38,7 @@ import threading
 from pathlib import Path
 
 from components import STEP_MODULES, STEP_TABLE
+from components.core.warm import SignalledByPid
 
 LIGHT_IMPORTS = (
     "kfp.dsl.executor_main", "pipelines.kfp_entry", *STEP_MODULES.values(),
@@ -87,7 +87,7 @@ def supported() -> bool:
     return sys.platform == "linux" and hasattr(os, "pidfd_open")
 
 
-class RemoteProcess:
+class RemoteProcess(SignalledByPid):
     """A child a warm server forked on our behalf: the ``subprocess.Popen`` surface (``pid``,
     ``returncode``, ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``). The server is its
     parent and reaps it; its exit status comes back over ``status``."""
@@ -129,16 +129,6 @@ class RemoteProcess:
                 raise subprocess.TimeoutExpired(self.args, timeout)
             self._ended(line)
         return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 class WarmServer:

@@ -60,7 +60,26 @@ def recording_exit_handlers():
 _DEFAULT_HANDLERS = {signal.SIGINT: signal.default_int_handler, signal.SIGPIPE: signal.SIG_IGN}
 
 
-class ForkedProcess:
+class SignalledByPid:
+    """``send_signal``, ``terminate`` and ``kill`` of a ``Popen``-like child with ``pid`` and ``poll``."""
+
+    pid: int
+
+    def poll(self) -> int | None:
+        raise NotImplementedError
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkedProcess(SignalledByPid):
     """The ``subprocess.Popen`` surface of a forked child: ``pid``, ``returncode``, ``stdout``,
     ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``."""
 
@@ -93,16 +112,6 @@ class ForkedProcess:
             return
         if pid:
             self.returncode = os.waitstatus_to_exitcode(status)
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
     def __enter__(self) -> "ForkedProcess":
         return self
