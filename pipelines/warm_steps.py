@@ -15,7 +15,8 @@ finalize need and is ready first; the *full* one adds torch, DCP and matplotlib 
 :attr:`components.Step.uses_torch` (launch, evaluate). A step's child is warm
 (:data:`components.core.warm.forked`): the launch step forks its torchrun agents, and they fork their
 workers (:mod:`components.core.warm`). ``relaunch run --cold`` starts no server: every process is a
-fresh interpreter, as on a cluster.
+fresh interpreter, as on a cluster. A server also forks any ``python -m module`` on request
+(:meth:`WarmServer.start_module`): the tests start their torchrun agents that way (tests/warm_processes.py).
 
     python -m pipelines.warm_steps FD light|full [MODULE ...]    # what WarmSteps starts
 """

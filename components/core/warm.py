@@ -2,9 +2,9 @@
 
 A local ``relaunch run`` is mostly interpreter start-up: every step, every torchrun agent and every
 worker is a fresh Python that imports kfp, MLflow (and its SQL store) and torch again, seconds each
-on a small machine. :mod:`pipelines.warm_steps` imports them once in a server process and forks every
-kfp.local step from it; a step forked that way is *warm* (:data:`forked` is true), and the processes
-it starts are forks of itself too:
+on a small machine. :mod:`pipelines.warm_steps` imports them once in server processes and forks every
+kfp.local step from one of them; a step forked that way is *warm* (:data:`forked` is true), and the
+processes it starts are forks of itself too:
 
 - the local launcher starts each torchrun agent with :func:`start_python` (a fork when warm, else
   ``subprocess.Popen``), and
@@ -13,7 +13,8 @@ it starts are forks of itself too:
 
 Each fork is a real child of the process that asked for it: same pid semantics (``os.getpid`` in a
 worker is the pid its agent signals), new session when asked, its own stdout/stderr, environment and
-``sys.argv``, default signal handlers, only its own ``atexit`` handlers, and the exit status Python
+``sys.argv``, default signal handlers, the ``atexit`` handlers of its own and of its imports (not its
+parent's), and the exit status Python
 itself would give (``SystemExit`` code, 1 for an uncaught exception, death by SIGINT for Ctrl-C).
 :class:`ForkedProcess` is the ``Popen`` part the launcher and torch elastic use. On a cluster nothing
 here runs: each pod is a fresh ``torchrun``.
@@ -37,7 +38,7 @@ import weakref
 from typing import Callable
 
 forked = False
-"""True in a process forked from the warm server (and in the processes it forks in turn)."""
+"""True in a process forked from a warm server (and in the processes it forks in turn)."""
 _import_time_exit_handlers: list[tuple[Callable, tuple, dict]] = []
 
 
@@ -56,6 +57,7 @@ def recording_exit_handlers():
         yield
     finally:
         atexit.register = register
+
 
 _DEFAULT_HANDLERS = {signal.SIGINT: signal.default_int_handler, signal.SIGPIPE: signal.SIG_IGN}
 
@@ -154,6 +156,8 @@ def fork_module(module: str, argv: list[str], *, env: dict[str, str], stdout_fd:
         if before is not None:
             before()
         code = _run_main(module, argv)
+    except BaseException:  # noqa: BLE001 - setting the child up failed: say why, exit 1
+        traceback.print_exc()
     finally:
         os._exit(code)
 
