@@ -63,10 +63,9 @@ def emit(kind: str, **payload: Any) -> None:
 
 def call(step: str, config_json: str, **inputs: Any) -> tuple:
     """Run step ``step`` on the configuration ``config_json``; exit with the contract's code on error."""
+    from components.core import warm
     from components.core.config import RelaunchConfig
     from components.core.errors import RelaunchError
-
-    from components.core import warm
 
     global _ends_without_teardown
     if _in_kfp_executor() and not _ends_without_teardown and not warm.forked:  # a warm fork ends so itself

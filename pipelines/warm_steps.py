@@ -189,7 +189,6 @@ class WarmSteps:
     def __init__(self, *, log_path: Path, extra_imports: tuple[str, ...] = ()):
         with open(log_path, "a") as log:
             self._servers = {kind: WarmServer(kind, log, extra_imports) for kind in SERVER_IMPORTS}
-        self.steps_run = 0
 
     def run(self, full_command: list[str], env_vars: dict[str, str] | None) -> int | None:
         """Run one task's command in a fork of a server, echoing its output; its exit code, or None
@@ -211,7 +210,6 @@ class WarmSteps:
             for line in output:
                 print(line, end="")
         print("\n")
-        self.steps_run += 1
         return step.wait()
 
     def close(self) -> None:

@@ -115,14 +115,6 @@ class ForkedProcess(SignalledByPid):
         if pid:
             self.returncode = os.waitstatus_to_exitcode(status)
 
-    def __enter__(self) -> "ForkedProcess":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.stdout is not None:
-            self.stdout.close()
-        self.wait()
-
 
 def fork_module(module: str, argv: list[str], *, env: dict[str, str], stdout_fd: int | None = None,
                 stderr_fd: int | None = None, new_session: bool = False, cwd: str | None = None,
