@@ -15,13 +15,11 @@ tests/pipelines/test_kfp_local.py proves each fix is still needed and still work
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import threading
 import time
-from typing import Any
 
 from components.core.exitcodes import ExitCode, is_retryable, normalize
+from pipelines.kfp_entry import emit
 
 _last_code = threading.local()
 _warm_steps = None  # the running pipelines.warm_steps.WarmSteps, when relaunch run started one
@@ -65,12 +63,12 @@ def install_local_fixes() -> None:
             _last_code.value = None
             outputs, status = execute(task_name=task_name, task_spec=once, **kwargs)
             code = ExitCode.OK if status.name == "SUCCESS" else normalize(_last_code.value or ExitCode.BUG)
-            emit_event("attempt-end", step=task_name, exit_code=code)
+            emit("attempt-end", step=task_name, exit_code=code)
             if code == ExitCode.OK or attempt >= policy.max_retry_count or not is_retryable(code):
                 return outputs, status
             delay = min(policy.backoff_duration.seconds * (policy.backoff_factor or 2.0) ** attempt,
                         policy.backoff_max_duration.seconds or 3600)
-            emit_event("retry", step=task_name, attempt=attempt + 1, limit=policy.max_retry_count, exit_code=code, delay=delay)
+            emit("retry", step=task_name, attempt=attempt + 1, limit=policy.max_retry_count, exit_code=code, delay=delay)
             time.sleep(delay)
         return outputs, status
 
@@ -78,11 +76,3 @@ def install_local_fixes() -> None:
     edo.ConditionEvaluator._resolve_pipeline_channel = staticmethod(resolve_channel)
     task_executor.execute_single_task = execute_by_exit_code
     task_executor._relaunch_fixed = True
-
-
-def emit_event(kind: str, **payload: Any) -> None:
-    """Append one event to the run's event file (``RELAUNCH_EVENTS``), when there is one."""
-    path = os.environ.get("RELAUNCH_EVENTS")
-    if path:
-        with open(path, "a") as fh:
-            fh.write(json.dumps({"kind": kind, "time": time.time(), **payload}, default=str) + "\n")
