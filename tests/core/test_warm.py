@@ -35,11 +35,16 @@ _STARTER = textwrap.dedent("""
 """)
 
 
-def _in_a_fresh_process(*how: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", _STARTER, *how], cwd=ROOT, capture_output=True, text=True,
+def _last_line_of_a_fresh_process(script: str, *args: str) -> dict:
+    """Run ``script`` in a fresh interpreter; the JSON it printed last."""
+    done = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _in_a_fresh_process(*how: str) -> dict:
+    return _last_line_of_a_fresh_process(_STARTER, *how)
 
 
 def _reported(result: dict) -> dict:
@@ -104,10 +109,7 @@ _AGENT = textwrap.dedent("""
 
 def test_a_warm_agent_forks_its_workers_with_the_environment_and_output_torch_elastic_gives(tmp_path):
     out = tmp_path / "worker.out"
-    done = subprocess.run([sys.executable, "-c", _AGENT, str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    agent = json.loads(done.stdout.strip().splitlines()[-1])
+    agent = _last_line_of_a_fresh_process(_AGENT, str(out))
     worker = json.loads(out.read_text().splitlines()[0])
     assert (agent["kind"], agent["code"]) == ("ForkedProcess", 7)
     assert worker["env"] == "worker" and worker["ppid"] == agent["agent"] and worker["sid"] == worker["pid"]
