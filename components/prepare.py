@@ -61,9 +61,9 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", **overrides: Any) -> 
     _log_config(resolved)
     uri = dataset_uri(store, version)
     lineage.log_dataset_input(resolved, run_id, splits, version, uri)
-    lineage.describe_run(resolved, run_id, version, uri)
+    experiment_id = lineage.describe_run(resolved, run_id, version, uri)
     return PrepareOutputs(config_json=resolved.to_json(), run_id=run_id, dataset_version=version, dataset_uri=uri,
-                          experiment_id=lineage.experiment_of(resolved, run_id))
+                          experiment_id=experiment_id)
 
 
 def check_inputs(config: RelaunchConfig) -> None:

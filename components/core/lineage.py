@@ -121,9 +121,9 @@ def outcome_description(config, run, status: str, summary: dict | None, versions
     return "\n\n".join(lines)
 
 
-def describe_run(config, run_id: str, dataset_version: str, dataset_uri: str) -> None:
+def describe_run(config, run_id: str, dataset_version: str, dataset_uri: str) -> str:
     """Source tags and the plan as the run's description; the experiment's description and kind
-    when it has none. Idempotent (a retried prepare writes the same)."""
+    when it has none. Idempotent (a retried prepare writes the same). Returns the run's experiment id."""
     from mlflow.entities import RunTag
 
     from components.core.tracking import call, client as tracking_client, tracking_uri
@@ -142,6 +142,7 @@ def describe_run(config, run_id: str, dataset_version: str, dataset_uri: str) ->
     if "mlflow.experimentKind" not in experiment.tags:
         call("set the experiment kind", client.set_experiment_tag, experiment.experiment_id,
               "mlflow.experimentKind", EXPERIMENT_KIND)
+    return experiment.experiment_id
 
 
 def describe_outcome(config, run_id: str, status: str) -> None:
@@ -198,18 +199,6 @@ def run_url(config, run_id: str, experiment_id: str) -> str:
     if not experiment_id:
         return f"{base}/#/experiments?workflowType=machine_learning"
     return f"{base}/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
-
-
-def experiment_of(config, run_id: str) -> str:
-    """The id of the experiment that holds ``run_id`` ("" when the tracking server cannot say: a
-    summary line is no reason to fail)."""
-    from components.core.errors import RelaunchError
-    from components.core.tracking import call, client as tracking_client, tracking_uri
-
-    try:
-        return call("read the run", tracking_client(tracking_uri(config)).get_run, run_id).info.experiment_id
-    except RelaunchError:
-        return ""
 
 
 # -------------------------------------------------------------------------------------------------
