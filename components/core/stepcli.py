@@ -71,10 +71,9 @@ def step_main(step: str, run: Callable[..., Any], argv: list[str] | None = None)
     return main()
 
 
-def end_process(code: int) -> NoReturn:
-    """Exit with ``code`` as Python would (non-daemon threads joined, ``atexit`` handlers run, output
-    flushed) but without freeing every module one by one: with torch and MLflow loaded that costs a
-    second of CPU per process, and a training restart or a pipeline step waits for it."""
+def wind_down() -> None:
+    """What the interpreter does at exit before it frees the modules: join the non-daemon threads,
+    run the ``atexit`` handlers, shut logging down, flush the output."""
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()
@@ -82,4 +81,11 @@ def end_process(code: int) -> NoReturn:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
+
+
+def end_process(code: int) -> NoReturn:
+    """Exit with ``code`` as Python would (:func:`wind_down`) but without freeing every module one by
+    one: with torch and MLflow loaded that costs a second of CPU per process, and a training restart
+    or a pipeline step waits for it."""
+    wind_down()
     os._exit(code)

@@ -30,7 +30,6 @@ import runpy
 import signal
 import subprocess
 import sys
-import threading
 import time
 import traceback
 import warnings
@@ -213,16 +212,9 @@ def _run_main(module: str, argv: list[str]) -> int:
     except BaseException:  # noqa: BLE001 - what the interpreter does with an uncaught exception
         traceback.print_exc()
         code = 1
-    try:
-        threading._shutdown()  # join non-daemon threads, as interpreter shut-down does
-    except Exception:  # noqa: BLE001
-        pass
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001 - a closed pipe: nothing more to say
-            pass
+    from components.core.stepcli import wind_down
+
+    wind_down()
     if interrupted:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
