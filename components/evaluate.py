@@ -32,12 +32,12 @@ def run(config: RelaunchConfig) -> EvaluateOutputs:
     Raises:
         BadInput: there is no committed checkpoint, or the gate metric is not one the task computes.
     """
-    from components.locate import checkpoint_manager
-    from components.register import save_model
+    from components.core.checkpoint import CheckpointManager
+    from components.core.models import load_model, save_model
     from components.tasks.base import load_task
 
     task = load_task(config.train.task, config)
-    with checkpoint_manager(config) as mgr:
+    with CheckpointManager.from_config(config, async_save=False) as mgr:
         info = None
         if config.evaluate.checkpoint == "best":  # the newest when no checkpoint has the metric
             info = mgr.best(config.train.best_metric, config.train.best_mode)
@@ -55,15 +55,6 @@ def run(config: RelaunchConfig) -> EvaluateOutputs:
              write_model=lambda path: save_model(config, info.uri, path, task=task, model=model))
     return EvaluateOutputs(metrics_json=json.dumps(metrics, sort_keys=True), passed=metrics[gate] >= config.evaluate.gate_min,
                            checkpoint_uri=info.uri, step=info.step)
-
-
-def load_model(task, mgr, step: int):
-    """The task's model with the weights of committed checkpoint ``step`` (nothing unpickled)."""
-    from components.core.state import TrainingState
-
-    model = task.build_model()
-    mgr.load(TrainingState(model), step=step)
-    return model.eval()
 
 
 def _split(config: RelaunchConfig, task) -> dict:

@@ -33,33 +33,12 @@ def run(config: RelaunchConfig) -> LocateOutputs:
     """
     from components.core.checkpoint.start import start_point
 
-    with checkpoint_manager(config) as mgr:
-        start = start_point(config, mgr, fingerprint=lambda: _task_fingerprint(config))
-    return LocateOutputs(checkpoint_uri=start.uri, step=start.step, source=start.source)
-
-
-def checkpoint_manager(config: RelaunchConfig, *, async_save: bool = False):
-    """The CheckpointManager of this training's store, with the configuration's retention (use it as
-    a context manager: ``close()`` removes its temp directory)."""
     from components.core.checkpoint import CheckpointManager
+    from components.core.models import task_fingerprint
 
-    return CheckpointManager.from_config(config, async_save=async_save)
-
-
-def verify_checkpoint_uri(uri: str, config: RelaunchConfig | None = None, task=None) -> int:
-    """The step of the committed checkpoint at ``uri``; BadInput when it is not one of ours, or (with
-    ``config``) when it holds another model than the task (``task``, else the configuration's)
-    builds. O(1): manifest, files and sizes."""
-    from components.core.checkpoint.start import checked_step
-
-    return checked_step(uri, (lambda: _task_fingerprint(config, task)) if config is not None else None)
-
-
-def _task_fingerprint(config: RelaunchConfig, task=None) -> str:
-    from components.core.state import model_fingerprint
-    from components.tasks.base import load_task
-
-    return model_fingerprint((task or load_task(config.train.task, config)).build_model())
+    with CheckpointManager.from_config(config, async_save=False) as mgr:
+        start = start_point(config, mgr, fingerprint=lambda: task_fingerprint(config))
+    return LocateOutputs(checkpoint_uri=start.uri, step=start.step, source=start.source)
 
 
 if __name__ == "__main__":

@@ -87,7 +87,7 @@ def check_inputs(config: RelaunchConfig) -> None:
         raise BadInput(f"store.uri: {config.store.uri!r} cannot be reached ({err}); check AWS_ENDPOINT_URL") from None
     _check_tracking(config)
     if config.train.resume_from:
-        from components.locate import verify_checkpoint_uri
+        from components.core.models import verify_checkpoint_uri
 
         verify_checkpoint_uri(config.train.resume_from, config, task)  # built once per process
 

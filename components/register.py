@@ -7,11 +7,7 @@ version's ``relaunch.champion_decision`` tag says why not). The checkpoint is pi
 never deletes what a registered version points at. Runs only when evaluate's gate passed.
 
 The version is made from the checkpoint's MLflow LoggedModel (the one evaluate made, else made here;
-see :mod:`components.core.lineage`). Loading it unpickles nothing and needs only mlflow and torch:
-weights in ``model.safetensors``, the configuration as JSON, and as pyfunc ``code_paths`` both
-``components/`` and the task's own top-level module or package (so ``train.task=mytask:make_task``
-loads where ``mytask`` is not installed), with this module as the ``loader_module``
-(``mlflow.pyfunc.load_model("models:/relaunch-digits@champion").predict(x)``).
+see :mod:`components.core.lineage`), packaged by :mod:`components.core.models`.
 
     python -m components.register --config-json "$(cat resolved.json)" \\
         --input checkpoint_uri=... --input metrics_json='{"accuracy": 0.95}'
@@ -20,16 +16,16 @@ loads where ``mytask`` is not installed), with this module as the ``loader_modul
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from components.core.config import RelaunchConfig
 from components.core.errors import BadInput
 from components.core.lineage import git_commit, logged_model
+from components.core.models import _load_pyfunc  # noqa: F401 - the loader_module of models saved before 0.2
+from components.core.models import save_model
 
 TAG = "relaunch."
 
@@ -143,89 +139,6 @@ def _process_tracking_uri(uri: str):
             os.environ.pop("MLFLOW_TRACKING_URI", None)
         else:
             os.environ["MLFLOW_TRACKING_URI"] = saved_env
-
-
-def save_model(config: RelaunchConfig, checkpoint_uri: str, path: Path, task=None, model=None) -> None:
-    """Write an MLflow pyfunc model directory for ``checkpoint_uri`` into ``path``: safetensors
-    weights, the configuration as JSON, ``components/`` and the task's own code (``task`` and
-    ``model``, when the caller has them loaded, save reading the checkpoint again)."""
-    import tempfile
-
-    import mlflow
-    import numpy as np
-    import torch
-    from mlflow.models import infer_signature
-    from safetensors.torch import save_file
-
-    from components.core.checkpoint import CheckpointManager, parse_checkpoint_uri
-    from components.core.storage import open_store
-    from components.evaluate import load_model
-    from components.tasks.base import load_task
-
-    task = task or load_task(config.train.task, config)
-    if model is None:
-        store_uri, step = parse_checkpoint_uri(checkpoint_uri)
-        with CheckpointManager(open_store(store_uri), async_save=False) as mgr:
-            model = load_model(task, mgr, step)
-    x = np.asarray(task.build_splits()["test"]["x"][:2])
-    with tempfile.TemporaryDirectory(prefix="relaunch-model-") as tmp:  # save_model copies it into ``path``
-        data = Path(tmp)
-        save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(data / "model.safetensors"))
-        (data / "config.json").write_text(config.to_json())
-        mlflow.pyfunc.save_model(
-            str(path), loader_module="components.register", data_path=str(data),
-            code_paths=code_paths(config.train.task),
-            signature=infer_signature(x, task.predict(model, x)),
-            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "safetensors", "numpy", "pydantic>=2",
-                              "pyyaml", "scikit-learn"])
-
-
-def code_paths(task_spec: str) -> list[str]:
-    """What a loader needs besides mlflow and torch: ``components/`` and the top-level module (a
-    file) or package (a folder) of the task, unless that is ``components`` itself.
-
-    Raises:
-        BadInput: the task's module cannot be found.
-    """
-    import components
-
-    paths = [str(Path(components.__file__).parent)]
-    top = task_spec.split(":")[0].split(".")[0]
-    if top == "components":
-        return paths
-    spec = importlib.util.find_spec(top)
-    if spec is None:
-        raise BadInput(f"train.task: cannot find module {top!r} to bundle with the model; check PYTHONPATH")
-    if spec.submodule_search_locations:  # a package (regular or namespace): its folder
-        return paths + [next(iter(spec.submodule_search_locations))]
-    return paths + [spec.origin]
-
-
-class _LoadedModel:
-    """What ``mlflow.pyfunc.load_model`` returns through :func:`_load_pyfunc`."""
-
-    def __init__(self, task, model):
-        self.task, self.model = task, model
-
-    def predict(self, model_input, params=None):
-        import numpy as np
-
-        return self.task.predict(self.model, np.asarray(model_input, dtype=np.float32))
-
-
-def _load_pyfunc(data_path: str) -> _LoadedModel:
-    """MLflow's loader hook: rebuild the task's model and load the safetensors weights."""
-    from safetensors.torch import load_file
-
-    from components.core.config import RelaunchConfig
-    from components.tasks.base import load_task
-
-    root = Path(data_path)
-    config = RelaunchConfig.from_json((root / "config.json").read_text())
-    task = load_task(config.train.task, config)
-    model = task.build_model()
-    model.load_state_dict(load_file(str(root / "model.safetensors")))
-    return _LoadedModel(task, model.eval())
 
 
 def _decide_champion(client, config: RelaunchConfig, version: str, value: float) -> tuple[str, str]:

@@ -204,9 +204,9 @@ def render_summary(config: RelaunchConfig, result, console) -> None:
 
 def _committed(config: RelaunchConfig) -> list[str]:
     try:
-        from components.locate import checkpoint_manager
+        from components.core.checkpoint import CheckpointManager
 
-        with checkpoint_manager(config) as mgr:
+        with CheckpointManager.from_config(config, async_save=False) as mgr:
             return [c.uri for c in mgr.list()]
     except Exception:  # the summary must not fail a finished run
         return []

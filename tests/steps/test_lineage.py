@@ -11,7 +11,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from components import evaluate, finalize, prepare, register
-from components.core import lineage
+from components.core import lineage, models
 from components.core.checkpoint import CheckpointManager
 from components.core.config import RelaunchConfig
 from components.core.state import TrainingState
@@ -154,9 +154,9 @@ def test_a_task_outside_components_is_bundled_with_the_model(tmp_path, monkeypat
     (tmp_path / "mypkg").mkdir()
     (tmp_path / "mypkg" / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert register.code_paths("components.tasks.digits:make_task")[1:] == []
-    assert register.code_paths("mytask:make_task")[1:] == [str(tmp_path / "mytask.py")]
-    assert register.code_paths("mypkg.sub:make_task")[1:] == [str(tmp_path / "mypkg")]
+    assert models.code_paths("components.tasks.digits:make_task")[1:] == []
+    assert models.code_paths("mytask:make_task")[1:] == [str(tmp_path / "mytask.py")]
+    assert models.code_paths("mypkg.sub:make_task")[1:] == [str(tmp_path / "mypkg")]
 
 
 def test_each_nodes_local_rank_0_logs_system_metrics_under_its_node_id(pipeline, monkeypatch):

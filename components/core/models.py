@@ -1,0 +1,123 @@
+"""The task's model as relaunch packages it: built from the task, loaded from a checkpoint, saved as
+an MLflow pyfunc model (safetensors weights, the configuration, the code), and fingerprinted.
+
+Loading a saved model unpickles nothing and needs only mlflow and torch: weights in
+``model.safetensors``, the configuration as JSON, and as pyfunc ``code_paths`` both ``components/``
+and the task's own top-level module or package, with this module as the ``loader_module``
+(``mlflow.pyfunc.load_model("models:/relaunch-digits@champion").predict(x)``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from components.core.config import RelaunchConfig
+from components.core.errors import BadInput
+
+
+def load_model(task, mgr, step: int):
+    """The task's model with the weights of committed checkpoint ``step`` (nothing unpickled)."""
+    from components.core.state import TrainingState
+
+    model = task.build_model()
+    mgr.load(TrainingState(model), step=step)
+    return model.eval()
+
+
+def verify_checkpoint_uri(uri: str, config: RelaunchConfig | None = None, task=None) -> int:
+    """The step of the committed checkpoint at ``uri``; BadInput when it is not one of ours, or (with
+    ``config``) when it holds another model than the task (``task``, else the configuration's)
+    builds. O(1): manifest, files and sizes."""
+    from components.core.checkpoint.start import checked_step
+
+    return checked_step(uri, (lambda: task_fingerprint(config, task)) if config is not None else None)
+
+
+def task_fingerprint(config: RelaunchConfig, task=None) -> str:
+    from components.core.state import model_fingerprint
+    from components.tasks.base import load_task
+
+    return model_fingerprint((task or load_task(config.train.task, config)).build_model())
+
+
+def save_model(config: RelaunchConfig, checkpoint_uri: str, path: Path, task=None, model=None) -> None:
+    """Write an MLflow pyfunc model directory for ``checkpoint_uri`` into ``path``: safetensors
+    weights, the configuration as JSON, ``components/`` and the task's own code (``task`` and
+    ``model``, when the caller has them loaded, save reading the checkpoint again)."""
+    import tempfile
+
+    import mlflow
+    import numpy as np
+    import torch
+    from mlflow.models import infer_signature
+    from safetensors.torch import save_file
+
+    from components.core.checkpoint import CheckpointManager, parse_checkpoint_uri
+    from components.core.storage import open_store
+    from components.tasks.base import load_task
+
+    task = task or load_task(config.train.task, config)
+    if model is None:
+        store_uri, step = parse_checkpoint_uri(checkpoint_uri)
+        with CheckpointManager(open_store(store_uri), async_save=False) as mgr:
+            model = load_model(task, mgr, step)
+    x = np.asarray(task.build_splits()["test"]["x"][:2])
+    with tempfile.TemporaryDirectory(prefix="relaunch-model-") as tmp:  # save_model copies it into ``path``
+        data = Path(tmp)
+        save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(data / "model.safetensors"))
+        (data / "config.json").write_text(config.to_json())
+        mlflow.pyfunc.save_model(
+            str(path), loader_module=__name__, data_path=str(data),
+            code_paths=code_paths(config.train.task),
+            signature=infer_signature(x, task.predict(model, x)),
+            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "safetensors", "numpy", "pydantic>=2",
+                              "pyyaml", "scikit-learn"])
+
+
+def code_paths(task_spec: str) -> list[str]:
+    """What a loader needs besides mlflow and torch: ``components/`` and the top-level module (a
+    file) or package (a folder) of the task, unless that is ``components`` itself.
+
+    Raises:
+        BadInput: the task's module cannot be found.
+    """
+    import components
+
+    paths = [str(Path(components.__file__).parent)]
+    top = task_spec.split(":")[0].split(".")[0]
+    if top == "components":
+        return paths
+    spec = importlib.util.find_spec(top)
+    if spec is None:
+        raise BadInput(f"train.task: cannot find module {top!r} to bundle with the model; check PYTHONPATH")
+    if spec.submodule_search_locations:  # a package (regular or namespace): its folder
+        return paths + [next(iter(spec.submodule_search_locations))]
+    return paths + [spec.origin]
+
+
+class _LoadedModel:
+    """What ``mlflow.pyfunc.load_model`` returns through :func:`_load_pyfunc`."""
+
+    def __init__(self, task, model):
+        self.task, self.model = task, model
+
+    def predict(self, model_input, params=None):
+        import numpy as np
+
+        return self.task.predict(self.model, np.asarray(model_input, dtype=np.float32))
+
+
+def _load_pyfunc(data_path: str) -> _LoadedModel:
+    """MLflow's loader hook: rebuild the task's model and load the safetensors weights."""
+    from safetensors.torch import load_file
+
+    from components.core.config import RelaunchConfig
+    from components.tasks.base import load_task
+
+    root = Path(data_path)
+    config = RelaunchConfig.from_json((root / "config.json").read_text())
+    task = load_task(config.train.task, config)
+    model = task.build_model()
+    model.load_state_dict(load_file(str(root / "model.safetensors")))
+    return _LoadedModel(task, model.eval())
