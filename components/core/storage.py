@@ -271,6 +271,11 @@ class FileStore:
             try:
                 os.link(tmp, target)
             except FileExistsError:
+                # NFS: a retransmitted LINK whose first reply was lost answers EEXIST although it
+                # was ours; then the temp file has a second name, and it is the target
+                if os.stat(tmp).st_nlink > 1 and os.path.samefile(tmp, target):
+                    _fsync_dir(target.parent)
+                    return True
                 return False
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -409,7 +414,10 @@ def _file_etag(path: Path) -> str | None:
 # ---------------------------------------------------------------------------------------------- S3
 
 _TRANSIENT_CODES = {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "Throttling",
-                    "ThrottlingException", "RequestTimeTooSkewed", "OperationAborted", "ServerError"}
+                    "ThrottlingException", "RequestTimeTooSkewed", "OperationAborted", "ServerError",
+                    # 409 to a conditional write that raced another write of the key: AWS asks for a
+                    # retry, which then gets 412 if the other one won
+                    "ConditionalRequestConflict"}
 _CREDENTIAL_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken",
                      "ExpiredToken", "AllAccessDisabled", "AccountProblem"}
 

@@ -210,7 +210,8 @@ def _read_all(sock: socket.socket) -> bytes:
 class ScriptedProxy(FaultProxy):
     """A :class:`FaultProxy` whose faults are chosen, not drawn. ``rules`` is a list of
     ``(needle, fate, times)``: a request whose head (request line and headers, lower-cased) contains
-    ``needle`` gets ``fate`` ("reset", "reset_after" or "slowdown", as in FaultProxy) for its first
+    ``needle`` gets ``fate`` ("reset", "reset_after" or "slowdown", as in FaultProxy, or "conflict":
+    S3's ``409 ConditionalRequestConflict`` to a conditional write that raced another) for its first
     ``times`` matches (None: every time); the first rule that still applies wins; other requests
     pass through. ``counts`` counts the fates dealt."""
 
@@ -242,9 +243,11 @@ class ScriptedProxy(FaultProxy):
             if fate == "reset":
                 _reset(conn)
                 return
-            if fate == "slowdown":
-                conn.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"
-                             b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(_SLOWDOWN) + _SLOWDOWN)
+            if fate in ("slowdown", "conflict"):
+                status, body = ((b"503 Slow Down", _SLOWDOWN) if fate == "slowdown"
+                                else (b"409 Conflict", _CONFLICT))
+                conn.sendall(b"HTTP/1.1 %s\r\nContent-Type: application/xml\r\nContent-Length: %d\r\n"
+                             b"Connection: close\r\n\r\n" % (status, len(body)) + body)
                 conn.close()
                 return
             with socket.create_connection(("127.0.0.1", self.upstream_port), timeout=60) as up:
@@ -258,3 +261,8 @@ class ScriptedProxy(FaultProxy):
             conn.close()
         except OSError:
             conn.close()
+
+
+_CONFLICT = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>ConditionalRequestConflict</Code>'
+             b"<Message>A conflicting operation occurred.</Message><Resource>/</Resource>"
+             b"<RequestId>fault-proxy</RequestId><HostId>fault-proxy</HostId></Error>")

@@ -146,6 +146,16 @@ def test_a_conditional_replace_whose_answer_was_lost_still_succeeds(s3_env, monk
     assert open_store(root).read_bytes("latest.json") == b"20"
 
 
+def test_a_conditional_write_that_raced_another_is_retried_on_409_conflict(s3_env, monkeypatch):
+    root = s3_root(s3_env, "cond-conflict")
+    with _proxied_store(monkeypatch, s3_env, root, [("if-none-match", "conflict", 1),
+                                                    ("if-match", "conflict", 1)]) as (store, proxy):
+        assert store.write_if_absent("latest.json", b"10") is True
+        store.write_bytes("latest.json", b"20", if_match=store.etag("latest.json"))
+    assert proxy.counts["conflict"] == 2 and store.stats["retries"] == 2
+    assert open_store(root).read_bytes("latest.json") == b"20"
+
+
 def test_the_bucket_lifecycle_rule_in_manifests_is_accepted_by_the_s3_api(s3_env):
     client = _s3(s3_env)
     client.create_bucket(Bucket="relaunch-lifecycle")
