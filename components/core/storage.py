@@ -16,6 +16,14 @@ S3 configuration, from the environment only (never from arguments that end up in
 equivalents ``MINIO_ENDPOINT`` (``host:port`` or a URL), ``MINIO_ACCESS_KEY``, ``MINIO_SECRET_KEY``,
 ``MINIO_SECURE`` (``true``/``false``), ``MINIO_REGION``. Retry tuning: ``RELAUNCH_STORE_RETRIES``
 (attempts, default 8) and ``RELAUNCH_STORE_BACKOFF`` (first backoff in seconds, default 0.1).
+
+Files written through :class:`FileStore` get the mode the process umask gives a new file
+(``0o666 & ~umask``: 0644 under umask 022), as data files written by DCP do, so a reader under
+another uid on shared storage can open every file of a checkpoint.
+
+The minio and urllib3 private calls this module needs (conditional PUTs, per-part retried
+multipart uploads, ListMultipartUploads, reads from the socket into our buffers) all go through
+:class:`_MinioCalls` at the end of this file, whose recorded signatures a test checks.
 """
 
 from __future__ import annotations
@@ -27,8 +35,8 @@ import contextlib
 import hashlib
 import os
 import random
+import secrets
 import shutil
-import tempfile
 import threading
 import time
 import urllib.parse
@@ -46,6 +54,9 @@ MULTIPART_THRESHOLD = 64 * 1024 * 1024
 READ_BLOCK = 512 * 1024
 PART_SIZE = 32 * 1024 * 1024
 PARALLEL_PARTS = 4
+# A temp file of an atomic write untouched this long belongs to a writer that died
+# (``FileStore.abort_incomplete_uploads``); a live write touches its file within milliseconds.
+TMP_GRACE_S = 600.0
 
 
 class PreconditionFailed(BadInput):
@@ -72,6 +83,7 @@ class Store(Protocol):
     def list(self, prefix: str = "", recursive: bool = True) -> list[str]: ...
     def delete(self, key: str) -> None: ...
     def delete_many(self, keys: Iterable[str]) -> None: ...
+    def abort_incomplete_uploads(self, prefix: str) -> int: ...
     def uri_for(self, key: str) -> str: ...
 
 
@@ -125,6 +137,19 @@ def _check_key(key: str) -> str:
     if key.startswith("/") or any(part in ("..", ".") for part in key.split("/")):
         raise BadInput(f"store key {key!r} must be relative and must not contain '.' or '..' parts")
     return key
+
+
+def _new_tmp(target: Path) -> tuple[int, Path]:
+    """A new, empty temp file beside ``target`` (``.<name>.<random>.tmp``), open for writing.
+    Created with mode 0o666 so that the kernel applies the umask (and a directory's default ACL),
+    as for any other file; ``tempfile.mkstemp`` would force 0600."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    while True:
+        tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:  # pragma: no cover - 48 random bits
+            continue
 
 
 def _fsync_dir(path: Path) -> None:
@@ -208,7 +233,7 @@ class FileStore:
 
     def _atomic_write(self, target: Path, writer: Callable[[Any], None]) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        fd, tmp = _new_tmp(target)
         try:
             with os.fdopen(fd, "wb") as fh:
                 writer(fh)
@@ -237,7 +262,7 @@ class FileStore:
         self._count("write_if_absent")
         target = self.path(key)
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        fd, tmp = _new_tmp(target)
         try:
             with os.fdopen(fd, "wb") as fh:
                 fh.write(data)
@@ -246,6 +271,11 @@ class FileStore:
             try:
                 os.link(tmp, target)
             except FileExistsError:
+                # NFS: a retransmitted LINK whose first reply was lost answers EEXIST although it
+                # was ours; then the temp file has a second name, and it is the target
+                if os.stat(tmp).st_nlink > 1 and os.path.samefile(tmp, target):
+                    _fsync_dir(target.parent)
+                    return True
                 return False
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -315,6 +345,31 @@ class FileStore:
         for key in keys:
             self.delete(key)
 
+    def abort_incomplete_uploads(self, prefix: str) -> int:
+        """Remove what writers killed in an atomic write left under the directory ``prefix``: temp
+        files (``.<name>.<random>.tmp``) not modified for TMP_GRACE_S seconds. Returns how many.
+
+        A filesystem has no multipart uploads; these temp files are its equivalent (never listed,
+        never read, only taking space). A streamed file (``open_writer``) is written in place and
+        is not touched here: it lies in an uncommitted checkpoint directory, which the checkpoint
+        code removes. Call it while holding the write lease."""
+        self._count("abort_incomplete_uploads")
+        base = self.path(prefix.rstrip("/")) if prefix else self.root
+        cutoff = time.time() - TMP_GRACE_S
+        removed = 0
+        for dirpath, _dirs, files in os.walk(base):
+            for name in files:
+                if not _is_tmp(name):
+                    continue
+                path = Path(dirpath) / name
+                try:
+                    if path.stat().st_mtime <= cutoff:
+                        path.unlink()
+                        removed += 1
+                except FileNotFoundError:  # its writer finished (or another cleaner) meanwhile
+                    continue
+        return removed
+
     def uri_for(self, key: str) -> str:
         return _join(self.uri, key)
 
@@ -359,7 +414,10 @@ def _file_etag(path: Path) -> str | None:
 # ---------------------------------------------------------------------------------------------- S3
 
 _TRANSIENT_CODES = {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "Throttling",
-                    "ThrottlingException", "RequestTimeTooSkewed", "OperationAborted", "ServerError"}
+                    "ThrottlingException", "RequestTimeTooSkewed", "OperationAborted", "ServerError",
+                    # 409 to a conditional write that raced another write of the key: AWS asks for a
+                    # retry, which then gets 412 if the other one won
+                    "ConditionalRequestConflict"}
 _CREDENTIAL_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken",
                      "ExpiredToken", "AllAccessDisabled", "AccountProblem"}
 
@@ -417,6 +475,7 @@ class S3Store:
         self.client = Minio(s["endpoint"], access_key=s["access_key"], secret_key=s["secret_key"],
                             session_token=s["session_token"], secure=s["secure"], region=s["region"],
                             http_client=http)
+        self._minio = _MinioCalls(self.client)
 
     # -- plumbing
     def _name(self, key: str) -> str:
@@ -511,11 +570,7 @@ class S3Store:
                 sink(0)
             resp = self.client.get_object(self.bucket, name, offset=offset, length=total)
             try:
-                # http.client's readinto fills our buffer from the socket; urllib3's own readinto
-                # reads into a new bytes object first and copies (twice the memory traffic).
-                raw = getattr(resp, "_fp", None)
-                plain = raw is not None and hasattr(raw, "readinto") and not resp.headers.get("content-encoding")
-                readinto = raw.readinto if plain else resp.readinto
+                readinto = _MinioCalls.socket_readinto(resp) or resp.readinto
                 done = 0
                 while done < total:
                     for piece in segments.slices(done, min(READ_BLOCK, total - done)):
@@ -555,25 +610,57 @@ class S3Store:
 
         return self._call("list", listing, key=prefix)
 
+    def _conditional_put(self, key: str, data: bytes, headers: dict[str, str]) -> tuple[Any, int]:
+        """PUT with conditional headers; returns (result, attempts made)."""
+        name, attempts = self._name(key), [0]
+
+        def put() -> Any:
+            attempts[0] += 1
+            return self._minio.put(self.bucket, name, data, {"Content-Type": "application/octet-stream", **headers})
+
+        try:
+            return self._call("put", put, key=key), attempts[0]
+        except PreconditionFailed as err:
+            err.attempts = attempts[0]  # type: ignore[attr-defined]
+            raise
+
+    def _holds(self, key: str, data: bytes) -> bool:
+        try:
+            return self.read_bytes(key) == data
+        except FileNotFoundError:
+            return False
+
     def write_bytes(self, key: str, data: bytes, *, if_match: str | None = None) -> str | None:
-        """PUT ``key``; with ``if_match`` only if its ETag is still that one. Returns the new ETag."""
-        headers = {"Content-Type": "application/octet-stream"}
-        if if_match is not None:
-            headers["If-Match"] = if_match
-        name = self._name(key)
-        result = self._call("put", lambda: self.client._put_object(self.bucket, name, data, headers=dict(headers)),
-                            key=key)
+        """PUT ``key``; with ``if_match`` only if its ETag is still that one (``If-Match``), else
+        PreconditionFailed (also when the key is gone). Returns the new ETag.
+
+        A retried conditional PUT whose first attempt landed (its answer lost on the way) is
+        answered 412 by the server; then the key is read back: holding our bytes, it is ours."""
+        if if_match is None:
+            result, _ = self._conditional_put(key, data, {})
+            return getattr(result, "etag", None)
+        try:
+            result, _ = self._conditional_put(key, data, {"If-Match": if_match})
+        except FileNotFoundError:
+            raise PreconditionFailed(f"{self.uri_for(key)} is gone since it was read (another writer?)") from None
+        except PreconditionFailed as err:
+            if getattr(err, "attempts", 1) > 1 and self._holds(key, data):
+                self._count("conditional_read_back")
+                return self.etag(key)
+            raise
         return getattr(result, "etag", None)
 
     def write_if_absent(self, key: str, data: bytes) -> bool:
-        """Conditional create (``If-None-Match: *``). A retried request whose first attempt did land
-        reads as "existed": the caller compares content when that matters."""
-        name = self._name(key)
-        headers = {"Content-Type": "application/octet-stream", "If-None-Match": "*"}
+        """Create ``key`` only if absent (``If-None-Match: *``); False if it exists. A retried
+        request whose first attempt landed is answered 412: the key is then read back, and holding
+        our bytes it counts as created (callers write content unique to them: holder, nonce)."""
         try:
-            self._call("put", lambda: self.client._put_object(self.bucket, name, data, headers=dict(headers)), key=key)
+            self._conditional_put(key, data, {"If-None-Match": "*"})
             return True
-        except PreconditionFailed:
+        except PreconditionFailed as err:
+            if getattr(err, "attempts", 1) > 1 and self._holds(key, data):
+                self._count("conditional_read_back")
+                return True
             return False
 
     def upload_file(self, key: str, path: str | os.PathLike) -> None:
@@ -582,33 +669,37 @@ class S3Store:
         name = self._name(key)
         if size < MULTIPART_THRESHOLD:
             data = Path(path).read_bytes()
-            self._call("put", lambda: self.client._put_object(
-                self.bucket, name, data, headers={"Content-Type": "application/octet-stream"}), key=key)
+            self._call("put", lambda: self._minio.put(
+                self.bucket, name, data, {"Content-Type": "application/octet-stream"}), key=key)
             return
         from minio.datatypes import Part
 
-        upload_id = self._call("multipart_create", lambda: self.client._create_multipart_upload(
-            self.bucket, name, {"Content-Type": "application/octet-stream"}), key=key)
+        upload_id = self._call("multipart_create", lambda: self._minio.create_upload(self.bucket, name), key=key)
         offsets = list(range(0, size, PART_SIZE))
 
         def put_part(number: int, offset: int) -> Part:
             with open(path, "rb") as fh:
                 fh.seek(offset)
                 chunk = fh.read(PART_SIZE)
-            etag = self._call("multipart_part", lambda: self.client._upload_part(
-                self.bucket, name, chunk, None, upload_id, number), key=key)
+            etag = self._call("multipart_part", lambda: self._minio.upload_part(
+                self.bucket, name, upload_id, number, chunk), key=key)
             return Part(number, etag)
 
         try:
             with concurrent.futures.ThreadPoolExecutor(PARALLEL_PARTS) as pool:
                 parts = list(pool.map(put_part, range(1, len(offsets) + 1), offsets))
-            self._call("multipart_complete", lambda: self.client._complete_multipart_upload(
+            self._call("multipart_complete", lambda: self._minio.complete_upload(
                 self.bucket, name, upload_id, parts), key=key)
         except BaseException:
-            with contextlib.suppress(Exception):
-                self._count("multipart_abort")
-                self.client._abort_multipart_upload(self.bucket, name, upload_id)
+            self._abort_once(name, upload_id)
             raise
+
+    def _abort_once(self, name: str, upload_id: str) -> None:
+        """Best effort, one request, on a failure path: the error that got us here matters more;
+        an upload this leaves is aborted by the next writer (``abort_incomplete_uploads``)."""
+        with contextlib.suppress(Exception):
+            self._count("multipart_abort")
+            self._minio.abort_upload(self.bucket, name, upload_id)
 
     def download_file(self, key: str, path: str | os.PathLike) -> None:
         name = self._name(key)
@@ -669,6 +760,41 @@ class S3Store:
             if errors:
                 raise TransientFailure(f"S3 could not delete {len(errors)} objects, e.g. {errors[0]}")
 
+    def abort_incomplete_uploads(self, prefix: str) -> int:
+        """Abort every incomplete multipart upload under the directory ``prefix`` (all of the store
+        with ``""``): the parts a killed writer left, which no listing of objects shows and which
+        the bucket keeps (and bills) until aborted. Every request (ListMultipartUploads, each
+        AbortMultipartUpload) is retried like the others. Returns how many uploads were found and
+        are gone now. Call it while holding the write lease, before this writer's first upload:
+        it would abort the uploads of a live writer too.
+
+        Raises:
+            TransientFailure: a request still failed after the bounded retries (exit 138).
+        """
+        if prefix.strip("/"):
+            full = self._name(prefix.strip("/")) + "/"
+        else:
+            full = self.prefix + "/" if self.prefix else ""
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        gone, seen = 0, set()
+        key_marker = upload_marker = None
+        while True:
+            page = self._call("multipart_list", lambda: self._minio.list_uploads(
+                self.bucket, full, key_marker, upload_marker), key=prefix)
+            for upload in page.uploads:
+                if upload.upload_id in seen:
+                    continue
+                seen.add(upload.upload_id)
+                try:
+                    self._call("multipart_abort", lambda u=upload: self._minio.abort_upload(
+                        self.bucket, u.object_name, u.upload_id), key=upload.object_name[strip:])
+                except FileNotFoundError:  # NoSuchUpload: completed or aborted meanwhile (or our
+                    pass                   # first attempt landed and its answer was lost)
+                gone += 1
+            if not page.is_truncated or not page.uploads:
+                return gone
+            key_marker, upload_marker = page.uploads[-1].object_name, page.uploads[-1].upload_id
+
     def uri_for(self, key: str) -> str:
         return _join(self.uri, key)
 
@@ -696,8 +822,8 @@ class _MultipartWriter:
 
         store, chunk, self.buf = self.store, bytes(self.buf), bytearray()
         if self.upload_id is None:
-            self.upload_id = store._call("multipart_create", lambda: store.client._create_multipart_upload(
-                store.bucket, self.name, {"Content-Type": "application/octet-stream"}), key=self.key)
+            self.upload_id = store._call("multipart_create", lambda: store._minio.create_upload(
+                store.bucket, self.name), key=self.key)
             self.pool = concurrent.futures.ThreadPoolExecutor(PARALLEL_PARTS)
         in_flight = [f for f in self.parts if not f.done()]
         if len(in_flight) >= PARALLEL_PARTS:  # bounded memory: wait for one to finish
@@ -708,8 +834,8 @@ class _MultipartWriter:
         number = len(self.parts) + 1
 
         def put() -> Part:
-            etag = store._call("multipart_part", lambda: store.client._upload_part(
-                store.bucket, self.name, chunk, None, self.upload_id, number), key=self.key)
+            etag = store._call("multipart_part", lambda: store._minio.upload_part(
+                store.bucket, self.name, self.upload_id, number, chunk), key=self.key)
             store._add_bytes("bytes_written", len(chunk))
             return Part(number, etag)
 
@@ -722,14 +848,14 @@ class _MultipartWriter:
         try:
             if self.upload_id is None:
                 data = bytes(self.buf)
-                store._call("put", lambda: store.client._put_object(
-                    store.bucket, self.name, data, headers={"Content-Type": "application/octet-stream"}), key=self.key)
+                store._call("put", lambda: store._minio.put(
+                    store.bucket, self.name, data, {"Content-Type": "application/octet-stream"}), key=self.key)
                 store._add_bytes("bytes_written", len(data))
             else:
                 if self.buf:
                     self._send_part()
                 parts = [f.result() for f in self.parts]
-                store._call("multipart_complete", lambda: store.client._complete_multipart_upload(
+                store._call("multipart_complete", lambda: store._minio.complete_upload(
                     store.bucket, self.name, self.upload_id, parts), key=self.key)
         except BaseException:
             self.abort()
@@ -747,9 +873,7 @@ class _MultipartWriter:
                 f.cancel()
             self.pool.shutdown(wait=True)
         if self.upload_id is not None:
-            with contextlib.suppress(Exception):
-                self.store._count("multipart_abort")
-                self.store.client._abort_multipart_upload(self.store.bucket, self.name, self.upload_id)
+            self.store._abort_once(self.name, self.upload_id)
 
 
 def _certifi_where() -> str | None:
@@ -806,3 +930,74 @@ def open_store(uri: str, *, retries: int | None = None, backoff: float | None = 
         store.check()
         _CHECKED_BUCKETS.add(proof)
     return store
+
+
+class _MinioCalls:
+    """The one place where this module uses private APIs of its dependencies (minio 7.2.20's
+    ``Minio._*`` S3 calls, urllib3 2.x's ``HTTPResponse._fp``); ``PINNED`` holds the signatures
+    they had when written, and tests/core/test_storage.py fails when the installed minio differs.
+
+    Why not minio's public API: ``put_object`` turns every header it is given into user metadata
+    (``If-None-Match`` would be sent as ``X-Amz-Meta-If-None-Match``: no conditional write), pulls
+    parts from a stream in its own thread (our writers push; a pipe between the two is one more
+    copy of every byte), does not retry a part (one reset restarts nothing: it aborts the whole
+    upload), and there is no public ListMultipartUploads. Their public ``get_object`` returns the
+    urllib3 response; its ``readinto`` reads into a new bytes object and copies, where
+    ``_fp.readinto`` (http.client) fills our buffer from the socket.
+    """
+
+    PINNED = {
+        "_put_object": "(self, bucket_name: 'str', object_name: 'str', data: 'bytes', headers: "
+                       "'Optional[DictType]' = None, query_params: 'Optional[DictType]' = None) "
+                       "-> 'ObjectWriteResult'",
+        "_create_multipart_upload": "(self, bucket_name: 'str', object_name: 'str', headers: 'DictType') -> 'str'",
+        "_upload_part": "(self, bucket_name: 'str', object_name: 'str', data: 'bytes', headers: "
+                        "'Optional[DictType]', upload_id: 'str', part_number: 'int') -> 'str'",
+        "_complete_multipart_upload": "(self, bucket_name: 'str', object_name: 'str', upload_id: 'str', "
+                                      "parts: 'list[Part]', ssec: 'Optional[SseCustomerKey]' = None) "
+                                      "-> 'CompleteMultipartUploadResult'",
+        "_abort_multipart_upload": "(self, bucket_name: 'str', object_name: 'str', upload_id: 'str')",
+        "_list_multipart_uploads": "(self, bucket_name: 'str', delimiter: 'Optional[str]' = None, "
+                                   "encoding_type: 'Optional[str]' = None, key_marker: 'Optional[str]' = None, "
+                                   "max_uploads: 'Optional[int]' = None, prefix: 'Optional[str]' = None, "
+                                   "upload_id_marker: 'Optional[str]' = None, extra_headers: "
+                                   "'Optional[DictType]' = None, extra_query_params: 'Optional[DictType]' = None) "
+                                   "-> 'ListMultipartUploadsResult'",
+    }
+
+    def __init__(self, client: Any):
+        self.client = client
+
+    def put(self, bucket: str, name: str, data: bytes, headers: dict[str, str]) -> Any:
+        """PutObject with our headers as they are (``If-None-Match``, ``If-Match``)."""
+        return self.client._put_object(bucket, name, data, headers=dict(headers))
+
+    def create_upload(self, bucket: str, name: str) -> str:
+        """CreateMultipartUpload; returns the upload id."""
+        return self.client._create_multipart_upload(bucket, name, {"Content-Type": "application/octet-stream"})
+
+    def upload_part(self, bucket: str, name: str, upload_id: str, number: int, data: bytes) -> str:
+        """UploadPart; returns the part's ETag."""
+        return self.client._upload_part(bucket, name, data, None, upload_id, number)
+
+    def complete_upload(self, bucket: str, name: str, upload_id: str, parts: list) -> Any:
+        return self.client._complete_multipart_upload(bucket, name, upload_id, parts)
+
+    def abort_upload(self, bucket: str, name: str, upload_id: str) -> None:
+        self.client._abort_multipart_upload(bucket, name, upload_id)
+
+    def list_uploads(self, bucket: str, prefix: str, key_marker: str | None, upload_id_marker: str | None) -> Any:
+        """One page of ListMultipartUploads under ``prefix`` (``.uploads``, ``.is_truncated``).
+        minio 7.2.20 never fills ``next_upload_id_marker``: the caller takes the markers from the
+        page's last upload."""
+        return self.client._list_multipart_uploads(bucket, prefix=prefix, key_marker=key_marker,
+                                                   upload_id_marker=upload_id_marker, max_uploads=1000)
+
+    @staticmethod
+    def socket_readinto(resp: Any) -> Callable[[memoryview], int] | None:
+        """The ``readinto`` of the http.client response under urllib3's, which fills a buffer
+        straight from the socket; None where it is not there or the body is encoded."""
+        raw = getattr(resp, "_fp", None)
+        if raw is None or not hasattr(raw, "readinto") or resp.headers.get("content-encoding"):
+            return None
+        return raw.readinto

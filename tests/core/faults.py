@@ -205,3 +205,64 @@ def _read_all(sock: socket.socket) -> bytes:
     while chunk := sock.recv(1 << 20):
         parts.append(chunk)
     return b"".join(parts)
+
+
+class ScriptedProxy(FaultProxy):
+    """A :class:`FaultProxy` whose faults are chosen, not drawn. ``rules`` is a list of
+    ``(needle, fate, times)``: a request whose head (request line and headers, lower-cased) contains
+    ``needle`` gets ``fate`` ("reset", "reset_after" or "slowdown", as in FaultProxy, or "conflict":
+    S3's ``409 ConditionalRequestConflict`` to a conditional write that raced another) for its first
+    ``times`` matches (None: every time); the first rule that still applies wins; other requests
+    pass through. ``counts`` counts the fates dealt."""
+
+    def __init__(self, upstream_port: int, rules: list[tuple[str, str, int | None]]):
+        super().__init__(upstream_port, p_reset=0.0, p_reset_after=0.0, p_slowdown=0.0)
+        self.rules = [[needle.lower().encode(), fate, times] for needle, fate, times in rules]
+
+    def _fate_of(self, request: bytes) -> str:
+        head = request.partition(b"\r\n\r\n")[0].lower()
+        with self._lock:
+            for rule in self.rules:
+                needle, fate, times = rule
+                if needle in head and (times is None or times > 0):
+                    if times is not None:
+                        rule[2] = times - 1
+                    return fate
+        return "pass"
+
+    def _handle(self, conn: socket.socket) -> None:
+        self._count("connections")
+        try:
+            request = _read_request(conn)
+            if request is None:
+                conn.close()
+                return
+            self._count("requests")
+            fate = self._fate_of(request)
+            self._count(fate)
+            if fate == "reset":
+                _reset(conn)
+                return
+            if fate in ("slowdown", "conflict"):
+                status, body = ((b"503 Slow Down", _SLOWDOWN) if fate == "slowdown"
+                                else (b"409 Conflict", _CONFLICT))
+                conn.sendall(b"HTTP/1.1 %s\r\nContent-Type: application/xml\r\nContent-Length: %d\r\n"
+                             b"Connection: close\r\n\r\n" % (status, len(body)) + body)
+                conn.close()
+                return
+            with socket.create_connection(("127.0.0.1", self.upstream_port), timeout=60) as up:
+                up.sendall(request)
+                response = _read_all(up)
+            if fate == "reset_after":
+                _reset(conn)
+                return
+            head, sep, body = response.partition(b"\r\n")
+            conn.sendall(head + b"\r\nConnection: close" + sep + body)
+            conn.close()
+        except OSError:
+            conn.close()
+
+
+_CONFLICT = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>ConditionalRequestConflict</Code>'
+             b"<Message>A conflicting operation occurred.</Message><Resource>/</Resource>"
+             b"<RequestId>fault-proxy</RequestId><HostId>fault-proxy</HostId></Error>")

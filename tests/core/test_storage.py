@@ -3,13 +3,15 @@ buckets fail the way the exit-code contract says."""
 
 from __future__ import annotations
 
+import inspect
 import os
+import stat
 
 import pytest
 
 from components.core import storage
 from components.core.errors import BadInput, TransientFailure
-from components.core.storage import FileStore, PreconditionFailed, open_store
+from components.core.storage import FileStore, PreconditionFailed, _MinioCalls, open_store
 from tests.core.helpers import s3_root
 
 
@@ -40,6 +42,26 @@ def test_a_conditional_replace_fails_when_the_key_changed(store):
     with pytest.raises(PreconditionFailed):
         store.write_bytes("p.json", b"3", if_match=etag)
     assert store.read_bytes("p.json") == b"2"
+
+
+def test_a_conditional_replace_of_a_key_deleted_since_it_was_read_fails(store):
+    etag = store.write_bytes("p.json", b"1")
+    store.delete("p.json")
+    with pytest.raises(PreconditionFailed):
+        store.write_bytes("p.json", b"2", if_match=etag)
+    assert not store.exists("p.json")
+
+
+def test_no_upload_is_left_to_abort_after_complete_and_aborted_writes(store, monkeypatch):
+    monkeypatch.setattr(storage, "PART_SIZE", 5 * 1024 * 1024)
+    done = store.open_writer("c/done.bin")
+    done.write(os.urandom(11 * 1024 * 1024))
+    done.close()
+    dropped = store.open_writer("c/dropped.bin")
+    dropped.write(os.urandom(6 * 1024 * 1024))
+    dropped.abort()
+    assert store.abort_incomplete_uploads("c") == 0
+    assert store.list("c/") == ["c/done.bin"]
 
 
 def test_listing_is_relative_sorted_and_non_recursive_shows_directories(store):
@@ -123,3 +145,50 @@ def test_an_unreachable_endpoint_is_a_transient_failure_after_bounded_retries(mo
     with pytest.raises(TransientFailure, match="failed 3 times") as err:
         open_store("s3://bucket/x", retries=3, backoff=0.01)
     assert err.value.exit_code == 138
+
+
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o077, 0o600)], ids=["umask-022", "umask-077"])
+def test_every_file_the_filesystem_backend_writes_follows_the_umask(tmp_path, umask, mode):
+    src = tmp_path / "src.bin"
+    src.write_bytes(b"data")
+    store = FileStore(tmp_path / "root")
+    old = os.umask(umask)
+    try:
+        etag = store.write_bytes("c/.metadata", b"m")
+        store.write_bytes("c/latest.json", b"1")
+        store.write_bytes("c/latest.json", b"2", if_match=store.etag("c/latest.json"))
+        store.write_bytes("c/.metadata", b"n", if_match=etag)
+        assert store.write_if_absent("c/MANIFEST.json", b"{}")
+        store.upload_file("c/uploaded.bin", src)
+        writer = store.open_writer("c/__0_0.distcp")
+        writer.write(b"shard")
+        writer.close()
+    finally:
+        os.umask(old)
+    modes = {key: stat.S_IMODE(os.stat(store.path(key)).st_mode) for key in store.list("c/")}
+    assert modes == {key: mode for key in ["c/.metadata", "c/MANIFEST.json", "c/__0_0.distcp",
+                                           "c/latest.json", "c/uploaded.bin"]}
+
+
+def test_the_private_minio_calls_have_the_signatures_they_were_written_for():
+    from minio import Minio
+
+    for name, recorded in _MinioCalls.PINNED.items():
+        now = str(inspect.signature(getattr(Minio, name)))
+        assert now == recorded, (
+            f"the installed minio changed the private Minio.{name}: {now} (written for {recorded}); "
+            f"check components/core/storage.py _MinioCalls before updating PINNED")
+
+
+def test_ranged_reads_fill_the_buffer_straight_from_the_socket(s3_env):
+    store = open_store(s3_root(s3_env, "in-place"))
+    store.write_bytes("blob", bytes(range(256)) * 16)
+    resp = store.client.get_object(store.bucket, store._name("blob"), offset=16, length=32)
+    try:
+        assert _MinioCalls.socket_readinto(resp) is not None, "urllib3 no longer exposes _fp.readinto"
+    finally:
+        resp.close()
+        resp.release_conn()
+    buffer = bytearray(32)
+    store.read_into("blob", 16, buffer)
+    assert bytes(buffer) == bytes(range(16, 48))
