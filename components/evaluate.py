@@ -60,7 +60,7 @@ def run(config: RelaunchConfig) -> EvaluateOutputs:
 def _split(config: RelaunchConfig, task) -> dict:
     if config.data.version:
         from components.core.datasets import read_dataset
-        from components.core.storage import open_store
+        from components.core.store import open_store
 
         return read_dataset(open_store(config.store.uri), config.data.version)[config.evaluate.split]
     return task.build_splits()[config.evaluate.split]

@@ -56,7 +56,7 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", state: str = "SUCCEED
 
 def write_pipeline_finished(config: RelaunchConfig, run_id: str, pipeline_run_id: str) -> None:
     """Record in the store that a pipeline of MLflow run ``run_id`` went through to its end."""
-    from components.core.storage import open_store
+    from components.core.store import open_store
 
     record = {"run_id": run_id, "pipeline_run_id": pipeline_run_id, "time": time.time()}
     open_store(config.store.uri).write_bytes(PIPELINE_FINISHED_KEY, json.dumps(record).encode())

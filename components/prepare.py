@@ -44,7 +44,7 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", **overrides: Any) -> 
     from components.core import lineage
     from components.core.datasets import dataset_uri, write_dataset
     from components.core.goodput import remember_run
-    from components.core.storage import open_store
+    from components.core.store import open_store
     from components.core.tracking import ensure_run
     from components.tasks.base import load_task
 
@@ -76,7 +76,7 @@ def check_inputs(config: RelaunchConfig) -> None:
     Raises:
         BadInput: one line naming the field and what is wrong.
     """
-    from components.core.storage import open_store
+    from components.core.store import open_store
     from components.tasks.base import load_task
 
     task = load_task(config.train.task, config)

@@ -186,7 +186,7 @@ def _current_champion(client, name: str):
 
 def _pin(checkpoint_uri: str, reason: str) -> None:
     from components.core.checkpoint import CheckpointManager, parse_checkpoint_uri
-    from components.core.storage import open_store
+    from components.core.store import open_store
 
     store_uri, step = parse_checkpoint_uri(checkpoint_uri)
     with CheckpointManager(open_store(store_uri), async_save=False) as mgr:

@@ -115,7 +115,7 @@ class Training:
     # ---- set-up: build everything, then act (each part kept as soon as it exists: fail() cleans up)
 
     def setup(self) -> None:
-        from components.core.storage import open_store
+        from components.core.store import open_store
 
         self.env = env = distr.read_env()
         setup.check_world_size(self.config, env.world_size)

@@ -100,7 +100,7 @@ def test_every_field_has_a_description_for_the_ui_and_readme():
                                  "file://host/x", ""])
 def test_every_entry_point_refuses_a_bad_store_uri_with_the_same_rule(uri):
     """The configuration and open_store (the checkpoints CLI, a --store argument) apply one rule set."""
-    from components.core.storage import open_store
+    from components.core.store import open_store
 
     with pytest.raises(ValueError) as in_config:
         parse_store_uri(uri)

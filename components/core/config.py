@@ -27,37 +27,16 @@ FAILURE_SPEC = re.compile(r"^(?P<kind>kill-worker|preempt|storage-outage)@step=(
 
 
 def parse_store_uri(uri: str) -> tuple[str, str, str]:
-    """Split a store URI into ``("file", path, "")`` or ``("s3", bucket, prefix)``; the one set of
-    rules the configuration and :func:`components.core.storage.open_store` apply.
+    """Split a store URI into ``(scheme, location, prefix)`` (``("file", path, "")``,
+    ``("s3", bucket, prefix)``, ...) by the rules of the registered store backends: the one set of
+    rules the configuration and :func:`components.core.store.open_store` apply.
 
     Raises:
         ValueError: one line saying what is wrong and how to write it.
     """
-    import urllib.parse
+    from components.core.store import parse_store_uri as parse  # the store registry; imported when used
 
-    if not isinstance(uri, str) or not uri.strip():
-        raise ValueError("store URI is empty; use a path, file:///path or s3://bucket/prefix")
-    if "://" not in uri:
-        return "file", uri, ""
-    scheme, rest = uri.split("://", 1)
-    if scheme == "file":
-        parsed = urllib.parse.urlparse(uri)
-        if parsed.netloc not in ("", "localhost") or not parsed.path:
-            raise ValueError(f"file URI {uri!r} must be file:///absolute/path")
-        return "file", urllib.parse.unquote(parsed.path), ""
-    if scheme != "s3":
-        raise ValueError(f"store URI scheme {scheme!r} is not supported; use a path, file:///path or s3://bucket/prefix")
-    bucket, _, prefix = rest.partition("/")
-    if not bucket:
-        raise ValueError(f"s3 URI {uri!r} has no bucket; write s3://bucket/prefix")
-    if "@" in bucket or ":" in bucket:
-        raise ValueError("s3 URI must not carry credentials or a port; set AWS_ENDPOINT_URL and "
-                         "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY")
-    if len(bucket) < 3 or len(bucket) > 63 or not all(c.islower() or c.isdigit() or c in "-." for c in bucket):
-        raise ValueError(f"s3 bucket name {bucket!r} is invalid (3-63 lowercase letters, digits, '-', '.')")
-    if any(p in ("..", ".") for p in prefix.split("/")):
-        raise ValueError(f"s3 URI {uri!r} must not contain '.' or '..' path parts")
-    return "s3", bucket, prefix
+    return parse(uri)
 
 
 def parse_failure_spec(spec: str | None) -> tuple[str | None, int]:

@@ -166,7 +166,7 @@ def record_attempts(config, run_id: str) -> None:
     from mlflow.entities import RunTag
 
     from components.core import goodput
-    from components.core.storage import open_store
+    from components.core.store import open_store
     from components.core.tracking import TAGS_PER_REQUEST, call, client as tracking_client, tracking_uri
 
     attempts = goodput.load_attempts(open_store(config.store.uri))
@@ -180,7 +180,7 @@ def record_attempts(config, run_id: str) -> None:
 
 def _training_summary(config) -> dict | None:
     from components.core.goodput import read_summary
-    from components.core.storage import open_store
+    from components.core.store import open_store
 
     try:
         return read_summary(open_store(config.store.uri))

@@ -54,7 +54,7 @@ def save_model(config: RelaunchConfig, checkpoint_uri: str, path: Path, task=Non
     from safetensors.torch import save_file
 
     from components.core.checkpoint import CheckpointManager, parse_checkpoint_uri
-    from components.core.storage import open_store
+    from components.core.store import open_store
     from components.tasks.base import load_task
 
     task = task or load_task(config.train.task, config)

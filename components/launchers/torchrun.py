@@ -71,7 +71,7 @@ def exit_code(config: RelaunchConfig, returncode: int, started_at: float, *, rep
         return int(code)
     from components.core.errors import RelaunchError
     from components.core.goodput import mapped_exit_code
-    from components.core.storage import open_store
+    from components.core.store import open_store
 
     try:
         return mapped_exit_code(open_store(config.store.uri), returncode, started_at)

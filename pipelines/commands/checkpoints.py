@@ -34,7 +34,7 @@ def checkpoints(args: argparse.Namespace) -> int:
     from components.core.checkpoint import CheckpointManager
 
     from components.core.errors import BadInput
-    from components.core.storage import FileStore
+    from components.core.store import FileStore
 
     with CheckpointManager(args.store, async_save=False) as mgr:
         if isinstance(mgr.store, FileStore) and not mgr.store.root.is_dir():  # a typo, not an empty store

@@ -83,7 +83,7 @@ def _namespaced(config: RelaunchConfig, training: str) -> RelaunchConfig:
 
 def trainings(config: RelaunchConfig) -> list[str]:
     """The trainings of ``config.store.uri``, oldest first (their names sort by start time)."""
-    from components.core.storage import open_store
+    from components.core.store import open_store
 
     store = open_store(config.store.uri)
     return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in store.list(f"{TRAININGS}/", recursive=False)
@@ -112,7 +112,7 @@ def resume_training(config: RelaunchConfig) -> tuple[RelaunchConfig, str, str]:
     """
     from components.core.errors import BadInput
     from components.core.goodput import read_summary, stored_run_id
-    from components.core.storage import open_store
+    from components.core.store import open_store
     from components.finalize import pipeline_finished
     from components.launch import reached_its_end
 

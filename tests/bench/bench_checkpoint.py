@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from components.core.checkpoint import CheckpointManager, step_key
-from components.core.storage import open_store
+from components.core.store import open_store
 
 
 def _state(total_bytes: int) -> dict[str, dict[str, torch.Tensor]]:

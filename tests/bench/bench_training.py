@@ -68,7 +68,7 @@ def _torchrun(config: dict, log: Path, max_restarts: int) -> subprocess.Popen:
 
 def _training(config: dict, workdir: Path, *, kill_every: float | None, kills: int) -> dict:
     from components.core import goodput
-    from components.core.storage import open_store
+    from components.core.store import open_store
 
     rng = random.Random(0)
     store_root = Path(config["store"]["uri"])

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from components.core.checkpoint import CheckpointManager, checkpoint_steps, step_key
-from components.core.storage import open_store
+from components.core.store import open_store
 from tests.core.faults import FaultyStore, InjectedCrash
 from tests.core.helpers import make_state, s3_root, train_steps
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from components.core import storage
+from components.core.store import s3 as s3_backend
 from components.core.checkpoint import CheckpointManager
 from tests.core.faults import FaultProxy
 from tests.core.helpers import make_state, s3_root, train_steps
@@ -31,8 +31,8 @@ def test_every_save_commits_through_resets_and_slowdowns(s3_env, monkeypatch, tm
     monkeypatch.setenv("RELAUNCH_STORE_BACKOFF", "0.02")
     monkeypatch.setenv("RELAUNCH_STORE_RETRIES", "12")
     # a 6 MiB file goes multipart in 5 MiB parts, so part retries are exercised too
-    monkeypatch.setattr(storage, "MULTIPART_THRESHOLD", 5 * 1024 * 1024)
-    monkeypatch.setattr(storage, "PART_SIZE", 5 * 1024 * 1024)
+    monkeypatch.setattr(s3_backend, "MULTIPART_THRESHOLD", 5 * 1024 * 1024)
+    monkeypatch.setattr(s3_backend, "PART_SIZE", 5 * 1024 * 1024)
     clean_seconds, clean = _saves(root + "-clean", 8)
     clean.close()
 

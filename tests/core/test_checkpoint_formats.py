@@ -12,7 +12,7 @@ import torch
 
 from components.core.checkpoint import FORMAT_VERSION, CheckpointManager, step_key
 from components.core.state import TrainingState
-from components.core.storage import open_store
+from components.core.store import open_store
 from tests.core.helpers import s3_root
 
 FIXTURE = Path(__file__).parent / "fixtures" / "v1-store"

@@ -7,7 +7,7 @@ import pytest
 
 from components.core.checkpoint import CheckpointManager, parse_checkpoint_uri, step_key
 from components.core.errors import BadInput, CorruptCheckpoint
-from components.core.storage import open_store
+from components.core.store import open_store
 from tests.core.helpers import make_state, train_steps
 
 

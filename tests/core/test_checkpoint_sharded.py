@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from components.core.checkpoint import step_key
-from components.core.storage import open_store
+from components.core.store import open_store
 from tests import warm_processes
 from tests.core.helpers import assert_bitwise_equal, s3_root
 

@@ -7,7 +7,7 @@ import pytest
 
 from components.core.datasets import dataset_version, read_dataset, write_dataset
 from components.core.errors import BadInput, CorruptCheckpoint
-from components.core.storage import open_store
+from components.core.store import open_store
 from components.tasks.digits import digits_splits
 
 

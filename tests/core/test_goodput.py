@@ -8,7 +8,7 @@ import json
 import pytest
 
 from components.core import goodput
-from components.core.storage import open_store
+from components.core.store import open_store
 
 
 def _attempt(n, start, loop, last_step, seen, resumed=-1, commits=None, end=None, stall=0.0, exit_code=None):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from components.core.injection import Injection, OutageStore, wrap_store
-from components.core.storage import open_store
+from components.core.store import open_store
 
 
 def test_an_injected_storage_outage_fires_once_per_training_and_only_on_rank_0(tmp_path):

@@ -9,9 +9,10 @@ import stat
 
 import pytest
 
-from components.core import storage
+from components.core.store import s3 as s3_backend
 from components.core.errors import BadInput, TransientFailure
-from components.core.storage import FileStore, PreconditionFailed, _MinioCalls, open_store
+from components.core.store import FileStore, PreconditionFailed, open_store
+from components.core.store.s3 import _MinioCalls
 from tests.core.helpers import s3_root
 
 
@@ -53,7 +54,7 @@ def test_a_conditional_replace_of_a_key_deleted_since_it_was_read_fails(store):
 
 
 def test_no_upload_is_left_to_abort_after_complete_and_aborted_writes(store, monkeypatch):
-    monkeypatch.setattr(storage, "PART_SIZE", 5 * 1024 * 1024)
+    monkeypatch.setattr(s3_backend, "PART_SIZE", 5 * 1024 * 1024)
     done = store.open_writer("c/done.bin")
     done.write(os.urandom(11 * 1024 * 1024))
     done.close()
@@ -77,8 +78,8 @@ def test_listing_is_relative_sorted_and_non_recursive_shows_directories(store):
 
 
 def test_large_files_upload_in_parallel_parts_and_download_intact(store, tmp_path, monkeypatch):
-    monkeypatch.setattr(storage, "MULTIPART_THRESHOLD", 5 * 1024 * 1024)
-    monkeypatch.setattr(storage, "PART_SIZE", 5 * 1024 * 1024)
+    monkeypatch.setattr(s3_backend, "MULTIPART_THRESHOLD", 5 * 1024 * 1024)
+    monkeypatch.setattr(s3_backend, "PART_SIZE", 5 * 1024 * 1024)
     src = tmp_path / "src.bin"
     src.write_bytes(os.urandom(11 * 1024 * 1024))
     store.upload_file("big/src.bin", src)
@@ -177,7 +178,7 @@ def test_the_private_minio_calls_have_the_signatures_they_were_written_for():
         now = str(inspect.signature(getattr(Minio, name)))
         assert now == recorded, (
             f"the installed minio changed the private Minio.{name}: {now} (written for {recorded}); "
-            f"check components/core/storage.py _MinioCalls before updating PINNED")
+            f"check components/core/store/s3.py _MinioCalls before updating PINNED")
 
 
 def test_ranged_reads_fill_the_buffer_straight_from_the_socket(s3_env):

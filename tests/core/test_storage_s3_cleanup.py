@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from components.core.errors import TransientFailure
-from components.core.storage import FileStore, S3Store, open_store
+from components.core.store import FileStore, S3Store, open_store
 from tests.core.faults import ScriptedProxy
 from tests.core.helpers import s3_root
 
@@ -26,13 +26,13 @@ BUCKET = "relaunch-ckpt"
 # A writer process: one streamed file per "rank", each past its first part, then it waits to be killed.
 _WRITER = r"""
 import sys, time
-from components.core import storage
-storage.PART_SIZE = 5 * 1024 * 1024          # S3's smallest part
-store = storage.open_store(sys.argv[1])
+from components.core.store import open_store, s3
+s3.PART_SIZE = 5 * 1024 * 1024               # S3's smallest part
+store = open_store(sys.argv[1])
 writers = [store.open_writer(f"checkpoints/step-000000000010/__{rank}_0.distcp") for rank in range(2)]
 for w in writers:
-    w.write(b"x" * (storage.PART_SIZE + 1))  # the first part goes up; one byte waits for the next
-while store.stats["bytes_written"] < 2 * storage.PART_SIZE:
+    w.write(b"x" * (s3.PART_SIZE + 1))  # the first part goes up; one byte waits for the next
+while store.stats["bytes_written"] < 2 * s3.PART_SIZE:
     time.sleep(0.01)
 print("first parts up", flush=True)
 time.sleep(600)

@@ -98,7 +98,7 @@ def test_checkpoint_tags_name_the_folder_and_are_marked_when_retention_deleted_i
     from mlflow.tracking import MlflowClient
 
     from components.core.checkpoint import CheckpointInfo, step_key
-    from components.core.storage import open_store
+    from components.core.store import open_store
     from components.core.tracking import ensure_run
     from components.core.train_tracking import DELETED_BY_RETENTION, TrainingTracker
 

@@ -25,7 +25,7 @@ from components import STEP_TABLE
 from components.core.config import RelaunchConfig
 from components.core.exitcodes import RETRYABLE, ExitCode
 from components.core.goodput import load_attempts
-from components.core.storage import open_store
+from components.core.store import open_store
 
 ROOT = Path(__file__).resolve().parents[2]
 RELAUNCH = str(Path(sys.executable).parent / "relaunch")
@@ -66,7 +66,7 @@ def events(cwd: Path) -> list[dict]:
 
 def summary_of(store_uri: str) -> dict:
     from components.core.goodput import read_summary
-    from components.core.storage import open_store
+    from components.core.store import open_store
 
     return read_summary(open_store(store_uri))
 

@@ -11,7 +11,7 @@ import pytest
 from components.core import goodput
 from components.core.config import RelaunchConfig
 from components.core.errors import BadInput
-from components.core.storage import open_store
+from components.core.store import open_store
 from components.finalize import write_pipeline_finished
 from pipelines.commands.run import new_training, resume_training, trainings
 

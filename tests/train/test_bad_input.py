@@ -13,7 +13,7 @@ from components.core import goodput
 from components.core.checkpoint import CheckpointManager
 from components.core.config import RelaunchConfig
 from components.core.state import TrainingState
-from components.core.storage import open_store
+from components.core.store import open_store
 from components.tasks.digits import make_task
 from tests.train.conftest import ROOT, run_torchrun, train_config
 

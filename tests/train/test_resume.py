@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from components.core import goodput
-from components.core.storage import open_store
+from components.core.store import open_store
 from tests.train.conftest import (final_params, metric_steps, mlflow_runs, run_torchrun, start_torchrun,
                                   train_config)
 

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from components.core.checkpoint.layout import METADATA
 from components.core.checkpoint.verify import REQUEST_BYTES, ChunkDigests, chunk_spans, digest
 from components.core.errors import CorruptCheckpoint
-from components.core.storage import Store
+from components.core.store import Store
 
 DCP_SUFFIX = ".distcp"
 

@@ -15,7 +15,7 @@ import re
 from typing import Any
 
 from components.core.errors import BadInput, CorruptCheckpoint
-from components.core.storage import Store
+from components.core.store import Store
 
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)

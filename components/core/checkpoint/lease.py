@@ -13,7 +13,7 @@ import uuid
 
 from components.core.checkpoint.layout import LEASE, now, read_json, write_conditional
 from components.core.errors import BadInput, RelaunchError
-from components.core.storage import PreconditionFailed, Store
+from components.core.store import PreconditionFailed, Store
 
 
 def default_owner() -> str:

@@ -21,7 +21,7 @@ import torch
 
 from components.core.checkpoint.layout import step_key
 from components.core.errors import CorruptCheckpoint
-from components.core.storage import FileStore, Store
+from components.core.store import FileStore, Store
 
 _HASH_CHUNK = 8 * 1024 * 1024
 _IO_THREADS = max(1, min(4, os.cpu_count() or 1))

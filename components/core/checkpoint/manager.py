@@ -40,7 +40,7 @@ from components.core.checkpoint.retention import apply_retention
 from components.core.checkpoint.snapshot import Snapshotter, copy_deferred, state_bytes
 from components.core.checkpoint.verify import CHUNK_BYTES, DIGEST, ChunkDigests, check_files, deep_verify
 from components.core.errors import BadInput, CorruptCheckpoint, RelaunchError, TransientFailure
-from components.core.storage import FileStore, PreconditionFailed, Store, open_store
+from components.core.store import FileStore, PreconditionFailed, Store, open_store
 
 if TYPE_CHECKING:
     import torch

@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 from components.core.checkpoint.layout import LATEST, MANIFEST, PINS, PREFIX, STEP_DIR, parse_pin, read_json, step_key
 from components.core.errors import CorruptCheckpoint
-from components.core.storage import Store
+from components.core.store import Store
 
 
 def apply_retention(store: Store, *, keep_last: int, keep_best: int, best_metric: str | None, mode: str,

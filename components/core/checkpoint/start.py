@@ -81,7 +81,7 @@ def checked_step(uri: str, fingerprint: Callable[[], str] | None = None) -> int:
     """
     from components.core.checkpoint.layout import read_manifest
     from components.core.checkpoint.verify import check_files
-    from components.core.storage import open_store
+    from components.core.store import open_store
 
     store_uri, step = parse_checkpoint_uri(uri)
     store = open_store(store_uri)

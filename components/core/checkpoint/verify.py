@@ -22,7 +22,7 @@ from typing import Any
 
 from components.core.checkpoint.layout import step_key
 from components.core.errors import CorruptCheckpoint
-from components.core.storage import Store
+from components.core.store import Store
 
 DIGEST = "xxh3_128"
 # An item is digested in chunks of at most this size. Reads are larger (REQUEST_BYTES) and check
@@ -119,10 +119,10 @@ class _Verifier:
     def __init__(self, digests: ChunkDigests, name: str, start: int, buffer: Any):
         import xxhash
 
-        from components.core.storage import _Segments
+        from components.core.store import Segments
 
         self.digests, self.name, self.start = digests, name, start
-        self.segments = _Segments(buffer)
+        self.segments = Segments(buffer)
         self.total = self.segments.total
         self.chunks = digests.covering(name, start, start + self.total) if self.total else []
         if self.total and (self.chunks[0][0] != start or sum(c[1] for c in self.chunks) != self.total):

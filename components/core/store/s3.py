@@ -1,14 +1,9 @@
-"""One small storage interface, two backends chosen by URI.
+"""The S3 backend: any S3-compatible server through the ``minio`` client, ``s3://bucket/prefix``.
 
-    store = open_store("/shared/exp")              # or file:///shared/exp
-    store = open_store("s3://bucket/exp/run")      # endpoint and credentials from the environment
-
-Keys are ``/``-separated and relative to the store root. The filesystem backend writes atomically
-(temp file, fsync, rename, fsync of the directory); the S3 backend talks to any S3-compatible server
-through the ``minio`` client, uploads large files in parallel multipart parts and retries transient
-failures (connection reset, timeout, 5xx, SlowDown) with exponential backoff and full jitter, a
-bounded number of times, before raising :class:`TransientFailure` (exit 138). Permanent failures
-(403, NoSuchBucket, bad credentials, malformed URI) raise :class:`BadInput` (exit 2) at once.
+Large files go up in parallel multipart parts; transient failures (connection reset, timeout, 5xx,
+SlowDown) are retried with exponential backoff and full jitter, a bounded number of times, before
+:class:`TransientFailure` (exit 138). Permanent failures (403, NoSuchBucket, bad credentials,
+malformed URI) raise :class:`BadInput` (exit 2) at once.
 
 S3 configuration, from the environment only (never from arguments that end up in logs):
 ``AWS_ENDPOINT_URL`` (``http(s)://host:port``; TLS from the scheme), ``AWS_ACCESS_KEY_ID``,
@@ -17,10 +12,6 @@ equivalents ``MINIO_ENDPOINT`` (``host:port`` or a URL), ``MINIO_ACCESS_KEY``, `
 ``MINIO_SECURE`` (``true``/``false``), ``MINIO_REGION``. Retry tuning: ``RELAUNCH_STORE_RETRIES``
 (attempts, default 8) and ``RELAUNCH_STORE_BACKOFF`` (first backoff in seconds, default 0.1).
 
-Files written through :class:`FileStore` get the mode the process umask gives a new file
-(``0o666 & ~umask``: 0644 under umask 022), as data files written by DCP do, so a reader under
-another uid on shared storage can open every file of a checkpoint.
-
 The minio and urllib3 private calls this module needs (conditional PUTs, per-part retried
 multipart uploads, ListMultipartUploads, reads from the socket into our buffers) all go through
 :class:`_MinioCalls` at the end of this file, whose recorded signatures a test checks.
@@ -28,390 +19,27 @@ multipart uploads, ListMultipartUploads, reads from the socket into our buffers)
 
 from __future__ import annotations
 
-import bisect
 import collections
 import concurrent.futures
 import contextlib
 import hashlib
 import os
 import random
-import secrets
-import shutil
 import threading
 import time
 import urllib.parse
 from pathlib import Path
-from typing import Any, Callable, Iterable, Protocol, TypeVar, runtime_checkable
+from typing import Any, Callable, Iterable, TypeVar
 
 from components.core.errors import BadInput, TransientFailure
+from components.core.store import (READ_BLOCK, PreconditionFailed, Segments, StreamWriter, byte_view, check_key,
+                                   join_uri, register_backend)
 
 T = TypeVar("T")
 
 MULTIPART_THRESHOLD = 64 * 1024 * 1024
-# A ranged read fills its buffers in blocks of this size and reports each (``sink``): small enough
-# that a check of the block (a digest) finds it still in the CPU's cache, which made the digest
-# almost free here (measured: 512 KiB blocks read+digest ~ a plain read; 1 MiB and up ~ +40%).
-READ_BLOCK = 512 * 1024
 PART_SIZE = 32 * 1024 * 1024
 PARALLEL_PARTS = 4
-# A temp file of an atomic write untouched this long belongs to a writer that died
-# (``FileStore.abort_incomplete_uploads``); a live write touches its file within milliseconds.
-TMP_GRACE_S = 600.0
-
-
-class PreconditionFailed(BadInput):
-    """A conditional write lost: the key existed, or changed since it was read (a second writer)."""
-
-
-@runtime_checkable
-class Store(Protocol):
-    """What the checkpoint code needs from a storage backend; keys are relative to ``uri``."""
-
-    uri: str
-    stats: collections.Counter
-
-    def read_bytes(self, key: str) -> bytes: ...
-    def write_bytes(self, key: str, data: bytes, *, if_match: str | None = None) -> str | None: ...
-    def write_if_absent(self, key: str, data: bytes) -> bool: ...
-    def upload_file(self, key: str, path: str | os.PathLike) -> None: ...
-    def download_file(self, key: str, path: str | os.PathLike) -> None: ...
-    def read_into(self, key: str, offset: int, buffer: Any, *, sink: Callable[[int], None] | None = None) -> None: ...
-    def open_writer(self, key: str) -> "StreamWriter": ...
-    def sizes(self, prefix: str) -> dict[str, int]: ...
-    def exists(self, key: str) -> bool: ...
-    def etag(self, key: str) -> str | None: ...
-    def list(self, prefix: str = "", recursive: bool = True) -> list[str]: ...
-    def delete(self, key: str) -> None: ...
-    def delete_many(self, keys: Iterable[str]) -> None: ...
-    def abort_incomplete_uploads(self, prefix: str) -> int: ...
-    def uri_for(self, key: str) -> str: ...
-
-
-class StreamWriter(Protocol):
-    """A key being written front to back (``Store.open_writer``): nothing is visible under the key
-    before ``close()`` returns on S3; on a filesystem the file is written in place (callers write
-    only into uncommitted checkpoint directories). ``abort()`` drops what was written."""
-
-    def write(self, data: Any) -> None: ...
-    def close(self) -> None: ...
-    def abort(self) -> None: ...
-
-
-def _byte_view(buffer: Any) -> memoryview:
-    view = memoryview(buffer)
-    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
-
-
-class _Segments:
-    """Writable buffers filled one after another as if they were one (a vectored read's target)."""
-
-    def __init__(self, buffer: Any):
-        parts = buffer if isinstance(buffer, (list, tuple)) else [buffer]
-        self.views = [v for v in (_byte_view(b) for b in parts) if len(v)]
-        self.starts = []
-        total = 0
-        for v in self.views:
-            self.starts.append(total)
-            total += len(v)
-        self.total = total
-
-    def slices(self, pos: int, n: int) -> list[memoryview]:
-        """The views covering bytes ``[pos, pos + n)``."""
-        out, end = [], pos + n
-        i = max(0, bisect.bisect_right(self.starts, pos) - 1)
-        while pos < end and i < len(self.views):
-            start, view = self.starts[i], self.views[i]
-            lo, hi = pos - start, min(len(view), end - start)
-            if lo < hi:
-                out.append(view[lo:hi])
-                pos = start + hi
-            i += 1
-        return out
-
-
-def _join(root: str, key: str) -> str:
-    return f"{root.rstrip('/')}/{key.lstrip('/')}" if key else root
-
-
-def _check_key(key: str) -> str:
-    if key.startswith("/") or any(part in ("..", ".") for part in key.split("/")):
-        raise BadInput(f"store key {key!r} must be relative and must not contain '.' or '..' parts")
-    return key
-
-
-def _new_tmp(target: Path) -> tuple[int, Path]:
-    """A new, empty temp file beside ``target`` (``.<name>.<random>.tmp``), open for writing.
-    Created with mode 0o666 so that the kernel applies the umask (and a directory's default ACL),
-    as for any other file; ``tempfile.mkstemp`` would force 0600."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-    while True:
-        tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
-        try:
-            return os.open(tmp, flags, 0o666), tmp
-        except FileExistsError:  # pragma: no cover - 48 random bits
-            continue
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class FileStore:
-    """A local or shared POSIX directory. Every write is atomic: readers see the old or the new file."""
-
-    def __init__(self, root: str | os.PathLike):
-        self.root = Path(root).absolute()
-        self.uri = str(self.root)
-        self.stats: collections.Counter = collections.Counter()
-        self._stats_lock = threading.Lock()
-
-    def path(self, key: str) -> Path:
-        """The local path of ``key`` (DCP writes and reads there directly)."""
-        return self.root / _check_key(key) if key else self.root
-
-    def _count(self, op: str, nbytes: str = "", n: int = 0) -> None:
-        with self._stats_lock:
-            self.stats[op] += 1
-            self.stats["requests"] += 1
-            if nbytes:
-                self.stats[nbytes] += n
-
-    def read_bytes(self, key: str) -> bytes:
-        """The content of ``key``; FileNotFoundError if absent."""
-        data = self.path(key).read_bytes()
-        self._count("read", "bytes_read", len(data))
-        return data
-
-    def read_into(self, key: str, offset: int, buffer: Any, *, sink: Callable[[int], None] | None = None) -> None:
-        """Fill ``buffer`` (a writable buffer, or a list of them filled one after another) with the
-        bytes of ``key`` from ``offset`` on, one pass front to back in blocks of READ_BLOCK; after
-        each block ``sink(bytes filled so far)`` (a check of what arrived, while it is in cache).
-
-        Raises:
-            FileNotFoundError: no such key.
-            EOFError: the key ends before the buffers are full.
-        """
-        segments = _Segments(buffer)
-        total = segments.total
-        with open(self.path(key), "rb", buffering=0) as fh:
-            fd = fh.fileno()
-            if total > READ_BLOCK and hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, offset, total, os.POSIX_FADV_SEQUENTIAL)
-            done = 0
-            while done < total:
-                n = os.preadv(fd, segments.slices(done, min(READ_BLOCK, total - done)), offset + done)
-                if not n:
-                    raise EOFError(f"{self.uri_for(key)} ends at byte {offset + done}, "
-                                   f"{total - done} bytes before the range asked for")
-                done += n
-                if sink is not None:
-                    sink(done)
-        self._count("read_range", "bytes_read", done)
-
-    def open_writer(self, key: str) -> StreamWriter:
-        """Write ``key`` in place, front to back; ``close()`` makes it durable (fsync)."""
-        self._count("open_writer")
-        return _FileWriter(self, self.path(key))
-
-    def sizes(self, prefix: str) -> dict[str, int]:
-        """``{key: size}`` of the files directly under the directory ``prefix`` (one listing)."""
-        self._count("sizes")
-        base = self.path(prefix.rstrip("/"))
-        out: dict[str, int] = {}
-        try:
-            with os.scandir(base) as it:
-                for entry in it:
-                    if entry.is_file() and not _is_tmp(entry.name):
-                        out[f"{prefix.rstrip('/')}/{entry.name}"] = entry.stat().st_size
-        except (FileNotFoundError, NotADirectoryError):
-            pass
-        return out
-
-    def _atomic_write(self, target: Path, writer: Callable[[Any], None]) -> None:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = _new_tmp(target)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                writer(fh)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-        _fsync_dir(target.parent)
-
-    def write_bytes(self, key: str, data: bytes, *, if_match: str | None = None) -> str:
-        """Atomically replace ``key``; with ``if_match`` only if its current etag is that one.
-        Returns the new etag. (The check and the rename are not one atomic step on POSIX: the lease
-        is what keeps a second writer out; this catches the slow, common races.)"""
-        self._count("write")
-        target = self.path(key)
-        if if_match is not None and _file_etag(target) != if_match:
-            raise PreconditionFailed(f"{self.uri_for(key)} changed since it was read (another writer?)")
-        self._atomic_write(target, lambda fh: fh.write(data))
-        return hashlib.sha256(data).hexdigest()
-
-    def write_if_absent(self, key: str, data: bytes) -> bool:
-        """Create ``key`` only if it does not exist (atomic: link(2) of a complete temp file)."""
-        self._count("write_if_absent")
-        target = self.path(key)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = _new_tmp(target)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            try:
-                os.link(tmp, target)
-            except FileExistsError:
-                # NFS: a retransmitted LINK whose first reply was lost answers EEXIST although it
-                # was ours; then the temp file has a second name, and it is the target
-                if os.stat(tmp).st_nlink > 1 and os.path.samefile(tmp, target):
-                    _fsync_dir(target.parent)
-                    return True
-                return False
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-        _fsync_dir(target.parent)
-        return True
-
-    def upload_file(self, key: str, path: str | os.PathLike) -> None:
-        """Copy a local file to ``key`` atomically."""
-        self._count("upload")
-        with open(path, "rb") as src:
-            self._atomic_write(self.path(key), lambda fh: shutil.copyfileobj(src, fh, 8 * 1024 * 1024))
-
-    def download_file(self, key: str, path: str | os.PathLike) -> None:
-        """Copy ``key`` to a local file; FileNotFoundError if absent."""
-        self._count("download")
-        shutil.copyfile(self.path(key), path)
-
-    def exists(self, key: str) -> bool:
-        self._count("exists")
-        return self.path(key).exists()
-
-    def etag(self, key: str) -> str | None:
-        """A version token of ``key`` (the sha256 of its content) or None if absent."""
-        self._count("etag")
-        return _file_etag(self.path(key))
-
-    def list(self, prefix: str = "", recursive: bool = True) -> list[str]:
-        """Keys under ``prefix`` (a directory prefix), sorted; non-recursive lists sub-directories
-        once, with a trailing ``/``. Temp files of interrupted atomic writes are not listed."""
-        self._count("list")
-        base = self.path(prefix.rstrip("/")) if prefix else self.root
-        if not base.is_dir():
-            return []
-        rel = lambda p: p.relative_to(self.root).as_posix()  # noqa: E731
-        out: list[str] = []
-        if recursive:
-            for dirpath, _dirs, files in os.walk(base):
-                out += [rel(Path(dirpath) / f) for f in files if not _is_tmp(f)]
-        else:
-            with os.scandir(base) as it:
-                for entry in it:
-                    if entry.is_dir():
-                        out.append(rel(Path(entry.path)) + "/")
-                    elif not _is_tmp(entry.name):
-                        out.append(rel(Path(entry.path)))
-        return sorted(out)
-
-    def delete(self, key: str) -> None:
-        """Remove ``key`` (no error if absent) and prune the directories it leaves empty."""
-        self._count("delete")
-        target = self.path(key)
-        with contextlib.suppress(FileNotFoundError):
-            target.unlink()
-        self._prune(target.parent)
-
-    def _prune(self, parent: Path) -> None:
-        """Remove ``parent`` and its ancestors below the root while they are empty."""
-        while parent != self.root and parent.is_dir():
-            try:
-                parent.rmdir()
-            except OSError:
-                break
-            parent = parent.parent
-
-    def delete_many(self, keys: Iterable[str]) -> None:
-        for key in keys:
-            self.delete(key)
-
-    def abort_incomplete_uploads(self, prefix: str) -> int:
-        """Remove what writers killed in an atomic write left under the directory ``prefix``: temp
-        files (``.<name>.<random>.tmp``) not modified for TMP_GRACE_S seconds. Returns how many.
-
-        A filesystem has no multipart uploads; these temp files are its equivalent (never listed,
-        never read, only taking space). A streamed file (``open_writer``) is written in place and
-        is not touched here: it lies in an uncommitted checkpoint directory, which the checkpoint
-        code removes. Call it while holding the write lease."""
-        self._count("abort_incomplete_uploads")
-        base = self.path(prefix.rstrip("/")) if prefix else self.root
-        cutoff = time.time() - TMP_GRACE_S
-        removed = 0
-        for dirpath, _dirs, files in os.walk(base):
-            for name in files:
-                if not _is_tmp(name):
-                    continue
-                path = Path(dirpath) / name
-                try:
-                    if path.stat().st_mtime <= cutoff:
-                        path.unlink()
-                        removed += 1
-                except FileNotFoundError:  # its writer finished (or another cleaner) meanwhile
-                    continue
-        return removed
-
-    def uri_for(self, key: str) -> str:
-        return _join(self.uri, key)
-
-
-class _FileWriter:
-    def __init__(self, store: FileStore, path: Path):
-        self.store, self.path = store, path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.fh = open(path, "wb")
-
-    def write(self, data: Any) -> None:
-        n = self.fh.write(data)
-        with self.store._stats_lock:
-            self.store.stats["bytes_written"] += n
-
-    def close(self) -> None:
-        if self.fh.closed:
-            return
-        self.fh.flush()
-        os.fsync(self.fh.fileno())
-        self.fh.close()
-        _fsync_dir(self.path.parent)
-
-    def abort(self) -> None:
-        self.fh.close()
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
-        self.store._prune(self.path.parent)
-
-
-def _is_tmp(name: str) -> bool:
-    return name.startswith(".") and name.endswith(".tmp")
-
-
-def _file_etag(path: Path) -> str | None:
-    try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
-    except FileNotFoundError:
-        return None
-
-
-# ---------------------------------------------------------------------------------------------- S3
 
 _TRANSIENT_CODES = {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "Throttling",
                     "ThrottlingException", "RequestTimeTooSkewed", "OperationAborted", "ServerError",
@@ -452,8 +80,58 @@ def _s3_settings() -> dict[str, Any]:
             "cert_check": (os.environ.get("RELAUNCH_S3_CERT_CHECK", "true").lower() != "false")}
 
 
+_CHECKED_BUCKETS: set[tuple] = set()
+"""(endpoint, bucket, credentials) one request of this process already proved: opening the same
+store again (every step opens it a few times) costs no further request."""
+
+
+@register_backend
 class S3Store:
     """An S3-compatible bucket/prefix through ``minio``, with bounded retries of transient errors."""
+
+    scheme = "s3"
+    example = "s3://bucket/prefix"
+
+    @classmethod
+    def parse(cls, uri: str) -> tuple[str, str]:
+        """``(bucket, prefix)`` of ``s3://bucket/prefix``.
+
+        Raises:
+            ValueError: no bucket, an invalid bucket name, credentials or a port in the URI, '.' or
+                '..' parts in the prefix.
+        """
+        bucket, _, prefix = uri.split("://", 1)[1].partition("/")
+        if not bucket:
+            raise ValueError(f"s3 URI {uri!r} has no bucket; write s3://bucket/prefix")
+        if "@" in bucket or ":" in bucket:
+            raise ValueError("s3 URI must not carry credentials or a port; set AWS_ENDPOINT_URL and "
+                             "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY")
+        if len(bucket) < 3 or len(bucket) > 63 or not all(c.islower() or c.isdigit() or c in "-." for c in bucket):
+            raise ValueError(f"s3 bucket name {bucket!r} is invalid (3-63 lowercase letters, digits, '-', '.')")
+        if any(p in ("..", ".") for p in prefix.split("/")):
+            raise ValueError(f"s3 URI {uri!r} must not contain '.' or '..' path parts")
+        return bucket, prefix
+
+    @classmethod
+    def open(cls, location: str, prefix: str, *, retries: int | None = None,
+             backoff: float | None = None) -> "S3Store":
+        """The store at ``bucket`` (``location``) and ``prefix``, checked with one cheap request
+        (bucket exists, credentials accepted) once per process for the same endpoint, bucket and
+        credentials.
+
+        Raises:
+            BadInput: no endpoint, incomplete or rejected credentials, missing bucket.
+            TransientFailure: the endpoint could not be reached after the bounded retries.
+        """
+        store = cls(location, prefix, retries=retries, backoff=backoff)
+        settings = _s3_settings()
+        secret = f"{settings['secret_key']}|{settings['session_token']}"
+        proof = (settings["endpoint"], settings["secure"], location, settings["access_key"],
+                 hashlib.sha256(secret.encode()).hexdigest())
+        if proof not in _CHECKED_BUCKETS:
+            store.check()
+            _CHECKED_BUCKETS.add(proof)
+        return store
 
     def __init__(self, bucket: str, prefix: str, *, retries: int | None = None, backoff: float | None = None):
         import urllib3
@@ -479,7 +157,7 @@ class S3Store:
 
     # -- plumbing
     def _name(self, key: str) -> str:
-        _check_key(key)
+        check_key(key)
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def _count(self, op: str, n: int = 1) -> None:
@@ -559,7 +237,7 @@ class S3Store:
         filled one after another) from ``offset``, straight from the socket into the buffers, with
         ``sink(bytes filled so far)`` after each READ_BLOCK (a retried request starts over at
         ``sink(0)``). FileNotFoundError if absent; EOFError if short."""
-        segments = _Segments(buffer)
+        segments = Segments(buffer)
         total = segments.total
         if not total:
             return
@@ -796,7 +474,7 @@ class S3Store:
             key_marker, upload_marker = page.uploads[-1].object_name, page.uploads[-1].upload_id
 
     def uri_for(self, key: str) -> str:
-        return _join(self.uri, key)
+        return join_uri(self.uri, key)
 
 
 class _MultipartWriter:
@@ -809,7 +487,7 @@ class _MultipartWriter:
         self.closed = False
 
     def write(self, data: Any) -> None:
-        view = _byte_view(data)
+        view = byte_view(data)
         while len(view):
             take = min(PART_SIZE - len(self.buf), len(view))
             self.buf += view[:take]
@@ -896,40 +574,6 @@ def _is_transient(err: BaseException) -> bool:
     if isinstance(err, (ue.HTTPError, ConnectionError, TimeoutError)):
         return not isinstance(err, ue.LocationValueError)
     return isinstance(err, OSError) and not isinstance(err, (FileNotFoundError, PermissionError))
-
-
-_CHECKED_BUCKETS: set[tuple] = set()
-"""(endpoint, bucket, credentials) one request of this process already proved: opening the same
-store again (every step opens it a few times) costs no further request."""
-
-
-def open_store(uri: str, *, retries: int | None = None, backoff: float | None = None) -> Store:
-    """Open the store at ``uri``: a path, ``file:///path`` or ``s3://bucket/prefix``.
-
-    The S3 backend is checked with one cheap request (bucket exists, credentials accepted), once per
-    process for the same endpoint, bucket and credentials.
-
-    Raises:
-        BadInput: malformed URI, unsupported scheme, missing bucket, rejected credentials.
-        TransientFailure: the endpoint could not be reached after the bounded retries.
-    """
-    from components.core.config import parse_store_uri
-
-    try:
-        scheme, where, prefix = parse_store_uri(uri)
-    except ValueError as err:
-        raise BadInput(str(err)) from None
-    if scheme == "file":
-        return FileStore(where)
-    store = S3Store(where, prefix, retries=retries, backoff=backoff)
-    settings = _s3_settings()
-    secret = f"{settings['secret_key']}|{settings['session_token']}"
-    proof = (settings["endpoint"], settings["secure"], where, settings["access_key"],
-             hashlib.sha256(secret.encode()).hexdigest())
-    if proof not in _CHECKED_BUCKETS:
-        store.check()
-        _CHECKED_BUCKETS.add(proof)
-    return store
 
 
 class _MinioCalls:
