@@ -233,3 +233,19 @@ def test_import_of_a_bad_folder_exits_2_with_one_line_and_leaves_the_store_byte_
     assert message in err and len(err.splitlines()) == 1, err
     assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == before
     assert {p: p.stat().st_mtime_ns for p in before} == modes
+
+
+def test_import_into_and_export_from_an_s3_store_round_trip_bitwise(tmp_path, s3_env):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from tests.core.helpers import s3_root
+
+    root = s3_root(s3_env, "interop")
+    saved = _odd_state()
+    dcp.save(saved, checkpoint_id=str(tmp_path / "stock"), no_dist=True)
+    assert main(["checkpoints", "import", str(tmp_path / "stock"), "--store", root, "--step", "4"]) == 0
+    assert main(["checkpoints", "export", "--store", root, "--to", str(tmp_path / "out.pt")]) == 0
+    dcp_to_torch_save(tmp_path / "stock", tmp_path / "stock.pt")
+    assert_bitwise_equal(torch.load(tmp_path / "stock.pt", weights_only=False),
+                         torch.load(tmp_path / "out.pt", weights_only=True))
