@@ -5,12 +5,14 @@
     relaunch checkpoints verify --store /shared/exp --step 1200        # manifest, files and sizes
     relaunch checkpoints verify --store /shared/exp --deep             # read and check every byte
     relaunch checkpoints export --store /shared/exp --to model.safetensors --format safetensors
-    relaunch checkpoints import ./dcp-folder --store /shared/exp --step 5000   # adopt a dcp.save folder
+    relaunch checkpoints import ./dcp-folder --store /shared/exp --step 5000 # adopt a dcp.save folder
 
-list, latest, verify and export are read-only: never take the write lease, never delete (export
-writes only its --to file); import writes one checkpoint under the write lease. Exit 2 on bad input (malformed URI, missing
+Read-only but import: never takes the write lease, never deletes. Exit 2 on bad input (malformed URI, missing
 bucket or directory, no checkpoint to verify, a checkpoint that does not verify, a checkpoint of a
 newer format version).
+
+export and import (docs/checkpoint-format.md, "Other tools"): export writes only its --to file;
+import writes one checkpoint under the write lease, or, on bad input, nothing.
 """
 
 from __future__ import annotations

@@ -149,7 +149,8 @@ def _umask() -> int:
     return mask
 
 
-def import_checkpoint(mgr: "CheckpointManager", source: str | os.PathLike, *, step: int | None = None) -> "CheckpointInfo":
+def import_checkpoint(mgr: "CheckpointManager", source: str | os.PathLike, *,
+                      step: int | None = None) -> "CheckpointInfo":
     """Adopt the stock DCP checkpoint folder ``source`` as committed checkpoint ``step`` of ``mgr``'s
     store (default: one after the newest step directory in the store, or 0).
 
