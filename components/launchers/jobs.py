@@ -11,13 +11,14 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+from components import LAUNCH
 from components.core.config import RelaunchConfig
 from components.core.exitcodes import PERMANENT, RETRYABLE, ExitCode, normalize
 from components.core.k8s_naming import job_name, run_hash
 
 RUN_LABEL = "relaunch.dev/pipeline-run"
 RUN_ANNOTATION = "relaunch.dev/pipeline-run-id"
-STEP = "launch"
+STEP = LAUNCH.name  # the step whose pipeline-run-scoped job this is
 
 # The Secrets every relaunch container reads, and the keys (each key equals the variable's name).
 STORE_SECRET_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")

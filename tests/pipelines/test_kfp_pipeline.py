@@ -14,9 +14,8 @@ import yaml
 from google.protobuf import json_format
 from kfp.pipeline_spec import pipeline_spec_pb2
 
-from components import STEP_TABLE
 from components.core.config import PIPELINE_PARAMETERS, RelaunchConfig, pipeline_parameter_type
-from components.core.exitcodes import RETRY_POLICIES, STEPS
+from components import RETRY_POLICIES, STEP_TABLE, STEPS
 from pipelines import kfp_pipeline
 from pipelines.commands.compile import render
 
