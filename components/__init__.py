@@ -130,7 +130,8 @@ class Pipeline:
 
 DEFAULT_RETRY = RetryPolicy(limit=3, backoff_seconds=5, factor=2, max_backoff_seconds=60)
 EXIT_HANDLER_RETRY = RetryPolicy(limit=5, backoff_seconds=5, factor=2, max_backoff_seconds=60)
-"""Exit-handler steps are quick API calls, retried often so that a transient error never orphans a job."""
+"""Exit-handler steps are quick API calls, retried often so that a transient error never orphans a job
+(on Argo; the KFP exit task has never been retried, and retrying it there is a change of its own)."""
 
 PREPARE = Step("prepare", "components.prepare", "PrepareOutputs",
                inputs=(Input("config_json", CONFIG), Input("pipeline_run_id", RUN_ID), Input("parameters", PARAMETERS)),

@@ -148,6 +148,25 @@ def closure(edges: dict[str, set[str]]) -> dict[str, set[str]]:
 ALL = PIPELINE.all_steps()
 
 
+@pytest.mark.parametrize("step", ALL, ids=lambda s: s.name)
+def test_every_input_a_step_reads_from_another_step_is_an_output_of_an_earlier_step(step):
+    earlier = PIPELINE.steps[:PIPELINE.steps.index(step)] if step in PIPELINE.steps else ()
+    for item in step.inputs:
+        if item.source.step:
+            producer = PIPELINE.step(item.source.step)
+            assert producer in earlier, (step.name, item)
+            assert item.source.output in dict(producer.output_fields()), (step.name, item)
+    if step.when and step.when.source.step:
+        assert step.when.source.output in dict(PIPELINE.step(step.when.source.step).output_fields())
+
+
+def test_every_steps_outputs_and_module_exist_and_the_names_are_unique():
+    assert len({s.name for s in ALL}) == len(ALL)
+    for step in ALL:
+        assert step.output_fields(), step.name
+        assert callable(getattr(__import__(step.module, fromlist=["run"]), "run")), step.name
+
+
 def test_both_renderers_draw_exactly_the_steps_of_the_spec(kfp, argo):
     assert list(argo) == [s.name for s in ALL]
     assert set(kfp) == {s.name for s in ALL if s.on_kfp}
