@@ -10,43 +10,42 @@ that holds GPUs.
 
     relaunch compile --target argo|argo-template|argo-cron -o FILE      # or: python -m pipelines.argo
 
-Wiring only: every step is ``python -m components.<step>`` in the project image (its outputs are the
-files the step CLI writes); retries come from :data:`components.core.exitcodes.RETRY_POLICIES` and
-the expression from :func:`~components.core.exitcodes.argo_retry_expression`; credentials are
-``secretKeyRef`` env entries (:func:`components.launchers.jobs.secret_env`).
+Wiring only: :func:`_define` walks the pipeline spec (:data:`components.PIPELINE`: steps, inputs,
+conditions, retries, exit handler), as the KFP renderer does. Every step is ``python -m <its module>``
+in the project image (its outputs are the files the step CLI writes); the retry expression is
+:func:`~components.core.exitcodes.argo_retry_expression`; credentials are ``secretKeyRef`` env
+entries (:func:`components.launchers.jobs.secret_env`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
 import sys
-import typing
 
 import yaml
 from hera.workflows import DAG, Container, CronWorkflow, Parameter, RetryStrategy, Workflow, WorkflowTemplate
 from hera.workflows import models as m
 
-from components import FINALIZE, STEP_MODULES
+from components import CONFIG, FINAL_STATUS, PARAMETERS, PIPELINE, RUN_ID, Condition, Step
 from components.core.config import RelaunchConfig
-from components.core.exitcodes import RETRY_POLICIES, RetryPolicy, argo_retry_expression
+from components.core.exitcodes import argo_retry_expression
 from components.launchers.jobs import OWNER_ENV, plain_env, secret_env
 
 OUTPUTS_DIR = "/tmp/outputs"
 ARTIFACT_REPOSITORY = m.ArtifactRepositoryRef(config_map="artifact-repositories", key="minio")
-DELETE_JOB = "delete-training-job"
-MODULES = {**STEP_MODULES, DELETE_JOB: "components.launchers.cluster"}  # the same step names as KFP
-# The exit handler's steps: quick API calls retried often, so a transient error never orphans a job.
-EXIT_HANDLER_RETRY = RetryPolicy(limit=5, backoff_seconds=5, factor=2, max_backoff_seconds=60)
 # Argo's maxDuration counts from a step's first attempt, so it is (retries + 1) x one attempt's bound
-# + the backoffs. One attempt of launch is bounded by launch.kubernetes.wait_timeout_seconds; of any
-# other step by STEP_ATTEMPT_SECONDS (no step but launch comes near it); of an exit-handler step (one
-# MLflow or Kubernetes API call) by EXIT_HANDLER_ATTEMPT_SECONDS.
+# + the backoffs. One attempt of the step that creates the training job is bounded by
+# launch.kubernetes.wait_timeout_seconds; of any other step by STEP_ATTEMPT_SECONDS (no other step
+# comes near it); of an exit-handler step (one MLflow or Kubernetes API call) by EXIT_HANDLER_ATTEMPT_SECONDS.
 STEP_ATTEMPT_SECONDS = 3600
 EXIT_HANDLER_ATTEMPT_SECONDS = 600
-EXIT_HANDLER_STEPS = (FINALIZE.name, DELETE_JOB)
 WORKFLOW_OWNER = {"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow",
                   "name": "{{workflow.name}}", "uid": "{{workflow.uid}}"}
+# What the pipeline's own sources are on Argo (components.Source), and the exit handler's status.
+PIPELINE_VALUES = {CONFIG: "{{workflow.parameters.config_json}}", RUN_ID: "{{workflow.uid}}"}
+FINAL_STATUS_VALUES = {"state": "{{=workflow.status == 'Succeeded' ? 'SUCCEEDED' : 'FAILED'}}",
+                       "error": "workflow {{workflow.name}} ended {{workflow.status}}"}
+WORKFLOW_STATUS = "{{workflow.status}}"
+EXIT_HANDLER = "exit-handler"
 
 
 def pipeline_parameters(config: RelaunchConfig) -> list[Parameter]:
@@ -61,21 +60,15 @@ def pipeline_parameters(config: RelaunchConfig) -> list[Parameter]:
     return params
 
 
-def step_outputs(step: str) -> list[str]:
-    """Output names of a step: the fields of the dataclass its ``run`` returns."""
-    run = importlib.import_module(MODULES[step]).run
-    return [f.name for f in dataclasses.fields(typing.get_type_hints(run)["return"])]
-
-
-def retry_strategy(step: str, config: RelaunchConfig) -> RetryStrategy:
-    """The table's retries; Argo's maxDuration counts from the first attempt's start, so it must
+def retry_strategy(step: Step, config: RelaunchConfig) -> RetryStrategy:
+    """The step's retries; Argo's maxDuration counts from the first attempt's start, so it must
     outlast every attempt (a launch waits up to ``wait_timeout_seconds``) plus the backoffs."""
-    policy = EXIT_HANDLER_RETRY if step in EXIT_HANDLER_STEPS else RETRY_POLICIES[step]
+    policy = step.retry
     backoffs = sum(min(policy.backoff_seconds * policy.factor**i, policy.max_backoff_seconds) for i in range(policy.limit))
-    if step == "launch":
+    if step.creates_job:
         attempt = int(config.launch.kubernetes.wait_timeout_seconds)
     else:
-        attempt = EXIT_HANDLER_ATTEMPT_SECONDS if step in EXIT_HANDLER_STEPS else STEP_ATTEMPT_SECONDS
+        attempt = EXIT_HANDLER_ATTEMPT_SECONDS if step in PIPELINE.exit_handler else STEP_ATTEMPT_SECONDS
     return RetryStrategy(
         limit=policy.limit,
         retry_policy="Always",  # the default (OnFailure) never retries Error; the expression decides
@@ -90,66 +83,72 @@ def _env(entries: list[dict]) -> list[m.EnvVar]:
     return [m.EnvVar.model_validate(e) for e in entries]
 
 
-def step_template(step: str, config: RelaunchConfig, inputs: list[str], *,
-                  extra_env: dict[str, str] | None = None) -> Container:
-    """``python -m components.<step> --config-json ... --input name=... --outputs-dir /tmp/outputs``."""
+def arguments(step: Step, params: list[str]) -> dict[str, str]:
+    """``step``'s inputs as Argo argument values, in order (``params``: the pipeline parameters)."""
+    values: dict[str, str] = {}
+    for item in step.inputs:
+        source = item.source
+        if source.step:
+            values[item.name] = f"{{{{tasks.{source.step}.outputs.parameters.{source.output}}}}}"
+        elif source == PARAMETERS:
+            values.update({n: f"{{{{workflow.parameters.{n}}}}}" for n in params})
+        elif source == FINAL_STATUS:
+            values.update(FINAL_STATUS_VALUES)
+        else:
+            values[item.name] = PIPELINE_VALUES[source]
+    return values
+
+
+def condition(when: Condition) -> str:
+    """``when`` as an Argo ``when`` expression."""
+    source = when.source
+    subject = WORKFLOW_STATUS if source == FINAL_STATUS else f"{{{{tasks.{source.step}.outputs.parameters.{source.output}}}}}"
+    value = str(when.value).lower() if isinstance(when.value, bool) else when.value
+    return f"{subject} {when.op} {value}"
+
+
+def step_template(step: Step, config: RelaunchConfig, inputs: list[str]) -> Container:
+    """``python -m <module> --config-json ... --input name=... --outputs-dir /tmp/outputs``."""
     k8s = config.launch.kubernetes
+    extra_env = {var: WORKFLOW_OWNER[field] for field, var in OWNER_ENV.items()} if step.creates_job else {}
     args = ["--config-json", "{{inputs.parameters.config_json}}"]
     for name in inputs:
-        args += ["--input", f"{name}={{{{inputs.parameters.{name}}}}}"]
+        if name != "config_json":
+            args += ["--input", f"{name}={{{{inputs.parameters.{name}}}}}"]
     return Container(
-        name=step,
+        name=step.name,
         image=k8s.image,
         image_pull_policy=k8s.image_pull_policy,
-        command=["python", "-m", MODULES[step]],
+        command=["python", "-m", step.module],
         args=args + ["--outputs-dir", OUTPUTS_DIR],
-        inputs=[Parameter(name="config_json")] + [Parameter(name=n) for n in inputs],
-        outputs=[Parameter(name=o, value_from=m.ValueFrom(path=f"{OUTPUTS_DIR}/{o}")) for o in step_outputs(step)],
-        env=_env(plain_env(k8s) + [{"name": k, "value": v} for k, v in (extra_env or {}).items()] + secret_env(k8s)),
+        inputs=[Parameter(name=n) for n in inputs],
+        outputs=[Parameter(name=o, value_from=m.ValueFrom(path=f"{OUTPUTS_DIR}/{o}")) for o, _ in step.output_fields()],
+        env=_env(plain_env(k8s) + [{"name": k, "value": v} for k, v in extra_env.items()] + secret_env(k8s)),
         retry_strategy=retry_strategy(step, config),
     )
 
 
 def _define(config: RelaunchConfig) -> None:
-    """Inside a ``with Workflow(...)``: the templates and the two DAGs (main and exit handler)."""
+    """Inside a ``with Workflow(...)``: the templates and the two DAGs (main and exit handler), walked
+    from :data:`components.PIPELINE`."""
     params = [p.name for p in pipeline_parameters(config) if p.name != "config_json"]
-    prepare = step_template("prepare", config, ["pipeline_run_id", *params])
-    locate = step_template("locate-latest-checkpoint", config, [])
-    launch = step_template("launch", config, ["resume_from", "pipeline_run_id"],
-                           extra_env={var: WORKFLOW_OWNER[field] for field, var in OWNER_ENV.items()})
-    evaluate = step_template("evaluate", config, [])
-    register = step_template("register", config, ["checkpoint_uri", "metrics_json"])
-    finalize = step_template("finalize", config, ["pipeline_run_id", "state", "error"])
-    delete_job = step_template(DELETE_JOB, config, ["pipeline_run_id"])
-
-    run_id = "{{workflow.uid}}"
-    with DAG(name="relaunch"):
-        p = prepare(arguments={"config_json": "{{workflow.parameters.config_json}}", "pipeline_run_id": run_id,
-                               **{n: f"{{{{workflow.parameters.{n}}}}}" for n in params}})
-        resolved = p.get_parameter("config_json").value
-        loc = locate(arguments={"config_json": resolved})
-        train = launch(arguments={"config_json": resolved, "pipeline_run_id": run_id,
-                                  "resume_from": loc.get_parameter("checkpoint_uri").value})
-        ev = evaluate(arguments={"config_json": resolved})
-        reg = register(arguments={"config_json": resolved, "checkpoint_uri": ev.get_parameter("checkpoint_uri").value,
-                                  "metrics_json": ev.get_parameter("metrics_json").value},
-                       when=f"{ev.get_parameter('passed').value} == true")
-        p >> loc >> train >> ev >> reg
-
-    with DAG(name="exit-handler"):
-        finalize(arguments={"config_json": "{{workflow.parameters.config_json}}", "pipeline_run_id": run_id,
-                            "state": "{{=workflow.status == 'Succeeded' ? 'SUCCEEDED' : 'FAILED'}}",
-                            "error": "workflow {{workflow.name}} ended {{workflow.status}}"})
-        delete_job(arguments={"config_json": "{{workflow.parameters.config_json}}", "pipeline_run_id": run_id},
-                   when="{{workflow.status}} != Succeeded")
+    templates = {s.name: step_template(s, config, list(arguments(s, params))) for s in PIPELINE.all_steps()}
+    for dag_name, steps in ((PIPELINE.name, PIPELINE.steps), (EXIT_HANDLER, PIPELINE.exit_handler)):
+        with DAG(name=dag_name):
+            tasks = {}
+            for step in steps:
+                when = {"when": condition(step.when)} if step.when else {}
+                tasks[step.name] = templates[step.name](arguments=arguments(step, params), **when)
+                for name in PIPELINE.dependencies(step):
+                    tasks[name] >> tasks[step.name]
 
 
 def _spec(config: RelaunchConfig) -> dict:
     k8s = config.launch.kubernetes
     return dict(
         namespace=k8s.namespace,
-        entrypoint="relaunch",
-        on_exit="exit-handler",
+        entrypoint=PIPELINE.name,
+        on_exit=EXIT_HANDLER,
         service_account_name=k8s.service_account,
         artifact_repository_ref=ARTIFACT_REPOSITORY,
         arguments=pipeline_parameters(config),

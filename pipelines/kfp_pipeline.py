@@ -1,7 +1,8 @@
-"""The relaunch pipeline as Kubeflow Pipelines v2: prepare -> locate-latest-checkpoint -> launch ->
-evaluate -> register (only when evaluate's gate passed), inside an exit handler whose ``finalize``
-task closes the MLflow run (FAILED when the pipeline failed). Wiring only: each component body
-imports :func:`pipelines.kfp_entry.call`, which runs the step's ``run``.
+"""The relaunch pipeline (:data:`components.PIPELINE`) rendered as Kubeflow Pipelines v2: prepare ->
+locate-latest-checkpoint -> launch -> evaluate -> register (only when evaluate's gate passed), inside
+an exit handler whose ``finalize`` task closes the MLflow run (FAILED when the pipeline failed).
+Wiring only: :func:`build_pipeline` walks the spec; each component body imports
+:func:`pipelines.kfp_entry.call`, which runs the step's ``run``.
 
     python -m pipelines.kfp_pipeline build/pipeline.kfp.yaml     # or: relaunch compile --target kfp
 
@@ -9,27 +10,30 @@ imports :func:`pipelines.kfp_entry.call`, which runs the step's ``run``.
 each component's ``base_image`` (KFP's own setting, nothing rewritten afterwards) and its JSON the
 default of ``config_json``. The typed parameters come from
 :data:`components.core.config.PIPELINE_PARAMETERS`. The same definition runs on one machine with
-``kfp.local`` (``relaunch run``, :mod:`pipelines.local_run`). Retries come from
-:data:`components.core.exitcodes.RETRY_POLICIES`; caching is off for every step (a cached "latest
-checkpoint" is a wrong one, and prepare's outputs include this run's MLflow run).
+``kfp.local`` (``relaunch run``, :mod:`pipelines.local_run`). Retries come from each step of the
+spec; caching is off for every step (a cached "latest checkpoint" is a wrong one, and prepare's
+outputs include this run's MLflow run).
 
-KFP ships each component body as source and reads its outputs from the inline ``NamedTuple``
-return annotation; tests/pipelines/test_kfp_pipeline.py compares those with the steps' output
-dataclasses and prepare's parameters with the table.
+KFP ships each component body as source (the executor in the container runs that text), so a body's
+name, parameters and inline ``NamedTuple`` return annotation must be literals: they cannot be made
+from the spec. tests/pipelines/test_kfp_pipeline.py checks each against the spec: the name is the
+step's, the parameters are its inputs, the annotation is its output dataclass, field by field.
 """
 
 # no `from __future__ import annotations`: kfp reads the component annotations as real types
+import contextlib
 import inspect
+import operator
 import sys
 from typing import NamedTuple
 
 import yaml
 from kfp import compiler, dsl
 
-from components import EVALUATE, FINALIZE, LAUNCH, LOCATE, PREPARE, REGISTER
+from components import (CONFIG, EVALUATE, FINALIZE, LAUNCH, LOCATE, PARAMETERS, PIPELINE, PREPARE, REGISTER, RUN_ID,
+                        Condition, Step)
 from components.core.config import (PIPELINE_PARAMETERS, RelaunchConfig, pipeline_parameter_description,
                                     pipeline_parameter_type)
-from components.core.exitcodes import RETRY_POLICIES
 
 # ---------------------------------------------------------------- component bodies (shipped as source)
 
@@ -108,12 +112,33 @@ def build_components(image: str) -> dict:
             for name, body in COMPONENT_BODIES.items()}
 
 
-def _step(task: dsl.PipelineTask, step: str) -> dsl.PipelineTask:
-    policy = RETRY_POLICIES[step]
+def _retry(task: dsl.PipelineTask, step: Step) -> None:
+    policy = step.retry
     task.set_retry(num_retries=policy.limit, backoff_duration=f"{policy.backoff_seconds}s",
                    backoff_factor=float(policy.factor), backoff_max_duration=f"{policy.max_backoff_seconds}s")
-    task.set_caching_options(False)
-    return task
+
+
+def _arguments(step: Step, values: dict, tasks: dict) -> dict:
+    """``step``'s inputs as KFP arguments: pipeline values, or outputs of tasks already made."""
+    arguments = {}
+    for item in step.inputs:
+        source = item.source
+        if source.step:
+            arguments[item.name] = tasks[source.step].outputs[source.output]
+        elif source == PARAMETERS:
+            arguments.update({name: value for name, value in values.items() if name in PIPELINE_PARAMETERS})
+        elif source == RUN_ID:
+            arguments[item.name] = dsl.PIPELINE_JOB_ID_PLACEHOLDER
+        elif source == CONFIG:
+            arguments[item.name] = values["config_json"]
+        # FINAL_STATUS: KFP passes the dsl.PipelineTaskFinalStatus itself
+    return arguments
+
+
+def _condition(condition: Condition, tasks: dict):
+    value = tasks[condition.source.step].outputs[condition.source.output]
+    compare = {"==": operator.eq, "!=": operator.ne}[condition.op]
+    return dsl.If(compare(value, condition.value), name=condition.name)
 
 
 def _signature(config: RelaunchConfig) -> inspect.Signature:
@@ -144,24 +169,24 @@ def build_pipeline(config: RelaunchConfig | None = None):
 
     def relaunch_pipeline(*args, **kwargs):
         values = signature.bind(*args, **kwargs).arguments
-        config_json = values.pop("config_json")
-        closing = comp[FINALIZE.name](config_json=config_json, pipeline_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER)
+        tasks: dict[str, dsl.PipelineTask] = {}
+        exit_task, = (s for s in PIPELINE.exit_handler if s.on_kfp)  # KFP's ExitHandler takes one task
+        # the exit task is not retried on KFP (it never was; Argo retries its exit handler)
+        closing = comp[exit_task.name](**_arguments(exit_task, values, tasks))
         closing.set_caching_options(False)
-        with dsl.ExitHandler(closing, name="relaunch-run"):
-            prep = _step(comp[PREPARE.name](config_json=config_json, pipeline_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
-                                            **values), PREPARE.name)
-            resolved = prep.outputs["config_json"]
-            located = _step(comp[LOCATE.name](config_json=resolved), LOCATE.name)
-            trained = _step(comp[LAUNCH.name](config_json=resolved, resume_from=located.outputs["checkpoint_uri"],
-                                              pipeline_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER), LAUNCH.name)
-            evaluated = _step(comp[EVALUATE.name](config_json=resolved), EVALUATE.name).after(trained)
-            with dsl.If(evaluated.outputs["passed"] == True, name="gate-passed"):  # noqa: E712 - a DSL expression
-                _step(comp[REGISTER.name](config_json=resolved, checkpoint_uri=evaluated.outputs["checkpoint_uri"],
-                                          metrics_json=evaluated.outputs["metrics_json"]), REGISTER.name)
+        with dsl.ExitHandler(closing, name=f"{PIPELINE.name}-run"):
+            for step in PIPELINE.steps:
+                with _condition(step.when, tasks) if step.when else contextlib.nullcontext():
+                    task = comp[step.name](**_arguments(step, values, tasks))
+                    _retry(task, step)
+                    task.set_caching_options(False)
+                    for name in step.after:
+                        task.after(tasks[name])
+                tasks[step.name] = task
 
     relaunch_pipeline.__signature__ = signature
     relaunch_pipeline.__doc__ = _docstring()
-    return dsl.pipeline(name="relaunch", description=PIPELINE_DESCRIPTION)(relaunch_pipeline)
+    return dsl.pipeline(name=PIPELINE.name, description=PIPELINE_DESCRIPTION)(relaunch_pipeline)
 
 
 def compile_pipeline(path: str, config: RelaunchConfig | None = None) -> None:

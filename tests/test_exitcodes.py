@@ -6,7 +6,8 @@ import signal
 
 import pytest
 
-from components.core.exitcodes import PERMANENT, RETRY_POLICIES, RETRYABLE, STEPS, ExitCode, is_retryable, normalize
+from components import RETRY_POLICIES, STEPS
+from components.core.exitcodes import PERMANENT, RETRYABLE, ExitCode, is_retryable, normalize
 
 
 def test_permanent_and_retryable_are_disjoint_and_cover_the_contract():

@@ -1,5 +1,6 @@
-"""The exit-code contract and the retry table: the one place both pipelines, the local runner,
-the PyTorchJob ``restartPolicy: ExitCode`` and the launchers' failure mapping read.
+"""The exit-code contract and how a retry is described: the one place both pipelines, the local
+runner, the PyTorchJob ``restartPolicy: ExitCode`` and the launchers' failure mapping read (each
+step's retries are in the pipeline spec, :data:`components.PIPELINE`).
 
 Codes follow the Kubeflow Training Operator's ExitCode restart policy: 1, 2, 126-128 and 139 are
 permanent (a bug, bad input, a binary that cannot run, a segfault); 130, 137 and 143 are signals
@@ -11,8 +12,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-
-from components import EVALUATE, LAUNCH, STEPS  # the step names, written once in components/__init__.py
 
 
 class ExitCode(enum.IntEnum):
@@ -77,17 +76,6 @@ class RetryPolicy:
     backoff_seconds: int
     factor: int
     max_backoff_seconds: int
-
-
-DEFAULT_RETRY = RetryPolicy(limit=3, backoff_seconds=5, factor=2, max_backoff_seconds=60)
-
-RETRY_POLICIES: dict[str, RetryPolicy] = {
-    **dict.fromkeys(STEPS, DEFAULT_RETRY),
-    # Training restarts inside torchrun/PyTorchJob first; a whole launch retry is the outer loop.
-    LAUNCH.name: RetryPolicy(limit=4, backoff_seconds=10, factor=2, max_backoff_seconds=300),
-    EVALUATE.name: RetryPolicy(limit=2, backoff_seconds=5, factor=2, max_backoff_seconds=60),
-}
-"""Retries of each step of :data:`components.STEPS` (the exit task is never retried)."""
 
 
 def argo_retry_expression() -> str:

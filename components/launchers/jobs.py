@@ -1,23 +1,31 @@
-"""What a training job is made of and how its end is read, for both cluster backends; pure functions
-(no API calls), so :mod:`~components.launchers.pytorchjob`, :mod:`~components.launchers.trainjob`,
-the Argo and KFP definitions build from one set of facts: the Secrets and their keys, the plain
-environment, resources, names and labels, the owner reference, and the mapping of a failed job's
-conditions and pods to the exit-code contract.
+"""What a training job is made of and how its end is read; pure functions (no API calls).
+
+:func:`job_spec` builds the one neutral description of a training job from the configuration, as
+TorchX's ``components/dist.py`` returns an ``AppDef``: a :class:`JobSpec` (image, the torchrun
+command, env, Secrets as env, resources, nodes, processes per node, restart policy). Each launcher
+renders that spec, never the configuration: :mod:`~components.launchers.local` (torchrun agents on
+this machine), :mod:`~components.launchers.pytorchjob`, :mod:`~components.launchers.trainjob` and
+:mod:`~components.launchers.slurm`; the cluster ones add only their backend's own settings
+(namespace, service account, placement, job-level limits from ``launch.kubernetes`` and
+``launch.trainjob``). The Argo and KFP definitions read the same Secrets and plain environment
+from here, and the mapping of a failed job's conditions and pods to the exit-code contract is here.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
+from components import LAUNCH
 from components.core.config import RelaunchConfig
 from components.core.exitcodes import PERMANENT, RETRYABLE, ExitCode, normalize
 from components.core.k8s_naming import job_name, run_hash
 
 RUN_LABEL = "relaunch.dev/pipeline-run"
 RUN_ANNOTATION = "relaunch.dev/pipeline-run-id"
-STEP = "launch"
+STEP = LAUNCH.name  # the step whose pipeline-run-scoped job this is
+TRAIN_MODULE = "components.train"
 
 # The Secrets every relaunch container reads, and the keys (each key equals the variable's name).
 STORE_SECRET_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
@@ -38,6 +46,138 @@ PREEMPTION_REASONS = frozenset({"Evicted", "Preempting", "NodeLost", "NodeShutdo
 UNSTARTABLE_REASONS = frozenset({"InvalidImageName", "CreateContainerConfigError", "CreateContainerError"})
 
 
+# --------------------------------------------------------------------------- the neutral job spec
+
+
+@dataclass(frozen=True)
+class SecretEnv:
+    """Environment variables read from a Secret; each key is the variable's name."""
+
+    secret: str
+    keys: tuple[str, ...]
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What each node of the job gets (a training node is not overcommitted: requests equal limits)."""
+
+    cpu: str
+    memory: str
+    gpus: int = 0
+    shm_size: str = "1Gi"
+    """Size of the node's ``/dev/shm`` (the data loader's and NCCL's shared memory)."""
+
+    def kubernetes(self) -> dict[str, dict[str, str]]:
+        """As a container's ``resources``: requests equal to limits, quantities as strings."""
+        limits = {"cpu": self.cpu, "memory": self.memory}
+        if self.gpus:
+            limits["nvidia.com/gpu"] = str(self.gpus)
+        return {"requests": dict(limits), "limits": limits}
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How a failed training is restarted."""
+
+    max_restarts: int
+    """torchrun restarts the worker group in place this many times (resuming from the latest checkpoint)."""
+    retryable_exit_codes: tuple[int, ...]
+    """A node that exits with one of these is started again by its scheduler (the pod, the JobSet, a
+    Slurm requeue); any other non-zero code fails the job for good (:mod:`components.core.exitcodes`)."""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One distributed training job, whatever runs it: what :func:`job_spec` returns and every
+    launcher renders."""
+
+    name: str
+    """The pipeline's name (the Slurm job's name; Kubernetes jobs add the pipeline run)."""
+    image: str
+    image_pull_policy: str
+    config_json: str
+    """The workers' configuration (``--config-json``)."""
+    env: tuple[tuple[str, str], ...]
+    """Plain environment of the job's containers (the local launcher runs in the caller's environment)."""
+    secrets: tuple[SecretEnv, ...]
+    """Credentials, as env from Secrets: the job carries Secret names, never values."""
+    resources: Resources
+    nodes: int
+    min_nodes: int
+    """The elastic minimum (equal to ``nodes`` for a fixed-size job)."""
+    procs_per_node: int
+    monitor_interval_seconds: float
+    restart: RestartPolicy
+    grace_seconds: float
+    """How long a preempted worker has to commit a checkpoint after SIGTERM."""
+    store_uri: str
+    tracking_uri: str
+    module: str = TRAIN_MODULE
+    """What each worker runs: ``python -m <module> --config-json JSON``."""
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_nodes < self.nodes
+
+    def nnodes(self) -> str:
+        """torchrun's ``--nnodes``: ``N``, or the elastic range ``MIN:N``."""
+        return f"{self.min_nodes}:{self.nodes}" if self.elastic else str(self.nodes)
+
+    def torchrun_args(self, *, rdzv_endpoint: str, rdzv_id: str, node_count: str | None = None,
+                      rdzv_conf: str | None = None, extra: Sequence[str] = (), config_json: str | None = None) -> list[str]:
+        """torchrun's arguments (what follows ``torchrun``), the one command every launcher runs.
+
+        Args:
+            rdzv_endpoint: ``host:port`` of the c10d rendezvous (the only thing launchers really differ in).
+            rdzv_id: the rendezvous id, the same on every node of one job.
+            node_count: ``--nnodes`` when the launcher knows better (Slurm's ``$SLURM_NNODES``).
+            rdzv_conf: ``--rdzv-conf`` (``is_host=true`` for the local agent that hosts the store).
+            extra: further torchrun flags, placed before the training module.
+            config_json: what ``--config-json`` gets (a shell word); defaults to :attr:`config_json`.
+
+        Returns:
+            ``[--nnodes=..., ..., -m, components.train, --config-json, JSON]``.
+        """
+        args = [f"--nnodes={node_count or self.nnodes()}", f"--nproc-per-node={self.procs_per_node}",
+                "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}"]
+        if rdzv_conf:
+            args.append(f"--rdzv-conf={rdzv_conf}")
+        args += [f"--max-restarts={self.restart.max_restarts}", f"--monitor-interval={self.monitor_interval_seconds:g}",
+                 *extra, "-m", self.module, "--config-json", self.config_json if config_json is None else config_json]
+        return args
+
+    def plain_env(self) -> list[dict[str, Any]]:
+        """:attr:`env` as container env entries."""
+        return [{"name": name, "value": value} for name, value in self.env]
+
+    def secret_env(self) -> list[dict[str, Any]]:
+        """:attr:`secrets` as ``secretKeyRef`` env entries."""
+        return secret_refs(self.secrets)
+
+
+def job_spec(config: RelaunchConfig, *, resume_from: str | None = None) -> JobSpec:
+    """The training job of ``config`` (side-effect free; the only place a job is read from the configuration).
+
+    Args:
+        config: the resolved configuration; it travels to the workers as ``--config-json`` and holds
+            no credentials (those come from the Secrets named in ``launch.kubernetes``).
+        resume_from: checkpoint URI to start from (``train.resume_from``); None resumes from the latest.
+    """
+    launch, k8s = config.launch, config.launch.kubernetes
+    return JobSpec(
+        name=config.name, image=k8s.image, image_pull_policy=k8s.image_pull_policy,
+        config_json=worker_config(config, resume_from).to_json(),
+        env=tuple((e["name"], e["value"]) for e in plain_env(k8s)),
+        secrets=tuple(SecretEnv(secret, keys, optional) for secret, keys, optional in secret_env_sources(k8s)),
+        resources=Resources(cpu=str(k8s.cpu), memory=str(k8s.memory), gpus=k8s.gpus_per_node, shm_size=k8s.shm_size),
+        nodes=launch.nodes, min_nodes=launch.min_nodes or launch.nodes, procs_per_node=launch.procs_per_node,
+        monitor_interval_seconds=launch.monitor_interval_seconds,
+        restart=RestartPolicy(max_restarts=launch.max_restarts, retryable_exit_codes=tuple(sorted(int(c) for c in RETRYABLE))),
+        grace_seconds=config.train.preempt_grace_seconds, store_uri=config.store.uri, tracking_uri=config.tracking.uri,
+    )
+
+
 # --------------------------------------------------------------------------- what every manifest shares
 
 
@@ -50,16 +190,21 @@ def secret_env_sources(k8s) -> list[tuple[str, tuple[str, ...], bool]]:
     return sources
 
 
-def secret_env(k8s) -> list[dict[str, Any]]:
+def secret_refs(secrets: Iterable[SecretEnv]) -> list[dict[str, Any]]:
     """Credentials as ``secretKeyRef`` env entries (the Secret key equals the variable's name)."""
     env = []
-    for secret, keys, optional in secret_env_sources(k8s):
-        for key in keys:
-            ref: dict[str, Any] = {"name": secret, "key": key}
-            if optional:
+    for source in secrets:
+        for key in source.keys:
+            ref: dict[str, Any] = {"name": source.secret, "key": key}
+            if source.optional:
                 ref["optional"] = True
             env.append({"name": key, "valueFrom": {"secretKeyRef": ref}})
     return env
+
+
+def secret_env(k8s) -> list[dict[str, Any]]:
+    """Credentials as ``secretKeyRef`` env entries, for every relaunch container (the Argo steps too)."""
+    return secret_refs(SecretEnv(*source) for source in secret_env_sources(k8s))
 
 
 def plain_env(k8s) -> list[dict[str, Any]]:
@@ -70,19 +215,11 @@ def plain_env(k8s) -> list[dict[str, Any]]:
     return env
 
 
-def training_env(k8s, pipeline_run_id: str | None) -> list[dict[str, Any]]:
+def training_env(spec: JobSpec, pipeline_run_id: str | None) -> list[dict[str, Any]]:
     """The training container's whole environment: plain values, the run id (when there is one: a
     runtime serves many runs), credentials by reference."""
     run = [{"name": "RELAUNCH_PIPELINE_RUN_ID", "value": pipeline_run_id}] if pipeline_run_id else []
-    return plain_env(k8s) + run + secret_env(k8s)
-
-
-def resources(k8s) -> dict[str, dict[str, str]]:
-    """Requests equal to limits (a training node is not overcommitted); quantities as strings."""
-    limits = {"cpu": str(k8s.cpu), "memory": str(k8s.memory)}
-    if k8s.gpus_per_node:
-        limits["nvidia.com/gpu"] = str(k8s.gpus_per_node)
-    return {"requests": dict(limits), "limits": limits}
+    return spec.plain_env() + run + spec.secret_env()
 
 
 def worker_config(config: RelaunchConfig, resume_from: str | None) -> RelaunchConfig:
@@ -99,11 +236,11 @@ def supervised(torchrun_args: list[str]) -> list[str]:
     return ["python", "-m", "components.launchers.supervise", "torchrun", *torchrun_args]
 
 
-def job_metadata(config: RelaunchConfig, pipeline_run_id: str, owner: dict | None) -> dict[str, Any]:
+def job_metadata(spec: JobSpec, k8s, pipeline_run_id: str, owner: dict | None) -> dict[str, Any]:
     """Name, namespace, labels, run annotation and the optional owner reference of a training job."""
     metadata: dict[str, Any] = {
-        "name": job_name(config.name, pipeline_run_id, STEP),
-        "namespace": config.launch.kubernetes.namespace,
+        "name": job_name(spec.name, pipeline_run_id, STEP),
+        "namespace": k8s.namespace,
         "labels": {"app.kubernetes.io/name": "relaunch", "app.kubernetes.io/component": "training",
                    RUN_LABEL: run_hash(pipeline_run_id)},
         "annotations": {RUN_ANNOTATION: pipeline_run_id},

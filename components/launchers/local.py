@@ -31,19 +31,20 @@ from components.core.config import RelaunchConfig
 from components.core.exitcodes import ExitCode
 from components.core.net import free_port
 from components.launchers import LaunchResult
-from components.launchers.torchrun import exit_code, torchrun_args
+from components.launchers.jobs import JobSpec, job_spec
+from components.launchers.torchrun import exit_code
 
 _LINE = re.compile(r"RELAUNCH_(PROGRESS|RESUMED|SUMMARY|EXIT) (\{.*\})\s*$")
 _TORCHRUN_EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
 AGENT_GRACE_SECONDS = 30.0  # once one agent ended badly, how long the others get to notice
 
 
-def build_commands(config: RelaunchConfig, *, job_id: str, port: int) -> list[list[str]]:
-    """The torchrun command of each simulated node (side-effect free)."""
+def build_commands(spec: JobSpec, *, job_id: str, port: int) -> list[list[str]]:
+    """The torchrun command of each simulated node of ``spec`` (side-effect free)."""
     return [[sys.executable, "-m", "torch.distributed.run",
-             *torchrun_args(config, rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=job_id,
-                            rdzv_conf=f"is_host={'true' if node == 0 else 'false'}", extra=["--local-addr=127.0.0.1"])]
-            for node in range(config.launch.nodes)]
+             *spec.torchrun_args(rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=job_id,
+                                 rdzv_conf=f"is_host={'true' if node == 0 else 'false'}", extra=["--local-addr=127.0.0.1"])]
+            for node in range(spec.nodes)]
 
 
 def launch(config: RelaunchConfig, *, pipeline_run_id: str, resume_from: str | None) -> LaunchResult:
@@ -52,7 +53,7 @@ def launch(config: RelaunchConfig, *, pipeline_run_id: str, resume_from: str | N
     if resume_from:
         config.train.resume_from = resume_from
     job_id = re.sub(r"[^a-zA-Z0-9-]", "-", f"{config.name}-{pipeline_run_id or 'manual'}")[:60]
-    commands = build_commands(config, job_id=job_id, port=config.launch.rdzv_port or free_port())
+    commands = build_commands(job_spec(config), job_id=job_id, port=config.launch.rdzv_port or free_port())
     started = time.time()
     watch = _Watch(ProgressReporter.for_environment())
     agents = [_start(cmd, node) for node, cmd in enumerate(commands)]

@@ -5,21 +5,20 @@ the Training Operator (Kubeflow up to 26.03); newer installs run Trainer v2 (bac
     relaunch render pytorchjob -o job.yaml --set launch.nodes=4
 
 The contract (adopt or create, watch, map the end to an exit code) is :mod:`components.launchers.cluster`;
-what every job is made of, :mod:`components.launchers.jobs`.
+what the job is made of, the neutral :class:`~components.launchers.jobs.JobSpec` this module renders.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from components.core.config import RelaunchConfig
+from components.core.config import KubernetesConfig, RelaunchConfig
 from components.launchers import LaunchResult
 from components.launchers.cluster import launch_job
 from components.launchers.jobs import (
-    RUN_LABEL, JobKind, JobState, describe_conditions, job_metadata, owner_from_env, resources, supervised,
-    training_env, worker_config,
+    RUN_LABEL, JobKind, JobSpec, JobState, describe_conditions, job_metadata, job_spec, owner_from_env, supervised,
+    training_env,
 )
-from components.launchers.torchrun import torchrun_args
 
 GROUP, VERSION, PLURAL, KIND_NAME = "kubeflow.org", "v1", "pytorchjobs", "PyTorchJob"
 JOB_LABEL = "training.kubeflow.org/job-name"  # set by the Training Operator on every replica pod
@@ -60,15 +59,15 @@ KIND = JobKind(
 )
 
 
-def command(config: RelaunchConfig, name: str, config_json: str | None = None) -> list[str]:
+def command(spec: JobSpec, name: str) -> list[str]:
     """The supervised torchrun, with the c10d rendezvous on the master replica's stable DNS name."""
-    return supervised(torchrun_args(config, rdzv_endpoint=f"{name}-master-0:{RDZV_PORT}", rdzv_id=name,
-                                    config_json=config_json))
+    return supervised(spec.torchrun_args(rdzv_endpoint=f"{name}-master-0:{RDZV_PORT}", rdzv_id=name))
 
 
 def build_pytorchjob(config: RelaunchConfig, *, pipeline_run_id: str, resume_from: str | None = None,
                      owner: dict | None = None) -> dict:
-    """The PyTorchJob (kubeflow.org/v1) that trains ``config`` for one pipeline run.
+    """The PyTorchJob (kubeflow.org/v1) that trains ``config`` for one pipeline run: its
+    :func:`~components.launchers.jobs.job_spec`, rendered by :func:`render_pytorchjob`.
 
     Args:
         config: the resolved configuration; it travels to the workers as ``--config-json`` and holds
@@ -81,19 +80,25 @@ def build_pytorchjob(config: RelaunchConfig, *, pipeline_run_id: str, resume_fro
     Returns:
         The manifest as a plain dict (no ``None`` values), ready for the API or ``yaml.safe_dump``.
     """
+    return render_pytorchjob(job_spec(config, resume_from=resume_from), config.launch.kubernetes,
+                             pipeline_run_id=pipeline_run_id, owner=owner)
+
+
+def render_pytorchjob(spec: JobSpec, k8s: KubernetesConfig, *, pipeline_run_id: str, owner: dict | None = None) -> dict:
+    """The PyTorchJob of ``spec``; ``k8s`` gives only what is Kubernetes' own (namespace, service
+    account, placement, grace period, the run policy's limits)."""
     from kubeflow.training import models as kf
     from kubernetes import client as k
 
-    launch, k8s = config.launch, config.launch.kubernetes
-    metadata = job_metadata(config, pipeline_run_id, owner)
+    metadata = job_metadata(spec, k8s, pipeline_run_id, owner)
     name = metadata["name"]
     run_labels = {RUN_LABEL: metadata["labels"][RUN_LABEL]}
     container = k.V1Container(
-        name=CONTAINER, image=k8s.image, image_pull_policy=k8s.image_pull_policy,
-        command=command(config, name, worker_config(config, resume_from).to_json()),
-        env=training_env(k8s, pipeline_run_id),
+        name=CONTAINER, image=spec.image, image_pull_policy=spec.image_pull_policy,
+        command=command(spec, name),
+        env=training_env(spec, pipeline_run_id),
         ports=[k.V1ContainerPort(name="pytorchjob-port", container_port=RDZV_PORT)],
-        resources=k.V1ResourceRequirements(**resources(k8s)),
+        resources=k.V1ResourceRequirements(**spec.resources.kubernetes()),
         volume_mounts=[k.V1VolumeMount(name="dshm", mount_path="/dev/shm")])
     pod = k.V1PodTemplateSpec(
         metadata=k.V1ObjectMeta(labels=run_labels),
@@ -101,7 +106,8 @@ def build_pytorchjob(config: RelaunchConfig, *, pipeline_run_id: str, resume_fro
             service_account_name=k8s.service_account,
             termination_grace_period_seconds=k8s.termination_grace_period_seconds,
             containers=[container],
-            volumes=[k.V1Volume(name="dshm", empty_dir=k.V1EmptyDirVolumeSource(medium="Memory", size_limit=k8s.shm_size))],
+            volumes=[k.V1Volume(name="dshm", empty_dir=k.V1EmptyDirVolumeSource(medium="Memory",
+                                                                                size_limit=spec.resources.shm_size))],
             node_selector=dict(k8s.node_selector) or None,
             tolerations=[dict(t) for t in k8s.tolerations] or None))
 
@@ -110,16 +116,16 @@ def build_pytorchjob(config: RelaunchConfig, *, pipeline_run_id: str, resume_fro
         return kf.KubeflowOrgV1ReplicaSpec(replicas=count, restart_policy="ExitCode", template=pod)
 
     replica_specs = {"Master": replicas(1)}
-    if launch.nodes > 1:
-        replica_specs["Worker"] = replicas(launch.nodes - 1)
+    if spec.nodes > 1:
+        replica_specs["Worker"] = replicas(spec.nodes - 1)
     job = kf.KubeflowOrgV1PyTorchJob(
         api_version=f"{GROUP}/{VERSION}", kind=KIND_NAME,
         metadata=k.V1ObjectMeta(name=metadata["name"], namespace=metadata["namespace"], labels=metadata["labels"],
                                 annotations=metadata["annotations"], owner_references=metadata.get("ownerReferences")),
         spec=kf.KubeflowOrgV1PyTorchJobSpec(
             elastic_policy=kf.KubeflowOrgV1ElasticPolicy(
-                rdzv_backend="c10d", min_replicas=launch.min_nodes or launch.nodes, max_replicas=launch.nodes,
-                max_restarts=launch.max_restarts, n_proc_per_node=launch.procs_per_node),
+                rdzv_backend="c10d", min_replicas=spec.min_nodes, max_replicas=spec.nodes,
+                max_restarts=spec.restart.max_restarts, n_proc_per_node=spec.procs_per_node),
             run_policy=kf.KubeflowOrgV1RunPolicy(
                 backoff_limit=k8s.backoff_limit, clean_pod_policy=k8s.clean_pod_policy,
                 ttl_seconds_after_finished=k8s.ttl_seconds_after_finished,

@@ -22,40 +22,44 @@ from __future__ import annotations
 import shlex
 
 from components.core.config import RelaunchConfig
-from components.core.exitcodes import RETRYABLE
-from components.launchers.torchrun import torchrun_args
+from components.launchers.jobs import JobSpec, job_spec
 
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
 def render_sbatch(config: RelaunchConfig, *, python: str = "python", rdzv_port: int = 29500) -> str:
-    """The sbatch script for ``config`` (side-effect free: build, then the caller writes it)."""
-    launch, train, k8s = config.launch, config.train, config.launch.kubernetes
-    grace = max(10, int(train.preempt_grace_seconds) + 5)
-    gpus = f"#SBATCH --gpus-per-node={k8s.gpus_per_node}\n" if k8s.gpus_per_node else ""
-    nodes = f"{launch.min_nodes}-{launch.nodes}" if launch.min_nodes and launch.min_nodes < launch.nodes else str(launch.nodes)
-    retryable = " ".join(str(int(c)) for c in sorted(RETRYABLE))
-    config_json = shlex.quote(config.to_json())
+    """The sbatch script for ``config``: its :func:`~components.launchers.jobs.job_spec`, rendered
+    by :func:`render_spec` (side-effect free: build, then the caller writes it)."""
+    return render_spec(job_spec(config), python=python, rdzv_port=rdzv_port)
+
+
+def render_spec(spec: JobSpec, *, python: str = "python", rdzv_port: int = 29500) -> str:
+    """The sbatch script that runs ``spec``."""
+    grace = max(10, int(spec.grace_seconds) + 5)
+    gpus = f"#SBATCH --gpus-per-node={spec.resources.gpus}\n" if spec.resources.gpus else ""
+    nodes = f"{spec.min_nodes}-{spec.nodes}" if spec.elastic else str(spec.nodes)
+    retryable = " ".join(str(c) for c in spec.restart.retryable_exit_codes)
+    config_json = shlex.quote(spec.config_json)
     # Shell words: the node count, endpoint and id are the job's, expanded by bash when it runs.
-    torchrun = " ".join(torchrun_args(
-        config, node_count=f'"${{SLURM_NNODES:-{launch.nodes}}}"', rdzv_endpoint='"$head_node:$rdzv_port"',
+    torchrun = " ".join(spec.torchrun_args(
+        node_count=f'"${{SLURM_NNODES:-{spec.nodes}}}"', rdzv_endpoint='"$head_node:$rdzv_port"',
         rdzv_id='"slurm-$SLURM_JOB_ID"', rdzv_conf="join_timeout=120,last_call_timeout=1,close_timeout=10",
-        extra=[f"--signals-to-handle={TORCHRUN_SIGNALS}", f"--shutdown-timeout={int(train.preempt_grace_seconds)}"],
+        extra=[f"--signals-to-handle={TORCHRUN_SIGNALS}", f"--shutdown-timeout={int(spec.grace_seconds)}"],
         config_json='"$CONFIG_JSON"'))
     return f"""#!/bin/bash
-#SBATCH --job-name={config.name}
+#SBATCH --job-name={spec.name}
 #SBATCH --nodes={nodes}
 #SBATCH --ntasks-per-node=1
-#SBATCH --cpus-per-task={k8s.cpu}
+#SBATCH --cpus-per-task={spec.resources.cpu}
 {gpus}#SBATCH --requeue
 #SBATCH --signal=B:USR1@{grace}
 #SBATCH --open-mode=append
-#SBATCH --output={config.name}-%j.out
-# Rendered by `relaunch render slurm`: {launch.nodes} node(s) x {launch.procs_per_node} process(es), store {config.store.uri}
+#SBATCH --output={spec.name}-%j.out
+# Rendered by `relaunch render slurm`: {spec.nodes} node(s) x {spec.procs_per_node} process(es), store {spec.store_uri}
 set -uo pipefail
 
 [ -n "${{RELAUNCH_ENV_FILE:-}}" ] && source "$RELAUNCH_ENV_FILE"   # credentials, never in this file
-export MLFLOW_TRACKING_URI="${{MLFLOW_TRACKING_URI:-{config.tracking.uri}}}"
+export MLFLOW_TRACKING_URI="${{MLFLOW_TRACKING_URI:-{spec.tracking_uri}}}"
 export RELAUNCH_OWNER="slurm-${{SLURM_JOB_ID}}"                  # the same writer after a requeue
 export RELAUNCH_GIT_COMMIT="${{RELAUNCH_GIT_COMMIT:-unknown}}"
 CONFIG_JSON={config_json}

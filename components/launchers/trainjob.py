@@ -5,7 +5,8 @@ pipeline run, on the ClusterTrainingRuntime ``relaunch-torch`` that relaunch shi
     relaunch render trainingruntime > manifests/trainer/relaunch-torch.yaml    # applied once per cluster
     relaunch render trainjob -o job.yaml                                        # what launch creates
 
-How a failure is handled is derived from the exit-code table (:mod:`components.core.exitcodes`), never
+Both render the neutral :class:`~components.launchers.jobs.JobSpec`. How a failure is handled is
+derived from its restart policy (the exit-code table, :mod:`components.core.exitcodes`), never
 written a second time: the training container runs under the supervisor, so its exit code is the
 contract's; the Job's ``podFailurePolicy`` fails the Job on any non-zero code, naming which rule
 matched (retryable codes, or every other code); the JobSet ``failurePolicy`` restarts the whole
@@ -18,15 +19,13 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from components.core.config import RelaunchConfig
-from components.core.exitcodes import RETRYABLE
+from components.core.config import KubernetesConfig, RelaunchConfig, TrainJobConfig
 from components.launchers import LaunchResult
 from components.launchers.cluster import launch_job
 from components.launchers.jobs import (
-    JobKind, JobState, describe_conditions, job_metadata, owner_from_env, resources, supervised,
-    training_env, worker_config,
+    JobKind, JobSpec, JobState, RestartPolicy, describe_conditions, job_metadata, job_spec, owner_from_env,
+    supervised, training_env,
 )
-from components.launchers.torchrun import torchrun_args
 
 GROUP, VERSION, PLURAL, KIND_NAME = "trainer.kubeflow.org", "v1alpha1", "trainjobs", "TrainJob"
 RUNTIME_KIND = "ClusterTrainingRuntime"
@@ -51,11 +50,11 @@ def matched_rule_pattern(index: int) -> str:
 # --------------------------------------------------------------------------- failure rules from the table
 
 
-def pod_failure_policy() -> dict[str, Any]:
+def pod_failure_policy(restart: RestartPolicy) -> dict[str, Any]:
     """The Job's ``podFailurePolicy``: retryable codes fail it by rule 0, every other non-zero code by
     rule 1 (unknown codes are permanent, as :func:`~components.core.exitcodes.is_retryable` says); a
     pod disrupted before its container ended (preemption, node drain) is replaced without counting."""
-    codes = sorted(int(c) for c in RETRYABLE)
+    codes = list(restart.retryable_exit_codes)
     rules = [None, None, None]
     rules[RETRYABLE_RULE] = {"action": "FailJob", "onExitCodes": {"containerName": NODE, "operator": "In", "values": codes}}
     rules[PERMANENT_RULE] = {"action": "FailJob", "onExitCodes": {"containerName": NODE, "operator": "NotIn", "values": codes}}
@@ -103,9 +102,9 @@ def jobset_action(runtime: dict, exit_code: int) -> str:
 # --------------------------------------------------------------------------- build (no side effects)
 
 
-def command(config: RelaunchConfig, name: str, config_json: str | None = None) -> list[str]:
+def command(spec: JobSpec, name: str) -> list[str]:
     """The supervised torchrun, with the c10d rendezvous on the address Trainer gives node 0."""
-    return supervised(torchrun_args(config, rdzv_endpoint=RDZV_ENDPOINT, rdzv_id=name, config_json=config_json))
+    return supervised(spec.torchrun_args(rdzv_endpoint=RDZV_ENDPOINT, rdzv_id=name))
 
 
 def _dump(model) -> dict:
@@ -120,22 +119,27 @@ def build_runtime(config: RelaunchConfig | None = None) -> dict:
     TrainJobs relaunch creates set their own image, command, env and resources; the runtime's are
     what a TrainJob that names none would run (the configuration this is rendered with).
     """
+    config = config or RelaunchConfig()
+    return render_runtime(job_spec(config), config.launch.kubernetes, config.launch.trainjob)
+
+
+def render_runtime(spec: JobSpec, k8s: KubernetesConfig, trainjob: TrainJobConfig) -> dict:
+    """The ClusterTrainingRuntime of ``spec`` (see :func:`build_runtime`); ``k8s`` and ``trainjob``
+    give only what is Kubernetes' and Trainer's own (service account, placement, JobSet restarts)."""
     from kubeflow_trainer_api import models as t
 
-    config = config or RelaunchConfig()
-    k8s, trainjob = config.launch.kubernetes, config.launch.trainjob
     pod_spec = {
         "restartPolicy": "Never",  # podFailurePolicy requires it; restarts are the JobSet's
         "serviceAccountName": k8s.service_account,
         "terminationGracePeriodSeconds": k8s.termination_grace_period_seconds,
         "containers": [{
-            "name": NODE, "image": k8s.image, "imagePullPolicy": k8s.image_pull_policy,
-            "command": command(config, trainjob.runtime),
-            "env": training_env(k8s, None),
-            "resources": resources(k8s),
+            "name": NODE, "image": spec.image, "imagePullPolicy": spec.image_pull_policy,
+            "command": command(spec, trainjob.runtime),
+            "env": training_env(spec, None),
+            "resources": spec.resources.kubernetes(),
             "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
         }],
-        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": k8s.shm_size}}],
+        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shm_size}}],
     }
     if k8s.node_selector:
         pod_spec["nodeSelector"] = dict(k8s.node_selector)
@@ -147,7 +151,7 @@ def build_runtime(config: RelaunchConfig | None = None) -> dict:
             name=trainjob.runtime,
             labels={"trainer.kubeflow.org/framework": "torch", "app.kubernetes.io/name": "relaunch"}),
         spec=t.TrainerV1alpha1TrainingRuntimeSpec(
-            ml_policy=t.TrainerV1alpha1MLPolicy(num_nodes=config.launch.nodes,
+            ml_policy=t.TrainerV1alpha1MLPolicy(num_nodes=spec.nodes,
                                                 torch=t.TrainerV1alpha1TorchMLPolicySource()),
             template=t.TrainerV1alpha1JobSetTemplateSpec(spec=t.JobsetV1alpha2JobSetSpec(
                 failure_policy=t.JobsetV1alpha2FailurePolicy.from_dict(jobset_failure_policy(trainjob.max_restarts)),
@@ -156,7 +160,7 @@ def build_runtime(config: RelaunchConfig | None = None) -> dict:
                     name=NODE,
                     template=t.IoK8sApiBatchV1JobTemplateSpec.from_dict({
                         "metadata": {"labels": {"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}},
-                        "spec": {"backoffLimit": 0, "podFailurePolicy": pod_failure_policy(),
+                        "spec": {"backoffLimit": 0, "podFailurePolicy": pod_failure_policy(spec.restart),
                                  "template": {"spec": pod_spec}},
                     }))],
             )),
@@ -166,7 +170,8 @@ def build_runtime(config: RelaunchConfig | None = None) -> dict:
 
 def build_trainjob(config: RelaunchConfig, *, pipeline_run_id: str, resume_from: str | None = None,
                    owner: dict | None = None) -> dict:
-    """The TrainJob (trainer.kubeflow.org/v1alpha1) that trains ``config`` for one pipeline run.
+    """The TrainJob (trainer.kubeflow.org/v1alpha1) that trains ``config`` for one pipeline run: its
+    :func:`~components.launchers.jobs.job_spec`, rendered by :func:`render_trainjob`.
 
     Args:
         config: the resolved configuration; it travels to the workers as ``--config-json`` and holds
@@ -178,23 +183,31 @@ def build_trainjob(config: RelaunchConfig, *, pipeline_run_id: str, resume_from:
     Returns:
         The manifest as a plain dict (no ``None`` values), ready for the API or ``yaml.safe_dump``.
     """
+    return render_trainjob(job_spec(config, resume_from=resume_from), config.launch.kubernetes,
+                           config.launch.trainjob, pipeline_run_id=pipeline_run_id, owner=owner)
+
+
+def render_trainjob(spec: JobSpec, k8s: KubernetesConfig, trainjob: TrainJobConfig, *, pipeline_run_id: str,
+                    owner: dict | None = None) -> dict:
+    """The TrainJob of ``spec``; ``k8s`` and ``trainjob`` give the namespace, the deadline, the
+    runtime and the Kueue queue."""
     from kubeflow_trainer_api import models as t
 
-    launch, k8s, trainjob = config.launch, config.launch.kubernetes, config.launch.trainjob
-    metadata = job_metadata(config, pipeline_run_id, owner)
+    metadata = job_metadata(spec, k8s, pipeline_run_id, owner)
     if trainjob.queue_name:
         metadata["labels"][QUEUE_LABEL] = trainjob.queue_name
-    spec = t.TrainerV1alpha1TrainJobSpec(
+    job_spec_model = t.TrainerV1alpha1TrainJobSpec(
         runtime_ref=t.TrainerV1alpha1RuntimeRef(name=trainjob.runtime, kind=RUNTIME_KIND, api_group=GROUP),
         trainer=t.TrainerV1alpha1Trainer(
-            image=k8s.image,
-            command=command(config, metadata["name"], worker_config(config, resume_from).to_json()),
-            env=[t.IoK8sApiCoreV1EnvVar.from_dict(e) for e in training_env(k8s, pipeline_run_id)],
-            resources_per_node=t.IoK8sApiCoreV1ResourceRequirements.from_dict(resources(k8s)),
-            num_nodes=launch.nodes, num_proc_per_node=launch.procs_per_node),
+            image=spec.image,
+            command=command(spec, metadata["name"]),
+            env=[t.IoK8sApiCoreV1EnvVar.from_dict(e) for e in training_env(spec, pipeline_run_id)],
+            resources_per_node=t.IoK8sApiCoreV1ResourceRequirements.from_dict(spec.resources.kubernetes()),
+            num_nodes=spec.nodes, num_proc_per_node=spec.procs_per_node),
         active_deadline_seconds=k8s.active_deadline_seconds)
     job = t.TrainerV1alpha1TrainJob(api_version=f"{GROUP}/{VERSION}", kind=KIND_NAME,
-                                    metadata=t.IoK8sApimachineryPkgApisMetaV1ObjectMeta.from_dict(metadata), spec=spec)
+                                    metadata=t.IoK8sApimachineryPkgApisMetaV1ObjectMeta.from_dict(metadata),
+                                    spec=job_spec_model)
     return _dump(job)
 
 

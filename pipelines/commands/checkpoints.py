@@ -4,10 +4,15 @@
     relaunch checkpoints latest --store ./.relaunch/store --json       # what a resume would load
     relaunch checkpoints verify --store /shared/exp --step 1200        # manifest, files and sizes
     relaunch checkpoints verify --store /shared/exp --deep             # read and check every byte
+    relaunch checkpoints export --store /shared/exp --to model.safetensors --format safetensors
+    relaunch checkpoints import ./dcp-folder --store /shared/exp --step 5000 # adopt a dcp.save folder
 
-Read-only: never takes the write lease, never deletes. Exit 2 on bad input (malformed URI, missing
+Read-only but import: never takes the write lease, never deletes. Exit 2 on bad input (malformed URI, missing
 bucket or directory, no checkpoint to verify, a checkpoint that does not verify, a checkpoint of a
 newer format version).
+
+export and import (docs/checkpoint-format.md, "Other tools"): export writes only its --to file;
+import writes one checkpoint under the write lease, or, on bad input, nothing.
 """
 
 from __future__ import annotations
@@ -20,12 +25,17 @@ from components.core.errors import BadInput, CorruptCheckpoint
 
 def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     p = sub.add_parser("checkpoints", help=help_text, description=help_text)
-    p.add_argument("action", choices=["list", "latest", "verify"])
+    p.add_argument("action", choices=["list", "latest", "verify", *INTEROP])
+    p.add_argument("source", nargs="?", help="import: the folder torch.distributed.checkpoint.save wrote")
     p.add_argument("--store", required=True, help="store root: a path, file:///path or s3://bucket/prefix")
     p.add_argument("--step", type=int, help="checkpoint step (verify; default: the latest)")
     p.add_argument("--deep", action="store_true",
                    help="verify: read every byte (format 2: every chunk digest; format 1: each file's sha256)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--to", help="export: the file to write")
+    p.add_argument("--format", choices=["torch", "safetensors"], default="torch",
+                   help="export: one torch.save file of the whole state (default), or the model's weights "
+                        "as safetensors")
     p.set_defaults(func=checkpoints)
 
 
@@ -36,6 +46,8 @@ def checkpoints(args: argparse.Namespace) -> int:
     from components.core.errors import BadInput
     from components.core.store import FileStore
 
+    if args.action in INTEROP or args.source is not None:
+        return _interop(args)
     with CheckpointManager(args.store, async_save=False) as mgr:
         if isinstance(mgr.store, FileStore) and not mgr.store.root.is_dir():  # a typo, not an empty store
             raise BadInput(f"--store {args.store!r}: no such directory; pass the store root (e.g. ./.relaunch/store)")
@@ -73,6 +85,38 @@ def _action(mgr, args: argparse.Namespace) -> int:
             print(json.dumps({"step": step, "ok": False, "error": str(err)}))
         raise
     _print([{**info.to_dict(), "ok": True, "deep": bool(args.deep)}], args.json, single=True)
+    return 0
+
+
+INTEROP = ("export", "import")
+
+
+def _interop(args: argparse.Namespace) -> int:
+    """``export`` (one checkpoint to a torch.save or safetensors file) and ``import`` (a stock
+    ``dcp.save`` folder adopted as a committed checkpoint); returns the exit code."""
+    from components.core.checkpoint import CheckpointManager
+    from components.core.checkpoint.interop import export_checkpoint, import_checkpoint
+    from components.core.store import FileStore
+
+    if args.action != "import" and args.source is not None:
+        raise BadInput(f"unexpected argument {args.source!r}: only import takes a folder")
+    if args.action == "import" and args.source is None:
+        raise BadInput("import needs the folder to adopt: relaunch checkpoints import DIR --store URI")
+    if args.action == "export" and not args.to:
+        raise BadInput("export needs --to FILE (the file to write)")
+    # import keeps every checkpoint already there (keep_last=0): adopting one never deletes another
+    with CheckpointManager(args.store, async_save=False, keep_last=0) as mgr:
+        if args.action == "export":
+            if isinstance(mgr.store, FileStore) and not mgr.store.root.is_dir():
+                raise BadInput(f"--store {args.store!r}: no such directory; pass the store root")
+            info = export_checkpoint(mgr, args.to, step=args.step, fmt=args.format)
+            done = {"step": info.step, "uri": info.uri, "to": str(args.to), "format": args.format}
+            text = f"exported checkpoint {info.uri} to {args.to} ({args.format})"
+        else:
+            info = import_checkpoint(mgr, args.source, step=args.step)
+            done = {"step": info.step, "uri": info.uri, "source": str(args.source)}
+            text = f"imported {args.source} as checkpoint {info.uri}"
+    print(json.dumps(done, sort_keys=True) if args.json else text)
     return 0
 
 

@@ -86,13 +86,13 @@ def test_a_checkpoint_of_a_newer_format_version_is_refused_with_exit_2_and_nothi
     store = open_store(root)
     key = f"{step_key(10000)}/MANIFEST.json"
     manifest = json.loads(store.read_bytes(key))
-    manifest["format_version"] = 3
+    manifest["format_version"] = 4
     store.write_bytes(key, json.dumps(manifest).encode())
     before = {k: store.read_bytes(k) for k in store.list()}
     for action in (["latest"], ["verify", "--step", "10000"], ["verify", "--deep", "--step", "10000"]):
         assert main(["checkpoints", *action, "--store", root]) == 2
         err = capsys.readouterr().err
-        assert "format_version 3, written by a newer relaunch" in err and len(err.strip().splitlines()) == 1, err
+        assert "format_version 4, written by a newer relaunch" in err and len(err.strip().splitlines()) == 1, err
     with pytest.raises(BadInput, match="newer relaunch"):
         with CheckpointManager(root) as mgr:
             mgr.load(make_state())

@@ -1,5 +1,5 @@
 """Format versions: a version-1 checkpoint written by relaunch before format 2 (a fixture made with
-that code) still loads, on a filesystem and from S3, and a new save on top of it writes version 2."""
+that code) still loads, on a filesystem and from S3, and a new save on top of it writes the current version."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def v1_root(request, tmp_path):
     return root
 
 
-def test_a_version_1_checkpoint_loads_and_the_next_save_is_version_2(v1_root):
+def test_a_version_1_checkpoint_loads_and_the_next_save_is_the_current_version(v1_root):
     manifest = json.loads(open_store(v1_root).read_bytes(f"{step_key(3)}/MANIFEST.json"))
     assert manifest["format_version"] == 1
     expected = torch.load(FIXTURE.parent / "v1-store-params.pt", weights_only=True)
@@ -51,7 +51,7 @@ def test_a_version_1_checkpoint_loads_and_the_next_save_is_version_2(v1_root):
             assert torch.equal(value, expected[name]), name
         mgr.save(4, state)
     manifest = json.loads(open_store(v1_root).read_bytes(f"{step_key(4)}/MANIFEST.json"))
-    assert manifest["format_version"] == FORMAT_VERSION == 2 and manifest["digest"] == "xxh3_128"
+    assert manifest["format_version"] == FORMAT_VERSION == 3 and manifest["digest"] == "xxh3_128"
 
 
 V2_FIXTURE = Path(__file__).parent / "fixtures" / "v2-store"

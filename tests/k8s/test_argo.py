@@ -9,8 +9,9 @@ import pytest
 from jsonschema import Draft7Validator, Draft202012Validator
 
 from components.core.config import load_config
-from components.core.exitcodes import PERMANENT, RETRY_POLICIES, RETRYABLE, STEPS, argo_retry_expression
-from pipelines.argo import BUILDERS, DELETE_JOB, EXIT_HANDLER_RETRY, to_dict
+from components import DELETE_JOB, EXIT_HANDLER_RETRY, RETRY_POLICIES, STEPS
+from components.core.exitcodes import PERMANENT, RETRYABLE, argo_retry_expression
+from pipelines.argo import BUILDERS, to_dict
 
 KINDS = {"argo": ("Workflow", "argoproj.io_workflows.yaml"),
          "argo-template": ("WorkflowTemplate", "argoproj.io_workflowtemplates.yaml"),
@@ -232,7 +233,7 @@ def test_credentials_reach_every_step_only_as_secret_key_refs(documents):
 def test_the_exit_handler_steps_keep_retrying_so_a_transient_error_never_orphans_a_job(documents):
     for doc in documents.values():
         by_name = templates(doc)
-        for step in ("finalize", DELETE_JOB):
+        for step in ("finalize", DELETE_JOB.name):
             strategy = by_name[step]["retryStrategy"]
             assert strategy["limit"] == EXIT_HANDLER_RETRY.limit >= 3, step
             assert strategy["expression"] == argo_retry_expression()
@@ -246,5 +247,5 @@ def test_the_backend_travels_in_the_workflows_configuration_to_launch_and_the_ex
     doc = to_dict(BUILDERS["argo"](load_config(None, [*CLUSTER_OVERRIDES, f"launch.backend={backend}"])))
     params = {p["name"]: p["value"] for p in doc["spec"]["arguments"]["parameters"]}
     assert json.loads(params["config_json"])["launch"]["backend"] == backend
-    delete = templates(doc)[DELETE_JOB]["container"]
+    delete = templates(doc)[DELETE_JOB.name]["container"]
     assert delete["command"] == ["python", "-m", "components.launchers.cluster"]

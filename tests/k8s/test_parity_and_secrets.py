@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from components.core.config import load_config
-from components.core.exitcodes import RETRY_POLICIES, STEPS
+from components import RETRY_POLICIES, STEPS
 from components.launchers.pytorchjob import build_pytorchjob
 from components.launchers.trainjob import build_runtime, build_trainjob
 from pipelines.commands.compile import render

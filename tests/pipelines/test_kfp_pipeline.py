@@ -14,9 +14,8 @@ import yaml
 from google.protobuf import json_format
 from kfp.pipeline_spec import pipeline_spec_pb2
 
-from components import STEP_TABLE
 from components.core.config import PIPELINE_PARAMETERS, RelaunchConfig, pipeline_parameter_type
-from components.core.exitcodes import RETRY_POLICIES, STEPS
+from components import PARAMETERS, RETRY_POLICIES, STEP_TABLE, STEPS
 from pipelines import kfp_pipeline
 from pipelines.commands.compile import render
 
@@ -140,6 +139,17 @@ def test_component_outputs_match_the_step_output_dataclass_in_order_and_type(com
     annotation = typing.get_type_hints(body)["return"]
     assert list(typing.get_type_hints(annotation).items()) == fields
     assert body.__name__.replace("_", "-") == step, "KFP names the task after the function"
+
+
+@pytest.mark.parametrize("step", list(STEP_TABLE))
+def test_each_component_body_takes_the_inputs_the_spec_gives_its_step_and_calls_that_step(step):
+    """The body is shipped as source, so its parameters and the step it calls are literals: check them."""
+    body = kfp_pipeline.COMPONENT_BODIES[step]
+    expected = []
+    for item in STEP_TABLE[step].inputs:
+        expected += list(PIPELINE_PARAMETERS) if item.source == PARAMETERS else [item.name]
+    assert list(inspect.signature(body).parameters) == expected
+    assert f'call("{step}"' in inspect.getsource(body)
 
 
 def test_prepare_takes_every_pipeline_parameter_with_its_type():

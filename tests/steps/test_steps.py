@@ -14,6 +14,7 @@ from components.core.checkpoint import CheckpointManager
 from components.core.config import RelaunchConfig
 from components.core.errors import BadInput
 from components.core.state import TrainingState
+from components.launchers.jobs import job_spec
 from components.launchers.local import build_commands
 from components.tasks.base import load_task
 
@@ -84,7 +85,7 @@ def test_evaluate_without_a_checkpoint_is_bad_input(config):
 @pytest.mark.parametrize("nodes, procs, min_nodes, nnodes", [(2, 1, None, "2"), (3, 2, None, "3"), (4, 1, 2, "2:4")])
 def test_the_local_launcher_starts_one_torchrun_agent_per_simulated_node(nodes, procs, min_nodes, nnodes):
     config = RelaunchConfig.model_validate({"launch": {"nodes": nodes, "procs_per_node": procs, "min_nodes": min_nodes}})
-    commands = build_commands(config, job_id="job-1", port=29555)
+    commands = build_commands(job_spec(config), job_id="job-1", port=29555)
     assert len(commands) == nodes
     for node, cmd in enumerate(commands):
         assert f"--nnodes={nnodes}" in cmd and f"--nproc-per-node={procs}" in cmd

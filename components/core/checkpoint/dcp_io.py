@@ -1,17 +1,22 @@
-"""DCP straight against relaunch's Store (format 2): no staging copy, integrity in the same pass.
+"""DCP straight against relaunch's Store (format 3): no staging copy, integrity in the same pass.
 
 :class:`StoreWriter` streams each rank's items into ``__<rank>_<n>.distcp`` through
-``Store.open_writer`` (a file written in place, or a streaming S3 multipart upload) as raw bytes:
-a tensor's bytes in its dtype's native (little-endian) order, a bytes item as DCP serialised it.
-Each item is cut into chunks of at most ``CHUNK_BYTES`` whose XXH3-128 digests are taken while
-writing and returned in ``files`` for the manifest.
+``Store.open_writer`` (a file written in place, or a streaming S3 multipart upload) in the layout of
+DCP's own ``FileSystemWriter``, so that stock ``torch.distributed.checkpoint`` reads the checkpoint:
+a tensor item is a ``torch.save`` archive of the tensor (its bytes written by torch straight from the
+tensor's memory, never copied into a buffer), a bytes item what DCP serialised. Each file is cut
+into chunks whose XXH3-128 digests are taken while writing: each tensor's payload (the archive's
+uncompressed ``data/0`` record) in chunks of at most ``CHUNK_BYTES`` starting at the payload, and
+the archive bytes around payloads as chunks of their own. ``files`` returns them for the manifest
+with each payload's offset (``payloads``), so a reader finds a tensor's bytes without parsing zip.
 
 :class:`StoreReader` reads exactly the byte ranges its rank's load plan names (a part of a stored
-item when resharding), merged per file into ranged reads of whole chunks (``Store.read_into``, in
-parallel) that fill the destination tensors themselves when they are contiguous CPU tensors of the
-stored dtype, and feeds every block to its chunk's digest as it arrives. A stored item that several
-ranks of one node need whole (replicated state: DDP, or unsharded buffers under FSDP) is read by one
-of them and broadcast over the node's gloo group.
+tensor's payload when resharding), merged per file into ranged reads of whole chunks
+(``Store.read_into``, in parallel) that fill the destination tensors themselves when they are
+contiguous CPU tensors of the stored dtype, and feeds every block to its chunk's digest as it
+arrives. A stored item that several ranks of one node need whole (replicated state: DDP, or
+unsharded buffers under FSDP) is read by one of them and broadcast over the node's gloo group.
+Format 2 (raw bytes at the offsets of ``.metadata``, no archives) is read by the same reader.
 """
 
 from __future__ import annotations
@@ -32,8 +37,9 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, SavePlan, WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
+from components.core.checkpoint import verify
 from components.core.checkpoint.layout import METADATA
-from components.core.checkpoint.verify import REQUEST_BYTES, ChunkDigests, chunk_spans, digest
+from components.core.checkpoint.verify import REQUEST_BYTES, ChunkDigests, digest
 from components.core.errors import CorruptCheckpoint
 from components.core.store import Store
 
@@ -50,6 +56,111 @@ def _buffer(view: torch.Tensor) -> memoryview:
 
 
 # ------------------------------------------------------------------------------------ writing
+
+def _address(view: memoryview) -> int:
+    import numpy
+
+    return numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data
+
+
+class DataFile:
+    """One data file of format 3 on its way to ``writer`` (a ``Store`` stream writer): items appended
+    in DCP's ``FileSystemWriter`` layout, chunk digests and payload offsets taken on the way.
+
+    ``torch.save`` writes a tensor's archive through :meth:`write`: the small zip and pickle records
+    one by one, and the payload (the tensor's bytes) as memory views of the tensor itself, which are
+    recognised by their address, digested in chunks starting at the payload and handed to the
+    store as they are (no copy into a buffer). torch computes the zip's crc32 of each record as
+    usual (~7 GB/s), so that every zip tool, not only torch, accepts the archives."""
+
+    def __init__(self, writer: Any):
+        import xxhash
+
+        self.writer = writer
+        self.pos = 0
+        self.chunks: list[list[Any]] = []
+        self.payloads: list[list[int]] = []  # [item offset, payload offset] of each non-empty tensor
+        self._start = 0  # where the chunk being digested began
+        self._hasher = xxhash.xxh3_128()
+        self._payload: list[int] | None = None  # [address, nbytes, bytes seen, payload offset]
+
+    def _cut(self) -> None:
+        if self.pos > self._start:
+            self.chunks.append([self._start, self.pos - self._start, self._hasher.hexdigest()])
+            self._hasher.reset()
+        self._start = self.pos
+
+    def _put(self, view: memoryview, *, chunked: bool) -> None:
+        n, at = len(view), 0
+        while at < n:
+            take = n - at
+            if chunked:
+                take = min(take, verify.CHUNK_BYTES - (self.pos - self._start))
+            piece = view[at:at + take]
+            self._hasher.update(piece)
+            self.writer.write(piece)
+            self.pos += take
+            at += take
+            if chunked and self.pos - self._start >= verify.CHUNK_BYTES:
+                self._cut()
+
+    def write(self, data: Any) -> int:
+        """The file-object side ``torch.save`` writes to."""
+        view = memoryview(data).cast("B")
+        n = len(view)
+        p = self._payload
+        if p is not None and n and p[2] < p[1] and _address(view) == p[0] + p[2]:
+            if p[2] == 0:
+                self._cut()
+                p[3] = self.pos
+            self._put(view, chunked=True)
+            p[2] += n
+            if p[2] >= p[1]:
+                self._cut()
+        else:
+            self._put(view, chunked=False)
+        return n
+
+    def flush(self) -> None:
+        pass
+
+    def add_bytes(self, buffer: Any) -> None:
+        """A bytes item, as DCP serialised it, in chunks of its own."""
+        self._cut()
+        self._put(memoryview(buffer).cast("B"), chunked=True)
+        self._cut()
+
+    def add_tensor(self, tensor: torch.Tensor) -> None:
+        """A tensor item: ``torch.save`` of a plain contiguous tensor whose storage is exactly its bytes."""
+        offset = self.pos
+        tensor = tensor.contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes:
+            flat = raw_bytes(tensor)
+            # a tensor of its own over the same memory: torch.save writes a view's whole storage
+            saved = torch.frombuffer(_buffer(flat), dtype=torch.uint8).view(tensor.dtype).reshape(tensor.shape)
+            self._payload = [flat.data_ptr(), nbytes, 0, -1]
+        else:
+            saved = torch.empty(tensor.shape, dtype=tensor.dtype)
+        try:
+            torch.save(saved, self)
+        finally:
+            payload, self._payload = self._payload, None
+        if nbytes:
+            if payload is None or payload[2] != nbytes:
+                raise RuntimeError(f"torch {torch.__version__} did not write a tensor's bytes in place inside "
+                                   f"torch.save; relaunch checkpoint format 3 needs it to (see dcp_io.DataFile)")
+            self.payloads.append([offset, payload[3]])
+
+    def close(self) -> None:
+        """Digest the last chunk and close the writer (the file is complete in the store)."""
+        self._cut()
+        self.writer.close()
+
+    def record(self) -> dict[str, Any]:
+        """The file's entry in the manifest's ``files``."""
+        return {"size": self.pos, "chunks": self.chunks, "payloads": self.payloads}
+
 
 class StoreWriter(StorageWriter):
     """Writes one checkpoint directory ``key`` of ``store``; ``files`` holds, after ``dcp.save``,
@@ -89,34 +200,29 @@ class StoreWriter(StorageWriter):
         return fut
 
     def _write_file(self, name: str, items: list[Any], planner: Any) -> list[WriteResult]:
-        writer = self.store.open_writer(f"{self.key}/{name}")
-        offset, chunks, results = 0, [], []
+        out = DataFile(self.store.open_writer(f"{self.key}/{name}"))
+        results = []
         try:
             ordered = [i for i in items if i.type == WriteItemType.BYTE_IO] + \
                       [i for i in items if i.type != WriteItemType.BYTE_IO]
             for item in ordered:
                 data = planner.resolve_data(item)
+                offset = out.pos
                 if item.type == WriteItemType.BYTE_IO:
-                    view = data.getbuffer()
+                    out.add_bytes(data.getbuffer())
                 else:
                     tensor = data.detach()
                     if tensor.device.type != "cpu":
                         tensor = tensor.cpu()
-                    view = _buffer(raw_bytes(tensor.contiguous()))
-                length = len(view)
-                for start, n in chunk_spans(0, length):
-                    piece = view[start:start + n]
-                    chunks.append([offset + start, n, digest(piece)])
-                    writer.write(piece)
-                results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                           storage_data=_StorageInfo(name, offset, length)))
-                offset += length
-            writer.close()
+                    out.add_tensor(tensor)
+                results.append(WriteResult(index=item.index, size_in_bytes=out.pos - offset,
+                                           storage_data=_StorageInfo(name, offset, out.pos - offset)))
+            out.close()
         except BaseException:
-            writer.abort()
+            out.writer.abort()
             raise
         with self._lock:
-            self.files[name] = {"size": offset, "chunks": chunks}
+            self.files[name] = out.record()
         return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -148,6 +254,7 @@ class _Part:
     buf: torch.Tensor
     source: torch.Tensor | None = None  # tensors read into a buffer: the request's region of it
     is_bytes: bool = False
+    extent: tuple[int, int] | None = None  # the bytes to read and check when more than [start, end)
 
 
 class StoreReader(StorageReader):
@@ -156,15 +263,19 @@ class StoreReader(StorageReader):
     Args:
         metadata: the checkpoint's DCP metadata (already read and checked once by the caller).
         digests: the manifest's chunk digests.
+        payloads: format 3: where each tensor item's bytes start, ``{(file, item offset): payload
+            offset}`` (:func:`payload_offsets` of the manifest); None for format 2 (raw items).
         node_group: this rank's node group (gloo) and the global ranks of each node, for reading
             replicated items once per node; None reads everything itself.
         threads: ranged reads in flight at once.
     """
 
     def __init__(self, store: Store, key: str, metadata: Metadata, digests: ChunkDigests, *,
+                 payloads: dict[tuple[str, int], int] | None = None,
                  node_group: Any = None, node_ranks: list[list[int]] | None = None, threads: int = 4):
         super().__init__()
         self.store, self.key, self.metadata, self.digests = store, key, metadata, digests
+        self.payloads = payloads
         self.node_group, self.node_ranks, self.threads = node_group, node_ranks, max(1, threads)
         self.storage_data: dict[Any, Any] = {}
         self.rank = 0
@@ -231,7 +342,7 @@ class StoreReader(StorageReader):
             info = self.storage_data[req.storage_index]
             if getattr(info, "transform_descriptors", None):
                 raise CorruptCheckpoint(f"{self.digests.uri}/{info.relative_path}: stream transforms are not "
-                                        f"part of checkpoint format 2")
+                                        f"part of relaunch's checkpoint formats")
             if req.type == LoadItemType.BYTE_IO and req.storage_index in by_index:
                 by_index[req.storage_index].reqs.append(req)
                 continue
@@ -267,10 +378,8 @@ class StoreReader(StorageReader):
         chunk = _stored_chunk(meta, req.storage_index)
         dtype = meta.properties.dtype
         shape = torch.Size(chunk.sizes)
-        size = torch._utils._element_size(dtype)
-        if math.prod(shape) * size != info.length:
-            raise CorruptCheckpoint(f"{self.digests.uri}/{name}: item {req.storage_index.fqn!r} has "
-                                    f"{info.length} bytes, its metadata says {tuple(shape)} x {dtype}")
+        size = dtype.itemsize
+        base = self._payload_offset(req.storage_index, info, math.prod(shape) * size, shape, dtype)
         target = planner.resolve_tensor(req).detach()
         lengths = torch.Size(req.lengths)
         if target.size() != lengths:
@@ -278,24 +387,54 @@ class StoreReader(StorageReader):
                                     f"destination ({tuple(lengths)} vs {tuple(target.size())})")
         strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
         numel = math.prod(lengths)
+        # a whole format-3 item is read with its archive's records around the payload, so that
+        # every byte of what a load needs whole is checked (what stock torch would read too)
+        whole = self.payloads is not None and not any(req.storage_offsets) and lengths == shape
+        extent = (info.offset, info.offset + info.length) if whole else None
         if numel == 0:
-            return _Part([req], name, info.offset, info.offset, torch.empty(0, dtype=torch.uint8),
-                         source=torch.empty(lengths, dtype=dtype))
+            return _Part([req], name, base, base, torch.empty(0, dtype=torch.uint8),
+                         source=torch.empty(lengths, dtype=dtype), extent=extent)
         first = sum(o * s for o, s in zip(req.storage_offsets, strides))
         last = sum((o + n - 1) * s for o, n, s in zip(req.storage_offsets, lengths, strides))
-        start, end = info.offset + first * size, info.offset + (last + 1) * size
+        start, end = base + first * size, base + (last + 1) * size
         if (last + 1 - first == numel and target.device.type == "cpu" and target.dtype == dtype
                 and target.is_contiguous()):
-            return _Part([req], name, start, end, raw_bytes(target))
+            return _Part([req], name, start, end, raw_bytes(target), extent=extent)
         region = torch.empty(last + 1 - first, dtype=dtype)
-        return _Part([req], name, start, end, raw_bytes(region), source=region.as_strided(lengths, strides, 0))
+        return _Part([req], name, start, end, raw_bytes(region), source=region.as_strided(lengths, strides, 0),
+                     extent=extent)
+
+    def _payload_offset(self, index: Any, info: Any, nbytes: int, shape: Any, dtype: Any) -> int:
+        """Where the bytes of tensor item ``index`` start in its file: the item itself (format 2), or
+        its archive's payload as the manifest records it (format 3), checked to lie inside the item."""
+        name = info.relative_path
+        if self.payloads is None:
+            if nbytes != info.length:
+                raise CorruptCheckpoint(f"{self.digests.uri}/{name}: item {index.fqn!r} has {info.length} "
+                                        f"bytes, its metadata says {tuple(shape)} x {dtype}")
+            return info.offset
+        if not nbytes:
+            return info.offset
+        base = self.payloads.get((name, info.offset))
+        if base is None or base < info.offset or base + nbytes > info.offset + info.length:
+            raise CorruptCheckpoint(f"{self.digests.uri}/{name}: the manifest records no payload of "
+                                    f"{tuple(shape)} x {dtype} inside item {index.fqn!r} (bytes "
+                                    f"{info.offset}..{info.offset + info.length})")
+        return base
+
+    def _item_bytes(self, index: Any) -> int:
+        """The bytes a whole read of item ``index`` fills: its tensor's, or the bytes item's."""
+        meta = self.metadata.state_dict_metadata[index.fqn]
+        if not hasattr(meta, "chunks"):
+            return self.storage_data[index].length
+        return math.prod(_stored_chunk(meta, index).sizes) * meta.properties.dtype.itemsize
 
     def _read_all(self, parts: list[_Part]) -> None:
         """Each file's parts, by offset, merged into ranged reads of whole chunks (at most
         REQUEST_BYTES, or one part) whose bytes between and around the parts go to scratch."""
         by_file: dict[str, list[_Part]] = {}
         for p in parts:
-            if p.end > p.start:
+            if (p.extent or (p.start, p.end))[1] > (p.extent or (p.start, p.end))[0]:
                 by_file.setdefault(p.name, []).append(p)
         reads: list[tuple[str, int, list[Any]]] = []
         for name, file_parts in by_file.items():
@@ -303,7 +442,7 @@ class StoreReader(StorageReader):
             current: list[Any] = []
             first = data_end = chunk_end = 0
             for p in file_parts:
-                chunks = self.digests.covering(name, p.start, p.end)
+                chunks = self.digests.covering(name, *(p.extent or (p.start, p.end)))
                 lo, hi = chunks[0][0], chunks[-1][0] + chunks[-1][1]
                 if current and lo <= chunk_end and p.start >= data_end and max(hi, chunk_end) - first <= REQUEST_BYTES:
                     current += [bytearray(p.start - data_end), p.buf]
@@ -346,7 +485,7 @@ class StoreReader(StorageReader):
 
     def _broadcast(self, shared: dict[Any, int], by_index: dict[Any, _Part]) -> None:
         for index, reader in shared.items():  # the same order on every rank of the node
-            length = self.storage_data[index].length
+            length = self._item_bytes(index)
             if not length:
                 continue
             part = by_index.get(index)
@@ -368,6 +507,21 @@ class StoreReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return False
+
+
+def payload_offsets(files: dict[str, dict[str, Any]]) -> dict[tuple[str, int], int]:
+    """``{(file, item offset): payload offset}`` from a format-3 manifest's ``files``.
+
+    Raises:
+        CorruptCheckpoint: a ``payloads`` entry that is not a list of integer pairs.
+    """
+    out: dict[tuple[str, int], int] = {}
+    for name, meta in files.items():
+        for entry in meta.get("payloads", []):
+            if not (isinstance(entry, list) and len(entry) == 2 and all(type(v) is int for v in entry)):
+                raise CorruptCheckpoint(f"the manifest's payloads of {name!r} are malformed: {entry!r}")
+            out[(name, entry[0])] = entry[1]
+    return out
 
 
 def _stored_chunk(meta: Any, index: Any) -> Any:

@@ -17,8 +17,8 @@ from typing import Any
 from components.core.errors import BadInput, CorruptCheckpoint
 from components.core.store import Store
 
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 PREFIX = "checkpoints"
 LATEST = f"{PREFIX}/latest.json"
 INFLIGHT = f"{PREFIX}/inflight.json"

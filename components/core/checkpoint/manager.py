@@ -588,12 +588,13 @@ class CheckpointManager:
             metadata = legacy_v1.read_metadata(local)
             reader = legacy_v1.safe_reader(local)
         else:
-            from components.core.checkpoint.dcp_io import StoreReader
+            from components.core.checkpoint.dcp_io import StoreReader, payload_offsets
 
             digests = ChunkDigests(info.uri, manifest["files"])
             body = self._agree(self._rank0(lambda: self._metadata_bytes(store, info, digests)))
             metadata = load_metadata(body, source=f"{info.uri}/{METADATA}")
-            reader = StoreReader(store, info.key, metadata, digests, node_group=self._node_group,
+            payloads = payload_offsets(manifest["files"]) if manifest["format_version"] >= 3 else None
+            reader = StoreReader(store, info.key, metadata, digests, payloads=payloads, node_group=self._node_group,
                                  node_ranks=self._node_ranks,
                                  threads=IO_THREADS if hasattr(store, "path") else READ_THREADS)
         self._dcp_load(state, metadata, reader, info)
