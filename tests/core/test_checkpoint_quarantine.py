@@ -11,7 +11,7 @@ import pytest
 
 from components.core.checkpoint import CheckpointManager, step_key
 from components.core.checkpoint import quarantine
-from components.core.errors import CorruptCheckpoint
+from components.core.errors import BadInput, CorruptCheckpoint
 from components.core.storage import open_store
 from pipelines.cli import main
 from tests.core.helpers import make_state, s3_root, train_steps
@@ -247,5 +247,5 @@ def test_an_intact_committed_step_is_still_never_overwritten(tmp_path):
     state = _history(root, [10], keep_last=0)
     with CheckpointManager(root, owner="quarantine-test") as mgr:
         mgr.save(10, state)
-        with pytest.raises(Exception, match="already committed"):
+        with pytest.raises(BadInput, match="already committed"):
             mgr.wait()

@@ -256,9 +256,10 @@ class CheckpointManager:
         return job.info
 
     def latest(self) -> CheckpointInfo | None:
-        """The newest committed checkpoint whose manifest parses and whose files all exist with their
-        sizes, or None (rank 0 decides; O(1) requests, no data read: the bytes are checked by the
-        read that loads them)."""
+        """The newest committed checkpoint that is not quarantined, whose manifest parses and matches
+        its own digest and whose files all exist with their sizes, or None (rank 0 decides; O(1)
+        requests, no data read: the bytes are checked by the read that loads them). A checkpoint
+        found damaged on the way is quarantined (docs/checkpoint-format.md, "Quarantine")."""
         self._guard()
         self.wait()
         return self._agree(self._rank0(self._locate))
@@ -267,7 +268,8 @@ class CheckpointManager:
         """Restore ``state`` in place from ``step``/``uri`` (default: the latest); None if there is none.
 
         With neither, a checkpoint found damaged while it is read is skipped by every rank together
-        and the previous committed one is loaded instead.
+        and the previous committed one is loaded instead. Either way a damaged checkpoint is
+        quarantined: never chosen again, and its step may be saved again.
 
         Raises:
             CorruptCheckpoint: the asked-for checkpoint does not verify, or holds unsafe objects.
@@ -335,8 +337,11 @@ class CheckpointManager:
         """Check checkpoint ``step`` against its manifest: with ``deep`` every byte (format 1: each
         file's sha256; format 2: every chunk digest), else that every file exists with its size.
 
+        A checkpoint found damaged is quarantined; one quarantined before is reported as such.
+
         Raises:
-            CorruptCheckpoint: missing or malformed manifest, a missing, truncated or altered file.
+            CorruptCheckpoint: missing, malformed or altered manifest, a missing, truncated or
+                altered file, or a quarantined checkpoint.
             BadInput: a checkpoint of a newer format.
         """
         self._guard()

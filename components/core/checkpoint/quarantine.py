@@ -51,11 +51,16 @@ def marker_step(key: str) -> int | None:
 def find(store: Store, step: int, manifest_sha256: str) -> dict[str, Any] | None:
     """The record of checkpoint ``step`` (this manifest) if it is quarantined, else None.
     A marker that is not a JSON object still quarantines: it was written on purpose."""
-    key = marker_key(step, manifest_sha256)
-    record = read_json(store, key)
-    if record is None and store.exists(key):
-        return {"step": step, "manifest_sha256": manifest_sha256, "reason": "unreadable marker"}
-    return record
+    try:
+        raw = store.read_bytes(marker_key(step, manifest_sha256))  # one request, absent or not
+    except FileNotFoundError:
+        return None
+    try:
+        record = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        record = None
+    return record if isinstance(record, dict) else {"step": step, "manifest_sha256": manifest_sha256,
+                                                    "reason": "unreadable marker"}
 
 
 def record(store: Store, step: int, manifest_sha256: str, reason: str, found_by: str) -> bool:
