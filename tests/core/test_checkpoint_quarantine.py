@@ -249,3 +249,54 @@ def test_an_intact_committed_step_is_still_never_overwritten(tmp_path):
         mgr.save(10, state)
         with pytest.raises(BadInput, match="already committed"):
             mgr.wait()
+
+
+@pytest.mark.slow
+def test_a_crash_at_any_operation_of_saving_a_damaged_step_again_leaves_a_store_that_goes_on(root, tmp_path):
+    from tests.core.faults import FaultyStore, InjectedCrash
+
+    def damaged_store():
+        r = root if not root.startswith("s3://") else f"{root}-{next(counter)}"
+        if not r.startswith("s3://"):
+            r = str(tmp_path / f"s{next(counter)}")
+        _history(r, [10, 20], keep_last=2)
+        _truncate(open_store(r), 20)
+        return r
+
+    def resave(store):
+        state = make_state(seed=3)
+        with CheckpointManager(store, owner="quarantine-test", keep_last=2) as mgr:
+            assert mgr.load(state).step == 10
+            loaded = len(store.ops)
+            train_steps(state, 1)
+            mgr.save(20, state)
+            mgr.wait()
+        return loaded
+
+    counter = iter(range(10**6))
+    probe = FaultyStore(open_store(damaged_store()))
+    loaded = resave(probe)  # crashes are injected from the save on: the load found the damage
+    total = len(probe.ops)
+    assert any(op.startswith("delete(") for op in probe.ops[loaded:])  # the old step 20 was moved aside
+    failures = []
+    for k in range(loaded + 1, total + 1):
+        r = damaged_store()
+        store = FaultyStore(open_store(r), crash_at=k)
+        try:
+            resave(store)
+        except InjectedCrash:
+            pass
+        try:
+            with CheckpointManager(r, owner="quarantine-test", keep_last=2) as mgr:
+                state = make_state(seed=4)
+                info = mgr.load(state)
+                assert info.step in (10, 20), info
+                if info.step == 10:  # the crash came before the new step 20 was committed
+                    train_steps(state, 1)
+                    mgr.save(20, state)
+                    mgr.wait()
+                assert mgr.latest().step == 20 and mgr.verify(20, deep=True).step == 20
+                assert [i.step for i in mgr.list()] == [10, 20]
+        except (AssertionError, CorruptCheckpoint, BadInput) as err:
+            failures.append(f"k={k} ({store.ops[k - 1]}): {err!r}")
+    assert not failures, "\n".join(failures)

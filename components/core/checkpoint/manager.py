@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from components.core.checkpoint import quarantine
-from components.core.checkpoint.layout import (FORMAT_VERSION, INFLIGHT, LATEST, MANIFEST, METADATA, PINS,
-                                               CheckpointInfo, checkpoint_steps, info_of, now, parse_checkpoint_uri,
+from components.core.checkpoint.layout import (FORMAT_VERSION, INFLIGHT, LATEST, MANIFEST, MANIFEST_DIGEST,
+                                               METADATA, PINS, CheckpointInfo, checkpoint_steps, info_of, now, parse_checkpoint_uri,
                                                parse_manifest, parse_pin, pin_key, read_json,
                                                read_manifest_bytes, sealed_manifest_body, step_key, versions,
                                                write_conditional)
@@ -559,9 +559,15 @@ class CheckpointManager:
                 return info
         if isinstance(p, int) and p not in tried:
             tried.add(p)
-            info = self._checked_quiet(p)
-            if info is not None and info.manifest_sha256 == pointer.get("manifest_sha256"):
-                return info
+            try:
+                manifest = self._manifest(p)
+            except (CorruptCheckpoint, FileNotFoundError):
+                manifest = None
+            # another manifest than the pointer's: edited (a legacy one, without its own digest), or
+            # the step was written again after a damaged one and the crash came before the pointer
+            if manifest is not None and (manifest["_sha256"] == pointer.get("manifest_sha256")
+                                         or MANIFEST_DIGEST in manifest):
+                return info_of(self.store, p, manifest)
         for step in reversed(checkpoint_steps(self.store)):
             if step in tried:
                 continue

@@ -105,7 +105,7 @@ def move_aside(store: Store, step: int, rec: dict[str, Any], moved_by: str) -> s
     dest = f"{QUARANTINE}/step-{step:012d}-{uuid.uuid4().hex[:12]}"
     rec = {**rec, "moved_at": now(), "moved_by": moved_by, "moved_to": store.uri_for(dest)}
     body = json.dumps(rec, sort_keys=True).encode()
-    if isinstance(store, FileStore):
+    if isinstance(store, FileStore) or callable(getattr(store, "path", None)):  # a filesystem (or a wrapper of one)
         # the record travels with the directory; a reader ignores files its manifest does not list
         store.write_bytes(f"{key}/{RECORD}", body)
         target = store.path(dest)
