@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 from components.core.checkpoint import quarantine
 from components.core.checkpoint.layout import (FORMAT_VERSION, INFLIGHT, LATEST, MANIFEST, MANIFEST_DIGEST,
-                                               METADATA, PINS, CheckpointInfo, checkpoint_steps, info_of, now, parse_checkpoint_uri,
-                                               parse_manifest, parse_pin, pin_key, read_json,
+                                               METADATA, PINS, CheckpointInfo, checkpoint_steps, info_of, now,
+                                               parse_checkpoint_uri, parse_manifest, parse_pin, pin_key, read_json,
                                                read_manifest_bytes, sealed_manifest_body, step_key, versions,
                                                write_conditional)
 from components.core.checkpoint.lease import Lease, default_owner
