@@ -1,18 +1,19 @@
 """``relaunch checkpoints list|latest|verify --store URI [--step N] [--deep] [--json]``.
 
-    relaunch checkpoints list   --store s3://bucket/exp/run            # every committed checkpoint
+    relaunch checkpoints list   --store s3://bucket/exp/run            # every checkpoint: ok or damaged
     relaunch checkpoints latest --store ./.relaunch/store --json       # what a resume would load
     relaunch checkpoints verify --store /shared/exp --step 1200        # manifest, files and sizes
     relaunch checkpoints verify --store /shared/exp --deep             # read and check every byte
     relaunch checkpoints export --store /shared/exp --to model.safetensors --format safetensors
     relaunch checkpoints import ./dcp-folder --store /shared/exp --step 5000 # adopt a dcp.save folder
 
-Read-only but import: never takes the write lease, never deletes. Exit 2 on bad input (malformed URI, missing
-bucket or directory, no checkpoint to verify, a checkpoint that does not verify, a checkpoint of a
-newer format version).
-
-export and import (docs/checkpoint-format.md, "Other tools"): export writes only its --to file;
-import writes one checkpoint under the write lease, or, on bad input, nothing.
+list, latest and verify never take the write lease and never delete or overwrite anything; the one
+thing they may write is the quarantine marker of a damaged checkpoint they find
+(checkpoints/quarantine/, created only if absent; docs/checkpoint-format.md, "Quarantine"). export
+writes only its --to file; import writes one checkpoint under the write lease, or, on bad input,
+nothing (docs/checkpoint-format.md, "Other tools"). Exit 2 on bad input (malformed URI, missing
+bucket or directory, no checkpoint to verify, a checkpoint that does not verify or is quarantined, a
+checkpoint of a newer format version, a folder that is not a DCP checkpoint).
 """
 
 from __future__ import annotations
@@ -59,7 +60,9 @@ def _action(mgr, args: argparse.Namespace) -> int:
     if args.action == "list":
         infos = mgr.list()
         pins = mgr.pins()
-        rows = [{**i.to_dict(), "pinned": pins.get(i.step, [])} for i in infos]
+        rows = [{**i.to_dict(), "status": "ok", "pinned": pins.get(i.step, [])} for i in infos]
+        rows += [_damaged_row(mgr, r, pins) for r in mgr.quarantined()]
+        rows.sort(key=lambda r: (r["step"], r["status"] == "ok"))
         _print(rows, args.json, empty=f"no checkpoints in {mgr.store.uri}")
         return 0
     if args.action == "latest":
@@ -82,7 +85,7 @@ def _action(mgr, args: argparse.Namespace) -> int:
         info = mgr.verify(step, deep=args.deep)
     except CorruptCheckpoint as err:
         if args.json:
-            print(json.dumps({"step": step, "ok": False, "error": str(err)}))
+            print(json.dumps({"step": step, "ok": False, "status": "damaged", "error": str(err)}))
         raise
     _print([{**info.to_dict(), "ok": True, "deep": bool(args.deep)}], args.json, single=True)
     return 0
@@ -120,6 +123,19 @@ def _interop(args: argparse.Namespace) -> int:
     return 0
 
 
+def _damaged_row(mgr, record: dict, pins: dict) -> dict:
+    """A ``list`` row of a quarantined checkpoint (still in place, or moved aside)."""
+    from components.core.checkpoint import step_key
+
+    step = int(record["step"])
+    return {"step": step, "status": "damaged", "reason": record.get("reason", ""),
+            "found_at": record.get("found_at", ""), "found_by": record.get("found_by", ""),
+            "moved_to": record.get("moved_to"), "recorded": record.get("recorded", True),
+            "uri": record.get("moved_to") or mgr.store.uri_for(step_key(step)),
+            "epoch": "", "world_size": "", "created_at": "", "metrics": {},
+            "pinned": pins.get(step, []) if record.get("moved_to") is None else []}
+
+
 def _print(rows: list[dict], as_json: bool, *, single: bool = False, empty: str = "") -> None:
     if as_json:
         print(json.dumps(rows[0] if single else rows, indent=2, sort_keys=True))
@@ -131,10 +147,12 @@ def _print(rows: list[dict], as_json: bool, *, single: bool = False, empty: str 
     from rich.table import Table
 
     table = Table()
-    columns = ["step", "epoch", "world_size", "created_at", "metrics", "uri"] + \
-              [c for c in ("pinned", "ok") if c in rows[0]]
+    columns = ["step"] + [c for c in ("status",) if c in rows[0]] + \
+              ["epoch", "world_size", "created_at", "metrics", "uri"] + \
+              [c for c in ("pinned", "ok", "reason") if any(c in r for r in rows)]
     for c in columns:
         table.add_column(c)
     for r in rows:
-        table.add_row(*(json.dumps(r[c]) if isinstance(r[c], (dict, list)) else str(r[c]) for c in columns))
+        table.add_row(*(json.dumps(r.get(c, "")) if isinstance(r.get(c), (dict, list)) else str(r.get(c, ""))
+                        for c in columns))
     Console(width=200).print(table)

@@ -1,6 +1,7 @@
 """Corruption: each kind of damage is detected, by latest() when the manifest, a file or a size is
 wrong (no data read) and by the read itself when bytes changed; either way the load falls back to the
-previous good checkpoint, and nothing committed is deleted."""
+previous good checkpoint, the damaged one is quarantined (a marker under checkpoints/quarantine/),
+and nothing is deleted or overwritten."""
 
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ DAMAGE = {
 }
 POINTER_ONLY = {"latest.json of garbage JSON"}
 FOUND_BY_THE_READ = {"a flipped byte in a shard"}  # an edited manifest no longer matches latest.json
+# not damage of a committed checkpoint: no manifest (uncommitted debris), no directory, a bad pointer
+NOT_QUARANTINED = POINTER_ONLY | {"a missing manifest", "latest.json pointing at a deleted directory"}
 
 
 def _two_checkpoints(root):
@@ -71,7 +74,7 @@ def test_damage_is_detected_and_locate_falls_back_to_the_previous_good_checkpoin
     good = _two_checkpoints(root)
     store = open_store(root)
     DAMAGE[damage](store, step_key(10000))
-    files_before = set(store.list())
+    files_before = {k: store.read_bytes(k) for k in store.list()}
     mgr = CheckpointManager(root)
     info = mgr.latest()
     if damage in POINTER_ONLY:
@@ -85,7 +88,14 @@ def test_damage_is_detected_and_locate_falls_back_to_the_previous_good_checkpoin
         assert mgr.load(state).step == 2000
         assert all((a == b).all() for a, b in zip(state.model.parameters(), good))
     mgr.close()
-    assert set(store.list()) == files_before  # reading never deletes anything
+    after = {k: store.read_bytes(k) for k in store.list()}
+    added = sorted(set(after) - set(files_before))
+    assert {k: after.get(k) for k in files_before} == files_before  # reading never deletes or overwrites
+    if damage in NOT_QUARANTINED:
+        assert added == []
+    else:
+        assert len(added) == 1 and added[0].startswith("checkpoints/quarantine/step-000000010000-"), added
+        assert json.loads(after[added[0]])["step"] == 10000
 
 
 def test_an_explicit_load_of_a_corrupt_checkpoint_raises_instead_of_loading(tmp_path):
@@ -101,10 +111,13 @@ def test_retention_after_corruption_never_deletes_a_committed_checkpoint(tmp_pat
     _two_checkpoints(root)
     store = open_store(root)
     _flip_byte(store, f"{step_key(10000)}/__0_0.distcp")
+    damaged = {k: store.read_bytes(k) for k in store.list(step_key(10000) + "/")}
     state = make_state()
     mgr = CheckpointManager(root, keep_last=0, owner="corrupt-test")
     mgr.load(state)
     mgr.save(10001, state)
     mgr.wait()
-    assert [i.step for i in mgr.list()] == [2000, 10000, 10001]
+    assert [i.step for i in mgr.list()] == [2000, 10001]  # the damaged one is no longer offered
+    assert [(r["step"], r["moved_to"]) for r in mgr.quarantined()] == [(10000, None)]
+    assert {k: store.read_bytes(k) for k in store.list(step_key(10000) + "/")} == damaged  # kept as found
     mgr.close()

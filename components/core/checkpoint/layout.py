@@ -24,6 +24,7 @@ LATEST = f"{PREFIX}/latest.json"
 INFLIGHT = f"{PREFIX}/inflight.json"
 LEASE = f"{PREFIX}/LEASE.json"
 PINS = f"{PREFIX}/pins"
+QUARANTINE = f"{PREFIX}/quarantine"
 MANIFEST = "MANIFEST.json"
 METADATA = ".metadata"
 STEP_DIR = re.compile(r"^step-(\d{12})$")
@@ -77,28 +78,58 @@ def info_of(store: Store, step: int, manifest: dict[str, Any]) -> CheckpointInfo
                           manifest_sha256=manifest.get("_sha256", ""))
 
 
+MANIFEST_DIGEST = "manifest_digest"  # the manifest's own digest: "sha256:" + sha256 of the canonical
+# body without this field (compact JSON, sorted keys: what manifest_body gives)
+
+
+def read_manifest_bytes(store: Store, step: int) -> bytes:
+    """The raw bytes of ``step``'s ``MANIFEST.json``.
+
+    Raises:
+        CorruptCheckpoint: there is none (the step is not committed).
+    """
+    try:
+        return store.read_bytes(f"{step_key(step)}/{MANIFEST}")
+    except FileNotFoundError:
+        raise CorruptCheckpoint(f"{store.uri_for(step_key(step))} has no {MANIFEST} (not committed)") from None
+
+
 def read_manifest(store: Store, step: int) -> dict[str, Any]:
     """The parsed ``MANIFEST.json`` of ``step`` with ``_sha256`` (of its bytes) added.
 
     Raises:
-        CorruptCheckpoint: absent (not committed), not JSON, not this step's, or malformed.
+        CorruptCheckpoint: absent (not committed), not JSON, not this step's, malformed, or not
+            matching its own ``manifest_digest``.
+        BadInput: written by a newer relaunch (an unknown ``format_version``).
+    """
+    return parse_manifest(store, step, read_manifest_bytes(store, step))
+
+
+def parse_manifest(store: Store, step: int, raw: bytes) -> dict[str, Any]:
+    """``raw`` (the bytes of ``step``'s ``MANIFEST.json``) parsed and checked, with ``_sha256`` added.
+
+    Raises:
+        CorruptCheckpoint: not JSON, not this step's, malformed, or not matching its ``manifest_digest``.
         BadInput: written by a newer relaunch (an unknown ``format_version``).
     """
     key = f"{step_key(step)}/{MANIFEST}"
     try:
-        raw = store.read_bytes(key)
-    except FileNotFoundError:
-        raise CorruptCheckpoint(f"{store.uri_for(step_key(step))} has no {MANIFEST} (not committed)") from None
-    try:
         manifest = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise CorruptCheckpoint(f"{store.uri_for(key)} is not valid JSON") from None
-    if not isinstance(manifest, dict) or manifest.get("step") != step or not isinstance(manifest.get("files"), dict):
+    if not isinstance(manifest, dict):
         raise CorruptCheckpoint(f"{store.uri_for(key)} is not a manifest of step {step}")
     version = manifest.get("format_version")
     if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
         raise BadInput(f"{store.uri_for(key)} has checkpoint format_version {version}, written by a newer "
                        f"relaunch; this one reads versions {', '.join(map(str, READABLE_VERSIONS))} (upgrade relaunch)")
+    sealed = manifest.get(MANIFEST_DIGEST)
+    if sealed is not None or (isinstance(version, int) and version >= 3):
+        if sealed != manifest_digest(manifest):
+            raise CorruptCheckpoint(f"{store.uri_for(key)} does not match its {MANIFEST_DIGEST} "
+                                    f"(edited or damaged after it was committed)")
+    if manifest.get("step") != step or not isinstance(manifest.get("files"), dict):
+        raise CorruptCheckpoint(f"{store.uri_for(key)} is not a manifest of step {step}")
     if version not in READABLE_VERSIONS:
         raise CorruptCheckpoint(f"{store.uri_for(key)} has format_version {version!r}; this relaunch reads "
                                 f"versions {', '.join(map(str, READABLE_VERSIONS))}")
@@ -111,8 +142,21 @@ def read_manifest(store: Store, step: int) -> dict[str, Any]:
 
 
 def manifest_body(manifest: dict[str, Any]) -> bytes:
+    """The canonical bytes of a manifest: compact JSON with sorted keys, without ``_`` fields."""
     return json.dumps({k: v for k, v in manifest.items() if not k.startswith("_")}, sort_keys=True,
                       separators=(",", ":")).encode()
+
+
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """``sha256:<hex>`` of the canonical body of ``manifest`` without its ``manifest_digest``."""
+    body = manifest_body({k: v for k, v in manifest.items() if k != MANIFEST_DIGEST})
+    return "sha256:" + hashlib.sha256(body).hexdigest()
+
+
+def sealed_manifest_body(manifest: dict[str, Any]) -> bytes:
+    """The bytes to commit: ``manifest`` with its ``manifest_digest`` set (the dict is updated too)."""
+    manifest[MANIFEST_DIGEST] = manifest_digest(manifest)
+    return manifest_body(manifest)
 
 
 def checkpoint_steps(store: Store) -> list[int]:

@@ -31,10 +31,12 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from components.core.checkpoint.layout import (FORMAT_VERSION, INFLIGHT, LATEST, MANIFEST, METADATA, PINS,
-                                               CheckpointInfo, checkpoint_steps, info_of, manifest_body, now,
-                                               parse_checkpoint_uri, parse_pin, pin_key, read_json,
-                                               read_manifest, step_key, versions, write_conditional)
+from components.core.checkpoint import quarantine
+from components.core.checkpoint.layout import (FORMAT_VERSION, INFLIGHT, LATEST, MANIFEST, MANIFEST_DIGEST,
+                                               METADATA, PINS, CheckpointInfo, checkpoint_steps, info_of, now,
+                                               parse_checkpoint_uri, parse_manifest, parse_pin, pin_key, read_json,
+                                               read_manifest_bytes, sealed_manifest_body, step_key, versions,
+                                               write_conditional)
 from components.core.checkpoint.lease import Lease, default_owner
 from components.core.checkpoint.retention import apply_retention
 from components.core.checkpoint.snapshot import Snapshotter, copy_deferred, state_bytes
@@ -127,6 +129,9 @@ class CheckpointManager:
         self._latest_etag: str | None = None
         self._latest_known = False
         self._manifests: dict[int, dict[str, Any]] = {}
+        # damage found by this process: (store URI, step) -> (manifest sha256, reason); it holds even
+        # where the store refused the quarantine marker (read-only credentials)
+        self._damaged: dict[tuple[str, int], tuple[str, str]] = {}
         self._snapshots = Snapshotter()
         self._pending: _Job | None = None
         self._last_info: CheckpointInfo | None = None
@@ -251,9 +256,10 @@ class CheckpointManager:
         return job.info
 
     def latest(self) -> CheckpointInfo | None:
-        """The newest committed checkpoint whose manifest parses and whose files all exist with their
-        sizes, or None (rank 0 decides; O(1) requests, no data read: the bytes are checked by the
-        read that loads them)."""
+        """The newest committed checkpoint that is not quarantined, whose manifest parses and matches
+        its own digest and whose files all exist with their sizes, or None (rank 0 decides; O(1)
+        requests, no data read: the bytes are checked by the read that loads them). A checkpoint
+        found damaged on the way is quarantined (docs/checkpoint-format.md, "Quarantine")."""
         self._guard()
         self.wait()
         return self._agree(self._rank0(self._locate))
@@ -262,7 +268,8 @@ class CheckpointManager:
         """Restore ``state`` in place from ``step``/``uri`` (default: the latest); None if there is none.
 
         With neither, a checkpoint found damaged while it is read is skipped by every rank together
-        and the previous committed one is loaded instead.
+        and the previous committed one is loaded instead. Either way a damaged checkpoint is
+        quarantined: never chosen again, and its step may be saved again.
 
         Raises:
             CorruptCheckpoint: the asked-for checkpoint does not verify, or holds unsafe objects.
@@ -288,6 +295,7 @@ class CheckpointManager:
             try:
                 self._read(state, info, manifest, store)
             except CorruptCheckpoint as err:
+                self._found_damaged(store, info.step, info.manifest_sha256, str(err))
                 if step is not None:
                     raise
                 print(f"relaunch: checkpoint {info.uri} is damaged ({err}); loading the previous committed "
@@ -299,30 +307,51 @@ class CheckpointManager:
             return info
 
     def list(self) -> list[CheckpointInfo]:
-        """Every checkpoint with a well-formed manifest, oldest first (files not read)."""
+        """Every intact committed checkpoint, oldest first: its manifest matches its digest, every
+        file it lists exists with its size, it is not quarantined (no data read). One found damaged
+        here is quarantined and left out: :meth:`quarantined` lists those."""
         self._guard()
         out = []
         for step in checkpoint_steps(self.store):
             try:
-                out.append(info_of(self.store, step, self._manifest(step)))
+                out.append(self._checked(step))
             except (CorruptCheckpoint, FileNotFoundError):
                 continue
         return out
+
+    def quarantined(self) -> list[dict[str, Any]]:
+        """The damaged checkpoints of the store, by step: each quarantine record (``step``,
+        ``reason``, ``found_at``, ``found_by``, ``manifest_sha256``; ``moved_to``: None while the
+        checkpoint is still in its step directory, else the folder it was moved aside to), plus
+        damage this process found but could not record in the store (``"recorded": False``)."""
+        self._guard()
+        out = [{**r, "recorded": True} for r in quarantine.records(self.store)]
+        in_place = {(r["step"], r.get("manifest_sha256")) for r in out if r["moved_to"] is None}
+        for (uri, step), (sha, reason) in sorted(self._damaged.items()):
+            if uri == self.store.uri and (step, sha) not in in_place:
+                out.append({"step": step, "manifest_sha256": sha, "reason": reason, "moved_to": None,
+                            "recorded": False})
+        return sorted(out, key=lambda r: r["step"])
 
     def verify(self, step: int, deep: bool = True) -> CheckpointInfo:
         """Check checkpoint ``step`` against its manifest: with ``deep`` every byte (format 1: each
         file's sha256; format 2: every chunk digest), else that every file exists with its size.
 
+        A checkpoint found damaged is quarantined; one quarantined before is reported as such.
+
         Raises:
-            CorruptCheckpoint: missing or malformed manifest, a missing, truncated or altered file.
+            CorruptCheckpoint: missing, malformed or altered manifest, a missing, truncated or
+                altered file, or a quarantined checkpoint.
             BadInput: a checkpoint of a newer format.
         """
         self._guard()
-        manifest = self._manifest(step)
+        manifest = self._manifest(step)  # manifest digest, files and sizes; quarantined: raises
         if deep:
-            deep_verify(self.store, step, manifest)
-        else:
-            check_files(self.store, step, manifest)
+            try:
+                deep_verify(self.store, step, manifest)
+            except CorruptCheckpoint as err:
+                self._found_damaged(self.store, step, manifest["_sha256"], str(err))
+                raise
         return info_of(self.store, step, manifest)
 
     def best(self, metric: str | None = None, mode: str | None = None) -> CheckpointInfo | None:
@@ -332,12 +361,9 @@ class CheckpointManager:
         metric, mode = metric or self.best_metric, mode or self.mode
         if not metric:
             raise BadInput("best() needs a metric name (best_metric)")
-        scored = [i for i in self.list() if metric in i.metrics]
+        scored = [i for i in self.list() if metric in i.metrics]  # intact ones only
         scored.sort(key=lambda i: (i.metrics[metric] if mode == "min" else -i.metrics[metric], -i.step))
-        for info in scored:
-            if self._checked_quiet(info.step) is not None:
-                return info
-        return None
+        return scored[0] if scored else None
 
     def pin(self, step: int, reason: str) -> None:
         """Protect committed checkpoint ``step`` from retention until unpinned with the same reason."""
@@ -470,8 +496,13 @@ class CheckpointManager:
             self.lease.take()  # renewal, off the training thread
         key = step_key(step)
         if self.store.exists(f"{key}/{MANIFEST}"):
-            raise BadInput(f"checkpoint {self.store.uri_for(key)} is already committed; refusing to "
-                           f"overwrite it (save a later step)")
+            try:
+                self._checked(step)
+            except CorruptCheckpoint as err:  # damaged (quarantined now if not before): write it again
+                self._move_aside(step, str(err))
+            else:
+                raise BadInput(f"checkpoint {self.store.uri_for(key)} is already committed; refusing to "
+                               f"overwrite it (save a later step)")
         self.store.write_bytes(INFLIGHT, json.dumps({"step": step, "owner": self.owner,
                                                      "started_at": now()}).encode())
 
@@ -484,7 +515,7 @@ class CheckpointManager:
             "metrics": job.metrics, "versions": versions(), "model_fingerprint": self.model_fingerprint,
             "owner": self.owner,
         }
-        body = manifest_body(manifest)
+        body = sealed_manifest_body(manifest)
         self.store.write_bytes(f"{key}/{MANIFEST}", body)  # the commit point
         manifest["_sha256"] = hashlib.sha256(body).hexdigest()
         self._manifests[job.step] = manifest
@@ -528,9 +559,15 @@ class CheckpointManager:
                 return info
         if isinstance(p, int) and p not in tried:
             tried.add(p)
-            info = self._checked_quiet(p)
-            if info is not None and info.manifest_sha256 == pointer.get("manifest_sha256"):
-                return info
+            try:
+                manifest = self._manifest(p)
+            except (CorruptCheckpoint, FileNotFoundError):
+                manifest = None
+            # another manifest than the pointer's: edited (a legacy one, without its own digest), or
+            # the step was written again after a damaged one and the crash came before the pointer
+            if manifest is not None and (manifest["_sha256"] == pointer.get("manifest_sha256")
+                                         or MANIFEST_DIGEST in manifest):
+                return info_of(self.store, p, manifest)
         for step in reversed(checkpoint_steps(self.store)):
             if step in tried:
                 continue
@@ -539,13 +576,56 @@ class CheckpointManager:
         return None
 
     def _manifest(self, step: int, store: Store | None = None) -> dict[str, Any]:
-        return read_manifest(store or self.store, step)
+        """The manifest of committed checkpoint ``step`` after the O(1) check: not quarantined, the
+        manifest parses and matches its own digest, every listed file exists with its size. What
+        fails the check is damage: quarantined here, then raised.
+
+        Raises:
+            CorruptCheckpoint: not committed (no manifest: not damage, nothing recorded) or damaged.
+            BadInput: a checkpoint of a newer format (not damage either).
+        """
+        store = store or self.store
+        raw = read_manifest_bytes(store, step)
+        sha = hashlib.sha256(raw).hexdigest()
+        uri = store.uri_for(step_key(step))
+        known = self._damaged.get((store.uri, step))
+        if known is not None and known[0] == sha:
+            raise CorruptCheckpoint(f"{uri} is damaged: {known[1]}")
+        record = quarantine.find(store, step, sha)
+        if record is not None:
+            raise CorruptCheckpoint(f"{uri} is quarantined as damaged since {record.get('found_at', '?')} "
+                                    f"({record.get('reason', '?')})")
+        try:
+            manifest = parse_manifest(store, step, raw)
+            check_files(store, step, manifest)
+        except CorruptCheckpoint as err:
+            self._found_damaged(store, step, sha, str(err))
+            raise
+        return manifest
 
     def _checked(self, step: int, store: Store | None = None) -> CheckpointInfo:
         store = store or self.store
-        manifest = self._manifest(step, store)
-        check_files(store, step, manifest)
-        return info_of(store, step, manifest)
+        return info_of(store, step, self._manifest(step, store))
+
+    def _found_damaged(self, store: Store, step: int, manifest_sha256: str, reason: str) -> None:
+        """Record checkpoint ``step`` as damaged: here, and in the store (rank 0, best effort)."""
+        self._damaged[(store.uri, step)] = (manifest_sha256, reason)
+        if self.rank == 0:
+            quarantine.record(store, step, manifest_sha256, reason, found_by=self.owner)
+
+    def _move_aside(self, step: int, reason: str) -> None:
+        """Lease holder, before saving damaged ``step`` again: move the old checkpoint out of the way."""
+        try:
+            sha = hashlib.sha256(read_manifest_bytes(self.store, step)).hexdigest()
+        except CorruptCheckpoint:
+            return  # gone meanwhile (a person removed it): nothing to move
+        rec = quarantine.find(self.store, step, sha) or {"step": step, "manifest_sha256": sha, "reason": reason,
+                                                         "found_at": now(), "found_by": self.owner}
+        dest = quarantine.move_aside(self.store, step, rec, moved_by=self.owner)
+        self._damaged.pop((self.store.uri, step), None)
+        self._manifests.pop(step, None)
+        print(f"relaunch: damaged checkpoint {self.store.uri_for(step_key(step))} moved aside to "
+              f"{self.store.uri_for(dest)}; saving step {step} again", file=sys.stderr, flush=True)
 
     def _checked_quiet(self, step: int) -> CheckpointInfo | None:
         try:
