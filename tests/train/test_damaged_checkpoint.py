@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from components.core.checkpoint import CheckpointManager, step_key
-from components.core.storage import open_store
+from components.core.store import open_store
 from tests.train.conftest import final_params, run_torchrun, train_config
 
 pytestmark = pytest.mark.slow

@@ -29,7 +29,7 @@ from typing import Any
 
 from components.core.checkpoint.layout import MANIFEST, QUARANTINE, now, read_json, step_key
 from components.core.errors import RelaunchError
-from components.core.storage import FileStore, Store
+from components.core.store import FileStore, Store
 
 RECORD = "QUARANTINE.json"
 MARKER = re.compile(r"^step-(\d{12})-([0-9a-f]{16})\.json$")
