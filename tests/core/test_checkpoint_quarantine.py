@@ -6,6 +6,8 @@ checked by every reader (docs/checkpoint-format.md, "Manifest digest" and "Quara
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -226,20 +228,29 @@ def test_a_marker_of_an_older_manifest_of_the_step_does_not_quarantine_a_new_che
         assert mgr.latest().step == 10 and [i.step for i in mgr.list()] == [10]
 
 
-def test_a_format_2_manifest_without_its_own_digest_still_loads(tmp_path):
-    root = str(tmp_path / "store")
-    state = _history(root, [10], keep_last=0)
-    store = open_store(root)
-    key = f"{step_key(10)}/MANIFEST.json"
-    manifest = json.loads(store.read_bytes(key))
-    del manifest["manifest_digest"]  # as written before the manifest had a digest
-    store.write_bytes(key, json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode())
-    store.delete("checkpoints/latest.json")
-    fresh = make_state(seed=9)
-    with CheckpointManager(root) as mgr:
-        assert mgr.load(fresh).step == 10 and mgr.verify(10, deep=True).step == 10
-    assert all((a == b).all() for a, b in zip(fresh.model.parameters(), state.model.parameters()))
+def test_a_format_2_manifest_without_its_own_digest_still_loads_and_is_not_quarantined(tmp_path):
+    # the fixture was written by the first format-2 release, before manifests carried their digest
+    fixture = Path(__file__).parent / "fixtures" / "v2-store"
+    shutil.copytree(fixture, tmp_path / "store")
+    store = open_store(str(tmp_path / "store"))
+    assert "manifest_digest" not in json.loads(store.read_bytes(f"{step_key(2)}/MANIFEST.json"))
+    with CheckpointManager(str(tmp_path / "store"), owner="v2-test", async_save=False) as mgr:
+        assert mgr.latest().step == 2 and mgr.verify(2, deep=True).step == 2
     assert quarantine.records(store) == []
+
+
+def test_a_format_3_manifest_without_its_own_digest_is_damage(tmp_path):
+    root = str(tmp_path / "store")
+    _history(root, [10, 20], keep_last=0)
+    store = open_store(root)
+    key = f"{step_key(20)}/MANIFEST.json"
+    manifest = json.loads(store.read_bytes(key))
+    assert manifest["format_version"] == 3
+    del manifest["manifest_digest"]
+    store.write_bytes(key, json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode())
+    with CheckpointManager(root) as mgr:
+        assert mgr.latest().step == 10
+    assert [r["step"] for r in quarantine.records(store)] == [20]
 
 
 def test_an_intact_committed_step_is_still_never_overwritten(tmp_path):
