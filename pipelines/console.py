@@ -1,19 +1,20 @@
-"""What ``relaunch run`` prints: a line per step and the training's progress bar while the pipeline
-runs (:class:`RunView`, tailing the run's event file), then the closing summary (:func:`render_summary`).
+"""What ``relaunch run`` prints: a line per step, a line per training attempt and checkpoint, and the
+training's progress bar while the pipeline runs (:class:`RunView`, tailing the run's event file with
+:func:`components.core.events.read_file`), then the closing summary (:func:`render_summary`).
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import json
 import threading
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from components import STEP_TABLE
 from components.core.config import RelaunchConfig
+from components.core.events import Event, Kind, read_file
 from components.core.exitcodes import MEANING
 
 STEPS = tuple(STEP_TABLE)  # the five steps and the exit task
@@ -45,7 +46,8 @@ class RunView:
     def __init__(self, console, events: Path, log: Path):
         self.console, self.events, self.log = console, events, log
         self.steps = {s: StepRecord() for s in STEPS}
-        self.resumed: list[dict[str, Any]] = []
+        self.resumed: list[dict[str, Any]] = []  # each training attempt's resumed event
+        self.saved: list[dict[str, Any]] = []  # each checkpoint's saving event
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="relaunch-run-view")
         self._progress = None
@@ -67,44 +69,41 @@ class RunView:
             self._drain()
 
     def _drain(self) -> None:
-        with open(self.events) as fh:
-            fh.seek(self._offset)
-            while True:
-                line = fh.readline()
-                if not line.endswith("\n"):
-                    break
-                self._offset = fh.tell()
-                with contextlib.suppress(ValueError):
-                    self._handle(json.loads(line))
+        found, self._offset = read_file(self.events, self._offset)
+        for ev in found:
+            self._handle(ev)
 
     def _print(self, text: str) -> None:
         (self._progress.console if self._progress else self.console).print(text, highlight=False, soft_wrap=True)
 
-    def _handle(self, ev: dict[str, Any]) -> None:
-        kind, step = ev.get("kind"), ev.get("step")
-        if kind == "step-start" and step in self.steps:
+    def _handle(self, ev: Event) -> None:
+        kind, step = ev.kind, ev.get("step")
+        if kind == Kind.STEP_START and step in self.steps:
             rec = self.steps[step]
-            rec.state, rec.attempts, rec.started = "running", rec.attempts + 1, ev["time"]
-        elif kind == "step-end" and step in self.steps:
+            rec.state, rec.attempts, rec.started = "running", rec.attempts + 1, ev.time
+        elif kind == Kind.STEP_END and step in self.steps:
             self._step_end(self.steps[step], step, ev)
-        elif kind == "attempt-end" and step in self.steps and ev["exit_code"] and self.steps[step].state == "running":
+        elif kind == Kind.ATTEMPT_END and step in self.steps and ev["exit_code"] and self.steps[step].state == "running":
             rec = self.steps[step]  # the step's process ended without reporting: killed, or kfp.local failed it
-            rec.state, rec.exit_code, rec.seconds = "failed", ev["exit_code"], ev["time"] - rec.started
+            rec.state, rec.exit_code, rec.seconds = "failed", ev["exit_code"], ev.time - rec.started
             rec.message = f"its process ended without a report ({MEANING.get(ev['exit_code'], 'unknown code')})"
             self._print(f"  [red]✗[/] {step:<26} {rec.seconds:6.1f}s  exit {rec.exit_code}: {rec.message}")
-        elif kind == "retry":
+        elif kind == Kind.RETRY:
             code = ev["exit_code"]
             self._print(f"  [yellow]↻[/] {ev['step']:<26} retry {ev['attempt']}/{ev['limit']} in {ev['delay']:.0f}s "
                         f"(exit {code}: {MEANING.get(code, 'unknown')})")
-        elif kind == "resumed":
-            self.resumed.append(ev)
+        elif kind == Kind.RESUMED:
+            self.resumed.append({"time": ev.time, **ev.fields})
             where = f"resumed from step {ev['step']}" if int(ev.get("step", -1)) >= 0 else "started from scratch"
             self._print(f"    [cyan]↳[/] training attempt {ev.get('attempt', '?')} {where}")
-        elif kind == "progress":
+        elif kind == Kind.SAVING:
+            self.saved.append({"time": ev.time, **ev.fields})
+            self._print(f"    [blue]↓[/] saving checkpoint at step {ev.get('step', '?')} (attempt {ev.get('attempt', '?')})")
+        elif kind == Kind.PROGRESS:
             self._progress_update(ev)
 
-    def _step_end(self, rec: StepRecord, step: str, ev: dict[str, Any]) -> None:
-        rec.seconds = ev["time"] - rec.started
+    def _step_end(self, rec: StepRecord, step: str, ev: Event) -> None:
+        rec.seconds = ev.time - rec.started
         rec.exit_code, rec.message = ev.get("exit_code", 0), ev.get("message", "")
         rec.state = "succeeded" if rec.exit_code == 0 else "failed"
         if rec.exit_code == 0:
@@ -118,7 +117,7 @@ class RunView:
             self.steps["register"].state = "skipped"
             self._print(f"  [yellow]–[/] {'register':<26} {'':>7}  skipped: the evaluation gate failed")
 
-    def _progress_update(self, ev: dict[str, Any]) -> None:
+    def _progress_update(self, ev: Event) -> None:
         total, step = int(ev.get("total_steps") or 0), int(ev.get("step", 0))
         if not self.console.is_terminal or not total:
             return

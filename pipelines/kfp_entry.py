@@ -6,7 +6,8 @@ runs the step, and returns its outputs as the tuple KFP expects (fields in decla
 :class:`RelaunchError` becomes one line on stderr and the process exits with its code (KFP's
 executor does not catch ``SystemExit``, and ``sh -c`` passes the code on), so the local
 runner (and a reader of the pod's log) can tell a permanent failure from a retryable one. When
-``RELAUNCH_EVENTS`` names a file (``relaunch run`` sets it), start/end events are appended to it.
+``RELAUNCH_EVENTS`` names a file (``relaunch run`` sets it), the ``step-start`` and ``step-end``
+events of :mod:`components.core.events` are appended to it.
 
 In KFP's executor process the step ends without tearing the interpreter down: every ``atexit``
 handler runs (MLflow's, tempfile's, logging is shut down), then ``os._exit`` with the exit status.
@@ -19,15 +20,15 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import importlib
-import json
 import logging
 import os
 import sys
-import time
 import traceback
 from typing import Any
 
 from components import STEP_MODULES
+from components.core import events
+from components.core.events import Kind
 from components.core.exitcodes import ExitCode
 
 _failed_with: list[int] = []
@@ -53,14 +54,6 @@ def _in_kfp_executor() -> bool:
     return getattr(getattr(main, "__spec__", None), "name", "") == "kfp.dsl.executor_main"
 
 
-def emit(kind: str, **payload: Any) -> None:
-    """Append one event to ``$RELAUNCH_EVENTS`` (no-op when unset)."""
-    path = os.environ.get("RELAUNCH_EVENTS")
-    if path:
-        with open(path, "a") as fh:
-            fh.write(json.dumps({"kind": kind, "time": time.time(), **payload}, default=str) + "\n")
-
-
 def call(step: str, config_json: str, **inputs: Any) -> tuple:
     """Run step ``step`` on the configuration ``config_json``; exit with the contract's code on error."""
     from components.core import warm
@@ -71,7 +64,7 @@ def call(step: str, config_json: str, **inputs: Any) -> tuple:
     if _in_kfp_executor() and not _ends_without_teardown and not warm.forked:  # a warm fork ends so itself
         _ends_without_teardown = True
         atexit.register(_end_without_teardown)
-    emit("step-start", step=step, warm=warm.forked)
+    events.write(Kind.STEP_START, step=step, warm=warm.forked)
     try:
         config = RelaunchConfig.from_json(config_json)
         outputs = importlib.import_module(STEP_MODULES[step]).run(config, **inputs)
@@ -81,12 +74,12 @@ def call(step: str, config_json: str, **inputs: Any) -> tuple:
         traceback.print_exc()
         _fail(step, ExitCode.BUG, f"{type(err).__name__}: {err}")
     values = dataclasses.asdict(outputs)
-    emit("step-end", step=step, exit_code=0, outputs=values)
+    events.write(Kind.STEP_END, step=step, exit_code=0, outputs=values)
     return tuple(values.values())
 
 
 def _fail(step: str, code: int, message: str) -> None:
     _failed_with.append(code)
-    emit("step-end", step=step, exit_code=code, message=message)
+    events.write(Kind.STEP_END, step=step, exit_code=int(code), message=message)
     print(f"{step}: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(code)

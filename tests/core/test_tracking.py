@@ -147,4 +147,4 @@ def test_off_rank_0_the_tracking_object_does_nothing(tmp_path, capsys):
     tracker.log_evaluation(1, {"val_loss": 1.0}, before_checkpoint=True)
     tracker.finish(1, {}, {})
     assert tracker.logger is None and tracker.recent == [] and tracker.overhead(1, 1.0) == {}
-    assert capsys.readouterr() == ("", "")  # no RELAUNCH_RESUMED/PROGRESS line, no spike line
+    assert capsys.readouterr() == ("", "")  # no resumed/progress event, no spike line
