@@ -25,7 +25,7 @@ OUTPUTS = {
     "prepare": PrepareOutputs(config_json="{}", run_id="r1", dataset_version="ds-1", dataset_uri="/data/ds-1",
                               experiment_id="7"),
     "locate-latest-checkpoint": LocateOutputs(checkpoint_uri="", step=-1, source="none"),
-    "launch": LaunchOutputs(exit_code=0, restarts=1, resumed_from_steps="[-1, 30]", train_seconds=1.5,
+    "launch": LaunchOutputs(restarts=1, resumed_from_steps="[-1, 30]", train_seconds=1.5,
                             duration_seconds=9.0, ettr=0.4, last_checkpoint_uri="/c/step-40", job_name="j"),
     "evaluate": EvaluateOutputs(metrics_json='{"accuracy": 0.9}', passed=True, checkpoint_uri="/c/step-40", step=40),
     "register": RegisterOutputs(model_name="relaunch-digits", version="2", aliases='["challenger"]',
