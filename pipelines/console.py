@@ -1,5 +1,5 @@
-"""What ``relaunch run`` prints: a line per step, a line per training attempt and checkpoint, and the
-training's progress bar while the pipeline runs (:class:`RunView`, tailing the run's event file with
+"""What ``relaunch run`` prints: a line per step, a line per training attempt (where it started, the
+checkpoints it saved), and the training's progress bar while the pipeline runs (:class:`RunView`, tailing the run's event file with
 :func:`components.core.events.read_file`), then the closing summary (:func:`render_summary`).
 """
 
@@ -53,6 +53,7 @@ class RunView:
         self._progress = None
         self._bar = None
         self._offset = 0
+        self._unprinted_saves: list[Event] = []
 
     def start(self) -> None:
         self.console.print(f"[bold]relaunch run[/] — steps run by kfp.local; full log: {self.log}", soft_wrap=True)
@@ -62,6 +63,7 @@ class RunView:
         self._stop.set()
         self._thread.join(10)
         self._drain()
+        self._print_saves()
         self._end_bar()
 
     def _loop(self) -> None:
@@ -82,8 +84,10 @@ class RunView:
             rec = self.steps[step]
             rec.state, rec.attempts, rec.started = "running", rec.attempts + 1, ev.time
         elif kind == Kind.STEP_END and step in self.steps:
+            self._print_saves()
             self._step_end(self.steps[step], step, ev)
         elif kind == Kind.ATTEMPT_END and step in self.steps and ev["exit_code"] and self.steps[step].state == "running":
+            self._print_saves()
             rec = self.steps[step]  # the step's process ended without reporting: killed, or kfp.local failed it
             rec.state, rec.exit_code, rec.seconds = "failed", ev["exit_code"], ev.time - rec.started
             rec.message = f"its process ended without a report ({MEANING.get(ev['exit_code'], 'unknown code')})"
@@ -93,14 +97,22 @@ class RunView:
             self._print(f"  [yellow]↻[/] {ev['step']:<26} retry {ev['attempt']}/{ev['limit']} in {ev['delay']:.0f}s "
                         f"(exit {code}: {MEANING.get(code, 'unknown')})")
         elif kind == Kind.RESUMED:
+            self._print_saves()
             self.resumed.append({"time": ev.time, **ev.fields})
             where = f"resumed from step {ev['step']}" if int(ev.get("step", -1)) >= 0 else "started from scratch"
             self._print(f"    [cyan]↳[/] training attempt {ev.get('attempt', '?')} {where}")
         elif kind == Kind.SAVING:
             self.saved.append({"time": ev.time, **ev.fields})
-            self._print(f"    [blue]↓[/] saving checkpoint at step {ev.get('step', '?')} (attempt {ev.get('attempt', '?')})")
+            self._unprinted_saves.append(ev)
         elif kind == Kind.PROGRESS:
             self._progress_update(ev)
+
+    def _print_saves(self) -> None:
+        """One line for the checkpoints an attempt saved, once it ended (or the next one started)."""
+        saves, self._unprinted_saves = self._unprinted_saves, []
+        if saves:
+            steps = ", ".join(str(e.get("step", "?")) for e in saves)
+            self._print(f"    [blue]↓[/] attempt {saves[0].get('attempt', '?')} saved checkpoints at step{'s' if len(saves) > 1 else ''} {steps}")
 
     def _step_end(self, rec: StepRecord, step: str, ev: Event) -> None:
         rec.seconds = ev.time - rec.started

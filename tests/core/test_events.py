@@ -100,6 +100,5 @@ def test_a_real_trainings_events_reach_the_console_through_the_launcher_and_the_
     view.stop()
     text = out.getvalue()
     assert "training attempt 1 started from scratch" in text
-    for step in saved:
-        assert f"saving checkpoint at step {step} (attempt 1)" in text
+    assert f"attempt 1 saved checkpoints at steps {', '.join(map(str, saved))}" in text
     assert [s["step"] for s in view.saved] == saved
