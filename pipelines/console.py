@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
+
 from components import STEP_TABLE
 from components.core.config import RelaunchConfig
 from components.core.events import Event, Kind, read_file
@@ -123,7 +125,8 @@ class RunView:
         if step == "launch":
             self._end_bar()
         mark = "[green]✓[/]" if rec.exit_code == 0 else "[red]✗[/]"
-        detail = _detail(step, rec) if rec.exit_code == 0 else f"exit {rec.exit_code}: {rec.message}"
+        # a failure's message is the step's own text (a gloo error names "[/path/pair.cc:553]"): never markup
+        detail = escape(_detail(step, rec)) if rec.exit_code == 0 else f"exit {rec.exit_code}: {escape(rec.message)}"
         self._print(f"  {mark} {step:<26} {rec.seconds:6.1f}s  {detail}")
         if step == "evaluate" and rec.exit_code == 0 and not rec.outputs.passed:
             self.steps["register"].state = "skipped"
