@@ -12,6 +12,7 @@ source gave it, never its message (a URL's port or a run id can hold "401"; a pr
 - MLflow: an ``MlflowException`` by its ``error_code`` (MLflow maps a non-JSON HTTP 401/403 answer
   to UNAUTHENTICATED/PERMISSION_DENIED itself); requests' ``HTTPError`` by its status;
 - torch.distributed: ``DistError`` (backend, network, store) and the elastic rendezvous errors;
+- the Kubernetes API: an ``ApiException`` by its HTTP status;
 - Python: Ctrl-C, ``ConnectionError`` and ``TimeoutError``.
 
 Anything else is a bug (1). A library's types are looked up only when that library is already
@@ -40,6 +41,9 @@ MLFLOW_AUTH_CODES = frozenset({"UNAUTHENTICATED", "PERMISSION_DENIED"})
 MLFLOW_REFUSED_CODES = frozenset({"INVALID_PARAMETER_VALUE", "BAD_REQUEST", "RESOURCE_ALREADY_EXISTS",
                                   "INVALID_STATE", "RESOURCE_DOES_NOT_EXIST"})
 """MLflow error codes of a request the server answered and refused: retrying cannot help."""
+KUBERNETES_REFUSED_STATUSES = frozenset({400, 401, 403, 404, 422})
+"""HTTP statuses of the Kubernetes API that refuse the request itself (credentials, RBAC, an invalid
+manifest): bad input; any other status is worth retrying."""
 POD_PREEMPTION_REASONS = frozenset({"Evicted", "Preempting", "NodeLost", "NodeShutdown", "Shutdown", "Terminated",
                                     "DeletionByTaintManager", "DeletionByPodGC", "UnexpectedAdmissionError"})
 """A pod's ``status.reason`` when it was taken away with its node: preempted (143), retryable."""
@@ -161,6 +165,13 @@ def _distributed(exc: BaseException) -> ExitCode | None:
     return None
 
 
+def _kubernetes(exc: BaseException) -> ExitCode | None:
+    api = _module("kubernetes.client.exceptions")
+    if api is not None and isinstance(exc, api.ApiException):
+        return ExitCode.BAD_INPUT if exc.status in KUBERNETES_REFUSED_STATUSES else ExitCode.RETRY_ME
+    return None
+
+
 def _python(exc: BaseException) -> ExitCode | None:
     if isinstance(exc, KeyboardInterrupt):
         return ExitCode.INTERRUPTED
@@ -169,7 +180,8 @@ def _python(exc: BaseException) -> ExitCode | None:
     return None
 
 
-ADAPTERS: tuple[Callable[[BaseException], ExitCode | None], ...] = (_contract, _dcp, _s3, _mlflow, _distributed, _python)
+ADAPTERS: tuple[Callable[[BaseException], ExitCode | None], ...] = (_contract, _dcp, _s3, _mlflow, _distributed, _kubernetes,
+                                                                    _python)
 """Tried in order; the first that knows the failure's type answers."""
 
 

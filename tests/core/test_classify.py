@@ -224,6 +224,18 @@ def test_a_checkpoint_of_another_model_is_found_from_the_metadata_not_from_dcps_
     assert dcp_mismatch({"w": torch.zeros(3), "bias": torch.zeros(1)}, metadata) == "the checkpoint has no bias"
 
 
+# ---------------------------------------------------------------------------------- the Kubernetes API
+
+
+@pytest.mark.parametrize("status,expected", [(401, ExitCode.BAD_INPUT), (403, ExitCode.BAD_INPUT),
+                                             (422, ExitCode.BAD_INPUT), (409, ExitCode.RETRY_ME),
+                                             (429, ExitCode.RETRY_ME), (503, ExitCode.RETRY_ME)])
+def test_a_kubernetes_api_answer_is_classified_by_its_status(status, expected):
+    from kubernetes.client import ApiException
+
+    assert classify(ApiException(status=status, reason="as the API server says")) == expected
+
+
 # ---------------------------------------------------------------------------------- the contract, Python
 
 
