@@ -109,15 +109,19 @@ def dcp_failures(exc: BaseException) -> list[BaseException]:
 
 def dcp_original(exc: BaseException) -> BaseException:
     """The error DCP wrapped that says most about a failed save or load: a damaged checkpoint first (so
-    that every rank falls back together), then a permanent error, a retryable one, any other; ``exc``
-    itself when it wraps none."""
+    that every rank falls back together), then the contract's own errors (permanent before
+    retryable), then any other error an adapter knows, then the first; ``exc`` itself when it wraps
+    none."""
+    def rank(err: BaseException) -> int:
+        if isinstance(err, CorruptCheckpoint):
+            return 0
+        code = classify(err)
+        if isinstance(err, RelaunchError):
+            return 1 if code in PERMANENT else 2
+        return 3 if code != ExitCode.BUG else 4
+
     originals = dcp_failures(exc)
-    for wanted in (lambda e: isinstance(e, CorruptCheckpoint), lambda e: classify(e) in PERMANENT,
-                   lambda e: classify(e) in RETRYABLE, lambda e: True):
-        for original in originals:
-            if wanted(original):
-                return original
-    return exc
+    return min(originals, key=rank) if originals else exc
 
 
 def _dcp(exc: BaseException) -> ExitCode | None:
