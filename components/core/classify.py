@@ -28,7 +28,7 @@ import sys
 from typing import Any, Callable
 
 from components.core.errors import CorruptCheckpoint, RelaunchError, error_for
-from components.core.exitcodes import PERMANENT, RETRYABLE, ExitCode, normalize
+from components.core.exitcodes import PERMANENT, ExitCode, normalize
 
 S3_CREDENTIAL_CODES = frozenset({"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken",
                                  "ExpiredToken", "AllAccessDisabled", "AccountProblem"})

@@ -85,7 +85,7 @@ class Attempt:
 
 @dataclass
 class TrainSummary:
-    """What an attempt reports (``runs/summary.json``, ``RELAUNCH_SUMMARY``, the step's outputs)."""
+    """What an attempt reports (``runs/summary.json``, the ``summary`` event, the step's outputs)."""
 
     exit_code: int
     reason: str

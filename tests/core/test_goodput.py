@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from components.core.classify import torchrun_exit
 from components.core import goodput
+from components.core.classify import torchrun_exit
 from components.core.storage import open_store
 
 

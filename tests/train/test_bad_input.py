@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from components.core.classify import torchrun_exit
 from components.core import goodput
 from components.core.checkpoint import CheckpointManager
+from components.core.classify import torchrun_exit
 from components.core.config import RelaunchConfig
 from components.core.state import TrainingState
 from components.core.storage import open_store
