@@ -40,7 +40,9 @@ def _end_without_teardown() -> None:
     if _failed_with:
         code = _failed_with[-1]
     elif hasattr(sys, "last_value"):  # the executor failed after the step, e.g. writing its outputs
-        code = ExitCode.INTERRUPTED if isinstance(sys.last_value, KeyboardInterrupt) else ExitCode.BUG
+        from components.core.classify import classify
+
+        code = classify(sys.last_value)
     else:
         code = ExitCode.OK
     logging.shutdown()
@@ -70,9 +72,11 @@ def call(step: str, config_json: str, **inputs: Any) -> tuple:
         outputs = importlib.import_module(STEP_MODULES[step]).run(config, **inputs)
     except RelaunchError as err:
         _fail(step, int(err.exit_code), str(err))
-    except Exception as err:  # a bug: keep the traceback in the step's log, exit 1
+    except Exception as err:  # not the contract's: keep the traceback in the step's log, exit as classified
+        from components.core.classify import classify
+
         traceback.print_exc()
-        _fail(step, ExitCode.BUG, f"{type(err).__name__}: {err}")
+        _fail(step, classify(err), f"{type(err).__name__}: {err}")
     values = dataclasses.asdict(outputs)
     events.write(Kind.STEP_END, step=step, exit_code=0, outputs=values)
     return tuple(values.values())
