@@ -1,8 +1,8 @@
 """Step 3, ``launch``: run the training with the backend ``launch.backend`` names and wait for it.
 
 ``local`` starts torchrun agents on this machine (:mod:`components.launchers.local`); ``pytorchjob``
-submits one Kubeflow PyTorchJob (:mod:`components.launchers.pytorchjob`; the old name ``kubernetes``
-still means it) and ``trainjob`` one Kubeflow Trainer v2 TrainJob (:mod:`components.launchers.trainjob`).
+submits one Kubeflow PyTorchJob (:mod:`components.launchers.pytorchjob`) and ``trainjob`` one Kubeflow
+Trainer v2 TrainJob (:mod:`components.launchers.trainjob`).
 Each is one function with the same shape; this step only picks it, reads the trainer's summary from the store, and fails with the
 contract's exit code when the training did not end well (a retried launch resumes from the latest
 checkpoint, because the trainer always does).
@@ -23,7 +23,8 @@ from components.launchers import backend_module
 
 @dataclass
 class LaunchOutputs:
-    exit_code: int
+    """What a launch that ended well reports (a failed one exits with its code: :class:`LaunchFailed`)."""
+
     restarts: int
     resumed_from_steps: str  # JSON list: the step each attempt started from (-1 = fresh)
     train_seconds: float
@@ -56,7 +57,7 @@ def run(config: RelaunchConfig, resume_from: str = "", pipeline_run_id: str = ""
         raise LaunchFailed(result.exit_code, result.message or f"training failed with exit code {result.exit_code}")
     summary = read_summary(config)
     return LaunchOutputs(
-        exit_code=0, restarts=result.restarts,
+        restarts=result.restarts,
         resumed_from_steps=json.dumps(summary.get("resumed_from_steps", result.resumed_from_steps)),
         train_seconds=float(summary.get("train_seconds", 0.0)), duration_seconds=result.duration_seconds,
         ettr=float(summary.get("ettr", 0.0)), last_checkpoint_uri=str(summary.get("last_checkpoint_uri") or ""),
@@ -85,7 +86,7 @@ def finished_training(config: RelaunchConfig) -> LaunchOutputs | None:
     print(f"launch: the training of MLflow run {config.tracking.run_id} already reached its end (step "
           f"{summary['last_step']} of {summary['total_steps']}); nothing to launch", file=sys.stderr)
     return LaunchOutputs(
-        exit_code=0, restarts=max(0, int(summary.get("attempts") or 1) - 1),
+        restarts=max(0, int(summary.get("attempts") or 1) - 1),
         resumed_from_steps=json.dumps(summary.get("resumed_from_steps", [])),
         train_seconds=float(summary.get("train_seconds", 0.0)), duration_seconds=0.0,
         ettr=float(summary.get("ettr") or 0.0), last_checkpoint_uri=str(summary.get("last_checkpoint_uri") or ""),

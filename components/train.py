@@ -16,9 +16,9 @@ SIGTERM and SIGUSR1 only set a flag; the ranks agree on it at the next step boun
 all-reduce), save when the last save's duration fits the grace period left, and exit 143. A NaN/inf
 loss exits 3 without saving; a hung rank exits 138 (watchdog). Rank 0 alone talks to MLflow, through
 a buffered asynchronous logger. Every attempt ending under our control writes ``runs/exit.json`` and
-``runs/summary.json`` in the store and prints ``RELAUNCH_SUMMARY {json}`` (see
-:mod:`components.core.goodput`); progress lines are ``RELAUNCH_RESUMED {json}`` and
-``RELAUNCH_PROGRESS {json}``.
+``runs/summary.json`` in the store (see :mod:`components.core.goodput`). Rank 0 tells its launcher
+what happens with the events of :mod:`components.core.events` on stdout (``resumed``, ``progress``,
+``saving``, ``summary``, ``exit``).
 """
 
 from __future__ import annotations
@@ -40,13 +40,14 @@ from components.core import goodput  # noqa: E402
 from components.core import train_setup as setup  # noqa: E402
 from components.core.config import RelaunchConfig, config_from_cli  # noqa: E402
 from components.core.errors import Diverged, Preempted, RelaunchError, TransientFailure  # noqa: E402
+from components.core.events import Kind, emit  # noqa: E402
 from components.core.exitcodes import RETRYABLE, ExitCode  # noqa: E402
 from components.core.goodput import TrainSummary  # noqa: E402
 from components.core.health import PreemptionFlag, SpikeDetector, Watchdog, is_finite  # noqa: E402
 from components.core.injection import Injection, wrap_store  # noqa: E402
 from components.core.lineage import start_system_metrics  # noqa: E402
 from components.core.train_checkpoints import TrainerCheckpoints  # noqa: E402
-from components.core.train_tracking import TrainingTracker, emit, resolve_run_id, run_params  # noqa: E402
+from components.core.train_tracking import TrainingTracker, resolve_run_id, run_params  # noqa: E402
 from components.tasks.base import load_task  # noqa: E402
 
 _IMPORTED = time.time()
@@ -157,7 +158,7 @@ class Training:
             self.log.record.phases = self.phases
             self.log.record.resumed_from_step = self.resumed_from
             self.tracker.start(resumed_from=self.resumed_from, resumed_uri=restored.uri, world_size=self.env.world_size,
-                               params=run_params(self.config, self.env))  # and RELAUNCH_RESUMED
+                               params=run_params(self.config, self.env))  # and the resumed event
 
     # ---- the loop
 
@@ -244,7 +245,7 @@ class Training:
                    "train/samples_per_second": self.t.global_batch_size / seconds if seconds > 0 else 0.0}
         self.tracker.log_step(self.step, metrics, {"train/epoch": float(epoch), "health/loss_spikes": float(self.spikes.spikes),
                                                    "health/amp_overflows": float(self.overflows)},
-                              total_steps=self.total_steps, epoch=epoch, spike=spike)  # and RELAUNCH_PROGRESS
+                              total_steps=self.total_steps, epoch=epoch, spike=spike)  # and the progress event
 
     def _peers(self):
         return waiting_on_peers(self.env.world_size)
@@ -304,7 +305,7 @@ class Training:
             final_metrics=self.final_metrics)
         if self.env.is_main:
             goodput.record_ending(self.store, summary, self.env.elastic_run_id)
-            emit("SUMMARY", asdict(summary))
+            emit(Kind.SUMMARY, **asdict(summary))
         return summary
 
 
@@ -346,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     except RelaunchError as err:
         print(f"train[rank {rank}]: error: {err}", file=sys.stderr, flush=True)
         if rank == "0":
-            emit("EXIT", {"exit_code": int(err.exit_code), "reason": str(err)})
+            emit(Kind.EXIT, exit_code=int(err.exit_code), reason=str(err))
         return int(err.exit_code)
 
 

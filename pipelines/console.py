@@ -1,19 +1,22 @@
-"""What ``relaunch run`` prints: a line per step and the training's progress bar while the pipeline
-runs (:class:`RunView`, tailing the run's event file), then the closing summary (:func:`render_summary`).
+"""What ``relaunch run`` prints: a line per step, a line per training attempt (where it started, the
+checkpoints it saved), and the training's progress bar while the pipeline runs (:class:`RunView`, tailing the run's event file with
+:func:`components.core.events.read_file`), then the closing summary (:func:`render_summary`).
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import json
 import threading
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
+
 from components import STEP_TABLE
 from components.core.config import RelaunchConfig
+from components.core.events import Event, Kind, read_file
 from components.core.exitcodes import MEANING
 
 STEPS = tuple(STEP_TABLE)  # the five steps and the exit task
@@ -45,12 +48,14 @@ class RunView:
     def __init__(self, console, events: Path, log: Path):
         self.console, self.events, self.log = console, events, log
         self.steps = {s: StepRecord() for s in STEPS}
-        self.resumed: list[dict[str, Any]] = []
+        self.resumed: list[dict[str, Any]] = []  # each training attempt's resumed event
+        self.saved: list[dict[str, Any]] = []  # each checkpoint's saving event
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="relaunch-run-view")
         self._progress = None
         self._bar = None
         self._offset = 0
+        self._unprinted_saves: list[Event] = []
 
     def start(self) -> None:
         self.console.print(f"[bold]relaunch run[/] — steps run by kfp.local; full log: {self.log}", soft_wrap=True)
@@ -60,6 +65,7 @@ class RunView:
         self._stop.set()
         self._thread.join(10)
         self._drain()
+        self._print_saves()
         self._end_bar()
 
     def _loop(self) -> None:
@@ -67,44 +73,51 @@ class RunView:
             self._drain()
 
     def _drain(self) -> None:
-        with open(self.events) as fh:
-            fh.seek(self._offset)
-            while True:
-                line = fh.readline()
-                if not line.endswith("\n"):
-                    break
-                self._offset = fh.tell()
-                with contextlib.suppress(ValueError):
-                    self._handle(json.loads(line))
+        found, self._offset = read_file(self.events, self._offset)
+        for ev in found:
+            self._handle(ev)
 
     def _print(self, text: str) -> None:
         (self._progress.console if self._progress else self.console).print(text, highlight=False, soft_wrap=True)
 
-    def _handle(self, ev: dict[str, Any]) -> None:
-        kind, step = ev.get("kind"), ev.get("step")
-        if kind == "step-start" and step in self.steps:
+    def _handle(self, ev: Event) -> None:
+        kind, step = ev.kind, ev.get("step")
+        if kind == Kind.STEP_START and step in self.steps:
             rec = self.steps[step]
-            rec.state, rec.attempts, rec.started = "running", rec.attempts + 1, ev["time"]
-        elif kind == "step-end" and step in self.steps:
+            rec.state, rec.attempts, rec.started = "running", rec.attempts + 1, ev.time
+        elif kind == Kind.STEP_END and step in self.steps:
+            self._print_saves()
             self._step_end(self.steps[step], step, ev)
-        elif kind == "attempt-end" and step in self.steps and ev["exit_code"] and self.steps[step].state == "running":
+        elif kind == Kind.ATTEMPT_END and step in self.steps and ev["exit_code"] and self.steps[step].state == "running":
+            self._print_saves()
             rec = self.steps[step]  # the step's process ended without reporting: killed, or kfp.local failed it
-            rec.state, rec.exit_code, rec.seconds = "failed", ev["exit_code"], ev["time"] - rec.started
+            rec.state, rec.exit_code, rec.seconds = "failed", ev["exit_code"], ev.time - rec.started
             rec.message = f"its process ended without a report ({MEANING.get(ev['exit_code'], 'unknown code')})"
             self._print(f"  [red]✗[/] {step:<26} {rec.seconds:6.1f}s  exit {rec.exit_code}: {rec.message}")
-        elif kind == "retry":
+        elif kind == Kind.RETRY:
             code = ev["exit_code"]
             self._print(f"  [yellow]↻[/] {ev['step']:<26} retry {ev['attempt']}/{ev['limit']} in {ev['delay']:.0f}s "
                         f"(exit {code}: {MEANING.get(code, 'unknown')})")
-        elif kind == "resumed":
-            self.resumed.append(ev)
+        elif kind == Kind.RESUMED:
+            self._print_saves()
+            self.resumed.append({"time": ev.time, **ev.fields})
             where = f"resumed from step {ev['step']}" if int(ev.get("step", -1)) >= 0 else "started from scratch"
             self._print(f"    [cyan]↳[/] training attempt {ev.get('attempt', '?')} {where}")
-        elif kind == "progress":
+        elif kind == Kind.SAVING:
+            self.saved.append({"time": ev.time, **ev.fields})
+            self._unprinted_saves.append(ev)
+        elif kind == Kind.PROGRESS:
             self._progress_update(ev)
 
-    def _step_end(self, rec: StepRecord, step: str, ev: dict[str, Any]) -> None:
-        rec.seconds = ev["time"] - rec.started
+    def _print_saves(self) -> None:
+        """One line for the checkpoints an attempt saved, once it ended (or the next one started)."""
+        saves, self._unprinted_saves = self._unprinted_saves, []
+        if saves:
+            steps = ", ".join(str(e.get("step", "?")) for e in saves)
+            self._print(f"    [blue]↓[/] attempt {saves[0].get('attempt', '?')} saved checkpoints at step{'s' if len(saves) > 1 else ''} {steps}")
+
+    def _step_end(self, rec: StepRecord, step: str, ev: Event) -> None:
+        rec.seconds = ev.time - rec.started
         rec.exit_code, rec.message = ev.get("exit_code", 0), ev.get("message", "")
         rec.state = "succeeded" if rec.exit_code == 0 else "failed"
         if rec.exit_code == 0:
@@ -112,13 +125,14 @@ class RunView:
         if step == "launch":
             self._end_bar()
         mark = "[green]✓[/]" if rec.exit_code == 0 else "[red]✗[/]"
-        detail = _detail(step, rec) if rec.exit_code == 0 else f"exit {rec.exit_code}: {rec.message}"
+        # a failure's message is the step's own text (a gloo error names "[/path/pair.cc:553]"): never markup
+        detail = escape(_detail(step, rec)) if rec.exit_code == 0 else f"exit {rec.exit_code}: {escape(rec.message)}"
         self._print(f"  {mark} {step:<26} {rec.seconds:6.1f}s  {detail}")
         if step == "evaluate" and rec.exit_code == 0 and not rec.outputs.passed:
             self.steps["register"].state = "skipped"
             self._print(f"  [yellow]–[/] {'register':<26} {'':>7}  skipped: the evaluation gate failed")
 
-    def _progress_update(self, ev: dict[str, Any]) -> None:
+    def _progress_update(self, ev: Event) -> None:
         total, step = int(ev.get("total_steps") or 0), int(ev.get("step", 0))
         if not self.console.is_terminal or not total:
             return

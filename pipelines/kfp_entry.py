@@ -6,7 +6,8 @@ runs the step, and returns its outputs as the tuple KFP expects (fields in decla
 :class:`RelaunchError` becomes one line on stderr and the process exits with its code (KFP's
 executor does not catch ``SystemExit``, and ``sh -c`` passes the code on), so the local
 runner (and a reader of the pod's log) can tell a permanent failure from a retryable one. When
-``RELAUNCH_EVENTS`` names a file (``relaunch run`` sets it), start/end events are appended to it.
+``RELAUNCH_EVENTS`` names a file (``relaunch run`` sets it), the ``step-start`` and ``step-end``
+events of :mod:`components.core.events` are appended to it.
 
 In KFP's executor process the step ends without tearing the interpreter down: every ``atexit``
 handler runs (MLflow's, tempfile's, logging is shut down), then ``os._exit`` with the exit status.
@@ -19,15 +20,15 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import importlib
-import json
 import logging
 import os
 import sys
-import time
 import traceback
 from typing import Any
 
 from components import STEP_MODULES
+from components.core import events
+from components.core.events import Kind
 from components.core.exitcodes import ExitCode
 
 _failed_with: list[int] = []
@@ -39,7 +40,9 @@ def _end_without_teardown() -> None:
     if _failed_with:
         code = _failed_with[-1]
     elif hasattr(sys, "last_value"):  # the executor failed after the step, e.g. writing its outputs
-        code = ExitCode.INTERRUPTED if isinstance(sys.last_value, KeyboardInterrupt) else ExitCode.BUG
+        from components.core.classify import classify
+
+        code = classify(sys.last_value)
     else:
         code = ExitCode.OK
     logging.shutdown()
@@ -53,14 +56,6 @@ def _in_kfp_executor() -> bool:
     return getattr(getattr(main, "__spec__", None), "name", "") == "kfp.dsl.executor_main"
 
 
-def emit(kind: str, **payload: Any) -> None:
-    """Append one event to ``$RELAUNCH_EVENTS`` (no-op when unset)."""
-    path = os.environ.get("RELAUNCH_EVENTS")
-    if path:
-        with open(path, "a") as fh:
-            fh.write(json.dumps({"kind": kind, "time": time.time(), **payload}, default=str) + "\n")
-
-
 def call(step: str, config_json: str, **inputs: Any) -> tuple:
     """Run step ``step`` on the configuration ``config_json``; exit with the contract's code on error."""
     from components.core import warm
@@ -71,22 +66,24 @@ def call(step: str, config_json: str, **inputs: Any) -> tuple:
     if _in_kfp_executor() and not _ends_without_teardown and not warm.forked:  # a warm fork ends so itself
         _ends_without_teardown = True
         atexit.register(_end_without_teardown)
-    emit("step-start", step=step, warm=warm.forked)
+    events.write(Kind.STEP_START, step=step, warm=warm.forked)
     try:
         config = RelaunchConfig.from_json(config_json)
         outputs = importlib.import_module(STEP_MODULES[step]).run(config, **inputs)
     except RelaunchError as err:
         _fail(step, int(err.exit_code), str(err))
-    except Exception as err:  # a bug: keep the traceback in the step's log, exit 1
+    except Exception as err:  # not the contract's: keep the traceback in the step's log, exit as classified
+        from components.core.classify import classify
+
         traceback.print_exc()
-        _fail(step, ExitCode.BUG, f"{type(err).__name__}: {err}")
+        _fail(step, classify(err), f"{type(err).__name__}: {err}")
     values = dataclasses.asdict(outputs)
-    emit("step-end", step=step, exit_code=0, outputs=values)
+    events.write(Kind.STEP_END, step=step, exit_code=0, outputs=values)
     return tuple(values.values())
 
 
 def _fail(step: str, code: int, message: str) -> None:
     _failed_with.append(code)
-    emit("step-end", step=step, exit_code=code, message=message)
+    events.write(Kind.STEP_END, step=step, exit_code=int(code), message=message)
     print(f"{step}: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(code)

@@ -1,4 +1,4 @@
-"""What kfp.local 2.17 does not carry, and the two small fixes :func:`install_local_fixes` applies to it
+"""What kfp.local 2.17 does not carry, and the three small fixes :func:`install_local_fixes` applies to it
 (``relaunch run`` calls it before the pipeline starts):
 
 1. ``dsl.If`` on a task output inside a nested DAG (our ExitHandler): its condition evaluator only
@@ -7,8 +7,12 @@
 2. Retries ignore exit codes (as KFP v2 does everywhere): a permanent failure (bad input, exit 2)
    would be retried with backoff. The fix keeps the task's own retry policy and backoff but stops
    at once on a code that :func:`components.core.exitcodes.is_retryable` refuses.
+3. Each task's command runs through the warm step server when ``relaunch run`` started one
+   (:func:`use_warm_steps`), else as kfp.local's fresh subprocess; either way its exit code is kept
+   for fix 2 (kfp.local itself only keeps success or failure).
 
-Both report to the run's event file (``RELAUNCH_EVENTS``) that :mod:`pipelines.console` tails.
+The retry loop reports ``attempt-end`` and ``retry`` events (:mod:`components.core.events`) to the
+run's event file (``RELAUNCH_EVENTS``) that :mod:`pipelines.console` tails.
 tests/pipelines/test_kfp_local.py proves each fix is still needed and still works.
 """
 
@@ -18,8 +22,9 @@ import contextlib
 import threading
 import time
 
+from components.core import events
+from components.core.events import Kind
 from components.core.exitcodes import ExitCode, is_retryable, normalize
-from pipelines.kfp_entry import emit
 
 _last_code = threading.local()
 _warm_steps = None  # the running pipelines.warm_steps.WarmSteps, when relaunch run started one
@@ -63,12 +68,13 @@ def install_local_fixes() -> None:
             _last_code.value = None
             outputs, status = execute(task_name=task_name, task_spec=once, **kwargs)
             code = ExitCode.OK if status.name == "SUCCESS" else normalize(_last_code.value or ExitCode.BUG)
-            emit("attempt-end", step=task_name, exit_code=code)
+            events.write(Kind.ATTEMPT_END, step=task_name, exit_code=int(code))
             if code == ExitCode.OK or attempt >= policy.max_retry_count or not is_retryable(code):
                 return outputs, status
             delay = min(policy.backoff_duration.seconds * (policy.backoff_factor or 2.0) ** attempt,
                         policy.backoff_max_duration.seconds or 3600)
-            emit("retry", step=task_name, attempt=attempt + 1, limit=policy.max_retry_count, exit_code=code, delay=delay)
+            events.write(Kind.RETRY, step=task_name, attempt=attempt + 1, limit=policy.max_retry_count, exit_code=int(code),
+                         delay=delay)
             time.sleep(delay)
         return outputs, status
 

@@ -59,7 +59,7 @@ def locate_latest_checkpoint(config_json: str) -> NamedTuple(
 
 
 def launch(config_json: str, resume_from: str, pipeline_run_id: str) -> NamedTuple(
-        "LaunchOutputs", [("exit_code", int), ("restarts", int), ("resumed_from_steps", str),
+        "LaunchOutputs", [("restarts", int), ("resumed_from_steps", str),
                           ("train_seconds", float), ("duration_seconds", float), ("ettr", float),
                           ("last_checkpoint_uri", str), ("job_name", str)]):
     """Run the distributed training to its end (local torchrun agents or a PyTorchJob)."""

@@ -186,14 +186,10 @@ class TrainJobConfig(_Model):
         return v
 
 
-# The old name of the PyTorchJob backend, still accepted.
-LEGACY_BACKENDS = {"kubernetes": "pytorchjob"}
-
-
 class LaunchConfig(_Model):
     backend: Literal["local", "pytorchjob", "trainjob"] = Field(
         "local", description="Where training runs: local torchrun agents, a Kubeflow PyTorchJob (Training Operator "
-        "v1; 'kubernetes' is accepted as pytorchjob) or a TrainJob (Kubeflow Trainer v2).")
+        "v1) or a TrainJob (Kubeflow Trainer v2).")
     nodes: int = Field(2, ge=1, description="Nodes (local: simulated node groups on this machine).")
     procs_per_node: int = Field(1, ge=1, description="Training processes per node.")
     max_restarts: int = Field(3, ge=0, description="torchrun/elastic restarts of the worker group.")
@@ -204,11 +200,6 @@ class LaunchConfig(_Model):
     inject_failure: str | None = Field(None, description="kill-worker@step=N, preempt@step=N or storage-outage@step=N.")
     kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
     trainjob: TrainJobConfig = Field(default_factory=TrainJobConfig)
-
-    @field_validator("backend", mode="before")
-    @classmethod
-    def _legacy_backend(cls, v: Any) -> Any:
-        return LEGACY_BACKENDS.get(v, v) if isinstance(v, str) else v
 
     @property
     def on_cluster(self) -> bool:

@@ -4,45 +4,104 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, ClassVar
 
 from components.core.exitcodes import ExitCode
 
+_KINDS: dict[str, type["RelaunchError"]] = {}
+
 
 class RelaunchError(Exception):
-    """An error whose exit code is part of the contract; its message is one line for a person."""
+    """An error whose exit code is part of the contract; its message is one line for a person.
+
+    A subclass that other code catches by type declares its own ``kind`` (a stable name, not its
+    class name): :class:`CarriedError` rebuilds it on another rank from that kind and its exit code.
+    """
 
     exit_code: int = ExitCode.BUG
+    kind: ClassVar[str] = "error"
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "kind" in cls.__dict__:
+            _KINDS.setdefault(cls.kind, cls)
 
 
 class BadInput(RelaunchError):
     """Configuration, URI, credentials or a foreign checkpoint: permanent, never retried."""
 
     exit_code = ExitCode.BAD_INPUT
+    kind = "bad-input"
 
 
 class TransientFailure(RelaunchError):
     """Infrastructure that failed after in-process retries ran out: retry the whole step."""
 
     exit_code = ExitCode.RETRY_ME
+    kind = "transient"
 
 
 class Diverged(RelaunchError):
     """The loss became NaN/inf: permanent, the bad state is never checkpointed."""
 
     exit_code = ExitCode.DIVERGED
+    kind = "diverged"
 
 
 class Preempted(RelaunchError):
     """SIGTERM/SIGUSR1 was honoured: checkpoint committed if the grace period allowed."""
 
     exit_code = ExitCode.PREEMPTED
+    kind = "preempted"
 
 
 class CorruptCheckpoint(RelaunchError):
     """A checkpoint that fails verification (missing manifest, sha256 mismatch, unsafe pickle)."""
 
     exit_code = ExitCode.BAD_INPUT
+    kind = "corrupt-checkpoint"
+
+
+_KINDS[RelaunchError.kind] = RelaunchError
+_BY_CODE: dict[int, type[RelaunchError]] = {ExitCode.BAD_INPUT: BadInput, ExitCode.RETRY_ME: TransientFailure,
+                                             ExitCode.DIVERGED: Diverged, ExitCode.PREEMPTED: Preempted}
+
+
+def error_for(code: int, message: str, kind: str = "") -> RelaunchError:
+    """The contract's error for exit code ``code``: the class registered as ``kind`` when its exit code
+    is ``code``, else the class of that code (BadInput for 2, TransientFailure for 138, ...), else a
+    :class:`RelaunchError` that exits ``code``."""
+    cls = _KINDS.get(kind)
+    if cls is None or int(cls.exit_code) != int(code):
+        cls = _BY_CODE.get(int(code), RelaunchError)
+    err = cls(message)
+    if int(err.exit_code) != int(code):
+        err.exit_code = int(code)
+    return err
+
+
+@dataclass(frozen=True)
+class CarriedError:
+    """One rank's failure as plain data (what ``all_gather_object`` can carry to the other ranks):
+    its exit code and contract kind, never its class name, so no class is looked up by name."""
+
+    exit_code: int
+    kind: str
+    message: str
+
+    @classmethod
+    def of(cls, err: BaseException) -> "CarriedError":
+        """Carry ``err``; one that is not the contract's is classified first (see
+        :func:`components.core.classify.as_error`)."""
+        from components.core.classify import as_error
+
+        contract = as_error(err)
+        return cls(int(contract.exit_code), type(contract).kind, str(contract))
+
+    def rebuild(self, prefix: str = "") -> RelaunchError:
+        """The error again, on this rank: the same kind and exit code, ``prefix`` before the message."""
+        return error_for(self.exit_code, prefix + self.message, self.kind)
 
 
 def exit_on_error(prog: str) -> Callable[[Callable[..., int]], Callable[..., int]]:

@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from components.core.exitcodes import ExitCode, normalize
+from components.core.exitcodes import ExitCode
 
 ATTEMPTS_PREFIX = "runs/attempts/"
 EXIT_KEY = "runs/exit.json"
@@ -85,7 +85,7 @@ class Attempt:
 
 @dataclass
 class TrainSummary:
-    """What an attempt reports (``runs/summary.json``, ``RELAUNCH_SUMMARY``, the step's outputs)."""
+    """What an attempt reports (``runs/summary.json``, the ``summary`` event, the step's outputs)."""
 
     exit_code: int
     reason: str
@@ -308,6 +308,8 @@ def record_ending(store, summary: TrainSummary, elastic_run_id: str = "") -> Non
 
 
 def read_exit_record(store) -> dict[str, Any] | None:
+    """How the latest attempt ended under control (``runs/exit.json``), or None; what
+    :func:`components.core.classify.torchrun_exit` reads."""
     try:
         return json.loads(store.read_bytes(EXIT_KEY))
     except FileNotFoundError:
@@ -317,34 +319,14 @@ def read_exit_record(store) -> dict[str, Any] | None:
 def refuse_permanent_restart(store, restart_count: int, elastic_run_id: str) -> None:
     """torchrun restarts a worker group whatever its exit code; a permanent failure (bad input, a
     divergence, a bug) of this same torchrun run ends the restart at once with the same code."""
-    from components.core.errors import BadInput, Diverged, RelaunchError
+    from components.core.errors import error_for
     from components.core.exitcodes import PERMANENT
 
     if restart_count == 0 or not elastic_run_id:
         return
     record = read_exit_record(store)
     if record and record.get("elastic_run_id") == elastic_run_id and record.get("exit_code") in PERMANENT:
-        err = {ExitCode.BAD_INPUT: BadInput, ExitCode.DIVERGED: Diverged}.get(record["exit_code"], RelaunchError)(
-            f"not restarting after a permanent failure: {record.get('reason', '')}")
-        err.exit_code = int(record["exit_code"])
-        raise err
-
-
-def mapped_exit_code(store, torchrun_returncode: int, started_at: float) -> int:
-    """The contract's exit code of a torchrun that ended with ``torchrun_returncode``.
-
-    torchrun exits 1 whenever a worker failed, whatever the worker's code. The latest attempt's
-    ``runs/exit.json``, when written after ``started_at`` (``time.time()`` when torchrun was
-    started), says what really happened; a failure without such a record is a worker that died
-    without control (SIGKILL, OOM), hence 137. A torchrun killed by a signal maps to 128 + signal.
-    """
-    code = normalize(torchrun_returncode)
-    if code == ExitCode.OK or code != ExitCode.BUG:
-        return code
-    record = read_exit_record(store)
-    if record is not None and record.get("time", 0) >= started_at and record.get("exit_code"):
-        return int(record["exit_code"])
-    return int(ExitCode.KILLED)
+        raise error_for(record["exit_code"], f"not restarting after a permanent failure: {record.get('reason', '')}")
 
 
 def read_summary(store) -> dict[str, Any] | None:

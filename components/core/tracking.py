@@ -6,10 +6,11 @@ checkpoints); every attempt logs into it, through the asynchronous logger of
 :mod:`components.core.runlogger`; the exit task ends it with :func:`mark_run_finished`. Only rank 0
 talks to the server.
 
-Errors are classified by what the server answered, never by message text: MLflow's error code
-(``RESOURCE_DOES_NOT_EXIST``, ``PERMISSION_DENIED``, ...) or the HTTP status. :func:`call` turns a
-refused credential into :class:`BadInput` (exit 2) and anything else into :class:`TransientFailure`
-(exit 138, retried).
+Errors are classified by :func:`components.core.classify.classify` from what the server answered,
+never by message text: MLflow's error code (``RESOURCE_DOES_NOT_EXIST``, ``PERMISSION_DENIED``, ...;
+MLflow itself turns a bare HTTP 401/403 into ``UNAUTHENTICATED``/``PERMISSION_DENIED``). :func:`call`
+turns refused credentials and a request the server refused into :class:`BadInput` (exit 2), and
+anything else (no answer, a 5xx, a database error) into :class:`TransientFailure` (exit 138, retried).
 
 The tracking URI is ``MLFLOW_TRACKING_URI`` when set, else ``config.tracking.uri``; credentials come
 only from the environment (``MLFLOW_TRACKING_USERNAME``/``_PASSWORD``/``_TOKEN``).
@@ -19,11 +20,12 @@ from __future__ import annotations
 
 import importlib
 import os
-import re
 import threading
 from typing import Any
 
+from components.core import classify as classifier
 from components.core.errors import BadInput, TransientFailure
+from components.core.exitcodes import ExitCode
 
 PIPELINE_RUN_TAG = "relaunch.pipeline_run_id"
 END_REASON_TAG = "relaunch.end_reason"
@@ -71,18 +73,10 @@ def describe(err: Exception) -> str:
 
 # ---------------------------------------------------------------------------------- classification
 
-_AUTH_ERROR_CODES = ("PERMISSION_DENIED", "UNAUTHENTICATED")
-_AUTH_STATUS = re.compile(r"\b(?:error|status) code (?:401|403)\b")
-_REJECTED_CODES = ("INVALID_PARAMETER_VALUE", "BAD_REQUEST", "RESOURCE_ALREADY_EXISTS", "INVALID_STATE")
-
-
 def is_auth_error(err: Exception) -> bool:
-    """The server refused the credentials (HTTP 401/403). Matched on MLflow's error code and status,
-    never on a bare "401"/"403" substring: a URL's port or a run id can contain those digits."""
-    if getattr(err, "error_code", "") in _AUTH_ERROR_CODES:
-        return True
-    text = str(err)
-    return bool(_AUTH_STATUS.search(text)) or any(s in text for s in ("Unauthorized", "Forbidden", *_AUTH_ERROR_CODES))
+    """The server refused the credentials (HTTP 401/403): MLflow's error code, never a "401" in the
+    message (a URL's port or a run id can contain those digits)."""
+    return classifier.is_auth_error(err)
 
 
 def is_not_found(err: Exception, *, alias_lookup: bool = False) -> bool:
@@ -97,7 +91,7 @@ def is_not_found(err: Exception, *, alias_lookup: bool = False) -> bool:
 
 def is_rejected(err: Exception) -> bool:
     """An answer of the server that refuses the request itself (4xx other than auth): retrying cannot help."""
-    return getattr(err, "error_code", "") in _REJECTED_CODES
+    return getattr(err, "error_code", "") in classifier.MLFLOW_REFUSED_CODES
 
 
 def call(what: str, fn, *args, **kwargs):
@@ -107,14 +101,16 @@ def call(what: str, fn, *args, **kwargs):
     except BadInput:
         raise
     except Exception as err:  # mlflow raises MlflowException, requests/sqlalchemy their own
-        raise classify(err, what) from None
+        raise contract_error(err, what) from None
 
 
-def classify(err: Exception, what: str) -> BadInput | TransientFailure:
+def contract_error(err: Exception, what: str) -> BadInput | TransientFailure:
     """The contract's error for a failed client call (see :func:`call`)."""
     if is_auth_error(err):
         return BadInput(f"tracking: the server refused the credentials while trying to {what}; "
                         "check MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD")
+    if classifier.classify(err) == ExitCode.BAD_INPUT:
+        return BadInput(f"tracking: the server refused to {what}: {describe(err)}")
     return TransientFailure(f"tracking: could not {what}: {describe(err)}")
 
 
@@ -175,7 +171,7 @@ def _experiment_id(mlflow_client, config) -> str:
     except Exception as err:  # another process created it first
         found = mlflow_client.get_experiment_by_name(name)
         if found is None:
-            raise classify(err, f"create experiment {name!r}") from None
+            raise contract_error(err, f"create experiment {name!r}") from None
         return found.experiment_id
 
 
@@ -198,7 +194,7 @@ def ensure_run(config, pipeline_run_id: str | None = None) -> str:
             if is_not_found(err):
                 raise BadInput(f"tracking.run_id: run {config.tracking.run_id!r} does not exist at "
                                f"{tracking_uri(config)}; unset it to create one") from None
-            raise classify(err, f"read run {config.tracking.run_id}") from None
+            raise contract_error(err, f"read run {config.tracking.run_id}") from None
         return config.tracking.run_id
     experiment_id = _experiment_id(mlflow_client, config)
     if pipeline_run_id:
@@ -230,7 +226,3 @@ def mark_run_finished(config, run_id: str, status: str, reason: str = "") -> Non
         call("untag the run", mlflow_client.delete_tag, run_id, END_REASON_TAG)
     call("end the run" if status != "RUNNING" else "update the run", set_run_status, mlflow_client, run_id, status)
 
-
-# The private names five steps imported before they became public; kept until every branch in flight
-# has moved to the public ones.
-_call, _client, _is_auth_error = call, client, is_auth_error

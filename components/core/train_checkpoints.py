@@ -9,7 +9,7 @@ import time
 from typing import Any, Callable
 
 from components.core.health import save_fits_grace
-from components.core.train_tracking import emit
+from components.core.events import Kind, emit
 
 
 class SaveCadence:
@@ -84,7 +84,7 @@ class TrainerCheckpoints:
             return
         metrics = self.evaluate()
         if self.env.is_main:
-            emit("SAVING", {"step": step, "attempt": self.attempt})
+            emit(Kind.SAVING, step=step, attempt=self.attempt)
         self.tracker.log_evaluation(step, metrics, before_checkpoint=True)
         began, step_done_at = time.perf_counter(), time.time()
         self.note_commit()  # the previous async save commits here (save() waits too)

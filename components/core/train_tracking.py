@@ -24,6 +24,7 @@ from typing import Any
 
 from components.core import goodput
 from components.core.errors import BadInput, Preempted, RelaunchError
+from components.core.events import Kind, emit
 
 PENDING_METRICS_KEY = "runs/metrics-pending.json"
 CHECKPOINT_TAG_PREFIX = "checkpoint."
@@ -38,11 +39,6 @@ CLOSE_SECONDS_PREEMPTED = 5.0
 CLOSE_SECONDS_FAILED = 15.0
 CLOSE_SECONDS_FINISHED = 60.0
 FLUSH_SECONDS_BEFORE_PLOT = 30.0
-
-
-def emit(kind: str, payload: dict) -> None:
-    """One machine-readable line on stdout, ``RELAUNCH_<KIND> {json}``, that the launchers parse (rank 0)."""
-    print(f"RELAUNCH_{kind} {json.dumps(payload, sort_keys=True, default=str)}", flush=True)
 
 
 def resolve_run_id(config, store) -> str:
@@ -108,7 +104,7 @@ class TrainingTracker:
     def start(self, *, resumed_from: int, resumed_uri: str | None, params: dict[str, Any], world_size: int) -> None:
         """Open the logger (sending starts after the first step), requeue the points an earlier attempt
         left unsent, reopen the run, log params and the attempt's tags (earlier attempts' included), then
-        print ``RELAUNCH_RESUMED``."""
+        emit the ``resumed`` event."""
         if not self.enabled:
             return
         from components.core.runlogger import RunLogger
@@ -134,7 +130,7 @@ class TrainingTracker:
         if earlier:
             self.logger.submit(self._mark_deleted_checkpoints)
         self.tensorboard = self._open_tensorboard()
-        emit("RESUMED", {"step": resumed_from, "uri": resumed_uri, "attempt": self.attempt, "world_size": world_size})
+        emit(Kind.RESUMED, step=resumed_from, uri=resumed_uri, attempt=self.attempt, world_size=world_size)
 
     def _open_tensorboard(self):
         folder = self.config.tracking.tensorboard_dir
@@ -173,7 +169,7 @@ class TrainingTracker:
     def log_step(self, step: int, metrics: dict[str, float], slow: dict[str, float], *, total_steps: int,
                  epoch: int, spike: bool) -> None:
         """One step's metrics (``slow``: epoch, counters, logged only when they changed), a line on a
-        loss spike, and the ``RELAUNCH_PROGRESS`` line."""
+        loss spike, and the ``progress`` event."""
         if not self.enabled:
             return
         loss = metrics["train/loss"]
@@ -185,8 +181,7 @@ class TrainingTracker:
             self._counters = key
             metrics = {**metrics, **slow}
         self._log(step, metrics)
-        emit("PROGRESS", {"step": step, "total_steps": total_steps, "loss": round(loss, 6), "epoch": epoch,
-                          "attempt": self.attempt})
+        emit(Kind.PROGRESS, step=step, total_steps=total_steps, loss=round(loss, 6), epoch=epoch, attempt=self.attempt)
 
     def log_evaluation(self, step: int, metrics: dict[str, float], *, before_checkpoint: bool) -> None:
         """Validation metrics; before a checkpoint, also persist what the server has not confirmed."""

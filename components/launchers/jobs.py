@@ -19,7 +19,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 from components import LAUNCH
 from components.core.config import RelaunchConfig
-from components.core.exitcodes import PERMANENT, RETRYABLE, ExitCode, normalize
+from components.core.classify import classify_pod
+from components.core.exitcodes import PERMANENT, RETRYABLE, ExitCode
 from components.core.k8s_naming import job_name, run_hash
 
 RUN_LABEL = "relaunch.dev/pipeline-run"
@@ -39,9 +40,6 @@ OWNER_ENV = {
     "uid": "RELAUNCH_OWNER_UID",
 }
 
-# Pod-level reasons (status.reason) meaning "the pod was taken away", not "the program failed".
-PREEMPTION_REASONS = frozenset({"Evicted", "Preempting", "NodeLost", "NodeShutdown", "Shutdown",
-                                "Terminated", "DeletionByTaintManager", "DeletionByPodGC", "UnexpectedAdmissionError"})
 # Container waiting reasons that no amount of waiting fixes.
 UNSTARTABLE_REASONS = frozenset({"InvalidImageName", "CreateContainerConfigError", "CreateContainerError"})
 
@@ -304,33 +302,9 @@ def describe_conditions(conditions: Iterable[dict]) -> str:
 
 
 def pod_exit_codes(pods: list[dict], container: str) -> list[tuple[int, str]]:
-    """Every ended pod or training container of a job as ``(exit code of the contract, why)``.
-
-    OOMKilled is 137 whatever the runtime reported; a pod taken away with its node (Evicted,
-    preempted, node shutdown) is 143, retryable, even without a container exit code.
-    """
-    found: list[tuple[int, str]] = []
-    for pod in pods:
-        pod_name = pod.get("metadata", {}).get("name", "?")
-        status = pod.get("status") or {}
-        reason = status.get("reason") or ""
-        if reason in PREEMPTION_REASONS:
-            found.append((int(ExitCode.PREEMPTED), f"pod {pod_name} {reason}: {status.get('message', '')}".strip()))
-            continue
-        for cs in status.get("containerStatuses") or []:
-            if cs.get("name") not in (None, container):
-                continue
-            for state_key in ("state", "lastState"):
-                term = (cs.get(state_key) or {}).get("terminated")
-                if not term or term.get("exitCode") in (None, 0):
-                    continue
-                if term.get("reason") == "OOMKilled":
-                    found.append((int(ExitCode.KILLED), f"pod {pod_name} OOMKilled"))
-                else:
-                    code = normalize(int(term["exitCode"]))
-                    found.append((code, f"pod {pod_name} exited {code} ({term.get('reason') or 'Error'})"))
-                break
-    return found
+    """Every ended pod or training container of a job as ``(exit code of the contract, why)``
+    (:func:`components.core.classify.classify_pod` of each pod)."""
+    return [(int(code), why) for pod in pods for code, why in classify_pod(pod, container)]
 
 
 def unstartable_reason(pods: list[dict]) -> str | None:

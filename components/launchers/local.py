@@ -6,17 +6,17 @@ processes standing in for nodes. What it runs, per simulated node ``i`` (agent 0
         --rdzv-endpoint=127.0.0.1:PORT --rdzv-id=JOB --rdzv-conf=is_host=true \\
         --max-restarts=3 --monitor-interval=0.5 -m components.train --config-json '{...}'
 
-It streams the agents' output, turns rank 0's ``RELAUNCH_PROGRESS`` lines into a progress bar, and
-maps the outcome to the exit-code contract: torchrun exits 1 for any worker failure, so the code of
-the worker that ended the attempt is read back from the store (``runs/exit.json``, written by the
-trainer), else from rank 0's own ``RELAUNCH_EXIT`` line (it failed before it could write the record,
-e.g. a bad input found at set-up), else from torchrun's failure report.
+It streams the agents' output, reads rank 0's events (:mod:`components.core.events`) from it, passes
+them on to the run's event file (or draws a progress bar), and maps the outcome to the exit-code
+contract: torchrun exits 1 for any worker failure, so the code of the worker that ended the attempt
+is read back from the store (``runs/exit.json``, written by the trainer), else from rank 0's own
+``exit`` event (it failed before it could write the record, e.g. a bad input found at set-up), else
+from torchrun's failure report.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import signal
@@ -26,15 +26,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from components.core import warm
+from components.core import events, warm
 from components.core.config import RelaunchConfig
+from components.core.events import Kind
 from components.core.exitcodes import ExitCode
 from components.core.net import free_port
 from components.launchers import LaunchResult
 from components.launchers.jobs import JobSpec, job_spec
 from components.launchers.torchrun import exit_code
 
-_LINE = re.compile(r"RELAUNCH_(PROGRESS|RESUMED|SUMMARY|EXIT) (\{.*\})\s*$")
 _TORCHRUN_EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
 AGENT_GRACE_SECONDS = 30.0  # once one agent ended badly, how long the others get to notice
 
@@ -160,7 +160,7 @@ class _Watch:
     restarts: int = 0
     resumed: list[int] = field(default_factory=list)
     worker_exit_code: int | None = None
-    rank0_exit: dict | None = None  # the latest attempt's RELAUNCH_EXIT, when rank 0 printed one
+    rank0_exit: events.Event | None = None  # the latest attempt's exit event, when rank 0 wrote one
     tail: list[str] = field(default_factory=list)
     _attempts: set = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -173,26 +173,22 @@ class _Watch:
             self.handle(line.rstrip("\n"), node)
 
     def handle(self, line: str, node: int) -> None:
-        match = _LINE.search(line)
+        event = events.read(line)
         with self._lock:
-            if match:
-                kind, payload = match.group(1), _json(match.group(2))
-                if kind == "EXIT":
-                    if isinstance(payload.get("exit_code"), int):
-                        self.rank0_exit = payload
-                elif kind == "RESUMED":
+            if event is not None:
+                if event.kind == Kind.EXIT:
+                    if isinstance(event.get("exit_code"), int):
+                        self.rank0_exit = event
+                elif event.kind == Kind.RESUMED:
                     self.rank0_exit = None  # a new attempt: an earlier one's ending no longer says anything
                     # attempt numbers count every start of this training; one that died before rank 0
-                    # printed leaves a gap, which is still a restart
-                    self._attempts.add(int(payload.get("attempt", len(self._attempts) + 1)))
+                    # wrote leaves a gap, which is still a restart
+                    self._attempts.add(int(event.get("attempt", len(self._attempts) + 1)))
                     self.restarts = max(self._attempts) - min(self._attempts)
-                    self.resumed.append(int(payload.get("step", -1)))
-                    self.reporter.event("resumed", **payload)
-                elif kind == "PROGRESS":
-                    self.reporter.event("progress", **payload)
+                    self.resumed.append(int(event.get("step", -1)))
+                self.reporter.event(event)
+                if event.kind == Kind.PROGRESS:
                     return
-                else:
-                    self.reporter.event("summary", **payload)
             code = _TORCHRUN_EXITCODE.search(line)
             if code and self.worker_exit_code is None and int(code.group(1)) != 0:
                 self.worker_exit_code = int(code.group(1))
@@ -210,14 +206,6 @@ class _Watch:
         for t in self._readers:
             t.join(5.0)
         self.reporter.close()
-
-
-def _json(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 class ProgressReporter:
@@ -239,18 +227,20 @@ class ProgressReporter:
 
     @classmethod
     def for_environment(cls) -> "ProgressReporter":
-        return cls(os.environ.get("RELAUNCH_EVENTS"))
+        return cls(os.environ.get(events.EVENTS_ENV))
 
-    def event(self, kind: str, **payload) -> None:
-        step, total = int(payload.get("step", 0)), int(payload.get("total_steps") or 0)
-        throttled = kind == "progress" and step != total and time.monotonic() - self._last_event < 0.25
+    def event(self, event: events.Event) -> None:
+        """Pass a training event on to the event file (progress at most four times a second), or
+        draw it on the bar."""
+        step, total = int(event.get("step", 0)), int(event.get("total_steps") or 0)
+        progress = event.kind == Kind.PROGRESS
+        throttled = progress and step != total and time.monotonic() - self._last_event < 0.25
         if self.events_path and not throttled:
             self._last_event = time.monotonic()
-            with open(self.events_path, "a") as fh:
-                fh.write(json.dumps({"kind": kind, "time": time.time(), **payload}, default=str) + "\n")
-        if kind != "progress":
+            events.write(event.kind, self.events_path, time=event.time, **event.fields)
+        if not progress:
             return
-        info = f"loss {payload['loss']:.4f}" if isinstance(payload.get("loss"), (int, float)) else ""
+        info = f"loss {event['loss']:.4f}" if isinstance(event.get("loss"), (int, float)) else ""
         if self._bar is not None:
             if self._task is None:
                 self._task = self._bar.add_task("train", total=total or None, info=info)

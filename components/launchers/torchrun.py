@@ -66,18 +66,20 @@ def exit_code(config: RelaunchConfig, returncode: int, started_at: float, *, rep
         recorded (137 when it recorded none: a worker that died without control); 138 (or
         ``reported``) when the store cannot be read, rather than guessing a permanent code.
     """
-    code = normalize(returncode)
-    if code != ExitCode.BUG:
-        return int(code)
+    from components.core.classify import torchrun_exit
+
+    if normalize(returncode) != ExitCode.BUG:  # 0, or a signal: no record needed
+        return torchrun_exit(returncode, None, started_at)
     from components.core.errors import RelaunchError
-    from components.core.goodput import mapped_exit_code
+    from components.core.goodput import read_exit_record
     from components.core.store import open_store
 
     try:
-        return mapped_exit_code(open_store(config.store.uri), returncode, started_at)
+        record = read_exit_record(open_store(config.store.uri))
     except RelaunchError as err:
         print(f"relaunch: cannot read the training's exit record: {err}", file=sys.stderr)
         return normalize(reported) if reported else int(ExitCode.RETRY_ME)
+    return torchrun_exit(returncode, record, started_at)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from components.core import goodput
+from components.core.classify import torchrun_exit
 from components.core.store import open_store
 
 
@@ -69,7 +70,7 @@ def test_torchrun_exit_status_maps_to_the_contract(tmp_path, rc, record, expecte
     store = open_store(str(tmp_path))
     if record:
         store.write_bytes(goodput.EXIT_KEY, json.dumps(record).encode())
-    assert goodput.mapped_exit_code(store, rc, started_at=5.0) == expected
+    assert torchrun_exit(rc, goodput.read_exit_record(store), 5.0) == expected
 
 
 def test_a_summary_reached_the_end_only_when_it_finished_every_step():

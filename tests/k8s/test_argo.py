@@ -16,7 +16,7 @@ from pipelines.argo import BUILDERS, to_dict
 KINDS = {"argo": ("Workflow", "argoproj.io_workflows.yaml"),
          "argo-template": ("WorkflowTemplate", "argoproj.io_workflowtemplates.yaml"),
          "argo-cron": ("CronWorkflow", "argoproj.io_cronworkflows.yaml")}
-CLUSTER_OVERRIDES = ["launch.backend=kubernetes", "store.uri=s3://relaunch/store",
+CLUSTER_OVERRIDES = ["launch.backend=pytorchjob", "store.uri=s3://relaunch/store",
                      "tracking.uri=http://mlflow.relaunch.svc:5000", "launch.kubernetes.gpus_per_node=1"]
 
 

@@ -167,5 +167,9 @@ def test_bad_trainjob_settings_are_refused_in_one_line_with_exit_code_2(override
     assert len(err) == 1 and field in err[0]
 
 
-def test_the_old_backend_name_kubernetes_still_means_pytorchjob():
-    assert load_config(None, ["launch.backend=kubernetes"]).launch.backend == "pytorchjob"
+def test_the_retired_backend_name_kubernetes_is_refused_as_bad_input_naming_the_backends():
+    from components.core.errors import BadInput
+
+    with pytest.raises(BadInput, match="launch.backend") as refused:
+        load_config(None, ["launch.backend=kubernetes"])
+    assert "pytorchjob" in str(refused.value)

@@ -25,7 +25,7 @@ OUTPUTS = {
     "prepare": PrepareOutputs(config_json="{}", run_id="r1", dataset_version="ds-1", dataset_uri="/data/ds-1",
                               experiment_id="7"),
     "locate-latest-checkpoint": LocateOutputs(checkpoint_uri="", step=-1, source="none"),
-    "launch": LaunchOutputs(exit_code=0, restarts=1, resumed_from_steps="[-1, 30]", train_seconds=1.5,
+    "launch": LaunchOutputs(restarts=1, resumed_from_steps="[-1, 30]", train_seconds=1.5,
                             duration_seconds=9.0, ettr=0.4, last_checkpoint_uri="/c/step-40", job_name="j"),
     "evaluate": EvaluateOutputs(metrics_json='{"accuracy": 0.9}', passed=True, checkpoint_uri="/c/step-40", step=40),
     "register": RegisterOutputs(model_name="relaunch-digits", version="2", aliases='["challenger"]',
@@ -56,3 +56,21 @@ def test_the_step_lines_and_the_summary_come_from_each_steps_outputs_dataclass(t
                    "resumed from step 30", "MLflow run FINISHED",
                    "http://127.0.0.1:5000/#/experiments/7/runs/r1?workflowType=machine_learning"):
         assert needle in text, needle
+
+
+def test_a_failure_message_with_brackets_is_printed_as_text_and_the_retry_after_it_too(tmp_path):
+    """gloo's errors name their source as ``[/path/pair.cc:553]``: rich must not read it as markup (the
+    view's thread died on it and the retry line never came)."""
+    from components.core import events
+    from components.core.events import Kind
+
+    path = tmp_path / "events.jsonl"
+    message = "a peer rank failed: [/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed"
+    events.write(Kind.STEP_START, path, step="launch")
+    events.write(Kind.STEP_END, path, step="launch", exit_code=138, message=message)
+    events.write(Kind.RETRY, path, step="launch", attempt=1, limit=4, exit_code=138, delay=10.0)
+    out = io.StringIO()
+    view = RunView(Console(file=out, width=300), path, tmp_path / "pipeline.log")
+    view.start()
+    view.stop()
+    assert f"exit 138: {message}" in out.getvalue() and "↻ launch" in out.getvalue()

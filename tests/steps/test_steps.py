@@ -105,18 +105,25 @@ def test_the_example_configs_are_valid(path):
 
 
 def test_a_rank_0_that_failed_before_writing_its_exit_record_gives_the_launch_its_own_exit_code(tmp_path):
-    """A bad input found at the trainer's set-up: no ``runs/exit.json`` yet, but rank 0's RELAUNCH_EXIT
-    line says exit 2, so the launch fails permanently instead of as a kill (137, retried)."""
+    """A bad input found at the trainer's set-up: no ``runs/exit.json`` yet, but rank 0's ``exit``
+    event says exit 2, so the launch fails permanently instead of as a kill (137, retried)."""
+    import io
     import time
 
+    from components.core import events
     from components.launchers.local import ProgressReporter, _outcome, _Watch
+
+    def line(kind, **fields) -> str:  # as rank 0 prints it, behind torchrun's prefix
+        out = io.StringIO()
+        events.write(kind, out, **fields)
+        return "[default0]:" + out.getvalue().rstrip("\n")
 
     config = RelaunchConfig.model_validate({"store": {"uri": str(tmp_path / "store")}})
     watch = _Watch(ProgressReporter(None))
     started = time.time()
-    watch.handle('RELAUNCH_EXIT {"exit_code": 2, "reason": "train.global_batch_size=64 is not divisible"}', 0)
+    watch.handle(line(events.Kind.EXIT, exit_code=2, reason="train.global_batch_size=64 is not divisible"), 0)
     watch.handle("  exitcode  : 2 (pid: 1)", 1)
     assert _outcome(config, [1, 1], watch, started) == 2
     assert watch.failure_message(2) == "training ended with exit code 2: train.global_batch_size=64 is not divisible"
-    watch.handle('RELAUNCH_RESUMED {"attempt": 2, "step": -1}', 0)  # a later attempt, killed without a word
+    watch.handle(line(events.Kind.RESUMED, attempt=2, step=-1), 0)  # a later attempt, killed without a word
     assert _outcome(config, [1, 1], watch, started) == 137

@@ -54,13 +54,12 @@ class Torchrun:
         return self.log.read_text(errors="replace")
 
     def records(self, kind: str) -> list[dict]:
-        """The ``RELAUNCH_<KIND> {json}`` lines printed so far."""
-        prefix = f"RELAUNCH_{kind} "
-        out = []
-        for line in self.output().splitlines():
-            if line.startswith(prefix):
-                out.append(json.loads(line[len(prefix):]))
-        return out
+        """The fields of every event of ``kind`` (a :class:`components.core.events.Kind` name, e.g.
+        ``SAVING``) printed so far, read with the one reader."""
+        from components.core import events
+
+        found = (events.read(line) for line in self.output().splitlines())
+        return [e.fields for e in found if e is not None and e.kind == events.Kind[kind]]
 
     def wait_for(self, kind: str, predicate=lambda r: True, timeout: float = 120) -> dict:
         deadline = time.monotonic() + timeout
@@ -71,7 +70,7 @@ class Torchrun:
             if self.proc.poll() is not None:
                 break
             time.sleep(0.05)
-        raise AssertionError(f"no RELAUNCH_{kind} line matched; output:\n{self.output()[-4000:]}")
+        raise AssertionError(f"no {kind} event matched; output:\n{self.output()[-4000:]}")
 
     def signal(self, sig: int) -> None:
         self.proc.send_signal(sig)
