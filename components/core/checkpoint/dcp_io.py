@@ -544,6 +544,16 @@ def safe_load_planner():
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     class SafeLoadPlanner(DefaultLoadPlanner):
+        def create_local_plan(self):
+            from components.core.classify import dcp_mismatch
+            from components.core.errors import BadInput
+
+            # DCP says "Missing key"/"Size mismatch" only in a bare RuntimeError/ValueError's text
+            why = None if self.allow_partial_load else dcp_mismatch(self.state_dict, self.metadata)
+            if why:
+                raise BadInput(why)
+            return super().create_local_plan()
+
         def load_bytes(self, read_item, value) -> None:
             try:
                 obj = torch.load(value, weights_only=True)

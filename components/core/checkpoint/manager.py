@@ -41,7 +41,8 @@ from components.core.checkpoint.lease import Lease, default_owner
 from components.core.checkpoint.retention import apply_retention
 from components.core.checkpoint.snapshot import Snapshotter, copy_deferred, state_bytes
 from components.core.checkpoint.verify import CHUNK_BYTES, DIGEST, ChunkDigests, check_files, deep_verify
-from components.core.errors import BadInput, CorruptCheckpoint, RelaunchError, TransientFailure
+from components.core.classify import dcp_original
+from components.core.errors import BadInput, CarriedError, CorruptCheckpoint, RelaunchError
 from components.core.store import FileStore, PreconditionFailed, Store, open_store
 
 if TYPE_CHECKING:
@@ -56,8 +57,6 @@ IO_THREADS = max(1, min(4, os.cpu_count() or 1))
 READ_THREADS = 8  # ranged reads (GETs) in flight per rank on S3; on a filesystem IO_THREADS, each one
 # file front to back (more concurrent streams made cold reads slower on the 2-core machine's disk)
 
-_ERRORS = {cls.__name__: cls for cls in (BadInput, CorruptCheckpoint, TransientFailure, PreconditionFailed)}
-
 
 class _Job:
     def __init__(self, step: int, epoch: int, snapshot: Any, metrics: dict[str, float], started: float):
@@ -69,17 +68,6 @@ class _Job:
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.info: CheckpointInfo | None = None
-
-
-def _original(err: BaseException) -> BaseException:
-    """The exception behind DCP's CheckpointException: a RelaunchError of any rank (so that a store
-    failure keeps its exit code), else this process's own, else ``err``."""
-    failures = getattr(err, "failures", {}) or {}
-    originals = [f[0] if isinstance(f, tuple) else f for f in failures.values()]
-    for original in originals:
-        if isinstance(original, RelaunchError):
-            return original
-    return originals[0] if len(originals) == 1 and isinstance(originals[0], BaseException) else err
 
 
 class CheckpointManager:
@@ -426,7 +414,7 @@ class CheckpointManager:
             return value
         import torch.distributed as dist
 
-        local = (kind, (type(value).__name__, str(value)) if kind == "err" else value)
+        local = (kind, CarriedError.of(value) if kind == "err" else value)
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, local if share and self.rank == 0 or kind == "err" else ("ok", None),
                                group=self._group)
@@ -434,8 +422,7 @@ class CheckpointManager:
             if k == "err":
                 if kind == "err":
                     raise value
-                cls, msg = v
-                raise _ERRORS.get(cls, RuntimeError)(f"rank {r}: {msg}")
+                raise v.rebuild(f"rank {r}: ")
         return gathered[0][1] if share else value
 
     # ------------------------------------------------------------------ snapshot & persist
@@ -470,20 +457,20 @@ class CheckpointManager:
             try:
                 dcp.save(job.snapshot, storage_writer=writer, process_group=self._group)
             except CheckpointException as err:  # DCP wraps what the store raised: surface that
-                raise _original(err) from None
+                raise dcp_original(err) from None
             return writer.files
 
         outcome = self._catch(write)
         if self._distributed:
             gathered: list[Any] = [None] * self.world_size
-            local = outcome if outcome[0] == "ok" else ("err", (type(outcome[1]).__name__, str(outcome[1])))
+            local = outcome if outcome[0] == "ok" else ("err", CarriedError.of(outcome[1]))
             dist.all_gather_object(gathered, local, group=self._group)
             if outcome[0] == "err":
                 raise outcome[1]
             files: dict[str, Any] = {}
             for r, (kind, value) in enumerate(gathered):
                 if kind == "err":
-                    raise _ERRORS.get(value[0], RuntimeError)(f"rank {r}: {value[1]}")
+                    raise value.rebuild(f"rank {r}: ")
                 files.update(value)
         else:
             if outcome[0] == "err":
@@ -719,19 +706,11 @@ class CheckpointManager:
         except RelaunchError:
             raise
         except (Exception, CheckpointException) as err:  # DCP wraps per-rank errors (a BaseException)
-            originals = [f[0] if isinstance(f, tuple) else f for f in getattr(err, "failures", {}).values()]
-            for original in originals:  # a damaged checkpoint first: every rank then falls back together
-                if isinstance(original, CorruptCheckpoint):
-                    raise CorruptCheckpoint(str(original)) from None
-            for original in originals:
-                if isinstance(original, RelaunchError):
-                    raise original from None
-            text = str(err)
-            if "CorruptCheckpoint" in text or "weights_only" in text or "unsafe" in text:
-                raise CorruptCheckpoint(f"{info.uri}: {text.splitlines()[0][:300]}") from None
-            if "Missing key" in text or "size" in text or "mismatch" in text:
-                raise BadInput(f"checkpoint of another model: {info.uri} does not fit this state "
-                               f"({text.splitlines()[0][:200]})") from None
+            original = dcp_original(err)  # a damaged checkpoint first: every rank then falls back together
+            if isinstance(original, BadInput) and not isinstance(original, CorruptCheckpoint):
+                raise BadInput(f"checkpoint of another model: {info.uri} does not fit this state ({original})") from None
+            if isinstance(original, RelaunchError):
+                raise original from None
             raise
         if wrapped:
             state.load_state_dict(template)

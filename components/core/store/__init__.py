@@ -36,6 +36,8 @@ READ_BLOCK = 512 * 1024
 class PreconditionFailed(BadInput):
     """A conditional write lost: the key existed, or changed since it was read (a second writer)."""
 
+    kind = "precondition-failed"  # carried to the other ranks as itself (errors.CarriedError)
+
 
 @runtime_checkable
 class Store(Protocol):
