@@ -25,6 +25,7 @@ Pods and containers end with statuses, not exceptions: :func:`classify_pod` read
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from components.core.errors import CorruptCheckpoint, RelaunchError, error_for
@@ -34,7 +35,10 @@ S3_CREDENTIAL_CODES = frozenset({"InvalidAccessKeyId", "SignatureDoesNotMatch", 
                                  "ExpiredToken", "AllAccessDisabled", "AccountProblem"})
 """S3 error codes of refused credentials: bad input (2)."""
 S3_TRANSIENT_CODES = frozenset({"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "Throttling",
-                                "ThrottlingException", "RequestTimeTooSkewed", "OperationAborted", "ServerError"})
+                                "ThrottlingException", "RequestTimeTooSkewed", "OperationAborted", "ServerError",
+                                # 409 to a conditional write that raced another write of the key: AWS
+                                # asks for a retry, which then gets 412 if the other one won
+                                "ConditionalRequestConflict"})
 """S3 error codes worth retrying (as is any answer with a 5xx status)."""
 MLFLOW_AUTH_CODES = frozenset({"UNAUTHENTICATED", "PERMISSION_DENIED"})
 """MLflow error codes of refused credentials (what MLflow makes of HTTP 401 and 403)."""
@@ -73,6 +77,27 @@ def as_error(exc: BaseException, what: str = "") -> RelaunchError:
     text = str(exc).splitlines()[0][:300] if str(exc) else ""
     message = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
     return error_for(code, f"could not {what}: {message}" if what else message)
+
+
+@dataclass(frozen=True)
+class CarriedError:
+    """One rank's failure as plain data (what ``all_gather_object`` can carry to the other ranks):
+    its exit code and contract kind, never its class name, so no class is looked up by name."""
+
+    exit_code: int
+    kind: str
+    message: str
+
+    @classmethod
+    def of(cls, err: BaseException) -> "CarriedError":
+        """Carry ``err``; one that is not the contract's is classified first (see
+        :func:`as_error`)."""
+        contract = as_error(err)
+        return cls(int(contract.exit_code), type(contract).kind, str(contract))
+
+    def rebuild(self, prefix: str = "") -> RelaunchError:
+        """The error again, on this rank: the same kind and exit code, ``prefix`` before the message."""
+        return error_for(self.exit_code, prefix + self.message, self.kind)
 
 
 # ---------------------------------------------------------------------------------- adapters

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import sys
-from dataclasses import dataclass
 from typing import Callable, ClassVar
 
 from components.core.exitcodes import ExitCode
@@ -79,29 +78,6 @@ def error_for(code: int, message: str, kind: str = "") -> RelaunchError:
     if int(err.exit_code) != int(code):
         err.exit_code = int(code)
     return err
-
-
-@dataclass(frozen=True)
-class CarriedError:
-    """One rank's failure as plain data (what ``all_gather_object`` can carry to the other ranks):
-    its exit code and contract kind, never its class name, so no class is looked up by name."""
-
-    exit_code: int
-    kind: str
-    message: str
-
-    @classmethod
-    def of(cls, err: BaseException) -> "CarriedError":
-        """Carry ``err``; one that is not the contract's is classified first (see
-        :func:`components.core.classify.as_error`)."""
-        from components.core.classify import as_error
-
-        contract = as_error(err)
-        return cls(int(contract.exit_code), type(contract).kind, str(contract))
-
-    def rebuild(self, prefix: str = "") -> RelaunchError:
-        """The error again, on this rank: the same kind and exit code, ``prefix`` before the message."""
-        return error_for(self.exit_code, prefix + self.message, self.kind)
 
 
 def exit_on_error(prog: str) -> Callable[[Callable[..., int]], Callable[..., int]]:

@@ -306,9 +306,10 @@ def launch_job(kind: JobKind, build: Callable[[str | None], dict], config: Relau
     except BadInput as err:
         return LaunchResult(exit_code=int(ExitCode.BAD_INPUT), message=str(err))
     except ApiException as err:
-        permanent = err.status in (400, 401, 403, 404, 422)
-        code = ExitCode.BAD_INPUT if permanent else ExitCode.RETRY_ME
-        return LaunchResult(exit_code=int(code), message=f"Kubernetes API refused the request: {err.status} {err.reason}")
+        from components.core.classify import classify
+
+        return LaunchResult(exit_code=int(classify(err)),
+                            message=f"Kubernetes API refused the request: {err.status} {err.reason}")
     except (*_stream_errors(), OSError) as err:  # connection refused, DNS, TLS: the cluster may come back
         return LaunchResult(exit_code=int(ExitCode.RETRY_ME), message=f"Kubernetes API unreachable: {err}")
 

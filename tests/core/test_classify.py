@@ -12,8 +12,9 @@ import threading
 
 import pytest
 
-from components.core.classify import as_error, classify, classify_pod, dcp_mismatch, dcp_original, torchrun_exit
-from components.core.errors import (BadInput, CarriedError, CorruptCheckpoint, Diverged, Preempted, RelaunchError,
+from components.core.classify import (CarriedError, as_error, classify, classify_pod, dcp_mismatch, dcp_original,
+                                      torchrun_exit)
+from components.core.errors import (BadInput, CorruptCheckpoint, Diverged, Preempted, RelaunchError,
                                     TransientFailure)
 from components.core.exitcodes import ExitCode
 from tests.core.faults import FaultProxy

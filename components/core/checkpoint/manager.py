@@ -41,8 +41,8 @@ from components.core.checkpoint.lease import Lease, default_owner
 from components.core.checkpoint.retention import apply_retention
 from components.core.checkpoint.snapshot import Snapshotter, copy_deferred, state_bytes
 from components.core.checkpoint.verify import CHUNK_BYTES, DIGEST, ChunkDigests, check_files, deep_verify
-from components.core.classify import dcp_original
-from components.core.errors import BadInput, CarriedError, CorruptCheckpoint, RelaunchError
+from components.core.classify import CarriedError, dcp_original
+from components.core.errors import BadInput, CorruptCheckpoint, RelaunchError
 from components.core.store import FileStore, PreconditionFailed, Store, open_store
 
 if TYPE_CHECKING:

@@ -31,6 +31,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any, Callable, Iterable, TypeVar
 
+from components.core.classify import S3_CREDENTIAL_CODES, S3_TRANSIENT_CODES
 from components.core.errors import BadInput, TransientFailure
 from components.core.store import (READ_BLOCK, PreconditionFailed, Segments, StreamWriter, byte_view, check_key,
                                    join_uri, register_backend)
@@ -41,13 +42,7 @@ MULTIPART_THRESHOLD = 64 * 1024 * 1024
 PART_SIZE = 32 * 1024 * 1024
 PARALLEL_PARTS = 4
 
-_TRANSIENT_CODES = {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "Throttling",
-                    "ThrottlingException", "RequestTimeTooSkewed", "OperationAborted", "ServerError",
-                    # 409 to a conditional write that raced another write of the key: AWS asks for a
-                    # retry, which then gets 412 if the other one won
-                    "ConditionalRequestConflict"}
-_CREDENTIAL_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken",
-                     "ExpiredToken", "AllAccessDisabled", "AccountProblem"}
+
 
 
 def _env(*names: str) -> str | None:
@@ -186,14 +181,14 @@ class S3Store:
                 if err.code == "NoSuchBucket":
                     raise BadInput(f"bucket {self.bucket!r} does not exist at {self.endpoint}; create it "
                                    f"or fix the store URI") from None
-                if err.code in _CREDENTIAL_CODES:
+                if err.code in S3_CREDENTIAL_CODES:
                     raise BadInput(f"S3 refused {op} on {self.uri_for(key)}: {err.code} (check "
                                    f"AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY and the bucket policy)") from None
                 if err.code == "PreconditionFailed":
                     raise PreconditionFailed(f"{self.uri_for(key)} exists or changed since it was read "
                                              f"(another writer?)") from None
                 status = getattr(err.response, "status", 0) or 0
-                if err.code not in _TRANSIENT_CODES and status < 500:
+                if err.code not in S3_TRANSIENT_CODES and status < 500:
                     raise BadInput(f"S3 error on {op} {self.uri_for(key)}: {err.code}: {err.message}") from None
                 last: BaseException = err
             except Exception as err:  # noqa: BLE001 - classified just below
