@@ -13,8 +13,9 @@ of this machine, measured with none of relaunch's code (tests/bench/rawread.py):
 - the same files' bytes (every file of the checkpoint's folder; on S3 every object), read by an
   independent reader with the same concurrency as ours: as many threads as our reader has, each
   reading one piece (at most 64 MiB, our largest single read, and small enough that every thread
-  has one) front to back with ``os.preadv`` in 8 MiB blocks; on S3 plain ``http.client`` GETs of whole objects, as many in flight as our reader's;
-  for N ranks, N reader processes, each with its 1/N share of the bytes, timed like our ranks
+  has one) front to back with ``os.preadv``, in 512 KiB and, as a second raw variant, in 8 MiB
+  blocks (the faster of the two is the limit); on S3 plain ``http.client`` GETs of whole objects
+  (presigned by boto3), as many in flight as our reader's GETs; for N ranks, N reader processes, each with its 1/N share of the bytes, timed like our ranks
   (the slowest one's own time from its start);
 - into buffers allocated and page-faulted before the timed region (ours: the model, which a
   restarted job builds before it loads, exists before the timed region too);
@@ -31,8 +32,10 @@ Save stall: the seconds ``save()`` blocks the training thread (default async sav
 and, with ``save(defer_copy=True)``, ``save()`` plus ``wait_for_snapshot()`` after a simulated
 forward and backward that reads every parameter 3 times, both divided by a synchronous save of the
 same state (``torch.save`` to a local file, then upload to the store: what the goal is stated
-against); both are also shown divided by our own synchronous save (``async_save=False``). The four
-are interleaved, best of 3, after a warm-up save of each manager (buffers allocated).
+against); both are also shown divided by our own synchronous save (``async_save=False``). The
+stall's own floor is a plain copy of the same bytes into pre-faulted buffers (torch's threaded
+``copy_`` or one memcpy per tensor, the faster): the limit row. All are interleaved, best of 3,
+after a warm-up save of each manager (its buffers allocated and faulted).
 
 FSDP2 (torchrun, gloo, tests/core/fsdp_worker.py): the state saved by 2 ranks, restored by 2 and 4;
 the load's time is the slowest rank's, from after its imports; bytes read by each rank from the
@@ -86,8 +89,10 @@ def our_concurrency() -> tuple[int, int]:
 
 
 def _row(kind: str | None, metric: str, value: float, detail: str) -> dict[str, Any]:
-    if kind is None:
-        return {"metric": metric, "value": value, "goal": "measured", "verdict": "", "detail": detail}
+    if kind in (None, "limit"):  # measured; a "limit" ratio above 1.0 is a baseline that is not one
+        bug = kind == "limit" and value > 1.0
+        return {"metric": metric, "value": value, "goal": "measured",
+                "verdict": "BASELINE BUG: ours beat the limit" if bug else "", "detail": detail}
     op, goal = GOALS[kind]
     ok = value >= goal if op == ">=" else value <= goal
     verdict = "meets" if ok else "MISSES"
@@ -188,8 +193,25 @@ def _stall_rows(state: dict, work: Path) -> list[dict]:
         sync.save(steps["sync"], state)
         return time.perf_counter() - t0
 
+    # the floor of a copy in save(): the same bytes into pre-faulted buffers, by torch's own threaded
+    # copy and by one memcpy per tensor (numpy), whichever is faster in each round
+    import numpy as np
+
+    sources = list(state["model"].values())
+    dests = [torch.empty_like(t).copy_(t) for t in sources]
+
+    def copy_limit() -> float:
+        t0 = time.perf_counter()
+        for d, src in zip(dests, sources):
+            d.copy_(src)
+        threaded = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for d, src in zip(dests, sources):
+            np.copyto(d.numpy(), src.numpy())
+        return min(threaded, time.perf_counter() - t0)
+
     times = _interleaved({"torch.save": torch_save_upload, "async": default_async, "deferred": deferred_copy,
-                          "sync": our_sync})
+                          "sync": our_sync, "copy": copy_limit})
     for mgr in (asyncs, deferred, sync):
         mgr.close()
     best = {k: min(v) for k, v in times.items()}
@@ -201,6 +223,11 @@ def _stall_rows(state: dict, work: Path) -> list[dict]:
              best["async"] / best["torch.save"], f"save() blocked {best['async'] * 1e3:.1f} ms; {base}"),
         _row(None, "default async save: stall / our synchronous save", best["async"] / best["sync"],
              f"save() blocked {best['async'] * 1e3:.1f} ms; {base}"),
+        _row("limit", "default async save: copy limit / stall (the stall's floor, same bytes)",
+             best["copy"] / best["async"],
+             f"a plain copy of the same bytes into pre-faulted buffers {best['copy'] * 1e3:.1f} ms "
+             f"({mib * 2**20 / best['copy'] / 1e9:.1f} GB/s; torch's threaded copy_ or one memcpy per tensor, the "
+             f"faster) vs save() {best['async'] * 1e3:.1f} ms"),
         _row("deferred", "deferred copy: stall / synchronous save (torch.save + upload)",
              best["deferred"] / best["torch.save"],
              f"save() + wait_for_snapshot() {best['deferred'] * 1e3:.2f} ms behind a "
@@ -225,24 +252,33 @@ def _fs_rows(state: dict, work: Path, threads: int) -> list[dict]:
     for cache in ("warm", "cold"):
         seen: dict[str, list[float]] = {"raw": [], "ours": []}
 
-        def raw() -> float:
-            seen["raw"].append(rawread.settle(files, cache))
-            t0 = time.perf_counter()
-            rawread.read_pieces(pieces, threads, buf)
-            return time.perf_counter() - t0
+        def raw(block: int) -> Callable[[], float]:
+            def side() -> float:
+                seen["raw"].append(rawread.settle(files, cache))
+                t0 = time.perf_counter()
+                rawread.read_pieces(pieces, threads, buf, block)
+                return time.perf_counter() - t0
+            return side
 
         def ours() -> float:
             seen["ours"].append(rawread.settle(everything, cache))
             return _restore_once(root, target, work / f"cache-{time.monotonic_ns()}")
 
-        times = _interleaved({"raw": raw, "ours": ours})
+        times = _interleaved({**{f"raw {b >> 10} KiB": raw(b) for b in rawread.BLOCKS}, "ours": ours})
         assert all(torch.equal(target["model"][k], v) for k, v in state["model"].items()), "restore differs"
-        r, o = min(times["raw"]), min(times["ours"])
+        r, how = _best_raw(times)
+        o = min(times["ours"])
         rows.append(_row("restore", f"restore / limit, fs, page cache {cache}", r / o,
-                         f"raw {threads}-thread preadv {r:.3f} s ({nbytes / r / 1e9:.2f} GB/s) vs ours {o:.3f} s "
+                         f"raw {threads}-thread preadv ({how} blocks) {r:.3f} s ({nbytes / r / 1e9:.2f} GB/s) vs ours {o:.3f} s "
                          f"({nbytes / o / 1e9:.2f} GB/s), {len(files)} files; resident before each read: "
                          f"raw {_fractions(seen['raw'])}, ours {_fractions(seen['ours'])}"))
     return rows
+
+
+def _best_raw(times: dict[str, list[float]]) -> tuple[float, str]:
+    """The fastest raw round of any raw variant, and that variant's name (without "raw ")."""
+    name = min((k for k in times if k.startswith("raw")), key=lambda k: min(times[k]))
+    return min(times[name]), name.removeprefix("raw ")
 
 
 def _fractions(values: list[float]) -> str:
@@ -319,14 +355,14 @@ def _torchrun(nproc: int, *args: str) -> None:
         raise RuntimeError(f"torchrun {nproc}: {proc.stderr[-1500:]}")
 
 
-def raw_ranks(shares: list[list[rawread.Piece]], threads: int, work: Path) -> float:
+def raw_ranks(shares: list[list[rawread.Piece]], threads: int, work: Path, block: int = rawread.BLOCK) -> float:
     """N reader processes (one per share), started and prepared first, then let go together: the
     slowest one's own read time."""
     procs = []
     try:
         for i, pieces in enumerate(shares):
             spec = work / f"raw-rank{i}.json"
-            spec.write_text(json.dumps({"pieces": pieces, "threads": threads}))
+            spec.write_text(json.dumps({"pieces": pieces, "threads": threads, "block": block}))
             procs.append(subprocess.Popen([sys.executable, "-m", "tests.bench.rawread", str(spec)], cwd=ROOT,
                                           env={**os.environ, "PYTHONPATH": str(ROOT)}, stdin=subprocess.PIPE,
                                           stdout=subprocess.PIPE, text=True))
@@ -363,9 +399,11 @@ def _fsdp_rows(total_bytes: int, work: Path, threads: int) -> list[dict]:
         seen: dict[str, list[float]] = {"raw": [], "ours": []}
         ranks: list[list[dict]] = []
 
-        def raw() -> float:
-            seen["raw"].append(rawread.settle(files, "warm"))
-            return raw_ranks(rawread.shares(sized, nproc), threads, work)
+        def raw(block: int) -> Callable[[], float]:
+            def side() -> float:
+                seen["raw"].append(rawread.settle(files, "warm"))
+                return raw_ranks(rawread.shares(sized, nproc), threads, work, block)
+            return side
 
         def ours() -> float:
             seen["ours"].append(rawread.settle(files, "warm"))
@@ -374,14 +412,15 @@ def _fsdp_rows(total_bytes: int, work: Path, threads: int) -> list[dict]:
             ranks.append([json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)])
             return max(r["load_seconds"] for r in ranks[-1])
 
-        times = _interleaved({"raw": raw, "ours": ours})
-        r, o = min(times["raw"]), min(times["ours"])
+        times = _interleaved({**{f"raw {b >> 10} KiB": raw(b) for b in rawread.BLOCKS}, "ours": ours})
+        (r, how), o = _best_raw(times), min(times["ours"])
         best = ranks[times["ours"].index(o)]
         share = nbytes / nproc
         read = [rank["stats"].get("bytes_read", 0) for rank in best]
         rss = max((rank["rss_peak_during_load"] - rank["rss_before_load"]) / rank["share_bytes"] for rank in best)
         rows.append(_row("restore", f"FSDP restore / limit, {nproc} ranks (saved by 2), page cache warm", r / o,
-                         f"raw {nproc} processes x {threads} threads {r:.3f} s vs our slowest rank {o:.3f} s, "
+                         f"raw {nproc} processes x {threads} threads ({how} blocks) {r:.3f} s vs our slowest rank "
+                         f"{o:.3f} s, "
                          f"{nbytes / 2**20:.0f} MiB in {len(files)} files; resident before each read: "
                          f"raw {_fractions(seen['raw'])}, ours {_fractions(seen['ours'])}"))
         rows.append(_row("bytes", f"FSDP bytes read per rank / its share, {nproc} ranks", max(read) / share,

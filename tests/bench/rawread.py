@@ -3,7 +3,7 @@ relaunch's code (stdlib only, so that a reader process starts in milliseconds), 
 state of files (``mincore`` on a mapping, the call ``fincore`` makes).
 
 A reader reads ``pieces`` (path, offset, length), each front to back with ``os.preadv`` in blocks of
-BLOCK, ``threads`` pieces at a time, into one buffer allocated and page-faulted before the timed
+``block`` bytes (the bench tries each of BLOCKS and keeps the best), ``threads`` pieces at a time, into one buffer allocated and page-faulted before the timed
 region. Run as ``python -m tests.bench.rawread SPEC.json`` it is one reader process of a group (the
 raw side of an N-rank restore): it prepares, prints ``ready``, waits for a line on stdin, reads, and
 prints ``{"start": ..., "end": ...}`` (time.monotonic, comparable across processes).
@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Iterable
 
 BLOCK = 8 << 20
+BLOCKS = (512 << 10, 8 << 20)  # measured here: small blocks read a cold file faster, large ones a warm one
 PAGE = os.sysconf("SC_PAGE_SIZE")
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
@@ -130,9 +131,9 @@ def split(pieces: list[Piece], threads: int, most: int = 64 << 20) -> list[Piece
             for at in range(0, length, cap)]
 
 
-def read_pieces(pieces: list[Piece], threads: int, buf: bytearray) -> None:
-    """Read every piece, each front to back by one thread, ``threads`` at a time, into ``buf`` one
-    after another (pieces in order)."""
+def read_pieces(pieces: list[Piece], threads: int, buf: bytearray, block: int = BLOCK) -> None:
+    """Read every piece, each front to back by one thread in ``block``-byte reads, ``threads`` at a
+    time, into ``buf`` one after another (pieces in order)."""
     view = memoryview(buf)
     jobs, at = [], 0
     for piece in pieces:
@@ -148,7 +149,7 @@ def read_pieces(pieces: list[Piece], threads: int, buf: bytearray) -> None:
             os.posix_fadvise(fd, offset, length, os.POSIX_FADV_SEQUENTIAL)
             done = 0
             while done < length:
-                n = os.preadv(fd, [view[pos + done:pos + min(length, done + BLOCK)]], offset + done)
+                n = os.preadv(fd, [view[pos + done:pos + min(length, done + block)]], offset + done)
                 if not n:
                     raise EOFError(f"{path} ends at {offset + done}")
                 done += n
@@ -219,7 +220,7 @@ def _child(spec_path: str) -> None:
     print("ready", flush=True)
     sys.stdin.readline()
     start = time.monotonic()
-    read_pieces(split(pieces, spec["threads"]), spec["threads"], buf)
+    read_pieces(split(pieces, spec["threads"]), spec["threads"], buf, spec.get("block", BLOCK))
     print(json.dumps({"start": start, "end": time.monotonic(), "bytes": sum(p[2] for p in pieces)}), flush=True)
 
 

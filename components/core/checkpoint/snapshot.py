@@ -47,7 +47,7 @@ def state_bytes(snapshot: Any) -> int:
 
 
 COPY_THREADS = max(1, min(4, os.cpu_count() or 1))  # threads of the copy in save(), the caller's included
-COPY_CHUNK = 8 << 20  # bytes one thread copies before it takes the next chunk
+COPY_CHUNK = 4 << 20  # bytes one thread copies before it takes the next (the wait for the last one is short)
 
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
