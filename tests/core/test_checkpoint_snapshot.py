@@ -163,3 +163,25 @@ def test_a_snapshot_copied_in_chunks_by_several_threads_is_bitwise_for_every_kin
         assert taken["extra"]["count"] == 7
         state["extra"]["bytes"].add_(1)
         state["extra"]["bf16"].mul_(2)
+
+
+def test_a_process_that_took_a_snapshot_winds_down_without_waiting_on_a_copy_thread():
+    # a warm child ends with wind_down(), which joins every non-daemon thread: an idle copy helper
+    # that is not a daemon (a ThreadPoolExecutor's worker) would hold the process forever
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = (
+        "import torch\n"
+        "from components.core.checkpoint.snapshot import COPY_CHUNK, Snapshotter\n"
+        "from components.core.stepcli import wind_down\n"
+        "state = {'x': torch.randn(COPY_CHUNK)}\n"
+        "assert torch.equal(Snapshotter().take(state)['x'], state['x'])\n"
+        "wind_down()\n"
+        "print('wound down')\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "wound down" in proc.stdout, proc.stderr[-2000:]

@@ -15,9 +15,9 @@ for the slowest thread.
 
 from __future__ import annotations
 
-import concurrent.futures
 import copy
 import os
+import queue
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +49,22 @@ def state_bytes(snapshot: Any) -> int:
 COPY_THREADS = max(1, min(4, os.cpu_count() or 1))  # threads of the copy in save(), the caller's included
 COPY_CHUNK = 4 << 20  # bytes one thread copies before it takes the next (the wait for the last one is short)
 
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
+class _Helpers:
+    """COPY_THREADS - 1 daemon threads that run the callables put on their queue. Daemon threads,
+    not a ThreadPoolExecutor: an idle helper must never hold a process's exit up (an executor's
+    workers are joined at exit, and a warm child's wind-down joins every non-daemon thread first)."""
+
+    def __init__(self, count: int):
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(count):
+            threading.Thread(target=self._loop, name=f"ckpt-copy-{i}", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            self.jobs.get()()
+
+
+_pool: _Helpers | None = None
 _pool_lock = threading.Lock()
 
 
@@ -68,40 +83,53 @@ def _plain(src: torch.Tensor) -> bool:
         and not src.is_neg()
 
 
-def _helpers() -> concurrent.futures.ThreadPoolExecutor:
+def _helpers() -> _Helpers:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = concurrent.futures.ThreadPoolExecutor(COPY_THREADS - 1, thread_name_prefix="ckpt-copy")
+            _pool = _Helpers(COPY_THREADS - 1)
         return _pool
 
 
 def _parallel_copy(pairs: list[tuple[Any, Any]]) -> None:
     """Copy each (dest, src) pair of equal-length uint8 numpy views, in chunks of COPY_CHUNK taken in
-    turn by this thread and up to COPY_THREADS - 1 helpers (numpy's copy releases the GIL). Helpers
-    that have not started when this thread runs out of chunks are cancelled, not waited for."""
+    turn by this thread and up to COPY_THREADS - 1 helpers (numpy's copy releases the GIL). Returns
+    when every chunk is copied; a helper that starts after that finds nothing left and is not waited for."""
     import numpy as np
 
     chunks = [(d[at:at + COPY_CHUNK], s[at:at + COPY_CHUNK]) for d, s in pairs for at in range(0, len(d), COPY_CHUNK)]
-    taken = iter(range(len(chunks)))
+    if not chunks:
+        return
     lock = threading.Lock()
+    done = threading.Event()
+    state = {"next": 0, "left": len(chunks)}
+    errors: list[BaseException] = []
 
     def work() -> None:
         while True:
             with lock:
-                i = next(taken, None)
-            if i is None:
-                return
-            np.copyto(*chunks[i])
+                i = state["next"]
+                if i >= len(chunks):
+                    return
+                state["next"] = i + 1
+            try:
+                np.copyto(*chunks[i])
+            except BaseException as err:  # noqa: BLE001 - raised by the caller, below
+                errors.append(err)
+            with lock:
+                state["left"] -= 1
+                if not state["left"]:
+                    done.set()
 
     helpers = min(COPY_THREADS, len(chunks)) - 1
-    started = [_helpers().submit(work) for _ in range(helpers)] if helpers > 0 else []
-    try:
-        work()
-    finally:
-        for future in started:
-            if not future.cancel():
-                future.result()
+    if helpers > 0:
+        pool = _helpers()
+        for _ in range(helpers):
+            pool.jobs.put(work)
+    work()
+    done.wait()
+    if errors:
+        raise errors[0]
 
 
 def _byte_view(tensor: torch.Tensor) -> Any:
