@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import pkgutil
 import sys
 import time
@@ -26,9 +27,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("names", nargs="*", help="bench modules to run (default: all)")
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
+    parser.add_argument("--size-mib", type=int,
+                        help="state size of bench_checkpoint in MiB (default 1024; sets BENCH_CHECKPOINT_MIB)")
     args = parser.parse_args(argv)
+    if args.size_mib is not None:
+        if args.size_mib < 1:
+            parser.error(f"--size-mib {args.size_mib}: give a size of at least 1 MiB")
+        os.environ["BENCH_CHECKPOINT_MIB"] = str(args.size_mib)
     names = args.names or sorted(m.name for m in pkgutil.iter_modules(bench_pkg.__path__) if m.name.startswith("bench_"))
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=200)  # a log keeps whole rows
     args.out.mkdir(parents=True, exist_ok=True)
     failed = 0
     for name in names:

@@ -106,3 +106,82 @@ def test_a_deferred_copy_is_finished_before_the_next_save_or_a_load(tmp_path):
     for before, got in zip(first, _tensors(state), strict=True):
         assert torch.equal(before, got)
     mgr.close()
+
+
+def test_a_second_save_reuses_the_staging_buffers_and_holds_the_second_state_bitwise(tmp_path):
+    from components.core.checkpoint.snapshot import Snapshotter
+
+    width = 512  # 1 MiB layers: several chunks of the parallel copy in all
+    state = _state(seed=4, width=width)
+    _step(state, width)
+    root = str(tmp_path / "store")
+    mgr = CheckpointManager(root, owner="snapshot-test", keep_last=0)  # the default: async, copy in save()
+    mgr.save(1, state)
+    first = [t.clone() for t in _tensors(state)]
+    mgr.wait()
+    _step(state, width)  # every parameter and moment changes in place
+    mgr.save(2, state)
+    second = [t.clone() for t in _tensors(state)]
+    _step(state, width)  # changed after save() returned: not in checkpoint 2
+    mgr.close()
+    for step, expected in ((1, first), (2, second)):
+        fresh = _state(seed=99, width=width)
+        _step(fresh, width)
+        with CheckpointManager(root, owner="snapshot-test") as reader:
+            reader.load(fresh, step=step)
+        for before, got in zip(expected, _tensors(fresh), strict=True):
+            assert torch.equal(before, got)
+
+    snapshots = Snapshotter()
+    taken = snapshots.take(state)
+    pointers = [t.data_ptr() for t in taken["model"].values()]
+    _step(state, width)
+    again = snapshots.take(state)
+    assert [t.data_ptr() for t in again["model"].values()] == pointers  # the same buffers, refilled
+    for live, copied in zip(state.model.state_dict().values(), again["model"].values(), strict=True):
+        assert torch.equal(live, copied)
+
+
+def test_a_snapshot_copied_in_chunks_by_several_threads_is_bitwise_for_every_kind_of_tensor():
+    from components.core.checkpoint.snapshot import COPY_CHUNK, Snapshotter
+
+    g = torch.Generator().manual_seed(5)
+    state = {"extra": {
+        "bytes": torch.randint(0, 256, (3 * COPY_CHUNK + 13,), dtype=torch.uint8, generator=g),  # ragged last chunk
+        "bf16": torch.randn(COPY_CHUNK // 2 + 7, generator=g).to(torch.bfloat16),
+        "transposed": torch.randn(300, 200, generator=g).t(),  # not contiguous: copied as it is
+        "empty": torch.empty(0, 4),
+        "scalar": torch.tensor(3.5),
+        "count": 7,
+    }}
+    snapshots = Snapshotter()
+    for _ in range(2):  # allocating, then reusing
+        taken = snapshots.take(state)
+        for name, live in state["extra"].items():
+            if isinstance(live, torch.Tensor):
+                assert taken["extra"][name].dtype == live.dtype and torch.equal(taken["extra"][name], live)
+        assert taken["extra"]["count"] == 7
+        state["extra"]["bytes"].add_(1)
+        state["extra"]["bf16"].mul_(2)
+
+
+def test_a_process_that_took_a_snapshot_winds_down_without_waiting_on_a_copy_thread():
+    # a warm child ends with wind_down(), which joins every non-daemon thread: an idle copy helper
+    # that is not a daemon (a ThreadPoolExecutor's worker) would hold the process forever
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = (
+        "import torch\n"
+        "from components.core.checkpoint.snapshot import COPY_CHUNK, Snapshotter\n"
+        "from components.core.stepcli import wind_down\n"
+        "state = {'x': torch.randn(COPY_CHUNK)}\n"
+        "assert torch.equal(Snapshotter().take(state)['x'], state['x'])\n"
+        "wind_down()\n"
+        "print('wound down')\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "wound down" in proc.stdout, proc.stderr[-2000:]
