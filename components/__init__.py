@@ -15,7 +15,7 @@ import importlib
 import typing
 from dataclasses import dataclass
 
-from components.core.exitcodes import RetryPolicy
+from components.core.contract.exitcodes import RetryPolicy
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ CONFIG = Source("", "config_json")
 RUN_ID = Source("", "run_id")
 """The pipeline run's id (KFP's job id, Argo's ``workflow.uid``)."""
 PARAMETERS = Source("", "parameters")
-"""Every typed pipeline parameter (:data:`components.core.config.PIPELINE_PARAMETERS`), each under its own name."""
+"""Every typed pipeline parameter (:data:`components.core.contract.config.PIPELINE_PARAMETERS`), each under its own name."""
 FINAL_STATUS = Source("", "status")
 """How the pipeline ended (exit handler only): KFP's ``PipelineTaskFinalStatus``, on Argo the
 ``state`` and ``error`` that ``workflow.status`` gives."""

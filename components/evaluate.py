@@ -14,8 +14,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from components.core.config import RelaunchConfig
-from components.core.errors import BadInput
+from components.core.contract.config import RelaunchConfig
+from components.core.contract.errors import BadInput
 
 
 @dataclass
@@ -33,7 +33,7 @@ def run(config: RelaunchConfig) -> EvaluateOutputs:
         BadInput: there is no committed checkpoint, or the gate metric is not one the task computes.
     """
     from components.core.checkpoint import CheckpointManager
-    from components.core.models import load_model, save_model
+    from components.core.tracking.models import load_model, save_model
     from components.tasks.base import load_task
 
     task = load_task(config.train.task, config)
@@ -59,7 +59,7 @@ def run(config: RelaunchConfig) -> EvaluateOutputs:
 
 def _split(config: RelaunchConfig, task) -> dict:
     if config.data.version:
-        from components.core.datasets import read_dataset
+        from components.core.store.datasets import read_dataset
         from components.core.store import open_store
 
         return read_dataset(open_store(config.store.uri), config.data.version)[config.evaluate.split]
@@ -68,8 +68,8 @@ def _split(config: RelaunchConfig, task) -> dict:
 
 def _log(config: RelaunchConfig, metrics: dict, step: int, predicted, actual, checkpoint_uri: str,
          write_model) -> None:
-    from components.core.lineage import log_model_metrics, logged_model
-    from components.core.tracking import call, client as tracking_client, tracking_uri
+    from components.core.tracking.lineage import log_model_metrics, logged_model
+    from components.core.tracking.client import call, client as tracking_client, tracking_uri
 
     client, run_id = tracking_client(tracking_uri(config)), config.tracking.run_id
     model_id = logged_model(config, checkpoint_uri, step, write_model)
@@ -111,6 +111,6 @@ def confusion_png(actual, predicted, path: Path, title: str) -> None:
 
 
 if __name__ == "__main__":
-    from components.core.stepcli import step_main
+    from components.core.runtime.stepcli import step_main
 
     sys.exit(step_main("evaluate", run))

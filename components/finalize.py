@@ -17,8 +17,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from components.core.config import RelaunchConfig
-from components.core.errors import RelaunchError
+from components.core.contract.config import RelaunchConfig
+from components.core.contract.errors import RelaunchError
 
 PIPELINE_FINISHED_KEY = "runs/pipeline-finished.json"
 
@@ -31,8 +31,8 @@ class FinalizeOutputs:
 
 def run(config: RelaunchConfig, pipeline_run_id: str = "", state: str = "SUCCEEDED", error: str = "") -> FinalizeOutputs:
     """Mark the run FINISHED (``state`` SUCCEEDED) or FAILED; a no-op when no run was opened."""
-    from components.core.lineage import describe_outcome, record_attempts
-    from components.core.tracking import find_pipeline_run, mark_run_finished
+    from components.core.tracking.lineage import describe_outcome, record_attempts
+    from components.core.tracking.client import find_pipeline_run, mark_run_finished
 
     run_id = config.tracking.run_id or ""
     if not run_id and pipeline_run_id:
@@ -71,6 +71,6 @@ def pipeline_finished(store, run_id: str | None) -> bool:
 
 
 if __name__ == "__main__":
-    from components.core.stepcli import step_main
+    from components.core.runtime.stepcli import step_main
 
     sys.exit(step_main("finalize", run))

@@ -16,8 +16,8 @@ import json
 import sys
 from dataclasses import dataclass
 
-from components.core.config import RelaunchConfig
-from components.core.errors import RelaunchError
+from components.core.contract.config import RelaunchConfig
+from components.core.contract.errors import RelaunchError
 from components.launchers import backend_module
 
 
@@ -66,7 +66,7 @@ def run(config: RelaunchConfig, resume_from: str = "", pipeline_run_id: str = ""
 
 def reached_its_end(summary: dict | None) -> bool:
     """Whether the trainer's summary says the training trained its last step and ended well."""
-    from components.core.goodput import TrainSummary
+    from components.core.tracking.goodput import TrainSummary
 
     if not summary:
         return False
@@ -95,13 +95,13 @@ def finished_training(config: RelaunchConfig) -> LaunchOutputs | None:
 
 def read_summary(config: RelaunchConfig) -> dict:
     """The trainer's ``runs/summary.json`` in the store ({} when it wrote none)."""
-    from components.core.goodput import read_summary as read
+    from components.core.tracking.goodput import read_summary as read
     from components.core.store import open_store
 
     return read(open_store(config.store.uri)) or {}
 
 
 if __name__ == "__main__":
-    from components.core.stepcli import step_main
+    from components.core.runtime.stepcli import step_main
 
     sys.exit(step_main("launch", run))

@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 
 from components.core.checkpoint.start import warm_start_checkpoint  # noqa: F401 - part of this step's API
-from components.core.config import RelaunchConfig
+from components.core.contract.config import RelaunchConfig
 
 
 @dataclass
@@ -34,7 +34,7 @@ def run(config: RelaunchConfig) -> LocateOutputs:
     from components.core.checkpoint.start import start_point
 
     from components.core.checkpoint import CheckpointManager
-    from components.core.models import task_fingerprint
+    from components.core.tracking.models import task_fingerprint
 
     with CheckpointManager.from_config(config, async_save=False) as mgr:
         start = start_point(config, mgr, fingerprint=lambda: task_fingerprint(config))
@@ -42,6 +42,6 @@ def run(config: RelaunchConfig) -> LocateOutputs:
 
 
 if __name__ == "__main__":
-    from components.core.stepcli import step_main
+    from components.core.runtime.stepcli import step_main
 
     sys.exit(step_main("locate-latest-checkpoint", run))

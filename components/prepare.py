@@ -16,8 +16,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from components.core.config import RelaunchConfig, with_pipeline_parameters
-from components.core.errors import BadInput, TransientFailure
+from components.core.contract.config import RelaunchConfig, with_pipeline_parameters
+from components.core.contract.errors import BadInput, TransientFailure
 
 @dataclass
 class PrepareOutputs:
@@ -34,18 +34,18 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", **overrides: Any) -> 
     Args:
         config: the pipeline's configuration.
         pipeline_run_id: the orchestrator's run id; the MLflow run is found or created by it.
-        **overrides: pipeline parameters named in :data:`~components.core.config.PIPELINE_PARAMETERS`
+        **overrides: pipeline parameters named in :data:`~components.core.contract.config.PIPELINE_PARAMETERS`
             (0 or "" keeps the value).
 
     Raises:
         BadInput: an override, the task, the store or the tracking URI is wrong.
         TransientFailure: the store or tracking server could not be reached.
     """
-    from components.core import lineage
-    from components.core.datasets import dataset_uri, write_dataset
-    from components.core.goodput import remember_run
+    from components.core.tracking import lineage
+    from components.core.store.datasets import dataset_uri, write_dataset
+    from components.core.tracking.goodput import remember_run
     from components.core.store import open_store
-    from components.core.tracking import ensure_run
+    from components.core.tracking.client import ensure_run
     from components.tasks.base import load_task
 
     config = with_pipeline_parameters(config, overrides)
@@ -87,7 +87,7 @@ def check_inputs(config: RelaunchConfig) -> None:
         raise BadInput(f"store.uri: {config.store.uri!r} cannot be reached ({err}); check AWS_ENDPOINT_URL") from None
     _check_tracking(config)
     if config.train.resume_from:
-        from components.core.models import verify_checkpoint_uri
+        from components.core.tracking.models import verify_checkpoint_uri
 
         verify_checkpoint_uri(config.train.resume_from, config, task)  # built once per process
 
@@ -108,7 +108,7 @@ def _check_tracking(config: RelaunchConfig) -> None:
     import urllib.request
     from pathlib import Path
 
-    from components.core.tracking import tracking_uri
+    from components.core.tracking.client import tracking_uri
 
     uri = tracking_uri(config)
     if uri.startswith(("http://", "https://")):
@@ -141,9 +141,9 @@ def _check_tracking(config: RelaunchConfig) -> None:
 
 def _log_config(config: RelaunchConfig) -> None:
     """The resolved configuration as MLflow params (flattened) and a JSON artifact-free tag."""
-    from components.core.tracking import call, client as tracking_client, log_new_params, tracking_uri
+    from components.core.tracking.client import call, client as tracking_client, log_new_params, tracking_uri
 
-    from components.core.lineage import backend_params
+    from components.core.tracking.lineage import backend_params
 
     client = tracking_client(tracking_uri(config))
     flat = backend_params(_flatten(json.loads(config.to_json())), config.launch.backend)
@@ -162,6 +162,6 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    from components.core.stepcli import step_main
+    from components.core.runtime.stepcli import step_main
 
     sys.exit(step_main("prepare", run))

@@ -16,8 +16,8 @@ SIGTERM and SIGUSR1 only set a flag; the ranks agree on it at the next step boun
 all-reduce), save when the last save's duration fits the grace period left, and exit 143. A NaN/inf
 loss exits 3 without saving; a hung rank exits 138 (watchdog). Rank 0 alone talks to MLflow, through
 a buffered asynchronous logger. Every attempt ending under our control writes ``runs/exit.json`` and
-``runs/summary.json`` in the store (see :mod:`components.core.goodput`). Rank 0 tells its launcher
-what happens with the events of :mod:`components.core.events` on stdout (``resumed``, ``progress``,
+``runs/summary.json`` in the store (see :mod:`components.core.tracking.goodput`). Rank 0 tells its launcher
+what happens with the events of :mod:`components.core.contract.events` on stdout (``resumed``, ``progress``,
 ``saving``, ``summary``, ``exit``).
 """
 
@@ -35,19 +35,19 @@ from dataclasses import asdict  # noqa: E402
 
 import torch  # noqa: E402
 
-from components.core import distributed as distr  # noqa: E402
-from components.core import goodput  # noqa: E402
-from components.core import train_setup as setup  # noqa: E402
-from components.core.config import RelaunchConfig, config_from_cli  # noqa: E402
-from components.core.errors import Diverged, Preempted, RelaunchError, TransientFailure  # noqa: E402
-from components.core.events import Kind, emit  # noqa: E402
-from components.core.exitcodes import RETRYABLE, ExitCode  # noqa: E402
-from components.core.goodput import TrainSummary  # noqa: E402
-from components.core.health import PreemptionFlag, SpikeDetector, Watchdog, is_finite  # noqa: E402
-from components.core.injection import Injection, wrap_store  # noqa: E402
-from components.core.lineage import start_system_metrics  # noqa: E402
-from components.core.train_checkpoints import TrainerCheckpoints  # noqa: E402
-from components.core.train_tracking import TrainingTracker, resolve_run_id, run_params  # noqa: E402
+from components.core.runtime import distributed as distr  # noqa: E402
+from components.core.tracking import goodput  # noqa: E402
+from components.core.trainer import setup  # noqa: E402
+from components.core.contract.config import RelaunchConfig, config_from_cli  # noqa: E402
+from components.core.contract.errors import Diverged, Preempted, RelaunchError, TransientFailure  # noqa: E402
+from components.core.contract.events import Kind, emit  # noqa: E402
+from components.core.contract.exitcodes import RETRYABLE, ExitCode  # noqa: E402
+from components.core.tracking.goodput import TrainSummary  # noqa: E402
+from components.core.trainer.health import PreemptionFlag, SpikeDetector, Watchdog, is_finite  # noqa: E402
+from components.core.trainer.injection import Injection, wrap_store  # noqa: E402
+from components.core.tracking.lineage import start_system_metrics  # noqa: E402
+from components.core.trainer.checkpoints import TrainerCheckpoints  # noqa: E402
+from components.core.trainer.tracking import TrainingTracker, resolve_run_id, run_params  # noqa: E402
 from components.tasks.base import load_task  # noqa: E402
 
 _IMPORTED = time.time()
@@ -79,9 +79,9 @@ def waiting_on_peers(world_size: int):
 
 class Training:
     """One attempt of the training, on one rank: the loop, and how it ends. What it builds first is
-    :mod:`components.core.train_setup`'s, when and how it saves :class:`TrainerCheckpoints`', tracking
-    :class:`TrainingTracker`'s, faults :mod:`components.core.injection`'s, the attempt records
-    :mod:`components.core.goodput`'s."""
+    :mod:`components.core.trainer.setup`'s, when and how it saves :class:`TrainerCheckpoints`', tracking
+    :class:`TrainingTracker`'s, faults :mod:`components.core.trainer.injection`'s, the attempt records
+    :mod:`components.core.tracking.goodput`'s."""
 
     def __init__(self, config: RelaunchConfig):
         self.config = config
@@ -216,7 +216,7 @@ class Training:
             self.log.finish(ExitCode.RETRY_ME)
 
     def _forward_backward(self, batch) -> tuple[float, float]:
-        from components.core.parallel import total_grad_norm
+        from components.core.trainer.parallel import total_grad_norm
 
         p = self.parts
         # Every part waits on the peers: FSDP gathers parameters in forward, DDP and FSDP reduce the
@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from components.core.stepcli import end_process
+    from components.core.runtime.stepcli import end_process
 
     sys.stdout.reconfigure(line_buffering=True)
     code = main()

@@ -13,7 +13,7 @@ that holds GPUs.
 Wiring only: :func:`_define` walks the pipeline spec (:data:`components.PIPELINE`: steps, inputs,
 conditions, retries, exit handler), as the KFP renderer does. Every step is ``python -m <its module>``
 in the project image (its outputs are the files the step CLI writes); the retry expression is
-:func:`~components.core.exitcodes.argo_retry_expression`; credentials are ``secretKeyRef`` env
+:func:`~components.core.contract.exitcodes.argo_retry_expression`; credentials are ``secretKeyRef`` env
 entries (:func:`components.launchers.jobs.secret_env`).
 """
 
@@ -26,8 +26,8 @@ from hera.workflows import DAG, Container, CronWorkflow, Parameter, RetryStrateg
 from hera.workflows import models as m
 
 from components import CONFIG, FINAL_STATUS, PARAMETERS, PIPELINE, RUN_ID, Condition, Step
-from components.core.config import RelaunchConfig
-from components.core.exitcodes import argo_retry_expression
+from components.core.contract.config import RelaunchConfig
+from components.core.contract.exitcodes import argo_retry_expression
 from components.launchers.jobs import OWNER_ENV, plain_env, secret_env
 
 OUTPUTS_DIR = "/tmp/outputs"

@@ -16,7 +16,7 @@ import argparse
 import importlib
 import sys
 
-from components.core.errors import exit_on_error
+from components.core.contract.errors import exit_on_error
 
 COMMANDS: dict[str, str] = {
     "run": "run the whole pipeline on this machine (kfp.local)",

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from components.core.config import RelaunchConfig
+from components.core.contract.config import RelaunchConfig
 
 
 def secret_env_config(config: RelaunchConfig) -> dict:
@@ -91,7 +91,7 @@ def client(host: str | None = None, namespace: str | None = None):
 def typed_arguments(package: str | Path, arguments: dict[str, str] | None) -> dict:
     """``--param NAME=VALUE`` strings as the types the pipeline declares (the API server refuses a
     string for an integer input); an unknown name or a value of the wrong type is bad input."""
-    from components.core.errors import BadInput
+    from components.core.contract.errors import BadInput
 
     declared = next(yaml.safe_load_all(Path(package).read_text()))["root"]["inputDefinitions"]["parameters"]
     typed: dict = {}

@@ -7,7 +7,7 @@ runs the step, and returns its outputs as the tuple KFP expects (fields in decla
 executor does not catch ``SystemExit``, and ``sh -c`` passes the code on), so the local
 runner (and a reader of the pod's log) can tell a permanent failure from a retryable one. When
 ``RELAUNCH_EVENTS`` names a file (``relaunch run`` sets it), the ``step-start`` and ``step-end``
-events of :mod:`components.core.events` are appended to it.
+events of :mod:`components.core.contract.events` are appended to it.
 
 In KFP's executor process the step ends without tearing the interpreter down: every ``atexit``
 handler runs (MLflow's, tempfile's, logging is shut down), then ``os._exit`` with the exit status.
@@ -27,9 +27,9 @@ import traceback
 from typing import Any
 
 from components import STEP_MODULES
-from components.core import events
-from components.core.events import Kind
-from components.core.exitcodes import ExitCode
+from components.core.contract import events
+from components.core.contract.events import Kind
+from components.core.contract.exitcodes import ExitCode
 
 _failed_with: list[int] = []
 _ends_without_teardown = False
@@ -40,7 +40,7 @@ def _end_without_teardown() -> None:
     if _failed_with:
         code = _failed_with[-1]
     elif hasattr(sys, "last_value"):  # the executor failed after the step, e.g. writing its outputs
-        from components.core.classify import classify
+        from components.core.contract.classify import classify
 
         code = classify(sys.last_value)
     else:
@@ -58,9 +58,9 @@ def _in_kfp_executor() -> bool:
 
 def call(step: str, config_json: str, **inputs: Any) -> tuple:
     """Run step ``step`` on the configuration ``config_json``; exit with the contract's code on error."""
-    from components.core import warm
-    from components.core.config import RelaunchConfig
-    from components.core.errors import RelaunchError
+    from components.core.runtime import warm
+    from components.core.contract.config import RelaunchConfig
+    from components.core.contract.errors import RelaunchError
 
     global _ends_without_teardown
     if _in_kfp_executor() and not _ends_without_teardown and not warm.forked:  # a warm fork ends so itself
@@ -73,7 +73,7 @@ def call(step: str, config_json: str, **inputs: Any) -> tuple:
     except RelaunchError as err:
         _fail(step, int(err.exit_code), str(err))
     except Exception as err:  # not the contract's: keep the traceback in the step's log, exit as classified
-        from components.core.classify import classify
+        from components.core.contract.classify import classify
 
         traceback.print_exc()
         _fail(step, classify(err), f"{type(err).__name__}: {err}")

@@ -9,8 +9,8 @@ Wiring only: :func:`build_pipeline` walks the spec; each component body imports
 :func:`build_pipeline` makes the components and the pipeline for one configuration: its image is
 each component's ``base_image`` (KFP's own setting, nothing rewritten afterwards) and its JSON the
 default of ``config_json``. The typed parameters come from
-:data:`components.core.config.PIPELINE_PARAMETERS`. The same definition runs on one machine with
-``kfp.local`` (``relaunch run``, :mod:`pipelines.local_run`). Retries come from each step of the
+:data:`components.core.contract.config.PIPELINE_PARAMETERS`. The same definition runs on one machine with
+``kfp.local`` (``relaunch run``, :mod:`pipelines.local.runner`). Retries come from each step of the
 spec; caching is off for every step (a cached "latest checkpoint" is a wrong one, and prepare's
 outputs include this run's MLflow run).
 
@@ -32,7 +32,7 @@ from kfp import compiler, dsl
 
 from components import (CONFIG, EVALUATE, FINALIZE, LAUNCH, LOCATE, PARAMETERS, PIPELINE, PREPARE, REGISTER, RUN_ID,
                         Condition, Step)
-from components.core.config import (PIPELINE_PARAMETERS, RelaunchConfig, pipeline_parameter_description,
+from components.core.contract.config import (PIPELINE_PARAMETERS, RelaunchConfig, pipeline_parameter_description,
                                     pipeline_parameter_type)
 
 # ---------------------------------------------------------------- component bodies (shipped as source)

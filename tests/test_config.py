@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from components.core.config import (PIPELINE_PARAMETERS, RelaunchConfig, config_from_cli, load_config,
+from components.core.contract.config import (PIPELINE_PARAMETERS, RelaunchConfig, config_from_cli, load_config,
                                     parse_failure_spec, parse_store_uri, pipeline_parameter_type,
                                     with_pipeline_parameters)
-from components.core.errors import BadInput
+from components.core.contract.errors import BadInput
 
 
 def test_defaults_are_the_embedded_local_setup():

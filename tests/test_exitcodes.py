@@ -7,7 +7,7 @@ import signal
 import pytest
 
 from components import RETRY_POLICIES, STEPS
-from components.core.exitcodes import PERMANENT, RETRYABLE, ExitCode, is_retryable, normalize
+from components.core.contract.exitcodes import PERMANENT, RETRYABLE, ExitCode, is_retryable, normalize
 
 
 def test_permanent_and_retryable_are_disjoint_and_cover_the_contract():

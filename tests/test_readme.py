@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from components.core.config import config_reference_markdown, exit_code_markdown
+from components.core.contract.config import config_reference_markdown, exit_code_markdown
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -18,7 +18,7 @@ def test_readme_table_matches_the_code(marker, generate):
     text = README.read_text()
     found = re.search(rf"<!-- {marker}:start -->\n(.*?)\n<!-- {marker}:end -->", text, re.S)
     assert found, f"README lacks the {marker} markers"
-    assert found.group(1) == generate(), "regenerate with: python -m components.core.config"
+    assert found.group(1) == generate(), "regenerate with: python -m components.core.contract.config"
 
 
 def test_readme_gives_the_two_setup_commands():

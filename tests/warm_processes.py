@@ -1,5 +1,5 @@
 """Real torchrun agents and workers for the tests, forked from one warm server per test session (the
-``pipelines.warm_steps.WarmServer`` that ``relaunch run`` uses): the same torchrun and training code,
+``pipelines.local.warm_steps.WarmServer`` that ``relaunch run`` uses): the same torchrun and training code,
 without every agent and rank importing torch, DCP and MLflow again (most of a small test's time).
 
 :func:`start` and :func:`run` take the command a test would give ``subprocess``: ``torchrun ...`` or
@@ -16,8 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from components.core import warm
-from pipelines.warm_steps import RemoteProcess, WarmServer, supported
+from components.core.runtime import warm
+from pipelines.local.warm_steps import RemoteProcess, WarmServer, supported
 
 ROOT = Path(__file__).resolve().parents[1]
 _WORKERS = ("tests.core.fsdp_worker", "tests.core.resume_worker", "components.tasks.digits")

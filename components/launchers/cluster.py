@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 from components import DELETE_JOB
-from components.core.config import RelaunchConfig
-from components.core.errors import BadInput, TransientFailure
-from components.core.exitcodes import RETRYABLE, ExitCode
-from components.core.k8s_naming import job_name
+from components.core.contract.config import RelaunchConfig
+from components.core.contract.errors import BadInput, TransientFailure
+from components.core.contract.exitcodes import RETRYABLE, ExitCode
+from components.launchers.k8s_naming import job_name
 from components.launchers import LaunchResult, backend_module
 from components.launchers.jobs import STEP, JobKind, JobState, failure_exit_code, unscheduled_reason, unstartable_reason
 
@@ -306,7 +306,7 @@ def launch_job(kind: JobKind, build: Callable[[str | None], dict], config: Relau
     except BadInput as err:
         return LaunchResult(exit_code=int(ExitCode.BAD_INPUT), message=str(err))
     except ApiException as err:
-        from components.core.classify import classify
+        from components.core.contract.classify import classify
 
         return LaunchResult(exit_code=int(classify(err)),
                             message=f"Kubernetes API refused the request: {err.status} {err.reason}")
@@ -358,6 +358,6 @@ run = delete_job  # what ``python -m components.launchers.cluster`` (the step CL
 
 
 if __name__ == "__main__":
-    from components.core.stepcli import step_main
+    from components.core.runtime.stepcli import step_main
 
     sys.exit(step_main(DELETE_JOB.name, delete_job))

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 from components import LAUNCH
-from components.core.config import RelaunchConfig
-from components.core.classify import classify_pod
-from components.core.exitcodes import PERMANENT, RETRYABLE, ExitCode
-from components.core.k8s_naming import job_name, run_hash
+from components.core.contract.config import RelaunchConfig
+from components.core.contract.classify import classify_pod
+from components.core.contract.exitcodes import PERMANENT, RETRYABLE, ExitCode
+from components.launchers.k8s_naming import job_name, run_hash
 
 RUN_LABEL = "relaunch.dev/pipeline-run"
 RUN_ANNOTATION = "relaunch.dev/pipeline-run-id"
@@ -82,7 +82,7 @@ class RestartPolicy:
     """torchrun restarts the worker group in place this many times (resuming from the latest checkpoint)."""
     retryable_exit_codes: tuple[int, ...]
     """A node that exits with one of these is started again by its scheduler (the pod, the JobSet, a
-    Slurm requeue); any other non-zero code fails the job for good (:mod:`components.core.exitcodes`)."""
+    Slurm requeue); any other non-zero code fails the job for good (:mod:`components.core.contract.exitcodes`)."""
 
 
 @dataclass(frozen=True)
@@ -303,7 +303,7 @@ def describe_conditions(conditions: Iterable[dict]) -> str:
 
 def pod_exit_codes(pods: list[dict], container: str) -> list[tuple[int, str]]:
     """Every ended pod or training container of a job as ``(exit code of the contract, why)``
-    (:func:`components.core.classify.classify_pod` of each pod)."""
+    (:func:`components.core.contract.classify.classify_pod` of each pod)."""
     return [(int(code), why) for pod in pods for code, why in classify_pod(pod, container)]
 
 

@@ -6,7 +6,7 @@ processes standing in for nodes. What it runs, per simulated node ``i`` (agent 0
         --rdzv-endpoint=127.0.0.1:PORT --rdzv-id=JOB --rdzv-conf=is_host=true \\
         --max-restarts=3 --monitor-interval=0.5 -m components.train --config-json '{...}'
 
-It streams the agents' output, reads rank 0's events (:mod:`components.core.events`) from it, passes
+It streams the agents' output, reads rank 0's events (:mod:`components.core.contract.events`) from it, passes
 them on to the run's event file (or draws a progress bar), and maps the outcome to the exit-code
 contract: torchrun exits 1 for any worker failure, so the code of the worker that ended the attempt
 is read back from the store (``runs/exit.json``, written by the trainer), else from rank 0's own
@@ -26,11 +26,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from components.core import events, warm
-from components.core.config import RelaunchConfig
-from components.core.events import Kind
-from components.core.exitcodes import ExitCode
-from components.core.net import free_port
+from components.core.contract import events
+
+from components.core.runtime import warm
+from components.core.contract.config import RelaunchConfig
+from components.core.contract.events import Kind
+from components.core.contract.exitcodes import ExitCode
+from components.core.runtime.net import free_port
 from components.launchers import LaunchResult
 from components.launchers.jobs import JobSpec, job_spec
 from components.launchers.torchrun import exit_code
@@ -127,7 +129,7 @@ def _wait(agents: list[subprocess.Popen], timeout: float) -> tuple[list[int], bo
 
 
 def _raise_preempted(signum, frame) -> None:
-    from components.core.errors import Preempted
+    from components.core.contract.errors import Preempted
 
     raise Preempted("the launch step was sent SIGTERM; stopped the training (its last checkpoint stands)")
 

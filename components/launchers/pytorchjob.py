@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from components.core.config import KubernetesConfig, RelaunchConfig
+from components.core.contract.config import KubernetesConfig, RelaunchConfig
 from components.launchers import LaunchResult
 from components.launchers.cluster import launch_job
 from components.launchers.jobs import (
@@ -112,7 +112,7 @@ def render_pytorchjob(spec: JobSpec, k8s: KubernetesConfig, *, pipeline_run_id: 
             tolerations=[dict(t) for t in k8s.tolerations] or None))
 
     def replicas(count: int) -> Any:
-        # restartPolicy ExitCode: retry 130/137/138/143 in place, never 1/2/3 (components.core.exitcodes)
+        # restartPolicy ExitCode: retry 130/137/138/143 in place, never 1/2/3 (components.core.contract.exitcodes)
         return kf.KubeflowOrgV1ReplicaSpec(replicas=count, restart_policy="ExitCode", template=pod)
 
     replica_specs = {"Master": replicas(1)}

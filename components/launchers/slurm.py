@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import shlex
 
-from components.core.config import RelaunchConfig
+from components.core.contract.config import RelaunchConfig
 from components.launchers.jobs import JobSpec, job_spec
 
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"

@@ -16,8 +16,8 @@ import subprocess
 import sys
 import time
 
-from components.core.config import RelaunchConfig
-from components.core.errors import BadInput, exit_on_error
+from components.core.contract.config import RelaunchConfig
+from components.core.contract.errors import BadInput, exit_on_error
 from components.launchers.torchrun import exit_code
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)

@@ -15,8 +15,8 @@ import argparse
 import sys
 from typing import Sequence
 
-from components.core.config import RelaunchConfig
-from components.core.exitcodes import ExitCode, normalize
+from components.core.contract.config import RelaunchConfig
+from components.core.contract.exitcodes import ExitCode, normalize
 
 TRAIN_MODULE = "components.train"
 
@@ -66,12 +66,12 @@ def exit_code(config: RelaunchConfig, returncode: int, started_at: float, *, rep
         recorded (137 when it recorded none: a worker that died without control); 138 (or
         ``reported``) when the store cannot be read, rather than guessing a permanent code.
     """
-    from components.core.classify import torchrun_exit
+    from components.core.contract.classify import torchrun_exit
 
     if normalize(returncode) != ExitCode.BUG:  # 0, or a signal: no record needed
         return torchrun_exit(returncode, None, started_at)
-    from components.core.errors import RelaunchError
-    from components.core.goodput import read_exit_record
+    from components.core.contract.errors import RelaunchError
+    from components.core.tracking.goodput import read_exit_record
     from components.core.store import open_store
 
     try:
@@ -84,8 +84,8 @@ def exit_code(config: RelaunchConfig, returncode: int, started_at: float, *, rep
 
 def main(argv: list[str] | None = None) -> int:
     """``--map-exit RC``: exit with the contract's code for a torchrun that ended with RC (Slurm script)."""
-    from components.core.config import config_from_cli
-    from components.core.errors import exit_on_error
+    from components.core.contract.config import config_from_cli
+    from components.core.contract.errors import exit_on_error
 
     parser = argparse.ArgumentParser(prog="python -m components.launchers.torchrun", description=main.__doc__)
     parser.add_argument("--config", help="YAML configuration file")

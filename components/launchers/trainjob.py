@@ -6,7 +6,7 @@ pipeline run, on the ClusterTrainingRuntime ``relaunch-torch`` that relaunch shi
     relaunch render trainjob -o job.yaml                                        # what launch creates
 
 Both render the neutral :class:`~components.launchers.jobs.JobSpec`. How a failure is handled is
-derived from its restart policy (the exit-code table, :mod:`components.core.exitcodes`), never
+derived from its restart policy (the exit-code table, :mod:`components.core.contract.exitcodes`), never
 written a second time: the training container runs under the supervisor, so its exit code is the
 contract's; the Job's ``podFailurePolicy`` fails the Job on any non-zero code, naming which rule
 matched (retryable codes, or every other code); the JobSet ``failurePolicy`` restarts the whole
@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from components.core.config import KubernetesConfig, RelaunchConfig, TrainJobConfig
+from components.core.contract.config import KubernetesConfig, RelaunchConfig, TrainJobConfig
 from components.launchers import LaunchResult
 from components.launchers.cluster import launch_job
 from components.launchers.jobs import (
@@ -52,7 +52,7 @@ def matched_rule_pattern(index: int) -> str:
 
 def pod_failure_policy(restart: RestartPolicy) -> dict[str, Any]:
     """The Job's ``podFailurePolicy``: retryable codes fail it by rule 0, every other non-zero code by
-    rule 1 (unknown codes are permanent, as :func:`~components.core.exitcodes.is_retryable` says); a
+    rule 1 (unknown codes are permanent, as :func:`~components.core.contract.exitcodes.is_retryable` says); a
     pod disrupted before its container ended (preemption, node drain) is replaced without counting."""
     codes = list(restart.retryable_exit_codes)
     rules = [None, None, None]

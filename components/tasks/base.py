@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
 
 import numpy as np
 
-from components.core.errors import BadInput
+from components.core.contract.errors import BadInput
 
 if TYPE_CHECKING:
     import torch
     from torch.optim.lr_scheduler import LRScheduler
 
-    from components.core.config import RelaunchConfig
+    from components.core.contract.config import RelaunchConfig
 
 Splits = dict[str, dict[str, np.ndarray]]
 """``{"train"|"val"|"test": {"x": array, "y": array}}``; every split has the same keys."""
@@ -64,7 +64,7 @@ class Task(Protocol):
 
     # Optional: ``shard_blocks(model) -> list[torch.nn.Module]``, the submodules that
     # ``train.parallelism=fsdp`` shards one by one (e.g. a transformer's layers) before the root.
-    # Without it every direct child that holds parameters is one block (components/core/parallel.py).
+    # Without it every direct child that holds parameters is one block (components/core/trainer/parallel.py).
 
 
 def load_task(spec: str, config: "RelaunchConfig") -> Task:

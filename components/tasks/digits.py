@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from components.core.config import RelaunchConfig
-from components.core.errors import BadInput
+from components.core.contract.config import RelaunchConfig
+from components.core.contract.errors import BadInput
 from components.tasks.base import Splits
 
 if TYPE_CHECKING:

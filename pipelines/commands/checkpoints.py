@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from components.core.errors import BadInput, CorruptCheckpoint
+from components.core.contract.errors import BadInput, CorruptCheckpoint
 
 
 def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
@@ -44,7 +44,7 @@ def checkpoints(args: argparse.Namespace) -> int:
     """Run one ``relaunch checkpoints`` action; returns the exit code."""
     from components.core.checkpoint import CheckpointManager
 
-    from components.core.errors import BadInput
+    from components.core.contract.errors import BadInput
     from components.core.store import FileStore
 
     if args.action in INTEROP or args.source is not None:

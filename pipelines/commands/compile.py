@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from components.core.config import config_from_cli
+from components.core.contract.config import config_from_cli
 
 TARGETS = ["kfp", "argo", "argo-template", "argo-cron"]
 

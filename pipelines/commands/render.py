@@ -10,7 +10,7 @@ import argparse
 
 import yaml
 
-from components.core.config import RelaunchConfig, config_from_cli
+from components.core.contract.config import RelaunchConfig, config_from_cli
 from pipelines.commands.compile import add_config_args, write_output
 
 

@@ -24,7 +24,7 @@ import argparse
 import sys
 import time
 
-from components.core.config import RelaunchConfig, config_from_cli, with_pipeline_parameters
+from components.core.contract.config import RelaunchConfig, config_from_cli, with_pipeline_parameters
 
 TRAININGS = "trainings"
 
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"relaunch: a new training in {config.store.uri} (`relaunch run --resume` continues it)",
                       highlight=False, soft_wrap=True)
 
-    from pipelines.local_run import render_summary, run_pipeline
+    from pipelines.local.runner import render_summary, run_pipeline
 
     result = run_pipeline(config, console=console, state_dir=args.state_dir, cold=args.cold)
     render_summary(config, result, console)
@@ -110,8 +110,8 @@ def resume_training(config: RelaunchConfig) -> tuple[RelaunchConfig, str, str]:
     Raises:
         BadInput: the store holds no training to resume.
     """
-    from components.core.errors import BadInput
-    from components.core.goodput import read_summary, stored_run_id
+    from components.core.contract.errors import BadInput
+    from components.core.tracking.goodput import read_summary, stored_run_id
     from components.core.store import open_store
     from components.finalize import pipeline_finished
     from components.launch import reached_its_end

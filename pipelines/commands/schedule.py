@@ -12,8 +12,8 @@ import argparse
 import time
 from pathlib import Path
 
-from components.core.config import config_from_cli
-from components.core.errors import BadInput
+from components.core.contract.config import config_from_cli
+from components.core.contract.errors import BadInput
 from pipelines.commands.compile import add_config_args, render
 from pipelines.commands.submit import send
 

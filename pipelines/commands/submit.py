@@ -18,8 +18,8 @@ from typing import Callable
 
 import yaml
 
-from components.core.config import config_from_cli
-from components.core.errors import BadInput
+from components.core.contract.config import config_from_cli
+from components.core.contract.errors import BadInput
 from pipelines.commands.compile import add_config_args, render
 
 ARGO = ("argoproj.io", "v1alpha1")

@@ -4,7 +4,7 @@ Runs the whole local pipeline (2 torchrun "nodes" on CPU, embedded store and MLf
 fresh temporary directory, so MLflow's database is created every time, as on a first ``make run``)
 back to back:
 
-- warm: steps, torchrun agents and workers forked from the warm servers (pipelines/warm_steps.py);
+- warm: steps, torchrun agents and workers forked from the warm servers (pipelines/local/warm_steps.py);
 - cold: ``--cold``, every process a fresh interpreter, as on a cluster;
 - cold with ``PYTHONPROFILEIMPORTTIME=1``: the seconds every process of each step (kfp's executor,
   torchrun agents and workers) spent importing (the sum of its top-level imports; importtime's own

@@ -67,7 +67,7 @@ def _torchrun(config: dict, log: Path, max_restarts: int) -> subprocess.Popen:
 
 
 def _training(config: dict, workdir: Path, *, kill_every: float | None, kills: int) -> dict:
-    from components.core import goodput
+    from components.core.tracking import goodput
     from components.core.store import open_store
 
     rng = random.Random(0)
@@ -123,9 +123,9 @@ def _logging_overhead(tracking_uri: str, steps: int) -> dict:
     """Step time of the digits training loop with and without per-step MLflow logging (same process)."""
     import torch
 
-    from components.core.config import RelaunchConfig
-    from components.core.runlogger import RunLogger
-    from components.core.tracking import ensure_run
+    from components.core.contract.config import RelaunchConfig
+    from components.core.tracking.runlogger import RunLogger
+    from components.core.tracking.client import ensure_run
     from components.tasks.digits import make_task
 
     config = RelaunchConfig.model_validate({"tracking": {"uri": tracking_uri, "experiment": "bench-logging"}})

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from components.core.checkpoint import CheckpointManager
-from components.core.parallel import wrap_model
-from components.core.state import TrainingState
+from components.core.trainer.parallel import wrap_model
+from components.core.trainer.state import TrainingState
 
 
 def full_state(state: TrainingState) -> dict:

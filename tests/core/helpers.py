@@ -8,7 +8,7 @@ import uuid
 import numpy as np
 import torch
 
-from components.core.state import TrainingState
+from components.core.trainer.state import TrainingState
 
 
 def make_state(seed: int = 0, width: int = 8) -> TrainingState:

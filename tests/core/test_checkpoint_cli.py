@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from components.core.checkpoint import CheckpointManager, step_key
-from components.core.errors import BadInput
+from components.core.contract.errors import BadInput
 from components.core.store import open_store
 from pipelines.cli import main
 from tests.core.helpers import make_state, train_steps

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from components.core.checkpoint import CheckpointManager, step_key
-from components.core.errors import CorruptCheckpoint
+from components.core.contract.errors import CorruptCheckpoint
 from components.core.store import open_store
 from tests.core.helpers import make_state, s3_root, train_steps
 

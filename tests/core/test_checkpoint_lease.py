@@ -9,7 +9,7 @@ import time
 import pytest
 
 from components.core.checkpoint import LEASE, CheckpointManager
-from components.core.errors import BadInput
+from components.core.contract.errors import BadInput
 from components.core.store import open_store
 from tests.core.helpers import make_state, s3_root, train_steps
 

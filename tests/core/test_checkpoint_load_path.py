@@ -13,7 +13,7 @@ import torch
 import components.core.checkpoint.manager as manager
 import components.core.checkpoint.verify as verify
 from components.core.checkpoint import CheckpointManager, step_key
-from components.core.errors import CorruptCheckpoint
+from components.core.contract.errors import CorruptCheckpoint
 from components.core.store import open_store
 from tests.core.helpers import make_state, train_steps
 

@@ -13,7 +13,7 @@ import pytest
 
 from components.core.checkpoint import CheckpointManager, step_key
 from components.core.checkpoint import quarantine
-from components.core.errors import BadInput, CorruptCheckpoint
+from components.core.contract.errors import BadInput, CorruptCheckpoint
 from components.core.store import open_store
 from pipelines.cli import main
 from tests.core.helpers import make_state, s3_root, train_steps

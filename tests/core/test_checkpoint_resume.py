@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from components.core.checkpoint import CheckpointManager
-from components.core.errors import BadInput
+from components.core.contract.errors import BadInput
 from tests import warm_processes
 from tests.core.helpers import assert_bitwise_equal, make_state, s3_root, train_steps
 

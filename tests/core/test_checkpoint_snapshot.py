@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from components.core.checkpoint import CheckpointManager
-from components.core.state import TrainingState
+from components.core.trainer.state import TrainingState
 
 
 CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))
@@ -175,7 +175,7 @@ def test_a_process_that_took_a_snapshot_winds_down_without_waiting_on_a_copy_thr
     script = (
         "import torch\n"
         "from components.core.checkpoint.snapshot import COPY_CHUNK, Snapshotter\n"
-        "from components.core.stepcli import wind_down\n"
+        "from components.core.runtime.stepcli import wind_down\n"
         "state = {'x': torch.randn(COPY_CHUNK)}\n"
         "assert torch.equal(Snapshotter().take(state)['x'], state['x'])\n"
         "wind_down()\n"

@@ -12,11 +12,11 @@ import threading
 
 import pytest
 
-from components.core.classify import (CarriedError, as_error, classify, classify_pod, dcp_mismatch, dcp_original,
+from components.core.contract.classify import (CarriedError, as_error, classify, classify_pod, dcp_mismatch, dcp_original,
                                       torchrun_exit)
-from components.core.errors import (BadInput, CorruptCheckpoint, Diverged, Preempted, RelaunchError,
+from components.core.contract.errors import (BadInput, CorruptCheckpoint, Diverged, Preempted, RelaunchError,
                                     TransientFailure)
-from components.core.exitcodes import ExitCode
+from components.core.contract.exitcodes import ExitCode
 from tests.core.faults import FaultProxy
 from tests.services import S3_ACCESS_KEY, S3_SECRET_KEY, free_port
 
@@ -124,7 +124,7 @@ def _mlflow_against_server_answering(status: int, monkeypatch):
 def test_a_real_mlflow_answer_is_classified_by_its_error_code_not_its_text(monkeypatch, status, expected):
     from mlflow.exceptions import MlflowException
 
-    from components.core.tracking import is_auth_error
+    from components.core.tracking.client import is_auth_error
 
     err = _mlflow_against_server_answering(status, monkeypatch)
     assert isinstance(err, MlflowException), repr(err)
@@ -136,7 +136,7 @@ def test_a_missing_run_of_a_real_mlflow_store_is_bad_input_and_an_unreachable_se
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from components.core.tracking import is_auth_error
+    from components.core.tracking.client import is_auth_error
 
     missing = raised(lambda: MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run("0" * 32))
     assert isinstance(missing, MlflowException) and missing.error_code == "RESOURCE_DOES_NOT_EXIST"

@@ -1,12 +1,12 @@
-"""Content-addressed datasets in the store (components/core/datasets.py)."""
+"""Content-addressed datasets in the store (components/core/store/datasets.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from components.core.datasets import dataset_version, read_dataset, write_dataset
-from components.core.errors import BadInput, CorruptCheckpoint
+from components.core.store.datasets import dataset_version, read_dataset, write_dataset
+from components.core.contract.errors import BadInput, CorruptCheckpoint
 from components.core.store import open_store
 from components.tasks.digits import digits_splits
 

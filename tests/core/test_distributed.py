@@ -1,11 +1,11 @@
-"""The distributed environment (components/core/distributed.py)."""
+"""The distributed environment (components/core/runtime/distributed.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from components.core.distributed import read_env
-from components.core.errors import BadInput
+from components.core.runtime.distributed import read_env
+from components.core.contract.errors import BadInput
 
 
 def test_the_distributed_environment_comes_from_torchrun_and_training_operator_variables(monkeypatch):

@@ -13,8 +13,8 @@ import sys
 import pytest
 from rich.console import Console
 
-from components.core import events
-from components.core.events import Kind
+from components.core.contract import events
+from components.core.contract.events import Kind
 from tests.train.conftest import ROOT, train_config
 
 FIELDS = {Kind.STEP_START: {"step": "prepare", "warm": False},
@@ -76,7 +76,7 @@ def test_a_real_trainings_events_reach_the_console_through_the_launcher_and_the_
     """``python -m components.train`` (a world of one) prints its events; the local launcher's reader
     passes them on to the event file; the console shows the attempt and every checkpoint it saved."""
     from components.launchers.local import ProgressReporter, _Watch
-    from pipelines.console import RunView
+    from pipelines.local.console import RunView
 
     config = train_config(tmp_path, f"sqlite:///{tmp_path / 'mlflow.db'}", max_steps=20)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_TRACKING_URI", "RELAUNCH_"))}

@@ -1,5 +1,5 @@
 """Goodput bookkeeping, the attempt tags, the figure and the torchrun exit mapping
-(components/core/goodput.py)."""
+(components/core/tracking/goodput.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from components.core import goodput
-from components.core.classify import torchrun_exit
+from components.core.tracking import goodput
+from components.core.contract.classify import torchrun_exit
 from components.core.store import open_store
 
 

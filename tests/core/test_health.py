@@ -1,4 +1,4 @@
-"""Health units: the spike detector, the preemption flag and the grace rule (components/core/health.py).
+"""Health units: the spike detector, the preemption flag and the grace rule (components/core/trainer/health.py).
 The watchdog and a real NaN are in tests/train/test_health.py."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from components.core.health import PreemptionFlag, SpikeDetector, save_fits_grace
+from components.core.trainer.health import PreemptionFlag, SpikeDetector, save_fits_grace
 
 
 def test_spike_detector_counts_spikes_without_letting_them_raise_the_mean():

@@ -1,8 +1,8 @@
-"""Injected faults fire once per training (components/core/injection.py)."""
+"""Injected faults fire once per training (components/core/trainer/injection.py)."""
 
 from __future__ import annotations
 
-from components.core.injection import Injection, OutageStore, wrap_store
+from components.core.trainer.injection import Injection, OutageStore, wrap_store
 from components.core.store import open_store
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from components.core.checkpoint import CheckpointManager, step_key
-from components.core.errors import CorruptCheckpoint
-from components.core.safe_pickle import load_metadata
+from components.core.contract.errors import CorruptCheckpoint
+from components.core.checkpoint.safe_pickle import load_metadata
 from components.core.store import open_store
 from tests.core.helpers import make_state, s3_root, train_steps
 

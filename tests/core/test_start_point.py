@@ -10,9 +10,9 @@ from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, RESOURCE_DOES_
 
 from components.core.checkpoint import CheckpointManager
 from components.core.checkpoint.start import start_point, warm_start_checkpoint
-from components.core.config import RelaunchConfig
-from components.core.errors import BadInput, TransientFailure
-from components.core.state import ModelWeights
+from components.core.contract.config import RelaunchConfig
+from components.core.contract.errors import BadInput, TransientFailure
+from components.core.trainer.state import ModelWeights
 from tests.core.helpers import make_state, train_steps
 
 
@@ -78,7 +78,7 @@ class _Registry:
     (ConnectionError("connection refused"), TransientFailure),
 ])
 def test_the_registry_answer_is_classified_by_its_error_code(monkeypatch, tmp_path, error, expected):
-    import components.core.tracking as tracking
+    import components.core.tracking.client as tracking
 
     monkeypatch.setattr(tracking, "_client", lambda uri: _Registry(error))
     with pytest.raises(expected):

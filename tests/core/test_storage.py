@@ -10,7 +10,7 @@ import stat
 import pytest
 
 from components.core.store import s3 as s3_backend
-from components.core.errors import BadInput, TransientFailure
+from components.core.contract.errors import BadInput, TransientFailure
 from components.core.store import FileStore, PreconditionFailed, open_store
 from components.core.store.s3 import _MinioCalls
 from tests.core.helpers import s3_root

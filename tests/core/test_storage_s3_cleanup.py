@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from components.core.errors import TransientFailure
+from components.core.contract.errors import TransientFailure
 from components.core.store import FileStore, S3Store, open_store
 from tests.core.faults import ScriptedProxy
 from tests.core.helpers import s3_root

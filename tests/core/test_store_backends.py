@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from components.core.checkpoint import CheckpointManager
-from components.core.config import load_config
-from components.core.errors import BadInput
+from components.core.contract.config import load_config
+from components.core.contract.errors import BadInput
 from components.core.store import BACKENDS, PreconditionFailed, Segments, join_uri, open_store, register_backend
 from pipelines.cli import main
 from tests.core.helpers import assert_bitwise_equal, fingerprint, make_state, train_steps

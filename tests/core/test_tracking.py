@@ -1,13 +1,13 @@
-"""The MLflow run life cycle (components/core/tracking.py), the asynchronous logger
-(components/core/runlogger.py) and the trainer's tracking object (components/core/train_tracking.py),
+"""The MLflow run life cycle (components/core/tracking/client.py), the asynchronous logger
+(components/core/tracking/runlogger.py) and the trainer's tracking object (components/core/trainer/tracking.py),
 against a real ``mlflow server`` on Postgres."""
 
 from __future__ import annotations
 
 import pytest
 
-from components.core.config import RelaunchConfig
-from components.core.errors import BadInput, TransientFailure
+from components.core.contract.config import RelaunchConfig
+from components.core.contract.errors import BadInput, TransientFailure
 
 pytestmark = pytest.mark.slow
 
@@ -19,8 +19,8 @@ def _config(uri: str, experiment: str, **tracking) -> RelaunchConfig:
 def test_a_restarted_logger_never_logs_a_step_the_server_already_has(mlflow_server):
     from mlflow.tracking import MlflowClient
 
-    from components.core.runlogger import RunLogger
-    from components.core.tracking import ensure_run, mark_run_finished
+    from components.core.tracking.runlogger import RunLogger
+    from components.core.tracking.client import ensure_run, mark_run_finished
 
     config = _config(mlflow_server.uri, "logger-units")
     run_id = ensure_run(config, pipeline_run_id="units-1")
@@ -40,7 +40,7 @@ def test_a_restarted_logger_never_logs_a_step_the_server_already_has(mlflow_serv
 
 
 def test_params_are_logged_once_and_a_changed_value_becomes_a_latest_tag(mlflow_server):
-    from components.core.tracking import client, ensure_run, find_pipeline_run, log_new_params
+    from components.core.tracking.client import client, ensure_run, find_pipeline_run, log_new_params
 
     config = _config(mlflow_server.uri, "params-units")
     run_id = ensure_run(config, pipeline_run_id="params-1")
@@ -54,7 +54,7 @@ def test_params_are_logged_once_and_a_changed_value_becomes_a_latest_tag(mlflow_
 
 def test_a_missing_run_is_bad_input_by_its_error_code_and_an_unreachable_server_is_transient(mlflow_server,
                                                                                            monkeypatch):
-    from components.core.tracking import ensure_run
+    from components.core.tracking.client import ensure_run
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
@@ -70,7 +70,7 @@ def test_an_unreachable_tracking_server_whose_url_contains_403_is_not_a_credenti
     from mlflow.protos.databricks_pb2 import PERMISSION_DENIED, UNAUTHENTICATED
     from mlflow.tracking import MlflowClient
 
-    from components.core.tracking import is_auth_error
+    from components.core.tracking.client import is_auth_error
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
@@ -87,7 +87,7 @@ def test_not_found_is_mlflows_error_code_not_a_message_saying_not_found():
     from mlflow.exceptions import MlflowException
     from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, RESOURCE_DOES_NOT_EXIST
 
-    from components.core.tracking import is_not_found
+    from components.core.tracking.client import is_not_found
 
     assert is_not_found(MlflowException("Run 'x' not found", error_code=RESOURCE_DOES_NOT_EXIST))
     assert not is_not_found(RuntimeError("upstream proxy: 404 page not found"))
@@ -100,10 +100,10 @@ def test_checkpoint_tags_name_the_folder_and_are_marked_when_retention_deleted_i
 
     from components.core.checkpoint import CheckpointInfo, step_key
     from components.core.store import open_store
-    from components.core.tracking import ensure_run
-    from components.core.train_tracking import DELETED_BY_RETENTION, TrainingTracker
+    from components.core.tracking.client import ensure_run
+    from components.core.trainer.tracking import DELETED_BY_RETENTION, TrainingTracker
 
-    from components.core import goodput
+    from components.core.tracking import goodput
 
     config = _config(mlflow_server.uri, "checkpoint-tags")
     run_id = ensure_run(config, pipeline_run_id="tags-1")
@@ -139,7 +139,7 @@ def test_checkpoint_tags_name_the_folder_and_are_marked_when_retention_deleted_i
 
 
 def test_off_rank_0_the_tracking_object_does_nothing(tmp_path, capsys):
-    from components.core.train_tracking import TrainingTracker
+    from components.core.trainer.tracking import TrainingTracker
 
     tracker = TrainingTracker(RelaunchConfig(), None, enabled=False, run_id=None, attempt=3)
     tracker.start(resumed_from=-1, resumed_uri=None, params={"a": 1}, world_size=2)

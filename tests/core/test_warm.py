@@ -1,4 +1,4 @@
-"""A warm start (components/core/warm.py) behaves as ``python -m module`` would: the child gets its
+"""A warm start (components/core/runtime/warm.py) behaves as ``python -m module`` would: the child gets its
 own argv, environment, session and output, ends with the exit status the interpreter would give,
 runs only its own ``atexit`` handlers, and is a real child of the process that started it.
 
@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from components.core import warm
+from components.core.runtime import warm
 
 ROOT = Path(__file__).resolve().parents[2]
 
 _STARTER = textwrap.dedent("""
     import atexit, json, os, sys
-    from components.core import warm
+    from components.core.runtime import warm
     atexit.register(print, "PARENT ATEXIT RAN IN THE CHILD", flush=True)
     warm.forked = True
     how = sys.argv[1:]
@@ -95,7 +95,7 @@ def test_only_python_dash_m_of_this_interpreter_is_forked():
 
 _AGENT = textwrap.dedent("""
     import json, os, sys
-    from components.core import warm
+    from components.core.runtime import warm
     from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
     warm.forked = True
     warm.fork_workers()

@@ -14,7 +14,7 @@ import pytest
 import kmock as kmock_lib
 import yaml
 
-from components.core.config import RelaunchConfig, load_config
+from components.core.contract.config import RelaunchConfig, load_config
 
 NAMESPACE = "relaunch-test"
 BACKENDS = ("pytorchjob", "trainjob")

@@ -8,9 +8,9 @@ import re
 import pytest
 from jsonschema import Draft7Validator, Draft202012Validator
 
-from components.core.config import load_config
+from components.core.contract.config import load_config
 from components import DELETE_JOB, EXIT_HANDLER_RETRY, RETRY_POLICIES, STEPS
-from components.core.exitcodes import PERMANENT, RETRYABLE, argo_retry_expression
+from components.core.contract.exitcodes import PERMANENT, RETRYABLE, argo_retry_expression
 from pipelines.argo import BUILDERS, to_dict
 
 KINDS = {"argo": ("Workflow", "argoproj.io_workflows.yaml"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from components.core.exitcodes import PERMANENT, RETRYABLE, ExitCode
+from components.core.contract.exitcodes import PERMANENT, RETRYABLE, ExitCode
 from components.launchers.jobs import failure_exit_code as map_failure, unstartable_reason
 from components.launchers.pytorchjob import KIND, job_state
 from components.launchers.trainjob import KIND as TRAINJOB, job_state as trainjob_state

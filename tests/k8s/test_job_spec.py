@@ -10,7 +10,7 @@ import json
 import pytest
 import yaml
 
-from components.core.config import RelaunchConfig, load_config
+from components.core.contract.config import RelaunchConfig, load_config
 from components.launchers.jobs import JobSpec, RestartPolicy, Resources, SecretEnv, job_spec
 from components.launchers.local import build_commands
 from components.launchers.pytorchjob import build_pytorchjob, render_pytorchjob

@@ -13,7 +13,7 @@ from google.protobuf import json_format
 from kfp.pipeline_spec import pipeline_spec_pb2
 from kfp_server_api.exceptions import ApiException
 
-from components.core.config import RelaunchConfig
+from components.core.contract.config import RelaunchConfig
 from pipelines.cli import main
 from pipelines.commands.compile import render
 from tests.k8s.kfp_server import KfpServer

@@ -17,7 +17,7 @@ import kmock
 import pytest
 import yaml
 
-from components.core.exitcodes import ExitCode
+from components.core.contract.exitcodes import ExitCode
 from components.launchers import backend_module
 from tests.k8s.conftest import BACKENDS, NAMESPACE
 
@@ -68,7 +68,7 @@ async def test_a_409_on_create_adopts_the_existing_job_instead_of_making_a_secon
 
 async def test_a_launcher_killed_mid_wait_and_started_again_leaves_exactly_one_job(cluster, k8s_config):
     env = dict(os.environ, KUBECONFIG=str(cluster.kubeconfig))
-    code = ("import sys; from components.core.config import RelaunchConfig; "
+    code = ("import sys; from components.core.contract.config import RelaunchConfig; "
             "from components.launchers import backend_module; c = RelaunchConfig.from_json(sys.argv[1]); "
             f"backend_module(c).launch(c, pipeline_run_id={RUN_ID!r}, resume_from=None)")
     first = subprocess.Popen([sys.executable, "-c", code, k8s_config.to_json()], env=env, cwd=ROOT,
@@ -255,7 +255,7 @@ async def test_the_exit_handler_deletes_this_runs_job_and_succeeds_again_once_it
 
 
 async def test_a_transient_api_error_in_the_exit_handler_is_retryable(cluster, k8s_config):
-    from components.core.errors import TransientFailure
+    from components.core.contract.errors import TransientFailure
     from components.launchers.cluster import delete_job
 
     name = cluster.op.build(k8s_config, pipeline_run_id=RUN_ID)["metadata"]["name"]

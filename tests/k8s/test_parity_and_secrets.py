@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from components.core.config import load_config
+from components.core.contract.config import load_config
 from components import RETRY_POLICIES, STEPS
 from components.launchers.pytorchjob import build_pytorchjob
 from components.launchers.trainjob import build_runtime, build_trainjob

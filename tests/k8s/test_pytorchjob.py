@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from jsonschema import Draft7Validator
 
-from components.core.config import load_config
-from components.core.k8s_naming import MAX_JOB_NAME, job_name
+from components.core.contract.config import load_config
+from components.launchers.k8s_naming import MAX_JOB_NAME, job_name
 from components.launchers.jobs import owner_from_env
 from components.launchers.pytorchjob import build_pytorchjob
 

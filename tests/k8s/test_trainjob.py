@@ -13,8 +13,8 @@ import pytest
 import yaml
 from jsonschema import Draft7Validator
 
-from components.core.config import load_config
-from components.core.exitcodes import MEANING, PERMANENT, RETRYABLE, ExitCode
+from components.core.contract.config import load_config
+from components.core.contract.exitcodes import MEANING, PERMANENT, RETRYABLE, ExitCode
 from components.launchers.trainjob import build_runtime, build_trainjob, jobset_action
 from pipelines.cli import main
 
@@ -168,7 +168,7 @@ def test_bad_trainjob_settings_are_refused_in_one_line_with_exit_code_2(override
 
 
 def test_the_retired_backend_name_kubernetes_is_refused_as_bad_input_naming_the_backends():
-    from components.core.errors import BadInput
+    from components.core.contract.errors import BadInput
 
     with pytest.raises(BadInput, match="launch.backend") as refused:
         load_config(None, ["launch.backend=kubernetes"])

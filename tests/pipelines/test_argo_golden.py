@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from components.core.config import RelaunchConfig
+from components.core.contract.config import RelaunchConfig
 from pipelines.argo import BUILDERS, to_yaml
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"

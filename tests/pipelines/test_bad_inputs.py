@@ -22,8 +22,8 @@ CLOSED = free_port()  # nothing listens there
 def store(tmp_path_factory) -> Path:
     """A store holding a committed checkpoint of the default model, one of another model, and debris."""
     from components.core.checkpoint import CheckpointManager
-    from components.core.config import RelaunchConfig
-    from components.core.state import TrainingState
+    from components.core.contract.config import RelaunchConfig
+    from components.core.trainer.state import TrainingState
     from components.tasks.base import load_task
 
     root = tmp_path_factory.mktemp("bad-inputs") / "store"

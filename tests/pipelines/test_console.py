@@ -11,15 +11,15 @@ import time
 
 from rich.console import Console
 
-from components.core.config import RelaunchConfig
+from components.core.contract.config import RelaunchConfig
 from components.evaluate import EvaluateOutputs
 from components.finalize import FinalizeOutputs
 from components.launch import LaunchOutputs
 from components.locate import LocateOutputs
 from components.prepare import PrepareOutputs
 from components.register import RegisterOutputs
-from pipelines.console import RunView, render_summary
-from pipelines.local_run import RunResult
+from pipelines.local.console import RunView, render_summary
+from pipelines.local.runner import RunResult
 
 OUTPUTS = {
     "prepare": PrepareOutputs(config_json="{}", run_id="r1", dataset_version="ds-1", dataset_uri="/data/ds-1",
@@ -61,8 +61,8 @@ def test_the_step_lines_and_the_summary_come_from_each_steps_outputs_dataclass(t
 def test_a_failure_message_with_brackets_is_printed_as_text_and_the_retry_after_it_too(tmp_path):
     """gloo's errors name their source as ``[/path/pair.cc:553]``: rich must not read it as markup (the
     view's thread died on it and the retry line never came)."""
-    from components.core import events
-    from components.core.events import Kind
+    from components.core.contract import events
+    from components.core.contract.events import Kind
 
     path = tmp_path / "events.jsonl"
     message = "a peer rank failed: [/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed"

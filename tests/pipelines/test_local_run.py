@@ -22,9 +22,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from components import STEP_TABLE
-from components.core.config import RelaunchConfig
-from components.core.exitcodes import RETRYABLE, ExitCode
-from components.core.goodput import load_attempts
+from components.core.contract.config import RelaunchConfig
+from components.core.contract.exitcodes import RETRYABLE, ExitCode
+from components.core.tracking.goodput import load_attempts
 from components.core.store import open_store
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,7 +65,7 @@ def events(cwd: Path) -> list[dict]:
 
 
 def summary_of(store_uri: str) -> dict:
-    from components.core.goodput import read_summary
+    from components.core.tracking.goodput import read_summary
     from components.core.store import open_store
 
     return read_summary(open_store(store_uri))
@@ -395,7 +395,7 @@ def test_a_last_attempt_killed_with_no_attempt_after_it_is_recorded_by_finalize(
 def _run_in_process(tmp_path, monkeypatch, cold=False, **overrides):
     from rich.console import Console
 
-    from pipelines.local_run import run_pipeline
+    from pipelines.local.runner import run_pipeline
 
     monkeypatch.chdir(tmp_path)
     config = RelaunchConfig.model_validate(overrides)
@@ -414,7 +414,7 @@ def test_a_foreign_checkpoint_to_resume_from_stops_the_pipeline_at_locate(tmp_pa
     import torch
 
     from components.core.checkpoint import CheckpointManager
-    from components.core.state import TrainingState
+    from components.core.trainer.state import TrainingState
     from components.tasks.base import load_task
 
     other = RelaunchConfig.model_validate({"train": {"hidden_size": 3}})

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from components import CONFIG, FINAL_STATUS, PARAMETERS, PIPELINE, RUN_ID, Source, Step
-from components.core.config import PIPELINE_PARAMETERS, RelaunchConfig
+from components.core.contract.config import PIPELINE_PARAMETERS, RelaunchConfig
 from pipelines.argo import build_workflow, to_dict
 from pipelines.commands.compile import render
 

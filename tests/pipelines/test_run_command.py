@@ -8,9 +8,9 @@ from dataclasses import asdict
 
 import pytest
 
-from components.core import goodput
-from components.core.config import RelaunchConfig
-from components.core.errors import BadInput
+from components.core.tracking import goodput
+from components.core.contract.config import RelaunchConfig
+from components.core.contract.errors import BadInput
 from components.core.store import open_store
 from components.finalize import write_pipeline_finished
 from pipelines.commands.run import new_training, resume_training, trainings

@@ -1,4 +1,4 @@
-"""relaunch run hands kfp.local's task commands to the warm servers (pipelines/warm_steps.py) only when
+"""relaunch run hands kfp.local's task commands to the warm servers (pipelines/local/warm_steps.py) only when
 they are kfp's own lightweight-component script, and sends each step to the server that loaded what
 it uses. A kfp upgrade that changes the script must show up here, not as a silently cold run."""
 
@@ -8,7 +8,7 @@ from kfp import dsl
 
 from components import STEP_TABLE
 from pipelines.kfp_pipeline import COMPONENT_BODIES, build_components
-from pipelines.warm_steps import SERVER_IMPORTS, executor_call, server_for
+from pipelines.local.warm_steps import SERVER_IMPORTS, executor_call, server_for
 
 
 def _command(component) -> list[str]:

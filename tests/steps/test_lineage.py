@@ -11,10 +11,10 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from components import evaluate, finalize, prepare, register
-from components.core import lineage, models
+from components.core.tracking import lineage, models
 from components.core.checkpoint import CheckpointManager
-from components.core.config import RelaunchConfig
-from components.core.state import TrainingState
+from components.core.contract.config import RelaunchConfig
+from components.core.trainer.state import TrainingState
 from components.tasks.base import load_task
 
 
@@ -164,7 +164,7 @@ def test_each_nodes_local_rank_0_logs_system_metrics_under_its_node_id(pipeline,
 
     from mlflow.entities import RunStatus
 
-    from components.core.distributed import DistEnv
+    from components.core.runtime.distributed import DistEnv
 
     config, _, _, _, client = pipeline
     run = client.create_run(client.get_experiment_by_name(config.tracking.experiment).experiment_id)

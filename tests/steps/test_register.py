@@ -11,9 +11,9 @@ import torch
 
 from components import register
 from components.core.checkpoint import CheckpointManager
-from components.core.config import RelaunchConfig
-from components.core.state import TrainingState
-from components.core.tracking import ensure_run
+from components.core.contract.config import RelaunchConfig
+from components.core.trainer.state import TrainingState
+from components.core.tracking.client import ensure_run
 from components.tasks.base import load_task
 
 
@@ -121,7 +121,7 @@ def test_the_registered_model_loads_and_predicts_without_unpickling(setup, histo
     files = [p.name for p in local.rglob("*") if p.is_file()]
     assert "model.safetensors" in files
     assert not [f for f in files if f.endswith((".pkl", ".pickle", ".pt", ".pth", ".cloudpickle"))]
-    assert "loader_module: components.core.models" in (local / "MLmodel").read_text()
+    assert "loader_module: components.core.tracking.models" in (local / "MLmodel").read_text()
     x = load_task(config.train.task, config).build_splits()["test"]["x"][:5]
     assert model.predict(np.asarray(x)).shape == (5,)
 
@@ -193,8 +193,8 @@ class _BlipProxy:
 def test_a_champion_that_cannot_be_read_is_a_retryable_failure_not_no_champion(tmp_path, mlflow_server, monkeypatch):
     from mlflow.tracking import MlflowClient
 
-    from components.core.errors import TransientFailure
-    from components.core.exitcodes import ExitCode
+    from components.core.contract.errors import TransientFailure
+    from components.core.contract.exitcodes import ExitCode
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the 503 reaches our code at once
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

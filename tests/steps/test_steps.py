@@ -11,9 +11,9 @@ import torch
 
 from components import evaluate, locate, prepare
 from components.core.checkpoint import CheckpointManager
-from components.core.config import RelaunchConfig
-from components.core.errors import BadInput
-from components.core.state import TrainingState
+from components.core.contract.config import RelaunchConfig
+from components.core.contract.errors import BadInput
+from components.core.trainer.state import TrainingState
 from components.launchers.jobs import job_spec
 from components.launchers.local import build_commands
 from components.tasks.base import load_task
@@ -98,7 +98,7 @@ def test_the_local_launcher_starts_one_torchrun_agent_per_simulated_node(nodes, 
 def test_the_example_configs_are_valid(path):
     from pathlib import Path
 
-    from components.core.config import load_config
+    from components.core.contract.config import load_config
 
     root = Path(__file__).resolve().parents[2]
     assert load_config(root / path) == RelaunchConfig()  # local.yaml spells out the embedded defaults
@@ -110,7 +110,7 @@ def test_a_rank_0_that_failed_before_writing_its_exit_record_gives_the_launch_it
     import io
     import time
 
-    from components.core import events
+    from components.core.contract import events
     from components.launchers.local import ProgressReporter, _outcome, _Watch
 
     def line(kind, **fields) -> str:  # as rank 0 prints it, behind torchrun's prefix

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from components import prepare
 from components.core.checkpoint import CheckpointManager
-from components.core.config import RelaunchConfig
-from components.core.state import TrainingState
+from components.core.contract.config import RelaunchConfig
+from components.core.trainer.state import TrainingState
 from tests.tasks import counting
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from components.core.config import RelaunchConfig
-from components.core.errors import BadInput
+from components.core.contract.config import RelaunchConfig
+from components.core.contract.errors import BadInput
 from components.tasks.base import load_task
 from components.tasks.digits import digits_splits, load_digits_arrays
 
@@ -25,8 +25,8 @@ def test_the_digits_task_reads_exactly_what_sklearn_load_digits_returns():
     ("no_colon", "package.module:factory"),
     ("no.such.module:make", "cannot import module"),
     ("components.tasks.digits:nope", "no callable 'nope'"),
-    ("components.core.config:RelaunchConfig", "cannot be called as factory"),
-    ("components.core.errors:BadInput", "without build_splits"),
+    ("components.core.contract.config:RelaunchConfig", "cannot be called as factory"),
+    ("components.core.contract.errors:BadInput", "without build_splits"),
 ])
 def test_load_task_refuses_a_bad_spec_with_one_line_naming_it(spec, words):
     with pytest.raises(BadInput, match=words):

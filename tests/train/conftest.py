@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.warm_steps import RemoteProcess
+from pipelines.local.warm_steps import RemoteProcess
 from tests import warm_processes
 from tests.services import free_port
 
@@ -54,9 +54,9 @@ class Torchrun:
         return self.log.read_text(errors="replace")
 
     def records(self, kind: str) -> list[dict]:
-        """The fields of every event of ``kind`` (a :class:`components.core.events.Kind` name, e.g.
+        """The fields of every event of ``kind`` (a :class:`components.core.contract.events.Kind` name, e.g.
         ``SAVING``) printed so far, read with the one reader."""
-        from components.core import events
+        from components.core.contract import events
 
         found = (events.read(line) for line in self.output().splitlines())
         return [e.fields for e in found if e is not None and e.kind == events.Kind[kind]]
@@ -100,8 +100,8 @@ def run_torchrun(config: dict, tmp_path: Path, **kwargs) -> Torchrun:
 def final_params(store_uri: str, hidden_size: int = 32) -> dict:
     """The model parameters of the latest committed checkpoint, loaded in this process."""
     from components.core.checkpoint import CheckpointManager
-    from components.core.config import RelaunchConfig
-    from components.core.state import TrainingState
+    from components.core.contract.config import RelaunchConfig
+    from components.core.trainer.state import TrainingState
     from components.tasks.digits import make_task
 
     config = RelaunchConfig.model_validate({"train": {"hidden_size": hidden_size}})

@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from components.core import goodput
+from components.core.tracking import goodput
 from components.core.checkpoint import CheckpointManager
-from components.core.classify import torchrun_exit
-from components.core.config import RelaunchConfig
-from components.core.state import TrainingState
+from components.core.contract.classify import torchrun_exit
+from components.core.contract.config import RelaunchConfig
+from components.core.trainer.state import TrainingState
 from components.core.store import open_store
 from components.tasks.digits import make_task
 from tests.train.conftest import ROOT, run_torchrun, train_config

@@ -6,9 +6,9 @@ import uuid
 
 import pytest
 
-from components.core import goodput
+from components.core.tracking import goodput
 from components.core.checkpoint import CheckpointManager
-from components.core.classify import torchrun_exit
+from components.core.contract.classify import torchrun_exit
 from components.core.store import open_store
 from tests.services import MlflowServer
 from tests.train.conftest import metric_steps, mlflow_runs, run_torchrun, start_torchrun, train_config

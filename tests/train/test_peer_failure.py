@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from components.core.errors import BadInput, TransientFailure
+from components.core.contract.errors import BadInput, TransientFailure
 from components.train import PeerFailure, waiting_on_peers
 
 

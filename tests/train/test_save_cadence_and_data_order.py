@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from components.core.config import RelaunchConfig
-from components.core.train_checkpoints import SaveCadence
-from components.core.train_setup import TrainData
+from components.core.contract.config import RelaunchConfig
+from components.core.trainer.checkpoints import SaveCadence
+from components.core.trainer.setup import TrainData
 
 
 def _train(**fields):

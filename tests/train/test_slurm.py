@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from components.core.config import RelaunchConfig
+from components.core.contract.config import RelaunchConfig
 from components.launchers.slurm import render_sbatch
 from tests.services import free_port
 from tests.train.conftest import ROOT, Torchrun, train_config

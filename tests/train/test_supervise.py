@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from components.core.exitcodes import ExitCode, is_retryable
+from components.core.contract.exitcodes import ExitCode, is_retryable
 from tests.train.conftest import start_torchrun, train_config
 
 SUPERVISE = [sys.executable, "-m", "components.launchers.supervise"]

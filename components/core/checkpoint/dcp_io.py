@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from components.core.checkpoint import verify
 from components.core.checkpoint.layout import METADATA
 from components.core.checkpoint.verify import REQUEST_BYTES, ChunkDigests, digest
-from components.core.errors import CorruptCheckpoint
+from components.core.contract.errors import CorruptCheckpoint
 from components.core.store import Store
 
 DCP_SUFFIX = ".distcp"
@@ -545,8 +545,8 @@ def safe_load_planner():
 
     class SafeLoadPlanner(DefaultLoadPlanner):
         def create_local_plan(self):
-            from components.core.classify import dcp_mismatch
-            from components.core.errors import BadInput
+            from components.core.contract.classify import dcp_mismatch
+            from components.core.contract.errors import BadInput
 
             # DCP says "Missing key"/"Size mismatch" only in a bare RuntimeError/ValueError's text
             why = None if self.allow_partial_load else dcp_mismatch(self.state_dict, self.metadata)

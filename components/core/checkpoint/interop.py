@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from components.core.checkpoint.layout import MANIFEST, METADATA, checkpoint_steps, step_key
-from components.core.errors import BadInput, CorruptCheckpoint
+from components.core.contract.errors import BadInput, CorruptCheckpoint
 
 if TYPE_CHECKING:
     from components.core.checkpoint.layout import CheckpointInfo
@@ -65,7 +65,7 @@ def nest(flat: dict[str, Any], planner_data: Any) -> dict[str, Any]:
 
 
 def _read_store_metadata(mgr: "CheckpointManager", step: int) -> Any:
-    from components.core.safe_pickle import load_metadata
+    from components.core.checkpoint.safe_pickle import load_metadata
 
     key = f"{step_key(step)}/{METADATA}"
     try:

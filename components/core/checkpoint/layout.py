@@ -14,7 +14,7 @@ import platform
 import re
 from typing import Any
 
-from components.core.errors import BadInput, CorruptCheckpoint
+from components.core.contract.errors import BadInput, CorruptCheckpoint
 from components.core.store import Store
 
 FORMAT_VERSION = 3

@@ -12,7 +12,7 @@ import time
 import uuid
 
 from components.core.checkpoint.layout import LEASE, now, read_json, write_conditional
-from components.core.errors import BadInput, RelaunchError
+from components.core.contract.errors import BadInput, RelaunchError
 from components.core.store import PreconditionFailed, Store
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from components.core.checkpoint.layout import step_key
-from components.core.errors import CorruptCheckpoint
+from components.core.contract.errors import CorruptCheckpoint
 from components.core.store import FileStore, Store
 
 _HASH_CHUNK = 8 * 1024 * 1024
@@ -88,7 +88,7 @@ def materialize(store: Store, step: int, manifest: dict[str, Any], cache: Path) 
 
 def read_metadata(path: str | os.PathLike):
     """DCP metadata of a local checkpoint directory, read safely."""
-    from components.core.safe_pickle import load_metadata
+    from components.core.checkpoint.safe_pickle import load_metadata
 
     with open(Path(path) / ".metadata", "rb") as fh:
         return load_metadata(fh, source=str(Path(path) / ".metadata"))
@@ -102,7 +102,7 @@ def safe_reader(path: str | os.PathLike):
     from torch.distributed.checkpoint.planner import LoadItemType
     from torch.distributed.checkpoint.utils import _create_file_view
 
-    from components.core.safe_pickle import load_metadata
+    from components.core.checkpoint.safe_pickle import load_metadata
 
     class SafeFileSystemReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any):

@@ -41,8 +41,8 @@ from components.core.checkpoint.lease import Lease, default_owner
 from components.core.checkpoint.retention import apply_retention
 from components.core.checkpoint.snapshot import Snapshotter, copy_deferred, state_bytes
 from components.core.checkpoint.verify import CHUNK_BYTES, DIGEST, ChunkDigests, check_files, deep_verify
-from components.core.classify import CarriedError, dcp_original
-from components.core.errors import BadInput, CorruptCheckpoint, RelaunchError
+from components.core.contract.classify import CarriedError, dcp_original
+from components.core.contract.errors import BadInput, CorruptCheckpoint, RelaunchError
 from components.core.store import FileStore, PreconditionFailed, Store, open_store
 
 if TYPE_CHECKING:
@@ -184,7 +184,7 @@ class CheckpointManager:
             self.wait()
             step_key(step)
             if self.model_fingerprint is None and hasattr(state, "model"):
-                from components.core.state import model_fingerprint
+                from components.core.trainer.state import model_fingerprint
 
                 self.model_fingerprint = model_fingerprint(state.model)
             if not self.lease.held and not self._lease_checked:
@@ -624,7 +624,7 @@ class CheckpointManager:
     def _check_fingerprint(self, info: CheckpointInfo, manifest: dict[str, Any], state: Any) -> None:
         mine = self.model_fingerprint
         if mine is None and hasattr(state, "model"):
-            from components.core.state import model_fingerprint
+            from components.core.trainer.state import model_fingerprint
 
             mine = model_fingerprint(state.model)
         theirs = manifest.get("model_fingerprint")
@@ -644,7 +644,7 @@ class CheckpointManager:
 
     def _read(self, state: Any, info: CheckpointInfo, manifest: dict[str, Any], store: Store) -> None:
         """Load the checkpoint into ``state`` with DCP (every rank)."""
-        from components.core.safe_pickle import load_metadata
+        from components.core.checkpoint.safe_pickle import load_metadata
 
         if manifest["format_version"] == 1:
             from components.core.checkpoint import legacy_v1

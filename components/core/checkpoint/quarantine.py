@@ -28,7 +28,7 @@ import uuid
 from typing import Any
 
 from components.core.checkpoint.layout import MANIFEST, QUARANTINE, now, read_json, step_key
-from components.core.errors import RelaunchError
+from components.core.contract.errors import RelaunchError
 from components.core.store import FileStore, Store
 
 RECORD = "QUARANTINE.json"

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from components.core.checkpoint.layout import LATEST, MANIFEST, PINS, PREFIX, STEP_DIR, parse_pin, read_json, step_key
 from components.core.checkpoint.quarantine import marker_step
-from components.core.errors import CorruptCheckpoint
+from components.core.contract.errors import CorruptCheckpoint
 from components.core.store import Store
 
 

@@ -13,8 +13,8 @@ import dataclasses
 from typing import Any, Callable
 
 from components.core.checkpoint.layout import parse_checkpoint_uri
-from components.core.config import MODEL_URI
-from components.core.errors import BadInput, CorruptCheckpoint
+from components.core.contract.config import MODEL_URI
+from components.core.contract.errors import BadInput, CorruptCheckpoint
 
 
 
@@ -109,7 +109,7 @@ def warm_start_checkpoint(config: Any) -> str:
     """
     from mlflow.exceptions import MlflowException
 
-    from components.core.tracking import _call, _client, tracking_uri
+    from components.core.tracking.client import _call, _client, tracking_uri
 
     spec = config.train.warm_start_model or ""
     match = MODEL_URI.match(spec)  # the configuration model refused any other form at load time

@@ -21,7 +21,7 @@ import os
 from typing import Any
 
 from components.core.checkpoint.layout import step_key
-from components.core.errors import CorruptCheckpoint
+from components.core.contract.errors import CorruptCheckpoint
 from components.core.store import Store
 
 DIGEST = "xxh3_128"

@@ -25,7 +25,7 @@ import os
 import re
 from typing import Any, Callable, ClassVar, Iterable, Protocol, TypeVar, runtime_checkable
 
-from components.core.errors import BadInput
+from components.core.contract.errors import BadInput
 
 # A ranged read fills its buffers in blocks of this size and reports each (``sink``): small enough
 # that a check of the block (a digest) finds it still in the CPU's cache, which made the digest

@@ -31,8 +31,8 @@ import urllib.parse
 from pathlib import Path
 from typing import Any, Callable, Iterable, TypeVar
 
-from components.core.classify import S3_CREDENTIAL_CODES, S3_TRANSIENT_CODES
-from components.core.errors import BadInput, TransientFailure
+from components.core.contract.classify import S3_CREDENTIAL_CODES, S3_TRANSIENT_CODES
+from components.core.contract.errors import BadInput, TransientFailure
 from components.core.store import (READ_BLOCK, PreconditionFailed, Segments, StreamWriter, byte_view, check_key,
                                    join_uri, register_backend)
 

@@ -3,7 +3,7 @@
 starting a fresh interpreter that imports them again (seconds per step on a small machine).
 
 kfp.local still runs the pipeline: its orchestrator resolves the inputs, builds each task's command
-and reads the outputs. :func:`pipelines.kfp_local_fixes.install_local_fixes` routes the command of a
+and reads the outputs. :func:`pipelines.local.kfp_fixes.install_local_fixes` routes the command of a
 lightweight component (``sh -ec '<kfp script>' <source> --executor_input ... --function_to_execute f``)
 to :meth:`WarmSteps.run`, which has a server fork a child that does what that script does: write the
 source to a temporary file and run ``python -m kfp.dsl.executor_main`` on it, with the task's
@@ -13,12 +13,12 @@ A command it does not recognise, or a server that is gone, runs cold as kfp.loca
 Two servers start together, one per core: the *light* one imports what prepare, locate, register and
 finalize need and is ready first; the *full* one adds torch, DCP and matplotlib for the steps marked
 :attr:`components.Step.uses_torch` (launch, evaluate). A step's child is warm
-(:data:`components.core.warm.forked`): the launch step forks its torchrun agents, and they fork their
-workers (:mod:`components.core.warm`). ``relaunch run --cold`` starts no server: every process is a
+(:data:`components.core.runtime.warm.forked`): the launch step forks its torchrun agents, and they fork their
+workers (:mod:`components.core.runtime.warm`). ``relaunch run --cold`` starts no server: every process is a
 fresh interpreter, as on a cluster. A server also forks any ``python -m module`` on request
 (:meth:`WarmServer.start_module`): the tests start their torchrun agents that way (tests/warm_processes.py).
 
-    python -m pipelines.warm_steps FD light|full [MODULE ...]    # what WarmSteps starts
+    python -m pipelines.local.warm_steps FD light|full [MODULE ...]    # what WarmSteps starts
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import threading
 from pathlib import Path
 
 from components import STEP_MODULES, STEP_TABLE
-from components.core.warm import SignalledByPid
+from components.core.runtime.warm import SignalledByPid
 
 LIGHT_IMPORTS = (
     "kfp.dsl.executor_main", "pipelines.kfp_entry", *STEP_MODULES.values(),
@@ -139,7 +139,7 @@ class WarmServer:
         self.control, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._lock = threading.Lock()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "pipelines.warm_steps", str(server_end.fileno()), imports, *extra_imports],
+            [sys.executable, "-m", "pipelines.local.warm_steps", str(server_end.fileno()), imports, *extra_imports],
             pass_fds=(server_end.fileno(),), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
         server_end.close()
 
@@ -235,7 +235,7 @@ def _receive(control: socket.socket) -> tuple[dict, list[int]] | None:
 
 def serve(control: socket.socket, imports: tuple[str, ...]) -> None:
     """Import ``imports``, then fork a child per request until the control socket closes."""
-    from components.core.warm import recording_exit_handlers
+    from components.core.runtime.warm import recording_exit_handlers
 
     os.environ.setdefault("MPLBACKEND", "Agg")
     gc.disable()  # imports allocate millions of objects that live as long as the process: ~20% faster
@@ -275,7 +275,7 @@ def serve(control: socket.socket, imports: tuple[str, ...]) -> None:
 
 def _fork(request: dict, output_fds: list[int], own: tuple[int, ...]) -> tuple[int, str | None]:
     """Fork the child ``request`` asks for: its pid, and a directory to remove when it has ended."""
-    from components.core.warm import fork_module
+    from components.core.runtime.warm import fork_module
 
     if request["kind"] == "kfp":  # what kfp's lightweight-component script does, in a fork
         source_dir = tempfile.mkdtemp()

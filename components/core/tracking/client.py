@@ -3,10 +3,10 @@
 One MLflow run per training: :func:`ensure_run` finds or creates it before the first attempt (the
 pipeline's prepare step, or the trainer on its first start, which stores the id beside the
 checkpoints); every attempt logs into it, through the asynchronous logger of
-:mod:`components.core.runlogger`; the exit task ends it with :func:`mark_run_finished`. Only rank 0
+:mod:`components.core.tracking.runlogger`; the exit task ends it with :func:`mark_run_finished`. Only rank 0
 talks to the server.
 
-Errors are classified by :func:`components.core.classify.classify` from what the server answered,
+Errors are classified by :func:`components.core.contract.classify.classify` from what the server answered,
 never by message text: MLflow's error code (``RESOURCE_DOES_NOT_EXIST``, ``PERMISSION_DENIED``, ...;
 MLflow itself turns a bare HTTP 401/403 into ``UNAUTHENTICATED``/``PERMISSION_DENIED``). :func:`call`
 turns refused credentials and a request the server refused into :class:`BadInput` (exit 2), and
@@ -23,9 +23,9 @@ import os
 import threading
 from typing import Any
 
-from components.core import classify as classifier
-from components.core.errors import BadInput, TransientFailure
-from components.core.exitcodes import ExitCode
+from components.core.contract import classify as classifier
+from components.core.contract.errors import BadInput, TransientFailure
+from components.core.contract.exitcodes import ExitCode
 
 PIPELINE_RUN_TAG = "relaunch.pipeline_run_id"
 END_REASON_TAG = "relaunch.end_reason"
@@ -60,7 +60,7 @@ def client(uri: str):
     from mlflow.tracking import MlflowClient
 
     if uri.startswith("sqlite:"):
-        from components.core.localdb import use_write_ahead_log
+        from components.core.tracking.localdb import use_write_ahead_log
 
         use_write_ahead_log()
     return MlflowClient(tracking_uri=uri)

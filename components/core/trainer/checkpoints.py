@@ -8,8 +8,8 @@ import sys
 import time
 from typing import Any, Callable
 
-from components.core.health import save_fits_grace
-from components.core.events import Kind, emit
+from components.core.trainer.health import save_fits_grace
+from components.core.contract.events import Kind, emit
 
 
 class SaveCadence:
@@ -126,7 +126,7 @@ class TrainerCheckpoints:
     def save_on_preemption(self, step: int, grace_left_seconds: float) -> bool:
         """Save ``step`` if rank 0 finds that a save fits the grace left (every rank gets its answer),
         else only let the pending save commit; whether it saved."""
-        from components.core import distributed as distr
+        from components.core.runtime import distributed as distr
 
         fits = True
         if self.env.is_main:

@@ -25,7 +25,7 @@ class Injection:
     """``launch.inject_failure`` on one rank; :meth:`before_step` fires it at its step."""
 
     def __init__(self, spec: str | None, store, rank: int, world: int, pids: list[int]):
-        from components.core.config import parse_failure_spec
+        from components.core.contract.config import parse_failure_spec
 
         self.kind, self.step = parse_failure_spec(spec)  # validated by the config model
         self.store, self.rank, self.world, self.pids = store, rank, world, pids

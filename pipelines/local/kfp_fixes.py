@@ -6,13 +6,13 @@
    to nothing and the branch is silently skipped. The fix also resolves ``<task>-<key>``.
 2. Retries ignore exit codes (as KFP v2 does everywhere): a permanent failure (bad input, exit 2)
    would be retried with backoff. The fix keeps the task's own retry policy and backoff but stops
-   at once on a code that :func:`components.core.exitcodes.is_retryable` refuses.
+   at once on a code that :func:`components.core.contract.exitcodes.is_retryable` refuses.
 3. Each task's command runs through the warm step server when ``relaunch run`` started one
    (:func:`use_warm_steps`), else as kfp.local's fresh subprocess; either way its exit code is kept
    for fix 2 (kfp.local itself only keeps success or failure).
 
-The retry loop reports ``attempt-end`` and ``retry`` events (:mod:`components.core.events`) to the
-run's event file (``RELAUNCH_EVENTS``) that :mod:`pipelines.console` tails.
+The retry loop reports ``attempt-end`` and ``retry`` events (:mod:`components.core.contract.events`) to the
+run's event file (``RELAUNCH_EVENTS``) that :mod:`pipelines.local.console` tails.
 tests/pipelines/test_kfp_local.py proves each fix is still needed and still works.
 """
 
@@ -22,12 +22,12 @@ import contextlib
 import threading
 import time
 
-from components.core import events
-from components.core.events import Kind
-from components.core.exitcodes import ExitCode, is_retryable, normalize
+from components.core.contract import events
+from components.core.contract.events import Kind
+from components.core.contract.exitcodes import ExitCode, is_retryable, normalize
 
 _last_code = threading.local()
-_warm_steps = None  # the running pipelines.warm_steps.WarmSteps, when relaunch run started one
+_warm_steps = None  # the running pipelines.local.warm_steps.WarmSteps, when relaunch run started one
 
 
 def use_warm_steps(warm_steps) -> None:

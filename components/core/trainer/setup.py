@@ -2,7 +2,7 @@
 
 Build, then act: :func:`check_world_size`, :func:`seed`, :func:`load_data` (the splits, the global-batch arithmetic and the data
 order), :func:`build_model` (model, parallel wrapper, optimiser, scheduler, AMP scaler and the
-checkpointed :class:`~components.core.state.TrainingState`), :func:`open_checkpoints` (the manager,
+checkpointed :class:`~components.core.trainer.state.TrainingState`), :func:`open_checkpoints` (the manager,
 one writer identity per training) and :func:`restore` (the start point every rank agrees on, loaded).
 The loop itself is :class:`components.train.Training`'s.
 """
@@ -17,7 +17,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from components.core.errors import BadInput
+from components.core.contract.errors import BadInput
 
 
 def seed(config) -> None:
@@ -79,7 +79,7 @@ def load_data(config, task, store) -> TrainData:
     """
     t = config.train
     if config.data.version:
-        from components.core.datasets import read_dataset
+        from components.core.store.datasets import read_dataset
 
         splits = read_dataset(store, config.data.version)
     else:
@@ -124,8 +124,8 @@ class ModelParts:
 
 def build_model(config, task, device, total_steps: int, health: Any) -> ModelParts:
     """The task's model on ``device``, wrapped for ``train.parallelism``, its optimiser and schedule."""
-    from components.core.parallel import wrap_model
-    from components.core.state import TrainingState
+    from components.core.trainer.parallel import wrap_model
+    from components.core.trainer.state import TrainingState
 
     t = config.train
     module = task.build_model().to(device)
@@ -142,7 +142,7 @@ def open_checkpoints(config, store, run_id: str | None, module: torch.nn.Module)
     """The training's CheckpointManager (collective): one writer identity per training, stable across
     torchrun restarts and pipeline retries."""
     from components.core.checkpoint import CheckpointManager
-    from components.core.state import model_fingerprint
+    from components.core.trainer.state import model_fingerprint
 
     t = config.train
     owner = os.environ.get("RELAUNCH_OWNER") or os.environ.get("RELAUNCH_PIPELINE_RUN_ID") or f"run:{run_id}"
@@ -166,7 +166,7 @@ def restore(config, manager, parts: ModelParts, peers: Callable[[], Any]) -> Res
     whole training state, or the model's weights alone for a warm start. ``peers()`` wraps the
     collectives (a peer dying in them is a retryable failure)."""
     from components.core.checkpoint.start import start_point
-    from components.core.state import ModelWeights
+    from components.core.trainer.state import ModelWeights
 
     with peers():
         start = start_point(config, manager)

@@ -126,7 +126,7 @@ def describe_run(config, run_id: str, dataset_version: str, dataset_uri: str) ->
     when it has none. Idempotent (a retried prepare writes the same). Returns the run's experiment id."""
     from mlflow.entities import RunTag
 
-    from components.core.tracking import call, client as tracking_client, tracking_uri
+    from components.core.tracking.client import call, client as tracking_client, tracking_uri
 
     client = tracking_client(tracking_uri(config))
     run = call("read the run", client.get_run, run_id)
@@ -147,7 +147,7 @@ def describe_run(config, run_id: str, dataset_version: str, dataset_uri: str) ->
 
 def describe_outcome(config, run_id: str, status: str) -> None:
     """Append what the pipeline did to the run's description (finalize)."""
-    from components.core.tracking import call, client as tracking_client, tracking_uri
+    from components.core.tracking.client import call, client as tracking_client, tracking_uri
 
     client = tracking_client(tracking_uri(config))
     run = call("read the run", client.get_run, run_id)
@@ -165,9 +165,9 @@ def record_attempts(config, run_id: str) -> None:
     that survives: finalize. Idempotent: an ended attempt's record no longer changes."""
     from mlflow.entities import RunTag
 
-    from components.core import goodput
+    from components.core.tracking import goodput
     from components.core.store import open_store
-    from components.core.tracking import TAGS_PER_REQUEST, call, client as tracking_client, tracking_uri
+    from components.core.tracking.client import TAGS_PER_REQUEST, call, client as tracking_client, tracking_uri
 
     attempts = goodput.load_attempts(open_store(config.store.uri))
     if not attempts:  # the pipeline stopped before training
@@ -179,7 +179,7 @@ def record_attempts(config, run_id: str) -> None:
 
 
 def _training_summary(config) -> dict | None:
-    from components.core.goodput import read_summary
+    from components.core.tracking.goodput import read_summary
     from components.core.store import open_store
 
     try:
@@ -192,7 +192,7 @@ def run_url(config, run_id: str, experiment_id: str) -> str:
     """The run's page in MLflow 3's "Model training" view: the server's own address for an
     ``http(s)://`` tracking URI, else ``make ui``'s http://127.0.0.1:5000; the experiments list when
     the experiment is not known."""
-    from components.core.tracking import tracking_uri
+    from components.core.tracking.client import tracking_uri
 
     uri = tracking_uri(config)
     base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
@@ -228,7 +228,7 @@ def log_dataset_input(config, run_id: str, splits: dict, version: str, uri: str)
     import numpy as np
     from mlflow.entities import DatasetInput, InputTag
 
-    from components.core.tracking import call, client as tracking_client, tracking_uri
+    from components.core.tracking.client import call, client as tracking_client, tracking_uri
 
     train = splits["train"]
     dataset = mlflow.data.from_numpy(np.asarray(train["x"]), targets=np.asarray(train["y"]), source=uri,
@@ -255,8 +255,8 @@ def logged_model(config, checkpoint_uri: str, step: int, write_model: Callable[[
 
     from mlflow.entities import LoggedModelOutput, LoggedModelStatus
 
-    from components.core.errors import BadInput
-    from components.core.tracking import call, client as tracking_client, tracking_uri
+    from components.core.contract.errors import BadInput
+    from components.core.tracking.client import call, client as tracking_client, tracking_uri
 
     run_id = config.tracking.run_id
     if not run_id:
@@ -282,7 +282,7 @@ def logged_model(config, checkpoint_uri: str, step: int, write_model: Callable[[
 
 def find_logged_model(config, checkpoint_uri: str):
     """The LoggedModel this run made of ``checkpoint_uri`` (READY ones first), or None."""
-    from components.core.tracking import call, client as tracking_client, tracking_uri
+    from components.core.tracking.client import call, client as tracking_client, tracking_uri
 
     client = tracking_client(tracking_uri(config))
     run = call("read the run", client.get_run, config.tracking.run_id)
@@ -297,7 +297,7 @@ def log_model_metrics(config, model_id: str, metrics: dict[str, float], step: in
     """Log ``metrics`` to the run linked to ``model_id`` and to the dataset input."""
     from mlflow.entities import Metric
 
-    from components.core.tracking import call, client as tracking_client, tracking_uri
+    from components.core.tracking.client import call, client as tracking_client, tracking_uri
 
     now = int(time.time() * 1000)
     linked = {"model_id": model_id}
@@ -327,13 +327,13 @@ def start_system_metrics(config, run_id: str | None, env):
 
     def begin() -> None:
         try:
-            from components.core.tracking import import_mlflow
+            from components.core.tracking.client import import_mlflow
 
             import_mlflow("mlflow.system_metrics", "mlflow.system_metrics.system_metrics_monitor")  # one importer
             import mlflow.system_metrics
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-            from components.core.tracking import tracking_uri
+            from components.core.tracking.client import tracking_uri
 
             mlflow.system_metrics.set_system_metrics_node_id(node)
             monitor = SystemMetricsMonitor(run_id, sampling_interval=SYSTEM_METRICS_SECONDS, node_id=node,

@@ -1,4 +1,4 @@
-"""Exceptions that carry an exit code of the contract in :mod:`components.core.exitcodes`."""
+"""Exceptions that carry an exit code of the contract in :mod:`components.core.contract.exitcodes`."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import functools
 import sys
 from typing import Callable, ClassVar
 
-from components.core.exitcodes import ExitCode
+from components.core.contract.exitcodes import ExitCode
 
 _KINDS: dict[str, type["RelaunchError"]] = {}
 

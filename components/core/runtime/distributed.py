@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from components.core.errors import BadInput, TransientFailure
-from components.core.net import free_port
+from components.core.contract.errors import BadInput, TransientFailure
+from components.core.runtime.net import free_port
 
 
 def _int(name: str, default: int, *fallbacks: str) -> int:

@@ -19,8 +19,8 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, NoReturn
 
-from components.core.config import config_from_cli
-from components.core.errors import BadInput, exit_on_error
+from components.core.contract.config import config_from_cli
+from components.core.contract.errors import BadInput, exit_on_error
 
 
 def outputs_as_dict(outputs: Any) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """Everything the training tells the outside world besides its checkpoints: the MLflow run (through the
-asynchronous :class:`~components.core.runlogger.RunLogger`), TensorBoard, and the pending-metrics file
+asynchronous :class:`~components.core.tracking.runlogger.RunLogger`), TensorBoard, and the pending-metrics file
 that carries unsent metric points across a crash. One object, :class:`TrainingTracker`; every method
 is a no-op off rank 0, so the training loop calls it unconditionally.
 
@@ -22,9 +22,9 @@ import sys
 import tempfile
 from typing import Any
 
-from components.core import goodput
-from components.core.errors import BadInput, Preempted, RelaunchError
-from components.core.events import Kind, emit
+from components.core.tracking import goodput
+from components.core.contract.errors import BadInput, Preempted, RelaunchError
+from components.core.contract.events import Kind, emit
 
 PENDING_METRICS_KEY = "runs/metrics-pending.json"
 CHECKPOINT_TAG_PREFIX = "checkpoint."
@@ -48,7 +48,7 @@ def resolve_run_id(config, store) -> str:
     stored = goodput.stored_run_id(store)
     if stored:
         return stored
-    from components.core.tracking import ensure_run
+    from components.core.tracking.client import ensure_run
 
     return goodput.remember_run(store, config, ensure_run(config))  # another start may have won the race
 
@@ -59,7 +59,7 @@ def run_params(config, env) -> dict[str, Any]:
 
     import torch
 
-    from components.core import distributed as distr
+    from components.core.runtime import distributed as distr
 
     commit = os.environ.get("RELAUNCH_GIT_COMMIT")
     if not commit:
@@ -107,8 +107,8 @@ class TrainingTracker:
         emit the ``resumed`` event."""
         if not self.enabled:
             return
-        from components.core.runlogger import RunLogger
-        from components.core.tracking import tracking_uri
+        from components.core.tracking.runlogger import RunLogger
+        from components.core.tracking.client import tracking_uri
 
         from components.core.checkpoint import step_key
 

@@ -3,7 +3,7 @@ run and the KFP/Argo definitions.
 
 Sources, later ones winning: the defaults below, a YAML file, ``--set dotted.key=value`` overrides.
 Unknown keys and wrong types are refused; every error names the field and the bad value in one line
-(:class:`~components.core.errors.BadInput`, exit code 2). Credentials never live here: they come from
+(:class:`~components.core.contract.errors.BadInput`, exit code 2). Credentials never live here: they come from
 the environment (or Kubernetes Secrets mapped into it).
 """
 
@@ -17,7 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from components.core.errors import BadInput
+from components.core.contract.errors import BadInput
 
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<version>\d+)|@(?P<alias>[A-Za-z0-9_-]+))$")
@@ -442,8 +442,8 @@ def config_reference_markdown() -> str:
 
 
 def exit_code_markdown() -> str:
-    """The README's exit-code table, generated from :mod:`components.core.exitcodes`."""
-    from components.core.exitcodes import MEANING, RETRYABLE
+    """The README's exit-code table, generated from :mod:`components.core.contract.exitcodes`."""
+    from components.core.contract.exitcodes import MEANING, RETRYABLE
 
     rows = ["| code | meaning | retried |", "|---|---|---|"]
     for code, meaning in sorted(MEANING.items()):
@@ -451,7 +451,7 @@ def exit_code_markdown() -> str:
     return "\n".join(rows)
 
 
-if __name__ == "__main__":  # python -m components.core.config  → the README tables
+if __name__ == "__main__":  # python -m components.core.contract.config  → the README tables
     print(config_reference_markdown())
     print()
     print(exit_code_markdown())

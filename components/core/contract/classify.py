@@ -1,11 +1,11 @@
-"""The one classifier: ``classify(exc) -> ExitCode``, the code of :mod:`components.core.exitcodes`
+"""The one classifier: ``classify(exc) -> ExitCode``, the code of :mod:`components.core.contract.exitcodes`
 a failure ends the process with.
 
 Every source of failures has one adapter here that reads the failure's *type* and the *code* its
 source gave it, never its message (a URL's port or a run id can hold "401"; a proxy's 404 page says
 "not found"):
 
-- the contract's own errors (:class:`~components.core.errors.RelaunchError`) carry their code;
+- the contract's own errors (:class:`~components.core.contract.errors.RelaunchError`) carry their code;
 - torch DCP's ``CheckpointException`` wraps each rank's original error: that one is classified;
 - S3 (minio): an ``S3Error`` by its S3 error code, minio's ``ServerError``/``InvalidResponseError``
   and urllib3's transport errors as transient;
@@ -28,8 +28,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from components.core.errors import CorruptCheckpoint, RelaunchError, error_for
-from components.core.exitcodes import PERMANENT, ExitCode, normalize
+from components.core.contract.errors import CorruptCheckpoint, RelaunchError, error_for
+from components.core.contract.exitcodes import PERMANENT, ExitCode, normalize
 
 S3_CREDENTIAL_CODES = frozenset({"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken",
                                  "ExpiredToken", "AllAccessDisabled", "AccountProblem"})
@@ -262,7 +262,7 @@ def torchrun_exit(returncode: int, record: dict | None, started_at: float) -> in
     """The contract's code of a torchrun that ended with ``returncode`` (every launcher's one mapping).
 
     torchrun exits 1 whenever a worker failed, whatever the worker's own code; ``record`` (the
-    training's ``runs/exit.json``, see :mod:`components.core.goodput`), when written after
+    training's ``runs/exit.json``, see :mod:`components.core.tracking.goodput`), when written after
     ``started_at``, says what really happened; a failure without such a record is a worker that died
     without control (SIGKILL, OOM): 137. A torchrun killed by a signal maps to 128 + signal.
     """
@@ -278,7 +278,7 @@ def dcp_mismatch(flat_state: dict[str, Any], metadata: Any) -> str | None:
     """Why DCP cannot load a checkpoint whose ``metadata`` (DCP's ``Metadata``) into ``flat_state``
     (FQN -> tensor or value, as a load planner holds it): a key the checkpoint lacks, or a tensor of
     another size; None when it fits. DCP itself raises a bare ``RuntimeError``/``ValueError`` for
-    these, so a loader checks first and raises :class:`~components.core.errors.BadInput` (a checkpoint
+    these, so a loader checks first and raises :class:`~components.core.contract.errors.BadInput` (a checkpoint
     of another model) with this reason."""
     stored = metadata.state_dict_metadata
     missing = sorted(k for k in flat_state if k not in stored)

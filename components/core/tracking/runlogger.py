@@ -6,7 +6,7 @@ logger skips every (key, step) the server already holds. It asks the server for 
 logged step before it first sends that key, and again after any failed send (the failed request
 may have been applied), so neither a restart nor a retry duplicates a point.
 
-The run itself (find or create, end) is :mod:`components.core.tracking`'s.
+The run itself (find or create, end) is :mod:`components.core.tracking.client`'s.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from components.core.tracking import client as tracking_client
-from components.core.tracking import (describe, import_mlflow, is_auth_error, is_not_found, is_rejected, log_new_params,
-                                      set_run_status)
+from components.core.tracking.client import client as tracking_client
+from components.core.tracking.client import (describe, import_mlflow, is_auth_error, is_not_found, is_rejected,
+                                             log_new_params, set_run_status)
 
 _BATCH = 1000  # MLflow's log_batch limit on metrics per request
 

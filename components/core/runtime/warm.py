@@ -2,7 +2,7 @@
 
 A local ``relaunch run`` is mostly interpreter start-up: every step, every torchrun agent and every
 worker is a fresh Python that imports kfp, MLflow (and its SQL store) and torch again, seconds each
-on a small machine. :mod:`pipelines.warm_steps` imports them once in server processes and forks every
+on a small machine. :mod:`pipelines.local.warm_steps` imports them once in server processes and forks every
 kfp.local step from one of them; a step forked that way is *warm* (:data:`forked` is true), and the
 processes it starts are forks of itself too:
 
@@ -212,7 +212,7 @@ def _run_main(module: str, argv: list[str]) -> int:
     except BaseException:  # noqa: BLE001 - what the interpreter does with an uncaught exception
         traceback.print_exc()
         code = 1
-    from components.core.stepcli import wind_down
+    from components.core.runtime.stepcli import wind_down
 
     wind_down()
     if interrupted:

@@ -1,6 +1,6 @@
 """What ``relaunch run`` prints: a line per step, a line per training attempt (where it started, the
 checkpoints it saved), and the training's progress bar while the pipeline runs (:class:`RunView`, tailing the run's event file with
-:func:`components.core.events.read_file`), then the closing summary (:func:`render_summary`).
+:func:`components.core.contract.events.read_file`), then the closing summary (:func:`render_summary`).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Any
 from rich.markup import escape
 
 from components import STEP_TABLE
-from components.core.config import RelaunchConfig
-from components.core.events import Event, Kind, read_file
-from components.core.exitcodes import MEANING
+from components.core.contract.config import RelaunchConfig
+from components.core.contract.events import Event, Kind, read_file
+from components.core.contract.exitcodes import MEANING
 
 STEPS = tuple(STEP_TABLE)  # the five steps and the exit task
 
@@ -185,7 +185,7 @@ def render_summary(config: RelaunchConfig, result, console) -> None:
     console.rule("summary")
     rows: list[tuple[str, str]] = []
     if prep is not None and prep.run_id:
-        from components.core.lineage import run_url
+        from components.core.tracking.lineage import run_url
 
         browse = "open" if config.tracking.uri.startswith(("http://", "https://")) else "make ui, then open"
         rows.append(("MLflow run", f"{prep.run_id} in experiment {config.tracking.experiment!r} at "

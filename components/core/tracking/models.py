@@ -12,13 +12,13 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from components.core.config import RelaunchConfig
-from components.core.errors import BadInput
+from components.core.contract.config import RelaunchConfig
+from components.core.contract.errors import BadInput
 
 
 def load_model(task, mgr, step: int):
     """The task's model with the weights of committed checkpoint ``step`` (nothing unpickled)."""
-    from components.core.state import TrainingState
+    from components.core.trainer.state import TrainingState
 
     model = task.build_model()
     mgr.load(TrainingState(model), step=step)
@@ -35,7 +35,7 @@ def verify_checkpoint_uri(uri: str, config: RelaunchConfig | None = None, task=N
 
 
 def task_fingerprint(config: RelaunchConfig, task=None) -> str:
-    from components.core.state import model_fingerprint
+    from components.core.trainer.state import model_fingerprint
     from components.tasks.base import load_task
 
     return model_fingerprint((task or load_task(config.train.task, config)).build_model())
@@ -112,7 +112,7 @@ def _load_pyfunc(data_path: str) -> _LoadedModel:
     """MLflow's loader hook: rebuild the task's model and load the safetensors weights."""
     from safetensors.torch import load_file
 
-    from components.core.config import RelaunchConfig
+    from components.core.contract.config import RelaunchConfig
     from components.tasks.base import load_task
 
     root = Path(data_path)

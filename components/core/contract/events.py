@@ -3,9 +3,9 @@
 
 Who writes what, and where it goes:
 
-- the pipeline's steps (:mod:`pipelines.kfp_entry`, :mod:`pipelines.kfp_local_fixes`): ``step-start``,
+- the pipeline's steps (:mod:`pipelines.kfp_entry`, :mod:`pipelines.local.kfp_fixes`): ``step-start``,
   ``step-end``, ``attempt-end``, ``retry``, appended to the run's event file (``$RELAUNCH_EVENTS``,
-  one JSON object a line, which ``relaunch run`` sets and :mod:`pipelines.console` tails);
+  one JSON object a line, which ``relaunch run`` sets and :mod:`pipelines.local.console` tails);
 - the training's rank 0 (:mod:`components.train` and its helpers): ``resumed``, ``progress``,
   ``saving``, ``summary``, ``exit``, printed on stdout as ``RELAUNCH_EVENT {json}``; the local
   launcher reads its workers' output with :func:`read` and passes every event on to the event file.

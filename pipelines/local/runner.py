@@ -4,7 +4,7 @@ the same definition as on a cluster, every step a subprocess. ``relaunch run`` c
 Output: one line per step (state, duration, what it found), the training's progress bar, then a
 summary. kfp.local's own chatter and every step's log go to ``.relaunch/runs/<id>/pipeline.log``.
 
-The fixes kfp.local needs are :mod:`pipelines.kfp_local_fixes`; what is printed is :mod:`pipelines.console`.
+The fixes kfp.local needs are :mod:`pipelines.local.kfp_fixes`; what is printed is :mod:`pipelines.local.console`.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from components.core.config import RelaunchConfig
-from components.core.exitcodes import ExitCode
-from pipelines.console import STEPS, RunView, StepRecord, render_summary
-from pipelines.kfp_local_fixes import install_local_fixes, use_warm_steps
-from pipelines.warm_steps import WarmSteps, supported as warm_steps_supported
+from components.core.contract.config import RelaunchConfig
+from components.core.contract.exitcodes import ExitCode
+from pipelines.local.console import STEPS, RunView, StepRecord, render_summary
+from pipelines.local.kfp_fixes import install_local_fixes, use_warm_steps
+from pipelines.local.warm_steps import WarmSteps, supported as warm_steps_supported
 
 __all__ = ["STEPS", "RunResult", "StepRecord", "install_local_fixes", "render_summary", "run_pipeline"]
 
@@ -53,7 +53,7 @@ def run_pipeline(config: RelaunchConfig, *, console=None, state_dir: str | Path 
         console: a ``rich.console.Console`` for the step lines and the progress bar.
         state_dir: where kfp.local's outputs and this run's logs go.
         cold: every step, agent and worker a fresh interpreter (as on a cluster) instead of forks of
-            the warm servers (:mod:`pipelines.warm_steps`; always cold where they are not supported).
+            the warm servers (:mod:`pipelines.local.warm_steps`; always cold where they are not supported).
     """
     run_dir = Path(state_dir) / "runs" / time.strftime("%Y%m%d-%H%M%S") / str(os.getpid())
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from components.core.exitcodes import ExitCode
+from components.core.contract.exitcodes import ExitCode
 
 ATTEMPTS_PREFIX = "runs/attempts/"
 EXIT_KEY = "runs/exit.json"
@@ -45,7 +45,7 @@ def stored_run_id(store) -> str | None:
 
 def remember_run(store, config, run_id: str) -> str:
     """Store ``run_id`` as the training's MLflow run unless one is stored already; the stored one."""
-    from components.core.tracking import tracking_uri
+    from components.core.tracking.client import tracking_uri
 
     record = {"run_id": run_id, "tracking_uri": tracking_uri(config), "experiment": config.tracking.experiment}
     if store.write_if_absent(RUN_KEY, json.dumps(record).encode()):
@@ -309,7 +309,7 @@ def record_ending(store, summary: TrainSummary, elastic_run_id: str = "") -> Non
 
 def read_exit_record(store) -> dict[str, Any] | None:
     """How the latest attempt ended under control (``runs/exit.json``), or None; what
-    :func:`components.core.classify.torchrun_exit` reads."""
+    :func:`components.core.contract.classify.torchrun_exit` reads."""
     try:
         return json.loads(store.read_bytes(EXIT_KEY))
     except FileNotFoundError:
@@ -319,8 +319,8 @@ def read_exit_record(store) -> dict[str, Any] | None:
 def refuse_permanent_restart(store, restart_count: int, elastic_run_id: str) -> None:
     """torchrun restarts a worker group whatever its exit code; a permanent failure (bad input, a
     divergence, a bug) of this same torchrun run ends the restart at once with the same code."""
-    from components.core.errors import error_for
-    from components.core.exitcodes import PERMANENT
+    from components.core.contract.errors import error_for
+    from components.core.contract.exitcodes import PERMANENT
 
     if restart_count == 0 or not elastic_run_id:
         return
