@@ -10,10 +10,15 @@ from components.core.storage import Store
 
 
 def apply_retention(store: Store, *, keep_last: int, keep_best: int, best_metric: str | None, mode: str,
-                    in_flight: int | None, manifest: Callable[[int], dict[str, Any]]) -> list[int]:
+                    in_flight: int | None, manifest: Callable[[int], dict[str, Any]],
+                    claim: Callable[[int], bool] | None = None,
+                    done: Callable[[int], None] | None = None) -> list[int]:
     """Delete every step directory that is not kept: the last ``keep_last`` committed (0: all), the
     best ``keep_best`` by ``best_metric``, the step latest.json names, pinned steps and ``in_flight``.
     A committed directory loses its manifest first, so a crash mid-way leaves uncommitted debris.
+
+    ``claim(step)`` runs right before a step is deleted (the writer's fence and the read-lease
+    handshake, :mod:`readers`): False keeps the step; ``done(step)`` runs after its deletion.
     Returns the deleted steps."""
     dirs: dict[int, set[str]] = {}
     pinned: set[int] = set()
@@ -45,9 +50,13 @@ def apply_retention(store: Store, *, keep_last: int, keep_best: int, best_metric
     for s in sorted(dirs):
         if s in keep:
             continue
+        if claim is not None and not claim(s):
+            continue
         key = f"{step_key(s)}/{MANIFEST}"
         if key in dirs[s]:
             store.delete(key)  # uncommit first: a crash from here leaves plain debris
         store.delete_many(sorted(dirs[s] - {key}))
+        if done is not None:
+            done(s)
         deleted.append(s)
     return deleted
