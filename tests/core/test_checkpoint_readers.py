@@ -98,7 +98,7 @@ def test_a_step_marked_for_deletion_by_the_lease_holder_is_passed_over_by_latest
         assert reader.latest().step == 2
 
 
-def test_a_pin_written_while_retention_runs_keeps_its_step(root):
+def test_a_step_pinned_under_a_read_lease_is_kept_by_retention(root):
     state = make_state()
     writer = CheckpointManager(root, owner="writer", keep_last=1, async_save=False)
     writer.save(1, state)
