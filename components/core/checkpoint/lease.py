@@ -22,6 +22,7 @@ Who may take a lease another holder wrote (:meth:`Lease.take`):
 from __future__ import annotations
 
 import datetime as _dt
+import gc
 import json
 import os
 import socket
@@ -66,6 +67,24 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def holder_alive(record: dict | None, *, collect: bool = True) -> bool:
+    """Whether the writer of lease ``record`` may still be writing: its lease has not expired and,
+    when it ran on this host (same pid namespace), its process is still there (in this very process:
+    its lease object is still reachable; ``collect``: after a garbage collection, which finds a
+    manager dropped after a failure)."""
+    if not record or float(record.get("expires_at", 0) or 0) < time.time():
+        return False
+    pid = record.get("pid")
+    if record.get("host") != socket.gethostname() or record.get("pid_namespace") != _pid_namespace() \
+            or not isinstance(pid, int):
+        return True
+    if pid != os.getpid():
+        return _pid_alive(pid)
+    if collect and record.get("token") in _LIVE:
+        gc.collect()  # a manager dropped after a failure may only be unreachable, not yet freed
+    return record.get("token") in _LIVE
 
 
 def _restart_count() -> int:
@@ -152,18 +171,12 @@ class Lease:
         """None when ``current`` may be taken over now, else why not (one line)."""
         if not current or current.get("token") == self.token:
             return None
-        if float(current.get("expires_at", 0) or 0) < time.time():
-            return None
         elastic = os.environ.get("TORCHELASTIC_RUN_ID", "")
         if elastic and current.get("elastic_run_id") == elastic \
                 and int(current.get("restart_count", 0) or 0) < _restart_count():
             return None  # a previous attempt of this elastic job: torchelastic stopped its workers
-        if current.get("host") == socket.gethostname() and current.get("pid_namespace") == _pid_namespace() \
-                and isinstance(current.get("pid"), int):
-            pid = current["pid"]
-            gone = current.get("token") not in _LIVE if pid == os.getpid() else not _pid_alive(pid)
-            if gone:
-                return None
+        if not holder_alive(current):
+            return None
         until = _dt.datetime.fromtimestamp(float(current.get("expires_at", 0)), _dt.timezone.utc)
         return (f"store {self.store.uri} is being written by {current.get('owner')!r} (host "
                 f"{current.get('host')}, pid {current.get('pid')}) until {until.isoformat(timespec='seconds')}; "

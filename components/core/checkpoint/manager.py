@@ -483,11 +483,14 @@ class CheckpointManager:
 
     def _read_lease(self, store: Store, step: int, check, *, wait: bool):
         """``check()`` under a read lease on ``step`` (:meth:`ReadLeases.acquire`)."""
+        return self._reads_in(store).acquire(step, check, wait=wait)
+
+    def _reads_in(self, store: Store) -> ReadLeases:
         reads = self._reads.get(store.uri)
         if reads is None:
             reads = self._reads[store.uri] = ReadLeases(store, self.owner, self.lease_seconds)
         self._start_heartbeat()
-        return reads.acquire(step, check, wait=wait)
+        return reads
 
     def _release_reads(self) -> None:
         for reads in self._reads.values():
@@ -496,15 +499,32 @@ class CheckpointManager:
     def _locate_leased(self, skip: set[int] | frozenset = frozenset()) -> CheckpointInfo | None:
         """:meth:`_locate`, then a read lease on the answer, checked again under it; a step being
         deleted meanwhile is passed over for the next one."""
-        skip = set(skip)
-        while True:
-            info = self._locate(skip=skip)
+        passed: set[int] = set()
+        reads = self._reads_in(self.store)
+        for attempt in range(10):
+            # lease the steps latest.json and inflight.json name before _locate checks them: a writer
+            # faster than this reader would otherwise delete each one before its check is done
+            pointers = (read_json(self.store, LATEST) or {}, read_json(self.store, INFLIGHT) or {})
+            early = {p["step"] for p in pointers if isinstance(p.get("step"), int)} - set(skip) - passed
+            for step in early:
+                reads.hold(step)
+            info = self._locate(skip=set(skip) | passed)
+            for step in early:
+                if (info is None or step != info.step) and step not in reads.confirmed:
+                    reads.release(step)
             if info is None:
+                # a writer that commits (and deletes) faster than this reader locates can leave it
+                # nothing it checked in time: start over while latest.json names a step
+                pointer = read_json(self.store, LATEST) or {}
+                if attempt < 9 and (passed or isinstance(pointer.get("step"), int) and pointer["step"] not in skip):
+                    passed.clear()
+                    continue
                 return None
             leased = self._read_lease(self.store, info.step, lambda: self._checked(info.step), wait=False)
             if leased is not None:
                 return leased
-            skip.add(info.step)
+            passed.add(info.step)
+        return None
 
     def _claim(self, step: int) -> bool:
         return claim_for_deletion(self.store, step, token=self.lease.token, seconds=self.lease_seconds,

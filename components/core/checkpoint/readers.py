@@ -8,8 +8,8 @@ step only when it finds no live read lease (and no pin) there. Each side writes 
 other's record second, so on a store that reads its own and others' writes at once (a POSIX
 filesystem; S3 since December 2020) at least one of the two sees the other: either retention keeps the
 step, or the reader finds the marker (or the manifest already gone) and chooses again. A marker
-counts only while the writer that wrote it still holds the write lease: one left by a writer that
-died mid-retention does not block readers.
+counts only while the writer that wrote it still holds the write lease and is alive
+(:func:`lease.holder_alive`): one left by a writer that died mid-retention does not block readers.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import uuid
 from typing import Callable, TypeVar
 
 from components.core.checkpoint.layout import LEASE, PINS, PREFIX, now, parse_pin, read_json
+from components.core.checkpoint.lease import holder_alive
 from components.core.errors import CorruptCheckpoint, RelaunchError
 from components.core.storage import Store
 
@@ -45,14 +46,14 @@ def _expired(record: dict | None, at: float) -> bool:
     return not record or float(record.get("expires_at", 0) or 0) < at
 
 
-def deletion_in_progress(store: Store, step: int) -> bool:
+def deletion_in_progress(store: Store, step: int, *, collect: bool = False) -> bool:
     """Whether a live writer marked ``step`` for deletion: the marker exists and its writer still
-    holds the write lease."""
+    holds the write lease (``collect``: see :func:`lease.holder_alive`)."""
     marker = read_json(store, marker_key(step))
     if marker is None:
         return False
     lease = read_json(store, LEASE)
-    return bool(lease) and lease.get("token") == marker.get("token") and not _expired(lease, time.time())
+    return bool(lease) and lease.get("token") == marker.get("token") and holder_alive(lease, collect=collect)
 
 
 class ReadLeases:
@@ -61,31 +62,36 @@ class ReadLeases:
     def __init__(self, store: Store, owner: str, seconds: float):
         self.store, self.owner, self.seconds = store, owner, float(seconds)
         self.held: dict[int, str] = {}
-        self._lock = threading.Lock()
+        self.confirmed: set[int] = set()  # held steps that passed the handshake
+        self._lock = threading.RLock()
 
     def _body(self, step: int) -> bytes:
         return json.dumps({"step": step, "owner": self.owner, "host": socket.gethostname(), "pid": os.getpid(),
                            "created_at": now(), "expires_at": time.time() + self.seconds}).encode()
 
+    def hold(self, step: int) -> None:
+        """Write a read lease on ``step`` (if not held yet); nothing is checked: :meth:`acquire` does."""
+        with self._lock:
+            if step not in self.held:
+                key = f"{readers_dir(step)}/{uuid.uuid4().hex}.json"
+                _write(self.store, key, self._body(step))
+                self.held[step] = key
+
     def acquire(self, step: int, check: Callable[[], T], *, wait: bool) -> T | None:
         """Lease ``step``, then make sure it is not being deleted, then return ``check()`` (the
-        caller's check of its manifest and files, made under the lease).
+        caller's check of its manifest and files, made under the lease, after the marker: a step
+        deleted meanwhile has lost its manifest by the time its marker is gone).
 
         Without ``wait``, a step being deleted, or whose ``check`` raises CorruptCheckpoint or
         FileNotFoundError, gives None (the caller chooses another one) and its lease is dropped. With
         ``wait``, a deletion in progress is waited for (bounded by the lease time), then ``check``
         decides: a step that is gone raises as it would without any lease.
         """
-        with self._lock:
-            fresh = step not in self.held
-            if fresh:
-                key = f"{readers_dir(step)}/{uuid.uuid4().hex}.json"
-                self.store.write_bytes(key, self._body(step))
-                self.held[step] = key
+        self.hold(step)
         try:
-            if fresh:
+            if step not in self.confirmed:
                 deadline = time.monotonic() + self.seconds
-                while deletion_in_progress(self.store, step):
+                while deletion_in_progress(self.store, step, collect=wait):
                     if not wait:
                         self.release(step)
                         return None
@@ -93,26 +99,30 @@ class ReadLeases:
                         break
                     time.sleep(min(0.5, self.seconds / 20))
             if wait:
-                return check()
-            try:
-                return check()
-            except (CorruptCheckpoint, FileNotFoundError):
-                self.release(step)
-                return None
+                result = check()
+            else:
+                try:
+                    result = check()
+                except (CorruptCheckpoint, FileNotFoundError):
+                    self.release(step)
+                    return None
         except BaseException:
             self.release(step)
             raise
+        self.confirmed.add(step)  # any later claim of retention lists this lease and keeps the step
+        return result
 
     def renew(self) -> None:
         """Extend every lease held (the heartbeat)."""
         with self._lock:
             for step, key in list(self.held.items()):
-                self.store.write_bytes(key, self._body(step))
+                _write(self.store, key, self._body(step))
 
     def release(self, step: int) -> None:
         """Drop the lease of ``step`` (no error if not held or already gone)."""
         with self._lock:
             key = self.held.pop(step, None)
+            self.confirmed.discard(step)
         if key is not None:
             try:
                 self.store.delete(key)
@@ -132,8 +142,8 @@ def claim_for_deletion(store: Store, step: int, *, token: str, seconds: float,
     Expired read leases found on the way are removed."""
     fence()
     marker = marker_key(step)
-    store.write_bytes(marker, json.dumps({"step": step, "token": token, "created_at": now(),
-                                          "expires_at": time.time() + seconds}).encode())
+    _write(store, marker, json.dumps({"step": step, "token": token, "created_at": now(),
+                                      "expires_at": time.time() + seconds}).encode())
     try:
         live = False
         at = time.time()
@@ -152,6 +162,19 @@ def claim_for_deletion(store: Store, step: int, *, token: str, seconds: float,
     if live:
         store.delete(marker)
     return not live
+
+
+def _write(store: Store, key: str, body: bytes) -> None:
+    """``store.write_bytes``, again when a filesystem store's folder was pruned under it: a reader
+    and retention add and remove files of the same folder at once (the store removes folders it
+    empties)."""
+    for attempt in range(5):
+        try:
+            store.write_bytes(key, body)
+            return
+        except (FileExistsError, FileNotFoundError):
+            if attempt == 4:
+                raise
 
 
 def _drop(store: Store, key: str) -> None:
