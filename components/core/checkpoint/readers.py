@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -24,8 +25,8 @@ from typing import Callable, TypeVar
 
 from components.core.checkpoint.layout import LEASE, PINS, PREFIX, now, parse_pin, read_json
 from components.core.checkpoint.lease import holder_alive
-from components.core.errors import CorruptCheckpoint, RelaunchError
-from components.core.storage import Store
+from components.core.errors import BadInput, CorruptCheckpoint, RelaunchError
+from components.core.storage import PreconditionFailed, Store
 
 T = TypeVar("T")
 
@@ -63,6 +64,7 @@ class ReadLeases:
         self.store, self.owner, self.seconds = store, owner, float(seconds)
         self.held: dict[int, str] = {}
         self.confirmed: set[int] = set()  # held steps that passed the handshake
+        self.read_only = False
         self._lock = threading.RLock()
 
     def _body(self, step: int) -> bytes:
@@ -72,9 +74,18 @@ class ReadLeases:
     def hold(self, step: int) -> None:
         """Write a read lease on ``step`` (if not held yet); nothing is checked: :meth:`acquire` does."""
         with self._lock:
-            if step not in self.held:
+            if step not in self.held and not self.read_only:
                 key = f"{readers_dir(step)}/{uuid.uuid4().hex}.json"
-                _write(self.store, key, self._body(step))
+                try:
+                    _write(self.store, key, self._body(step))
+                except (PermissionError, BadInput) as err:
+                    if isinstance(err, PreconditionFailed):
+                        raise
+                    self.read_only = True  # read-only credentials: read as before, unprotected
+                    print(f"relaunch: cannot write a read lease in {self.store.uri} ({str(err).splitlines()[0][:120]}); "
+                          f"reading without one: a writer's retention may delete what is read", file=sys.stderr,
+                          flush=True)
+                    return
                 self.held[step] = key
 
     def acquire(self, step: int, check: Callable[[], T], *, wait: bool) -> T | None:
