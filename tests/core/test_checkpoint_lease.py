@@ -80,15 +80,43 @@ def test_the_heartbeat_keeps_the_lease_held_past_lease_seconds_between_saves(roo
 
 
 def test_a_live_writer_of_the_same_owner_makes_the_second_wait_then_refuses_it(root):
-    first = CheckpointManager(root, owner="run-a", lease_seconds=0.6)  # the orphan, still renewing
-    first.take_lease()
-    second = CheckpointManager(root, owner="run-a", lease_seconds=0.6, lease_wait_seconds=1.5)  # the --resume
-    with pytest.raises(BadInput, match="being written by 'run-a'"):
-        second.take_lease()
-    first.close()
-    second.take_lease()  # released: taken at once
-    second.close()
+    orphan = subprocess.Popen(  # the first process of this training, still running and renewing
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys
+            from components.core.checkpoint import CheckpointManager
+            mgr = CheckpointManager({root!r}, owner="run-a", lease_seconds=0.6)
+            mgr.take_lease()
+            print("held", flush=True)
+            sys.stdin.read()
+        """)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert orphan.stdout.readline().strip() == "held"
+        resumed = CheckpointManager(root, owner="run-a", lease_seconds=0.6, lease_wait_seconds=1.5)  # --resume
+        with pytest.raises(BadInput, match="being written by 'run-a'"):
+            resumed.take_lease()
+    finally:
+        orphan.kill()
+        orphan.wait(30)
+    resumed.take_lease()  # its process is gone: taken at once
+    resumed.close()
     assert not open_store(root).exists(LEASE)
+
+
+def test_a_second_manager_of_the_same_training_in_one_process_takes_over_and_fences_the_first(root):
+    state = make_state()
+    first = CheckpointManager(root, owner="run-a", lease_seconds=300)
+    first.save(1, state)
+    first.wait()
+    second = CheckpointManager(root, owner="run-a", lease_seconds=300, lease_wait_seconds=0)
+    second.save(2, state)
+    assert second.wait().step == 2
+    first.save(3, state)
+    with pytest.raises(LeaseLost):
+        first.wait()
+    assert [i.step for i in second.list()] == [1, 2]
+    second.close()
+    first.close()
 
 
 def test_a_later_torchelastic_attempt_takes_the_lease_over_at_once_and_fences_the_old_one(root, monkeypatch):

@@ -13,7 +13,8 @@ Who may take a lease another holder wrote (:meth:`Lease.take`):
   ``TORCHELASTIC_RESTART_COUNT`` higher): the agent stopped the previous workers before it started
   this one;
 - at once, a process on the same host and pid namespace when the holder's pid is gone (in this
-  very process: when no live lease object holds the token any more);
+  very process: when no live lease object holds the token any more, or the holder is another
+  manager of the same owner, which is fenced from then on);
 - otherwise the same owner (an orphan still running beside a ``--resume``, a pipeline retry whose
   pod is not gone yet) waits, bounded by ``wait_seconds``, for the holder to release or stop
   renewing, and another owner is refused at once; both refusals are one line, exit 2.
@@ -177,6 +178,9 @@ class Lease:
             return None  # a previous attempt of this elastic job: torchelastic stopped its workers
         if not holder_alive(current):
             return None
+        if current.get("owner") == self.owner and current.get("pid") == os.getpid() \
+                and current.get("host") == socket.gethostname() and current.get("pid_namespace") == _pid_namespace():
+            return None  # another manager of this training in this very process: it is fenced from now on
         until = _dt.datetime.fromtimestamp(float(current.get("expires_at", 0)), _dt.timezone.utc)
         return (f"store {self.store.uri} is being written by {current.get('owner')!r} (host "
                 f"{current.get('host')}, pid {current.get('pid')}) until {until.isoformat(timespec='seconds')}; "
