@@ -1,19 +1,48 @@
-"""The single-writer lease of a store (``checkpoints/LEASE.json``): a pipeline started twice never
-interleaves two histories. Taken by conditional create, renewed by If-Match on the ETag last written,
-taken over only by the same owner (a restart of the same run) or after ``expires_at``."""
+"""The single-writer lease of a store (``checkpoints/LEASE.json``): a training started twice never
+interleaves two histories (docs/checkpoint-format.md, "Leases").
+
+Taken before the training starts, by conditional create (or by a conditional overwrite of a lease
+that may be taken over), renewed by a heartbeat (If-Match on the ETag last written) and checked the
+same way right before every commit and every deletion (:meth:`Lease.fence`): a writer that lost its
+lease raises :class:`LeaseLost` there and writes nothing more.
+
+Who may take a lease another holder wrote (:meth:`Lease.take`):
+
+- anyone, once its ``expires_at`` has passed (the holder stopped renewing: dead, or stalled);
+- at once, a later torchelastic attempt of the same elastic run (``TORCHELASTIC_RUN_ID`` equal,
+  ``TORCHELASTIC_RESTART_COUNT`` higher): the agent stopped the previous workers before it started
+  this one;
+- at once, a process on the same host and pid namespace when the holder's pid is gone (in this
+  very process: when no live lease object holds the token any more, or the holder is another
+  manager of the same owner, which is fenced from then on);
+- otherwise the same owner (an orphan still running beside a ``--resume``, a pipeline retry whose
+  pod is not gone yet) waits, bounded by ``wait_seconds``, for the holder to release or stop
+  renewing, and another owner is refused at once; both refusals are one line, exit 2.
+"""
 
 from __future__ import annotations
 
 import datetime as _dt
+import gc
 import json
 import os
 import socket
+import sys
+import threading
 import time
 import uuid
+import weakref
 
 from components.core.checkpoint.layout import LEASE, now, read_json, write_conditional
 from components.core.contract.errors import BadInput, RelaunchError
 from components.core.store import PreconditionFailed, Store
+
+_LIVE: "weakref.WeakValueDictionary[str, Lease]" = weakref.WeakValueDictionary()  # token -> held lease
+
+
+class LeaseLost(BadInput):
+    """This writer's lease was taken over (it stalled for longer than ``lease_seconds``): it must
+    neither commit nor delete anything."""
 
 
 def default_owner() -> str:
@@ -24,64 +53,180 @@ def default_owner() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-class Lease:
-    """The write lease of ``store`` held (or not yet) by ``owner``."""
+def _pid_namespace() -> str:
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return ""
 
-    def __init__(self, store: Store, owner: str, seconds: float):
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def holder_alive(record: dict | None, *, collect: bool = True) -> bool:
+    """Whether the writer of lease ``record`` may still be writing: its lease has not expired and,
+    when it ran on this host (same pid namespace), its process is still there (in this very process:
+    its lease object is still reachable; ``collect``: after a garbage collection, which finds a
+    manager dropped after a failure)."""
+    if not record or float(record.get("expires_at", 0) or 0) < time.time():
+        return False
+    pid = record.get("pid")
+    if record.get("host") != socket.gethostname() or record.get("pid_namespace") != _pid_namespace() \
+            or not isinstance(pid, int):
+        return True
+    if pid != os.getpid():
+        return _pid_alive(pid)
+    if collect and record.get("token") in _LIVE:
+        gc.collect()  # a manager dropped after a failure may only be unreachable, not yet freed
+    return record.get("token") in _LIVE
+
+
+def _restart_count() -> int:
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    except ValueError:
+        return 0
+
+
+class Lease:
+    """The write lease of ``store`` held (or not yet) by ``owner``.
+
+    Args:
+        store: the checkpoint store.
+        owner: the logical writer (one training; stable across its restarts).
+        seconds: how long the lease lasts without a renewal.
+        wait_seconds: how long :meth:`take` waits for a live holder of the same owner (default:
+            ``seconds``, long enough for a dead holder's lease to expire).
+    """
+
+    def __init__(self, store: Store, owner: str, seconds: float, *, wait_seconds: float | None = None):
         self.store, self.owner, self.seconds = store, owner, float(seconds)
+        self.wait_seconds = self.seconds if wait_seconds is None else float(wait_seconds)
         self.token = uuid.uuid4().hex
         self.etag: str | None = None
+        self.lost: LeaseLost | None = None
+        self._acquired_at = ""
+        self._lock = threading.RLock()  # the heartbeat and the commit's fence renew from two threads
 
     @property
     def held(self) -> bool:
-        return self.etag is not None
+        return self.etag is not None and self.lost is None
+
+    def _body(self) -> bytes:
+        return json.dumps({"owner": self.owner, "token": self.token, "host": socket.gethostname(),
+                           "pid": os.getpid(), "pid_namespace": _pid_namespace(),
+                           "elastic_run_id": os.environ.get("TORCHELASTIC_RUN_ID", ""),
+                           "restart_count": _restart_count(), "acquired_at": self._acquired_at or now(),
+                           "expires_at": time.time() + self.seconds}).encode()
 
     def take(self) -> None:
-        """Take the lease, or renew it when held.
+        """Take the lease (see the module's rules), or renew it when held.
 
         Raises:
-            BadInput: another owner holds an unexpired lease, or took ours over.
+            BadInput: another owner holds a live lease, or the same owner's live holder did not let
+                go within ``wait_seconds``.
+            LeaseLost: this lease was held and has been taken over.
         """
-        current_time = time.time()
-        body = json.dumps({"owner": self.owner, "token": self.token, "host": socket.gethostname(),
-                           "pid": os.getpid(), "acquired_at": now(),
-                           "expires_at": current_time + self.seconds}).encode()
-        if self.etag is not None:
+        with self._lock:
+            if self.etag is not None:
+                self.renew()
+                return
+            self._acquired_at = now()
+            deadline = time.monotonic() + self.wait_seconds
+            told = False
+            while True:
+                if self.store.write_if_absent(LEASE, self._body()):
+                    self._held_as(self.store.etag(LEASE))
+                    return
+                etag = self.store.etag(LEASE)
+                current = read_json(self.store, LEASE) or {}
+                if etag is None:
+                    continue  # released in between: create it
+                refusal = self._refusal(current)
+                if refusal is None:
+                    try:
+                        self._held_as(write_conditional(self.store, LEASE, self._body(), if_match=etag))
+                        return
+                    except (PreconditionFailed, FileNotFoundError):
+                        continue  # someone else moved first: judge the new lease
+                if current.get("owner") != self.owner or time.monotonic() >= deadline:
+                    raise BadInput(refusal)
+                if not told:
+                    print(f"relaunch: {refusal.split(';')[0]}; waiting up to {self.wait_seconds:g}s for it to "
+                          f"stop", file=sys.stderr, flush=True)
+                    told = True
+                time.sleep(min(1.0, max(0.05, self.seconds / 10)))
+
+    def _held_as(self, etag: str | None) -> None:
+        self.etag, self.lost = etag, None
+        _LIVE[self.token] = self
+
+    def _refusal(self, current: dict) -> str | None:
+        """None when ``current`` may be taken over now, else why not (one line)."""
+        if not current or current.get("token") == self.token:
+            return None
+        elastic = os.environ.get("TORCHELASTIC_RUN_ID", "")
+        if elastic and current.get("elastic_run_id") == elastic \
+                and int(current.get("restart_count", 0) or 0) < _restart_count():
+            return None  # a previous attempt of this elastic job: torchelastic stopped its workers
+        if not holder_alive(current):
+            return None
+        if current.get("owner") == self.owner and current.get("pid") == os.getpid() \
+                and current.get("host") == socket.gethostname() and current.get("pid_namespace") == _pid_namespace():
+            return None  # another manager of this training in this very process: it is fenced from now on
+        until = _dt.datetime.fromtimestamp(float(current.get("expires_at", 0)), _dt.timezone.utc)
+        return (f"store {self.store.uri} is being written by {current.get('owner')!r} (host "
+                f"{current.get('host')}, pid {current.get('pid')}) until {until.isoformat(timespec='seconds')}; "
+                f"refusing a second writer (a training started twice, or an orphan still running?). Stop it "
+                f"or wait for its lease to expire")
+
+    def renew(self) -> None:
+        """Extend the lease, conditional on the ETag this holder last wrote.
+
+        Raises:
+            LeaseLost: another writer took it over (this one must stop writing).
+        """
+        with self._lock:
+            if self.lost is not None:
+                raise self.lost
+            if self.etag is None:
+                raise LeaseLost(f"the write lease on {self.store.uri} is not held by this writer")
             try:
-                self.etag = write_conditional(self.store, LEASE, body, if_match=self.etag)
-            except PreconditionFailed:
+                self.etag = write_conditional(self.store, LEASE, self._body(), if_match=self.etag)
+            except (PreconditionFailed, FileNotFoundError):
                 current = read_json(self.store, LEASE)
-                if not current or current.get("token") != self.token:
-                    raise BadInput(f"lost the write lease on {self.store.uri}: "
-                                   f"{(current or {}).get('owner')!r} took it over (was this run stalled "
-                                   f"for longer than lease_seconds={self.seconds:g}?)") from None
-                self.etag = self.store.etag(LEASE)
-            return
-        if self.store.write_if_absent(LEASE, body):
-            self.etag = self.store.etag(LEASE)
-            return
-        etag = self.store.etag(LEASE)
-        current = read_json(self.store, LEASE) or {}
-        mine = current.get("token") == self.token or current.get("owner") == self.owner
-        expired = float(current.get("expires_at", 0) or 0) < current_time
-        if not (mine or expired):
-            until = _dt.datetime.fromtimestamp(float(current.get("expires_at", 0)), _dt.timezone.utc)
-            raise BadInput(
-                f"store {self.store.uri} is being written by {current.get('owner')!r} "
-                f"(host {current.get('host')}, pid {current.get('pid')}) until "
-                f"{until.isoformat(timespec='seconds')}; refusing a second writer (a pipeline started "
-                f"twice?). Wait for it to finish or for the lease to expire")
-        try:
-            self.etag = write_conditional(self.store, LEASE, body, if_match=etag)
-        except PreconditionFailed:
-            raise BadInput(f"another writer took the lease on {self.store.uri} at the same time") from None
+                if current and current.get("token") == self.token:  # our own retried request landed twice
+                    self.etag = self.store.etag(LEASE)
+                    return
+                self.lost = LeaseLost(
+                    f"lost the write lease on {self.store.uri}: {(current or {}).get('owner')!r} took it over "
+                    f"(was this run stalled for longer than lease_seconds={self.seconds:g}?); nothing more "
+                    f"is committed or deleted by this writer")
+                _LIVE.pop(self.token, None)
+                raise self.lost from None
+
+    def fence(self) -> None:
+        """Renew right before a commit or a deletion: raises :class:`LeaseLost` if taken over."""
+        self.renew()
 
     def release(self) -> None:
-        """Delete the lease if held; a failure is ignored (an expired lease is as good as a released one)."""
-        if self.etag is None:
-            return
-        try:
-            self.store.delete(LEASE)
-        except (RelaunchError, OSError):
-            pass
-        self.etag = None
+        """Delete the lease if this writer still holds it (renewed first, so that no takeover can
+        race the deletion); any failure is ignored (an expired lease is as good as a released one)."""
+        with self._lock:
+            if self.etag is None:
+                return
+            try:
+                if self.lost is None:
+                    self.renew()
+                    self.store.delete(LEASE)
+            except (RelaunchError, OSError):
+                pass
+            self.etag = None
+            _LIVE.pop(self.token, None)

@@ -19,6 +19,7 @@ so a background save's collectives never interleave with the training process gr
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
@@ -28,16 +29,18 @@ import tempfile
 import threading
 import time
 import warnings
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from components.core.checkpoint import quarantine
 from components.core.checkpoint.layout import (FORMAT_VERSION, INFLIGHT, LATEST, MANIFEST, MANIFEST_DIGEST,
-                                               METADATA, PINS, CheckpointInfo, checkpoint_steps, info_of, now,
-                                               parse_checkpoint_uri, parse_manifest, parse_pin, pin_key, read_json,
-                                               read_manifest_bytes, sealed_manifest_body, step_key, versions,
-                                               write_conditional)
-from components.core.checkpoint.lease import Lease, default_owner
+                                               METADATA, PINS, PREFIX, CheckpointInfo, checkpoint_steps, info_of,
+                                               now, parse_checkpoint_uri, parse_manifest, parse_pin, pin_key,
+                                               read_json, read_manifest_bytes, sealed_manifest_body, step_key,
+                                               versions, write_conditional)
+from components.core.checkpoint.lease import Lease, LeaseLost, default_owner
+from components.core.checkpoint.readers import ReadLeases, claim_for_deletion, deletion_done
 from components.core.checkpoint.retention import apply_retention
 from components.core.checkpoint.snapshot import Snapshotter, copy_deferred, state_bytes
 from components.core.checkpoint.verify import CHUNK_BYTES, DIGEST, ChunkDigests, check_files, deep_verify
@@ -83,8 +86,11 @@ class CheckpointManager:
         process_group: unused when None; when ``torch.distributed`` is initialized a dedicated gloo
             group is created (collectively: every rank must construct the manager).
         owner: the logical writer holding the lease (default: $RELAUNCH_OWNER, the pipeline run id or
-            $TORCHELASTIC_RUN_ID, else host:pid). The same owner may re-take its lease at once.
-        lease_seconds: how long the lease lasts without a renewal (each save renews it).
+            $TORCHELASTIC_RUN_ID, else host:pid). Who may take a lease over: :mod:`lease`.
+        lease_seconds: how long the write lease and the read leases last without a renewal; a
+            heartbeat thread (rank 0) renews them every third of it while the manager is open.
+        lease_wait_seconds: how long taking the write lease waits for a live holder of the same
+            owner (default: ``lease_seconds``); another owner's live lease is refused at once.
         model_fingerprint: stored in each manifest; a load of a checkpoint with another fingerprint
             raises BadInput. Computed from ``TrainingState.model`` when not given.
         cache_dir: local directory for downloads of format-1 checkpoints from S3 (default: a temp
@@ -97,7 +103,7 @@ class CheckpointManager:
                  best_metric: str | None = None, mode: str = "min", async_save: bool = True,
                  process_group: Any = None, owner: str | None = None, lease_seconds: float = 300,
                  model_fingerprint: str | None = None, cache_dir: str | os.PathLike | None = None,
-                 ranks_per_node: int | None = None):
+                 ranks_per_node: int | None = None, lease_wait_seconds: float | None = None):
         if mode not in ("min", "max"):
             raise BadInput(f"checkpoint mode {mode!r} must be 'min' or 'max'")
         if keep_best and not best_metric:
@@ -108,8 +114,11 @@ class CheckpointManager:
         self.keep_last, self.keep_best, self.best_metric, self.mode = keep_last, keep_best, best_metric, mode
         self.async_save = async_save
         self.owner = owner or default_owner()
-        self.lease = Lease(self.store, self.owner, lease_seconds)
+        self.lease = Lease(self.store, self.owner, lease_seconds, wait_seconds=lease_wait_seconds)
         self.lease_seconds = float(lease_seconds)
+        self._reads: dict[str, ReadLeases] = {}  # store URI -> the read leases held there (rank 0)
+        self._heartbeat: threading.Thread | None = None
+        self._stop_beat = threading.Event()
         self.model_fingerprint = model_fingerprint
         self.last_save_seconds: float | None = None
         self.stall_seconds_total = 0.0
@@ -136,6 +145,7 @@ class CheckpointManager:
             self._make_node_groups(ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)))
         else:
             self._group, self.rank, self.world_size = None, 0, 1
+        _OPEN.add(self)
 
     def _make_node_groups(self, per_node: int) -> None:
         """One gloo group per node (collective: every rank makes every group, in the same order)."""
@@ -187,9 +197,10 @@ class CheckpointManager:
                 from components.core.trainer.state import model_fingerprint
 
                 self.model_fingerprint = model_fingerprint(state.model)
-            if not self.lease.held and not self._lease_checked:
-                self._agree(self._rank0(self._take_lease))  # a second writer is refused right here
-                self._lease_checked = True
+            if not self._lease_checked:
+                self.take_lease()  # a second writer is refused right here, if not before training
+            if self.rank == 0:
+                self._release_reads()  # what this writer loaded is in its state now
             if epoch == 0 and hasattr(state, "epoch"):
                 epoch = int(state.epoch)
             job = _Job(step, int(epoch), None, {k: float(v) for k, v in (metrics or {}).items()}, t0)
@@ -250,7 +261,7 @@ class CheckpointManager:
         found damaged on the way is quarantined (docs/checkpoint-format.md, "Quarantine")."""
         self._guard()
         self.wait()
-        return self._agree(self._rank0(self._locate))
+        return self._agree(self._rank0(self._locate_leased))
 
     def load(self, state: Any, step: int | None = None, uri: str | None = None) -> CheckpointInfo | None:
         """Restore ``state`` in place from ``step``/``uri`` (default: the latest); None if there is none.
@@ -273,9 +284,10 @@ class CheckpointManager:
         damaged: set[int] = set()
         while True:
             if step is None:
-                info = self._agree(self._rank0(lambda: self._locate(skip=damaged)))
+                info = self._agree(self._rank0(lambda: self._locate_leased(skip=damaged)))
             else:
-                info = self._agree(self._rank0(lambda: self._checked(step, store)))
+                info = self._agree(self._rank0(lambda: self._read_lease(
+                    store, step, lambda: self._checked(step, store), wait=True)))
             if info is None:
                 return None
             manifest = self._agree(self._rank0(lambda: self._manifest(info.step, store)))
@@ -333,7 +345,8 @@ class CheckpointManager:
             BadInput: a checkpoint of a newer format.
         """
         self._guard()
-        manifest = self._manifest(step)  # manifest digest, files and sizes; quarantined: raises
+        # manifest digest, files and sizes (quarantined: raises), under a read lease
+        manifest = self._read_lease(self.store, step, lambda: self._manifest(step), wait=True)
         if deep:
             try:
                 deep_verify(self.store, step, manifest)
@@ -351,12 +364,16 @@ class CheckpointManager:
             raise BadInput("best() needs a metric name (best_metric)")
         scored = [i for i in self.list() if metric in i.metrics]  # intact ones only
         scored.sort(key=lambda i: (i.metrics[metric] if mode == "min" else -i.metrics[metric], -i.step))
-        return scored[0] if scored else None
+        for info in scored:
+            if self._read_lease(self.store, info.step, lambda: self._checked(info.step), wait=False) is not None:
+                return info
+        return None
 
     def pin(self, step: int, reason: str) -> None:
         """Protect committed checkpoint ``step`` from retention until unpinned with the same reason."""
         self._guard()
-        self._manifest(step)  # raises CorruptCheckpoint if not committed
+        # raises CorruptCheckpoint if not committed; the read lease holds it until the pin is written
+        self._read_lease(self.store, step, lambda: self._manifest(step), wait=True)
         body = json.dumps({"step": step, "reason": reason, "created_at": now(), "owner": self.owner})
         self.store.write_bytes(pin_key(step, reason), body.encode())
 
@@ -374,15 +391,31 @@ class CheckpointManager:
                 out.setdefault(parsed[0], []).append(parsed[1])
         return out
 
+    def take_lease(self) -> None:
+        """Take the store's write lease now (every rank calls it; rank 0 takes it), start its
+        heartbeat and abort the multipart uploads a killed writer left. A trainer calls it before it
+        trains, so that a second run is refused before it does any work; ``save`` calls it otherwise.
+
+        Raises:
+            BadInput: another writer holds the lease (one line; see :mod:`lease` for who may take it).
+        """
+        self._guard()
+        self._agree(self._rank0(self._take_lease))
+        self._lease_checked = True
+
     def close(self) -> None:
-        """Wait for the pending save, release the lease; idempotent. Raises the pending save's error."""
+        """Wait for the pending save, release the write and read leases; idempotent. Raises the
+        pending save's error."""
         if self._closed:
             return
         self._closed = True
+        _OPEN.discard(self)
         try:
             self.wait()
         finally:
+            self._stop_beat.set()
             if self.rank == 0:
+                self._release_reads()
                 self.lease.release()
             if self._own_cache is not None:
                 shutil.rmtree(self._own_cache, ignore_errors=True)
@@ -430,6 +463,87 @@ class CheckpointManager:
         self.lease.take()
         self._latest_etag = self.store.etag(LATEST)
         self._latest_known = True
+        self._start_heartbeat()
+        self.store.abort_incomplete_uploads(PREFIX + "/")  # a killed writer's: nobody else writes here now
+
+    # ------------------------------------------------------------------ leases (rank 0)
+    def _start_heartbeat(self) -> None:
+        """Renew the write lease and the read leases every third of ``lease_seconds`` until close.
+        The thread holds the manager weakly: a manager dropped unclosed stops renewing."""
+        if self._heartbeat is not None:
+            return
+        ref, stop, interval = weakref.ref(self), self._stop_beat, max(0.05, self.lease_seconds / 3)
+
+        def beat() -> None:
+            while not stop.wait(interval):
+                mgr = ref()
+                if mgr is None:
+                    return
+                try:
+                    mgr._beat()
+                except LeaseLost as err:
+                    print(f"relaunch: {err}", file=sys.stderr, flush=True)
+                except Exception:  # noqa: BLE001 - a store hiccup: the next beat retries, the fence decides
+                    pass
+                del mgr
+
+        self._heartbeat = threading.Thread(target=beat, name="ckpt-lease-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def _beat(self) -> None:
+        for reads in list(self._reads.values()):
+            reads.renew()
+        if self.lease.etag is not None and self.lease.lost is None:
+            self.lease.renew()
+
+    def _read_lease(self, store: Store, step: int, check, *, wait: bool):
+        """``check()`` under a read lease on ``step`` (:meth:`ReadLeases.acquire`)."""
+        return self._reads_in(store).acquire(step, check, wait=wait)
+
+    def _reads_in(self, store: Store) -> ReadLeases:
+        reads = self._reads.get(store.uri)
+        if reads is None:
+            reads = self._reads[store.uri] = ReadLeases(store, self.owner, self.lease_seconds)
+        self._start_heartbeat()
+        return reads
+
+    def _release_reads(self) -> None:
+        for reads in self._reads.values():
+            reads.release_all()
+
+    def _locate_leased(self, skip: set[int] | frozenset = frozenset()) -> CheckpointInfo | None:
+        """:meth:`_locate`, then a read lease on the answer, checked again under it; a step being
+        deleted meanwhile is passed over for the next one."""
+        passed: set[int] = set()
+        reads = self._reads_in(self.store)
+        for attempt in range(10):
+            # lease the steps latest.json and inflight.json name before _locate checks them: a writer
+            # faster than this reader would otherwise delete each one before its check is done
+            pointers = (read_json(self.store, LATEST) or {}, read_json(self.store, INFLIGHT) or {})
+            early = {p["step"] for p in pointers if isinstance(p.get("step"), int)} - set(skip) - passed
+            for step in early:
+                reads.hold(step)
+            info = self._locate(skip=set(skip) | passed)
+            for step in early:
+                if (info is None or step != info.step) and step not in reads.confirmed:
+                    reads.release(step)
+            if info is None:
+                # a writer that commits (and deletes) faster than this reader locates can leave it
+                # nothing it checked in time: start over while latest.json names a step
+                pointer = read_json(self.store, LATEST) or {}
+                if attempt < 9 and (passed or isinstance(pointer.get("step"), int) and pointer["step"] not in skip):
+                    passed.clear()
+                    continue
+                return None
+            leased = self._read_lease(self.store, info.step, lambda: self._checked(info.step), wait=False)
+            if leased is not None:
+                return leased
+            passed.add(info.step)
+        return None
+
+    def _claim(self, step: int) -> bool:
+        return claim_for_deletion(self.store, step, token=self.lease.token, seconds=self.lease_seconds,
+                                  fence=self.lease.fence)
 
     def _run_job(self, job: _Job) -> None:
         try:
@@ -479,8 +593,7 @@ class CheckpointManager:
         return self._agree(self._rank0(lambda: self._commit(job, files)))
 
     def _preflight(self, step: int) -> None:
-        if self.lease.held:
-            self.lease.take()  # renewal, off the training thread
+        self.lease.fence()  # a renewal, off the training thread; a writer taken over stops here
         key = step_key(step)
         if self.store.exists(f"{key}/{MANIFEST}"):
             try:
@@ -503,13 +616,15 @@ class CheckpointManager:
             "owner": self.owner,
         }
         body = sealed_manifest_body(manifest)
+        self.lease.fence()  # a writer that lost its lease (stalled past it) commits nothing
         self.store.write_bytes(f"{key}/{MANIFEST}", body)  # the commit point
         manifest["_sha256"] = hashlib.sha256(body).hexdigest()
         self._manifests[job.step] = manifest
         self._advance_latest(job.step, manifest["_sha256"])
         for deleted in apply_retention(self.store, keep_last=self.keep_last, keep_best=self.keep_best,
                                        best_metric=self.best_metric, mode=self.mode, in_flight=job.step,
-                                       manifest=self._manifest):
+                                       manifest=self._manifest, claim=self._claim,
+                                       done=lambda s: deletion_done(self.store, s)):
             self._manifests.pop(deleted, None)
         return info_of(self.store, job.step, manifest)
 
@@ -724,3 +839,25 @@ class CheckpointManager:
     def _guard(self) -> None:
         if self._closed:
             raise RuntimeError("CheckpointManager is closed")
+
+
+_OPEN: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """At interpreter exit (after the non-daemon threads are joined, while the background save still
+    runs): close every manager left open, so that a pending save commits and no lease is left behind.
+    A save that fails here ends the process with its exit code and one line saying so."""
+    failed: BaseException | None = None
+    for mgr in list(_OPEN):
+        try:
+            mgr.close()
+        except BaseException as err:  # noqa: BLE001 - reported below, then the exit code says it
+            first = (str(err).splitlines() or [""])[0][:300]
+            print(f"relaunch: the checkpoint save pending at exit did not complete: {type(err).__name__}: {first}",
+                  file=sys.stderr, flush=True)
+            failed = failed or err
+    if failed is not None:
+        sys.stdout.flush()
+        os._exit(int(getattr(failed, "exit_code", 1)))

@@ -16,13 +16,19 @@ from components.core.store import Store
 
 
 def apply_retention(store: Store, *, keep_last: int, keep_best: int, best_metric: str | None, mode: str,
-                    in_flight: int | None, manifest: Callable[[int], dict[str, Any]]) -> list[int]:
+                    in_flight: int | None, manifest: Callable[[int], dict[str, Any]],
+                    claim: Callable[[int], bool] | None = None,
+                    done: Callable[[int], None] | None = None) -> list[int]:
     """Delete every step directory that is not kept: the last ``keep_last`` intact committed (0:
     all committed), the best ``keep_best`` intact by ``best_metric``, the step latest.json names,
     pinned steps, ``in_flight`` and damaged (quarantined) checkpoints. ``manifest(step)`` returns
     the manifest of an intact committed checkpoint or raises CorruptCheckpoint (and records the
     damage). A committed directory loses its manifest first, so a crash mid-way leaves uncommitted
-    debris. Returns the deleted steps."""
+    debris.
+
+    ``claim(step)`` runs right before a step is deleted (the writer's fence and the read-lease
+    handshake, :mod:`readers`): False keeps the step; ``done(step)`` runs after its deletion.
+    Returns the deleted steps."""
     dirs: dict[int, set[str]] = {}
     pinned: set[int] = set()
     marked: set[int] = set()
@@ -75,9 +81,13 @@ def apply_retention(store: Store, *, keep_last: int, keep_best: int, best_metric
     for s in sorted(dirs):
         if s in keep:
             continue
+        if claim is not None and not claim(s):
+            continue
         key = f"{step_key(s)}/{MANIFEST}"
         if key in dirs[s]:
             store.delete(key)  # uncommit first: a crash from here leaves plain debris
         store.delete_many(sorted(dirs[s] - {key}))
+        if done is not None:
+            done(s)
         deleted.append(s)
     return deleted

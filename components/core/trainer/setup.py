@@ -140,15 +140,22 @@ def build_model(config, task, device, total_steps: int, health: Any) -> ModelPar
 
 def open_checkpoints(config, store, run_id: str | None, module: torch.nn.Module):
     """The training's CheckpointManager (collective): one writer identity per training, stable across
-    torchrun restarts and pipeline retries."""
+    torchrun restarts and pipeline retries, holding the store's write lease before the training
+    decides where it starts (a second run is refused here, before it trains: BadInput, exit 2)."""
     from components.core.checkpoint import CheckpointManager
     from components.core.trainer.state import model_fingerprint
 
     t = config.train
     owner = os.environ.get("RELAUNCH_OWNER") or os.environ.get("RELAUNCH_PIPELINE_RUN_ID") or f"run:{run_id}"
-    return CheckpointManager(store, keep_last=t.keep_last, keep_best=t.keep_best, best_metric=t.best_metric,
-                             mode=t.best_mode, async_save=t.async_save, owner=owner,
-                             model_fingerprint=model_fingerprint(module))
+    manager = CheckpointManager(store, keep_last=t.keep_last, keep_best=t.keep_best, best_metric=t.best_metric,
+                                mode=t.best_mode, async_save=t.async_save, owner=owner,
+                                model_fingerprint=model_fingerprint(module))
+    try:
+        manager.take_lease()
+    except BaseException:
+        manager.close()
+        raise
+    return manager
 
 
 @dataclass
