@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-import components.core.checkpoint.manager as manager
+import components.core.checkpoint.commit as commit
+import components.core.checkpoint.load as load
 import components.core.checkpoint.verify as verify
 from components.core.checkpoint import CheckpointManager, step_key
 from components.core.contract.errors import CorruptCheckpoint
@@ -56,8 +57,8 @@ def test_a_non_contiguous_destination_is_filled_correctly(tmp_path):
 
 
 def test_a_large_state_is_split_into_several_files_per_rank_and_loads_back(tmp_path, monkeypatch):
-    monkeypatch.setattr(manager, "FILE_BYTES", 8192)
-    monkeypatch.setattr(manager, "IO_THREADS", 2)
+    monkeypatch.setattr(commit, "FILE_BYTES", 8192)
+    monkeypatch.setattr(load, "IO_THREADS", 2)
     root = str(tmp_path / "store")
     state = make_state(width=64)
     train_steps(state, 2)

@@ -15,7 +15,7 @@ from typing import Any, Callable
 from components.core.checkpoint.layout import parse_checkpoint_uri
 from components.core.contract.config import MODEL_URI
 from components.core.contract.errors import BadInput, CorruptCheckpoint
-
+from components.core.runtime.distributed import agree, on_rank0
 
 
 @dataclasses.dataclass
@@ -49,7 +49,8 @@ def start_point(config: Any, manager: Any, *, fingerprint: Callable[[], str] | N
     if latest is not None:
         return StartPoint("latest", latest.uri, latest.step)
     resolve = warm_start_resolver or warm_start_checkpoint
-    return manager._agree(manager._rank0(lambda: _decide(config, fingerprint, resolve)))
+    decided = on_rank0(manager.rank, lambda: _decide(config, fingerprint, resolve))
+    return agree(decided, manager.group, manager.rank, manager.world_size)
 
 
 def _decide(config: Any, fingerprint: Callable[[], str] | None, resolve: Callable[[Any], str]) -> StartPoint:

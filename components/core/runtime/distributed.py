@@ -1,5 +1,6 @@
 """The distributed environment as torchrun and the Kubeflow Training Operator set it, the process
-group, and the few collectives the trainer needs (rank-0 decisions broadcast to every rank).
+group, and the few collectives the trainer and the checkpoint manager need (rank-0 decisions
+broadcast to every rank; every rank's outcome agreed on, errors crossing ranks as ``CarriedError``).
 
 torchrun sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
 ``MASTER_ADDR``/``MASTER_PORT``, ``TORCHELASTIC_RESTART_COUNT`` and ``TORCHELASTIC_RUN_ID``; the
@@ -12,13 +13,20 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
-import torch
-import torch.distributed as dist
-
+from components.core.contract.classify import CarriedError
 from components.core.contract.errors import BadInput, TransientFailure
 from components.core.runtime.net import free_port
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where it is used: the checkpoint manager (and the locate step, which imports no
+# torch) use the agreement helpers below without a process group.
+
+T = TypeVar("T")
+Outcome = tuple[str, Any]  # ("ok", value) or ("err", exception): one rank's result, handed to agree()
 
 
 def _int(name: str, default: int, *fallbacks: str) -> int:
@@ -82,11 +90,15 @@ def read_env() -> DistEnv:
 
 def backend() -> str:
     """``nccl`` when CUDA is present, else ``gloo``."""
+    import torch
+
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def device(env: DistEnv) -> torch.device:
     """This rank's device: ``cuda:<local_rank>`` when CUDA is present, else the CPU."""
+    import torch
+
     if torch.cuda.is_available():
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
         return torch.device("cuda", env.local_rank % torch.cuda.device_count())
@@ -99,6 +111,8 @@ def init(env: DistEnv, timeout_seconds: float) -> None:
     Raises:
         TransientFailure: the rendezvous with the other ranks failed or timed out.
     """
+    import torch.distributed as dist
+
     if dist.is_initialized():
         return
     if not env.launched:
@@ -123,6 +137,8 @@ def _restart_scoped_store(env: DistEnv, timeout: datetime.timedelta):
     in the previous round and fail with "connectFullMesh ... Connection refused" (seen here about
     one restart in three). A prefix per restart count gives each round fresh keys.
     """
+    import torch.distributed as dist
+
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     client = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
@@ -131,12 +147,16 @@ def _restart_scoped_store(env: DistEnv, timeout: datetime.timedelta):
 
 def shutdown() -> None:
     """Destroy the process group if there is one (idempotent)."""
+    import torch.distributed as dist
+
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank ``src``'s ``obj`` on every rank (plain Python values only)."""
+    import torch.distributed as dist
+
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return obj
     box = [obj]
@@ -146,6 +166,9 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 
 def all_reduce_sum(values: list[float]) -> list[float]:
     """Element-wise sum over ranks of a few floats, in one collective (float64)."""
+    import torch
+    import torch.distributed as dist
+
     tensor = torch.tensor(values, dtype=torch.float64)
     if dist.is_initialized() and dist.get_world_size() > 1:
         if backend() == "nccl":
@@ -155,5 +178,75 @@ def all_reduce_sum(values: list[float]) -> list[float]:
 
 
 def barrier() -> None:
+    """Wait for every rank of the default process group (no-op in a world of one)."""
+    import torch.distributed as dist
+
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+def catch(fn: Callable[[], T]) -> Outcome:
+    """Run ``fn`` and return its outcome: ``("ok", value)``, or ``("err", exception)`` for whatever it
+    raised (also a BaseException: :func:`agree` re-raises it on every rank)."""
+    try:
+        return ("ok", fn())
+    except BaseException as err:  # noqa: BLE001 - carried to every rank, re-raised by agree()
+        return ("err", err)
+
+
+def on_rank0(rank: int, fn: Callable[[], T]) -> Outcome:
+    """Run ``fn`` on rank 0 only (:func:`catch`); other ranks get ``("ok", None)``. Hand the outcome
+    to :func:`agree` so that every rank gets rank 0's value or error."""
+    return catch(fn) if rank == 0 else ("ok", None)
+
+
+def agree(outcome: Outcome, group: Any, rank: int, world_size: int, *, share: bool = True) -> Any:
+    """Gather every rank's outcome over ``group`` (collective: every rank calls it); raise the first
+    error on every rank (a rank's own as it is, another rank's rebuilt from its
+    :class:`~components.core.contract.classify.CarriedError`, with the same type and exit code), else
+    return rank 0's value (``share``) or this rank's own.
+
+    Args:
+        outcome: this rank's ``("ok", value)`` or ``("err", exception)`` (:func:`catch`, :func:`on_rank0`).
+        group: the process group; None for a single process without ``torch.distributed`` (the
+            outcome is this process's: its error raised, else its value).
+        rank, world_size: this rank and the size of ``group``.
+        share: return rank 0's value on every rank (it must pickle); else each rank's own value.
+    """
+    kind, value = outcome
+    if group is None:
+        if kind == "err":
+            raise value
+        return value
+    import torch.distributed as dist
+
+    local = (kind, CarriedError.of(value) if kind == "err" else value)
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, local if share and rank == 0 or kind == "err" else ("ok", None),
+                           group=group)
+    for r, (k, v) in enumerate(gathered):
+        if k == "err":
+            if kind == "err":
+                raise value
+            raise v.rebuild(f"rank {r}: ")
+    return gathered[0][1] if share else value
+
+
+def node_groups(group: Any, world_size: int, per_node: int) -> tuple[Any, list[list[int]] | None]:
+    """This rank's node group and the ranks of every node, for nodes of ``per_node`` consecutive
+    ranks of ``group`` (a world of ``world_size``): one gloo group per node (collective: every rank
+    makes every group, in the same order); ``group`` itself when one node holds every rank;
+    ``(None, None)`` when the ranks do not split into such nodes."""
+    import torch.distributed as dist
+
+    if per_node <= 1 or world_size % per_node or per_node > world_size:
+        return None, None
+    ranks_of = [list(range(n, n + per_node)) for n in range(0, world_size, per_node)]
+    if per_node == world_size:
+        return group, ranks_of
+    me, mine = dist.get_rank(), None
+    for ranks in ranks_of:
+        made = dist.new_group(ranks, backend="gloo")
+        if me in ranks:
+            mine = made
+    return mine, ranks_of

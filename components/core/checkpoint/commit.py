@@ -1,0 +1,204 @@
+"""Saving, one job of :class:`~components.core.checkpoint.manager.CheckpointManager`: the snapshot
+job, every rank's DCP write, the preflight (a damaged checkpoint of the same step is moved aside
+first), the commit point (the manifest), advancing ``latest.json``, then retention.
+
+:class:`Committing` is a part of the manager (one of its base classes), not used alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from components.core.checkpoint import load as reading
+from components.core.checkpoint import quarantine
+from components.core.checkpoint.layout import (FORMAT_VERSION, INFLIGHT, LATEST, MANIFEST, CheckpointInfo, info_of,
+                                               now, read_manifest_bytes, sealed_manifest_body, step_key, versions,
+                                               write_conditional)
+from components.core.checkpoint.readers import deletion_done
+from components.core.checkpoint.retention import apply_retention
+from components.core.checkpoint.snapshot import copy_deferred, state_bytes
+from components.core.checkpoint.verify import CHUNK_BYTES, DIGEST
+from components.core.contract.classify import CarriedError, dcp_original
+from components.core.contract.errors import BadInput, CorruptCheckpoint
+from components.core.store import PreconditionFailed
+
+if TYPE_CHECKING:
+    import torch
+
+FILE_BYTES = 64 * 1024 * 1024  # a rank's state is spread over files of about this size (a file is
+# the most one ranged read asks for; many files also give S3 parallel uploads and downloads)
+
+
+class SaveJob:
+    """One save in flight: its snapshot, the copies still to make, and its outcome."""
+
+    def __init__(self, step: int, epoch: int, snapshot: Any, metrics: dict[str, float], started: float):
+        self.step, self.epoch, self.snapshot, self.metrics, self.started = step, epoch, snapshot, metrics, started
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (snapshot buffer, live tensor) still to copy
+        self.copied = threading.Event()
+        self.cuda_ready: torch.cuda.Event | None = None  # recorded after the work the snapshot must see
+        self.cuda_device: int | None = None
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.info: CheckpointInfo | None = None
+
+
+class Committing:
+    """Save and commit: :meth:`CheckpointManager.save` guards, then calls :meth:`_save`."""
+
+    def _save(self, step: int, state: Any, metrics: dict | None, epoch: int, defer_copy: bool) -> None:
+        """The body of :meth:`CheckpointManager.save` (guarded by it)."""
+        t0 = time.perf_counter()
+        try:
+            self.wait()
+            step_key(step)
+            if self.model_fingerprint is None and hasattr(state, "model"):
+                from components.core.trainer.state import model_fingerprint
+
+                self.model_fingerprint = model_fingerprint(state.model)
+            if not self._lease_checked:
+                self.take_lease()  # a second writer is refused right here, if not before training
+            if self.rank == 0:
+                self._release_reads()  # what this writer loaded is in its state now
+            if epoch == 0 and hasattr(state, "epoch"):
+                epoch = int(state.epoch)
+            job = SaveJob(step, int(epoch), None, {k: float(v) for k, v in (metrics or {}).items()}, t0)
+            job.snapshot = self._snapshots.take(state, job.copies if self.async_save and defer_copy else None)
+            import torch
+
+            if torch.cuda.is_available():
+                job.cuda_device = torch.cuda.current_device()  # the background thread's would be device 0
+                job.cuda_ready = torch.cuda.Event()
+                job.cuda_ready.record()
+            self._pending = job
+            if self.async_save:
+                job.thread = threading.Thread(target=self._run_job, args=(job,), name=f"ckpt-save-{step}",
+                                              daemon=True)
+                job.thread.start()
+            else:
+                self._run_job(job)
+        finally:
+            self.stall_seconds_total += time.perf_counter() - t0
+        if not self.async_save:
+            self.wait()
+
+    def _run_job(self, job: SaveJob) -> None:
+        try:
+            copy_deferred(job)
+            job.info = self._persist(job)
+            self.last_save_seconds = time.perf_counter() - job.started
+        except BaseException as err:  # noqa: BLE001 - surfaces at the next save()/wait()
+            job.error = err
+        finally:
+            job.snapshot = None
+
+    def _persist(self, job: SaveJob) -> CheckpointInfo:
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        from components.core.checkpoint.dcp_io import StoreWriter
+
+        self._agree(self._rank0(lambda: self._preflight(job.step)))
+        files_per_rank = max(1, -(-state_bytes(job.snapshot) // FILE_BYTES))
+        writer = StoreWriter(self.store, step_key(job.step), files_per_rank=files_per_rank,
+                             threads=reading.IO_THREADS)
+
+        def write() -> dict[str, dict[str, Any]]:
+            from torch.distributed.checkpoint.api import CheckpointException
+
+            try:
+                dcp.save(job.snapshot, storage_writer=writer, process_group=self._group)
+            except CheckpointException as err:  # DCP wraps what the store raised: surface that
+                raise dcp_original(err) from None
+            return writer.files
+
+        outcome = self._catch(write)
+        if self._distributed:
+            gathered: list[Any] = [None] * self.world_size
+            local = outcome if outcome[0] == "ok" else ("err", CarriedError.of(outcome[1]))
+            dist.all_gather_object(gathered, local, group=self._group)
+            if outcome[0] == "err":
+                raise outcome[1]
+            files: dict[str, Any] = {}
+            for r, (kind, value) in enumerate(gathered):
+                if kind == "err":
+                    raise value.rebuild(f"rank {r}: ")
+                files.update(value)
+        else:
+            if outcome[0] == "err":
+                raise outcome[1]
+            files = outcome[1]
+        return self._agree(self._rank0(lambda: self._commit(job, files)))
+
+    def _preflight(self, step: int) -> None:
+        self.lease.fence()  # a renewal, off the training thread; a writer taken over stops here
+        key = step_key(step)
+        if self.store.exists(f"{key}/{MANIFEST}"):
+            try:
+                self._checked(step)
+            except CorruptCheckpoint as err:  # damaged (quarantined now if not before): write it again
+                self._move_aside(step, str(err))
+            else:
+                raise BadInput(f"checkpoint {self.store.uri_for(key)} is already committed; refusing to "
+                               f"overwrite it (save a later step)")
+        self.store.write_bytes(INFLIGHT, json.dumps({"step": step, "owner": self.owner,
+                                                     "started_at": now()}).encode())
+
+    def _commit(self, job: SaveJob, files: dict[str, Any]) -> CheckpointInfo:
+        key = step_key(job.step)
+        manifest = {
+            "format_version": FORMAT_VERSION, "step": job.step, "epoch": job.epoch,
+            "world_size": self.world_size, "created_at": now(), "files": dict(sorted(files.items())),
+            "digest": DIGEST, "chunk_bytes": CHUNK_BYTES, "byteorder": sys.byteorder,
+            "metrics": job.metrics, "versions": versions(), "model_fingerprint": self.model_fingerprint,
+            "owner": self.owner,
+        }
+        body = sealed_manifest_body(manifest)
+        self.lease.fence()  # a writer that lost its lease (stalled past it) commits nothing
+        self.store.write_bytes(f"{key}/{MANIFEST}", body)  # the commit point
+        manifest["_sha256"] = hashlib.sha256(body).hexdigest()
+        self._manifests[job.step] = manifest
+        self._advance_latest(job.step, manifest["_sha256"])
+        for deleted in apply_retention(self.store, keep_last=self.keep_last, keep_best=self.keep_best,
+                                       best_metric=self.best_metric, mode=self.mode, in_flight=job.step,
+                                       manifest=self._manifest, claim=self._claim,
+                                       done=lambda s: deletion_done(self.store, s)):
+            self._manifests.pop(deleted, None)
+        return info_of(self.store, job.step, manifest)
+
+    def _advance_latest(self, step: int, sha: str) -> None:
+        body = json.dumps({"step": step, "path": step_key(step), "manifest_sha256": sha}).encode()
+        if not self._latest_known:
+            self._latest_etag = self.store.etag(LATEST)
+            self._latest_known = True
+        try:
+            if self._latest_etag is None:
+                if not self.store.write_if_absent(LATEST, body) and self.store.read_bytes(LATEST) != body:
+                    raise PreconditionFailed("latest.json appeared")
+                self._latest_etag = self.store.etag(LATEST)
+            else:
+                self._latest_etag = write_conditional(self.store, LATEST, body, if_match=self._latest_etag)
+        except PreconditionFailed:
+            if self.store.read_bytes(LATEST) != body:  # not just our own retried request landing twice
+                raise BadInput(f"{self.store.uri_for(LATEST)} was changed by another writer; "
+                               f"refusing to interleave histories") from None
+            self._latest_etag = self.store.etag(LATEST)
+
+    def _move_aside(self, step: int, reason: str) -> None:
+        """Lease holder, before saving damaged ``step`` again: move the old checkpoint out of the way."""
+        try:
+            sha = hashlib.sha256(read_manifest_bytes(self.store, step)).hexdigest()
+        except CorruptCheckpoint:
+            return  # gone meanwhile (a person removed it): nothing to move
+        rec = quarantine.find(self.store, step, sha) or {"step": step, "manifest_sha256": sha, "reason": reason,
+                                                         "found_at": now(), "found_by": self.owner}
+        dest = quarantine.move_aside(self.store, step, rec, moved_by=self.owner)
+        self._damaged.pop((self.store.uri, step), None)
+        self._manifests.pop(step, None)
+        print(f"relaunch: damaged checkpoint {self.store.uri_for(step_key(step))} moved aside to "
+              f"{self.store.uri_for(dest)}; saving step {step} again", file=sys.stderr, flush=True)
