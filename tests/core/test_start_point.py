@@ -80,6 +80,6 @@ class _Registry:
 def test_the_registry_answer_is_classified_by_its_error_code(monkeypatch, tmp_path, error, expected):
     import components.core.tracking.client as tracking
 
-    monkeypatch.setattr(tracking, "_client", lambda uri: _Registry(error))
+    monkeypatch.setattr(tracking, "client", lambda uri: _Registry(error))
     with pytest.raises(expected):
         warm_start_checkpoint(_config(str(tmp_path), warm_start_model="models:/m@champion"))

@@ -109,11 +109,11 @@ def warm_start_checkpoint(config: Any) -> str:
     """
     from mlflow.exceptions import MlflowException
 
-    from components.core.tracking.client import _call, _client, tracking_uri
+    from components.core.tracking.client import call, client as tracking_client, tracking_uri
 
     spec = config.train.warm_start_model or ""
     match = MODEL_URI.match(spec)  # the configuration model refused any other form at load time
-    client = _client(tracking_uri(config))
+    client = tracking_client(tracking_uri(config))
     name = match["name"]
     try:
         version = (client.get_model_version(name, match["version"]) if match["version"]
@@ -123,10 +123,10 @@ def warm_start_checkpoint(config: Any) -> str:
         # registry answered that there is no such version; anything else (5xx, 429) may pass
         if err.get_http_status_code() in (400, 404):
             raise BadInput(f"train.warm_start_model: {spec!r} does not exist in the registry") from None
-        _call(f"read model version {spec}", _raise, err)
+        call(f"read model version {spec}", _raise, err)
         raise
     except Exception as err:  # noqa: BLE001 - a connection error: classified by the tracking contract
-        _call(f"read model version {spec}", _raise, err)
+        call(f"read model version {spec}", _raise, err)
         raise
     uri = version.tags.get("relaunch.checkpoint_uri", "")
     if not uri:
