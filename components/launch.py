@@ -95,7 +95,7 @@ def finished_training(config: RelaunchConfig) -> LaunchOutputs | None:
 
 def read_summary(config: RelaunchConfig) -> dict:
     """The trainer's ``runs/summary.json`` in the store ({} when it wrote none)."""
-    from components.core.tracking.goodput import read_summary as read
+    from components.core.store.records import read_summary as read
     from components.core.store import open_store
 
     return read(open_store(config.store.uri)) or {}

@@ -22,11 +22,11 @@ import sys
 import tempfile
 from typing import Any
 
+from components.core.store import records
 from components.core.tracking import goodput
 from components.core.contract.errors import BadInput, Preempted, RelaunchError
 from components.core.contract.events import Kind, emit
 
-PENDING_METRICS_KEY = "runs/metrics-pending.json"
 CHECKPOINT_TAG_PREFIX = "checkpoint."
 DELETED_BY_RETENTION = "deleted by retention: "
 
@@ -45,12 +45,13 @@ def resolve_run_id(config, store) -> str:
     """config.tracking.run_id, else the one stored beside the checkpoints, else a new one (stored)."""
     if config.tracking.run_id:
         return config.tracking.run_id
-    stored = goodput.stored_run_id(store)
+    stored = records.stored_run_id(store)
     if stored:
         return stored
-    from components.core.tracking.client import ensure_run
+    from components.core.tracking.client import ensure_run, tracking_uri
 
-    return goodput.remember_run(store, config, ensure_run(config))  # another start may have won the race
+    return records.remember_run(store, ensure_run(config), tracking_uri=tracking_uri(config),
+                                experiment=config.tracking.experiment)  # another start may have won the race
 
 
 def run_params(config, env) -> dict[str, Any]:
@@ -147,11 +148,7 @@ class TrainingTracker:
         """Metric points of steps up to the resumed checkpoint that an earlier attempt may not have
         sent (it was killed with them in its buffer): queue them again; the logger skips those the
         server has. Steps after the checkpoint are recomputed and logged anew."""
-        try:
-            pending = json.loads(self.store.read_bytes(PENDING_METRICS_KEY))
-        except FileNotFoundError:
-            return
-        for step, metrics in pending.get("points", []):
+        for step, metrics in records.read_pending_metrics(self.store):
             if step <= self._resumed_from:
                 self.logger.log_metrics(metrics, step)
 
@@ -190,8 +187,7 @@ class TrainingTracker:
         self._log(step, metrics)
         if before_checkpoint:
             self.recent = [p for p in self.recent if p[0] > self.logger.confirmed_step]
-            self.store.write_bytes(PENDING_METRICS_KEY,
-                                   json.dumps({"through_step": step, "points": self.recent}).encode())
+            records.write_pending_metrics(self.store, step, self.recent)
 
     def _log(self, step: int, metrics: dict[str, float]) -> None:
         self.logger.log_metrics(metrics, step)
