@@ -51,3 +51,10 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", state: str = "SUCCEED
         except (RelaunchError, OSError) as err:  # costs only a repeated evaluate/register on --resume
             print(f"finalize: {PIPELINE_FINISHED_KEY} not written: {err}", file=sys.stderr)
     return FinalizeOutputs(run_id=run_id, status=status)
+
+
+if __name__ == "__main__":
+    from components import step_name
+    from components.core.runtime.stepcli import step_main
+
+    sys.exit(step_main(step_name(__spec__.name), run))

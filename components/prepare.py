@@ -162,6 +162,7 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    from components import step_name
     from components.core.runtime.stepcli import step_main
 
-    sys.exit(step_main("prepare", run))
+    sys.exit(step_main(step_name(__spec__.name), run))
