@@ -275,6 +275,6 @@ def render(config: RelaunchConfig, run_id: str) -> dict:
     return build_trainjob(config, pipeline_run_id=run_id)
 
 
-def render_runtime(config: RelaunchConfig, run_id: str) -> dict:
+def render_training_runtime(config: RelaunchConfig, run_id: str) -> dict:
     """``relaunch render trainingruntime``: the ClusterTrainingRuntime to apply once per cluster."""
     return build_runtime(config)

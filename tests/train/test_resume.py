@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from components.core.store import records
-from components.core.tracking import goodput
 from components.core.contract.classify import torchrun_exit
 from components.core.store import open_store
 from tests.train.conftest import (final_params, metric_steps, mlflow_runs, run_torchrun, start_torchrun,

@@ -28,7 +28,7 @@ from typing import Any
 
 from components.core.contract.exitcodes import ExitCode
 from components.core.store import records
-from components.core.store.records import write_exit_record  # noqa: F401 - train.py's, with record_ending
+from components.core.store.records import write_exit_record  # train.py writes it through goodput too
 
 @dataclass
 class Attempt:
@@ -270,7 +270,7 @@ def summarize(store, code: int, reason: str, *, run_id: str | None, attempt: int
 
 def record_ending(store, summary: TrainSummary, elastic_run_id: str = "") -> None:
     """Rank 0, at every ending under our control: ``runs/exit.json`` and ``runs/summary.json``."""
-    records.write_exit_record(store, summary.attempt, summary.exit_code, summary.reason, elastic_run_id)
+    write_exit_record(store, summary.attempt, summary.exit_code, summary.reason, elastic_run_id)
     records.write_summary(store, asdict(summary))
 
 
