@@ -86,5 +86,6 @@ def _lazy(module: str, function: str):
 
 register_launch_backend("local")
 register_launch_backend("pytorchjob", cluster=True, renders={"pytorchjob": "render"})
-register_launch_backend("trainjob", cluster=True, renders={"trainjob": "render", "trainingruntime": "render_training_runtime"})
+register_launch_backend("trainjob", cluster=True,
+                        renders={"trainjob": "render", "trainingruntime": "render_training_runtime"})
 register_launch_backend("slurm", launches=False, renders={"slurm": "render"})
