@@ -54,7 +54,8 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", **overrides: Any) -> 
     splits = task.build_splits()
     version = write_dataset(store, splits)
     run_id = ensure_run(lineage.with_run_name(config, version), pipeline_run_id=pipeline_run_id or None)
-    remember_run(store, run_id, tracking_uri=tracking_uri(config), experiment=config.tracking.experiment)  # what `relaunch run --resume` continues; the first one stays
+    # what `relaunch run --resume` continues; the first one stays
+    remember_run(store, run_id, tracking_uri=tracking_uri(config), experiment=config.tracking.experiment)
     resolved = config.model_copy(deep=True)
     resolved.data.version = version
     resolved.tracking.run_id = run_id
