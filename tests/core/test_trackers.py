@@ -10,7 +10,7 @@ from components.core.checkpoint import CheckpointInfo, step_key
 from components.core.contract.config import RelaunchConfig
 from components.core.contract.errors import BadInput
 from components.core.store import open_store
-from components.core.tracking.client.trackers import TRACKERS, AttemptEnd, AttemptStart, Tracker, TrackerBase, register_tracker
+from components.core.tracking.trackers import TRACKERS, AttemptEnd, AttemptStart, Tracker, TrackerBase, register_tracker
 
 pytestmark = pytest.mark.slow
 
@@ -103,8 +103,8 @@ def test_off_rank_0_no_tracker_is_opened(toy_tracker):
 
 
 def test_tensorboard_is_opened_only_when_its_folder_is_set_and_a_missing_package_is_bad_input(tmp_path):
-    from components.core.tracking.client.tensorboard_tracker import TensorBoardTracker
-    from components.core.tracking.client.trackers import open_trackers
+    from components.core.tracking.tensorboard_tracker import TensorBoardTracker
+    from components.core.tracking.trackers import open_trackers
 
     plain = open_trackers(RelaunchConfig(), None, run_id="r", attempt=1)
     assert not any(isinstance(t, TensorBoardTracker) for t in plain)

@@ -101,7 +101,7 @@ def test_checkpoint_tags_name_the_folder_and_are_marked_when_retention_deleted_i
     from components.core.checkpoint import CheckpointInfo, step_key
     from components.core.store import open_store
     from components.core.tracking.client import ensure_run
-    from components.core.tracking.client.mlflow_tracker import DELETED_BY_RETENTION
+    from components.core.tracking.mlflow_tracker import DELETED_BY_RETENTION
     from components.core.trainer.tracking import TrainingTracker
 
     from components.core.tracking import goodput

@@ -1,4 +1,4 @@
-"""The MLflow tracker (:class:`~components.core.tracking.client.trackers.Tracker`): the training's MLflow run,
+"""The MLflow tracker (:class:`~components.core.tracking.trackers.Tracker`): the training's MLflow run,
 fed through the asynchronous :class:`~components.core.tracking.runlogger.RunLogger`, and the
 pending-metrics record that carries unsent metric points across a crash.
 
@@ -27,7 +27,7 @@ from typing import Any
 from components.core.contract.errors import BadInput
 from components.core.store import records
 from components.core.tracking import goodput
-from components.core.tracking.client.trackers import AttemptEnd, AttemptStart, TrackerBase
+from components.core.tracking.trackers import AttemptEnd, AttemptStart, TrackerBase
 
 CHECKPOINT_TAG_PREFIX = "checkpoint."
 DELETED_BY_RETENTION = "deleted by retention: "

@@ -132,5 +132,5 @@ def open_trackers(config, store, *, run_id: str | None, attempt: int) -> list[Tr
     return out
 
 
-register_tracker("mlflow", "components.core.tracking.client.mlflow_tracker:open_tracker")
-register_tracker("tensorboard", "components.core.tracking.client.tensorboard_tracker:open_tracker")
+register_tracker("mlflow", "components.core.tracking.mlflow_tracker:open_tracker")
+register_tracker("tensorboard", "components.core.tracking.tensorboard_tracker:open_tracker")

@@ -1,9 +1,9 @@
 """Everything the training tells the outside world besides its checkpoints. One object,
 :class:`TrainingTracker`, fans each call out to the configured trackers
-(:mod:`components.core.tracking.client.trackers`: MLflow, TensorBoard, any registered one) and emits the
+(:mod:`components.core.tracking.trackers`: MLflow, TensorBoard, any registered one) and emits the
 ``resumed`` and ``progress`` events; every method is a no-op off rank 0, so the training loop calls
 it unconditionally. What the MLflow run holds is described in
-:mod:`components.core.tracking.client.mlflow_tracker`.
+:mod:`components.core.tracking.mlflow_tracker`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 from components.core.contract.errors import Preempted, RelaunchError
 from components.core.contract.events import Kind, emit
 from components.core.store import records
-from components.core.tracking.client.trackers import AttemptEnd, AttemptStart, Tracker, open_trackers
+from components.core.tracking.trackers import AttemptEnd, AttemptStart, Tracker, open_trackers
 
 # How long the logger may flush before the process exits, by how the attempt ends. Told to go (a peer
 # died, torchrun is stopping the group): torchrun's SIGKILL follows shortly; unsent points of committed
