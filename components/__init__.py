@@ -164,6 +164,12 @@ PIPELINE = Pipeline(name="relaunch", steps=(PREPARE, LOCATE, LAUNCH, EVALUATE, R
                     exit_handler=(FINALIZE, DELETE_JOB))
 
 
+def step_name(module: str) -> str:
+    """The kebab-case name of the step that ``module`` runs; a step passes its ``__spec__.name``, which
+    names the module under ``python -m`` too (where ``__name__`` is ``__main__``)."""
+    return next(s.name for s in PIPELINE.all_steps() if s.module == module)
+
+
 STEP_TABLE: dict[str, Step] = {s.name: s for s in PIPELINE.all_steps() if s.on_kfp}
 """Every task the KFP pipeline (and so ``relaunch run``) runs, by name, in pipeline order, the exit task last."""
 STEPS: tuple[str, ...] = tuple(s.name for s in PIPELINE.steps)

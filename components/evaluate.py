@@ -111,6 +111,7 @@ def confusion_png(actual, predicted, path: Path, title: str) -> None:
 
 
 if __name__ == "__main__":
+    from components import step_name
     from components.core.runtime.stepcli import step_main
 
-    sys.exit(step_main("evaluate", run))
+    sys.exit(step_main(step_name(__spec__.name), run))

@@ -12,15 +12,11 @@ the store, which tells ``relaunch run --resume`` that nothing is left to do.
 
 from __future__ import annotations
 
-import json
 import sys
-import time
 from dataclasses import dataclass
 
 from components.core.contract.config import RelaunchConfig
 from components.core.contract.errors import RelaunchError
-
-PIPELINE_FINISHED_KEY = "runs/pipeline-finished.json"
 
 
 @dataclass
@@ -31,6 +27,7 @@ class FinalizeOutputs:
 
 def run(config: RelaunchConfig, pipeline_run_id: str = "", state: str = "SUCCEEDED", error: str = "") -> FinalizeOutputs:
     """Mark the run FINISHED (``state`` SUCCEEDED) or FAILED; a no-op when no run was opened."""
+    from components.core.store.records import PIPELINE_FINISHED_KEY, write_pipeline_finished
     from components.core.tracking.lineage import describe_outcome, record_attempts
     from components.core.tracking.client import find_pipeline_run, mark_run_finished
 
@@ -48,29 +45,16 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", state: str = "SUCCEED
     mark_run_finished(config, run_id, status, "" if status == "FINISHED" else f"pipeline {state}: {error}".strip())
     if status == "FINISHED":
         try:
-            write_pipeline_finished(config, run_id, pipeline_run_id)
+            from components.core.store import open_store
+
+            write_pipeline_finished(open_store(config.store.uri), run_id, pipeline_run_id)
         except (RelaunchError, OSError) as err:  # costs only a repeated evaluate/register on --resume
             print(f"finalize: {PIPELINE_FINISHED_KEY} not written: {err}", file=sys.stderr)
     return FinalizeOutputs(run_id=run_id, status=status)
 
 
-def write_pipeline_finished(config: RelaunchConfig, run_id: str, pipeline_run_id: str) -> None:
-    """Record in the store that a pipeline of MLflow run ``run_id`` went through to its end."""
-    from components.core.store import open_store
-
-    record = {"run_id": run_id, "pipeline_run_id": pipeline_run_id, "time": time.time()}
-    open_store(config.store.uri).write_bytes(PIPELINE_FINISHED_KEY, json.dumps(record).encode())
-
-
-def pipeline_finished(store, run_id: str | None) -> bool:
-    """Whether a pipeline of MLflow run ``run_id`` went through to its end in ``store``."""
-    try:
-        return json.loads(store.read_bytes(PIPELINE_FINISHED_KEY)).get("run_id") == run_id
-    except FileNotFoundError:
-        return False
-
-
 if __name__ == "__main__":
+    from components import step_name
     from components.core.runtime.stepcli import step_main
 
-    sys.exit(step_main("finalize", run))
+    sys.exit(step_main(step_name(__spec__.name), run))

@@ -95,13 +95,14 @@ def finished_training(config: RelaunchConfig) -> LaunchOutputs | None:
 
 def read_summary(config: RelaunchConfig) -> dict:
     """The trainer's ``runs/summary.json`` in the store ({} when it wrote none)."""
-    from components.core.tracking.goodput import read_summary as read
+    from components.core.store.records import read_summary as read
     from components.core.store import open_store
 
     return read(open_store(config.store.uri)) or {}
 
 
 if __name__ == "__main__":
+    from components import step_name
     from components.core.runtime.stepcli import step_main
 
-    sys.exit(step_main("launch", run))
+    sys.exit(step_main(step_name(__spec__.name), run))

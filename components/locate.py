@@ -42,6 +42,7 @@ def run(config: RelaunchConfig) -> LocateOutputs:
 
 
 if __name__ == "__main__":
+    from components import step_name
     from components.core.runtime.stepcli import step_main
 
-    sys.exit(step_main("locate-latest-checkpoint", run))
+    sys.exit(step_main(step_name(__spec__.name), run))

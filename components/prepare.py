@@ -43,9 +43,9 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", **overrides: Any) -> 
     """
     from components.core.tracking import lineage
     from components.core.store.datasets import dataset_uri, write_dataset
-    from components.core.tracking.goodput import remember_run
+    from components.core.store.records import remember_run
     from components.core.store import open_store
-    from components.core.tracking.client import ensure_run
+    from components.core.tracking.client import ensure_run, tracking_uri
     from components.tasks.base import load_task
 
     config = with_pipeline_parameters(config, overrides)
@@ -54,7 +54,8 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", **overrides: Any) -> 
     splits = task.build_splits()
     version = write_dataset(store, splits)
     run_id = ensure_run(lineage.with_run_name(config, version), pipeline_run_id=pipeline_run_id or None)
-    remember_run(store, config, run_id)  # what `relaunch run --resume` continues; the first one stays
+    # what `relaunch run --resume` continues; the first one stays
+    remember_run(store, run_id, tracking_uri=tracking_uri(config), experiment=config.tracking.experiment)
     resolved = config.model_copy(deep=True)
     resolved.data.version = version
     resolved.tracking.run_id = run_id
@@ -162,6 +163,7 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    from components import step_name
     from components.core.runtime.stepcli import step_main
 
-    sys.exit(step_main("prepare", run))
+    sys.exit(step_main(step_name(__spec__.name), run))

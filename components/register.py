@@ -194,6 +194,7 @@ def _pin(checkpoint_uri: str, reason: str) -> None:
 
 
 if __name__ == "__main__":
+    from components import step_name
     from components.core.runtime.stepcli import step_main
 
-    sys.exit(step_main("register", run))
+    sys.exit(step_main(step_name(__spec__.name), run))

@@ -1,10 +1,14 @@
-"""The launch backends (``local``, ``pytorchjob``, ``trainjob``). Each implements one function:
+"""The launch backends (``local``, ``pytorchjob``, ``trainjob``; ``slurm`` renders only). Each is one
+module implementing
 
     launch(config: RelaunchConfig, *, pipeline_run_id: str, resume_from: str | None) -> LaunchResult
 
-``components.launch`` picks the backend from ``config.launch.backend``; nothing else differs. The two
-cluster backends share one contract, :mod:`components.launchers.cluster`; every backend runs the one
-torchrun command of :mod:`components.launchers.torchrun`.
+and, for each ``relaunch render`` kind it offers, a function ``(config, run_id) -> str | dict`` (a
+dict is written as YAML). :data:`LAUNCH_BACKENDS` is the one table of them: the config accepts a
+``launch.backend`` it lists, ``components.launch`` runs its module, ``relaunch render`` offers its
+kinds. Adding a backend is its module plus one :func:`register_launch_backend` line at the end of
+this file. The two cluster backends share one contract, :mod:`components.launchers.cluster`; every
+backend runs the one torchrun command of :mod:`components.launchers.torchrun`.
 """
 
 from __future__ import annotations
@@ -25,6 +29,63 @@ class LaunchResult:
     job_name: str | None = None
 
 
+@dataclass(frozen=True)
+class LaunchBackend:
+    """One registered launch backend."""
+
+    name: str
+    module: str  # the dotted module that implements it
+    cluster: bool = False  # runs as a Kubernetes job (the pipeline's exit handler deletes it on failure)
+    launches: bool = True  # ``launch.backend`` may name it; False: it only renders (slurm)
+    renders: dict[str, str] = field(default_factory=dict)  # ``relaunch render`` kind -> function of the module
+
+
+LAUNCH_BACKENDS: dict[str, LaunchBackend] = {}
+"""The registered backends by name (:func:`register_launch_backend`)."""
+
+
+def register_launch_backend(name: str, module: str | None = None, *, cluster: bool = False, launches: bool = True,
+                            renders: dict[str, str] | None = None) -> LaunchBackend:
+    """Register backend ``name``, implemented by ``module`` (default ``components.launchers.<name>``);
+    ``renders`` maps each ``relaunch render`` kind it offers to the module's function that renders it."""
+    backend = LaunchBackend(name, module or f"{__name__}.{name}", cluster, launches, dict(renders or {}))
+    LAUNCH_BACKENDS[name] = backend
+    return backend
+
+
+def launch_backend_names() -> list[str]:
+    """The names ``launch.backend`` accepts."""
+    return [name for name, b in LAUNCH_BACKENDS.items() if b.launches]
+
+
+def launch_backend(name: str) -> LaunchBackend:
+    """The registered backend ``name`` (KeyError when there is none: the config refuses such a name first)."""
+    return LAUNCH_BACKENDS[name]
+
+
 def backend_module(config):
-    """The module of ``config.launch.backend``: :mod:`~components.launchers.local`, ``pytorchjob`` or ``trainjob``."""
-    return importlib.import_module(f"components.launchers.{config.launch.backend}")
+    """The module of ``config.launch.backend`` (e.g. :mod:`~components.launchers.local`)."""
+    return importlib.import_module(launch_backend(config.launch.backend).module)
+
+
+def renderers():
+    """Every ``relaunch render`` kind -> a function ``(config, run_id) -> str | dict``, of every backend."""
+    out = {}
+    for backend in LAUNCH_BACKENDS.values():
+        for kind, function in backend.renders.items():
+            out[kind] = _lazy(backend.module, function)
+    return out
+
+
+def _lazy(module: str, function: str):
+    def render(config, run_id: str):
+        return getattr(importlib.import_module(module), function)(config, run_id)
+
+    return render
+
+
+register_launch_backend("local")
+register_launch_backend("pytorchjob", cluster=True, renders={"pytorchjob": "render"})
+register_launch_backend("trainjob", cluster=True,
+                        renders={"trainjob": "render", "trainingruntime": "render_training_runtime"})
+register_launch_backend("slurm", launches=False, renders={"slurm": "render"})

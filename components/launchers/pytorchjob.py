@@ -140,3 +140,8 @@ def launch(config: RelaunchConfig, *, pipeline_run_id: str, resume_from: str | N
         return build_pytorchjob(config, pipeline_run_id=pipeline_run_id, resume_from=resume, owner=owner_from_env())
 
     return launch_job(KIND, build, config, resume_from)
+
+
+def render(config: RelaunchConfig, run_id: str) -> dict:
+    """``relaunch render pytorchjob``: the PyTorchJob launch would create for pipeline run ``run_id``."""
+    return build_pytorchjob(config, pipeline_run_id=run_id)

@@ -95,3 +95,8 @@ case " {retryable} " in
 esac
 exit "$code"
 """
+
+
+def render(config: RelaunchConfig, run_id: str) -> str:
+    """``relaunch render slurm``: the sbatch script (Slurm names the job itself; ``run_id`` is unused)."""
+    return render_sbatch(config)

@@ -71,7 +71,7 @@ def exit_code(config: RelaunchConfig, returncode: int, started_at: float, *, rep
     if normalize(returncode) != ExitCode.BUG:  # 0, or a signal: no record needed
         return torchrun_exit(returncode, None, started_at)
     from components.core.contract.errors import RelaunchError
-    from components.core.tracking.goodput import read_exit_record
+    from components.core.store.records import read_exit_record
     from components.core.store import open_store
 
     try:

@@ -269,3 +269,12 @@ def launch(config: RelaunchConfig, *, pipeline_run_id: str, resume_from: str | N
 
     return launch_job(KIND, build, config, resume_from)
 
+
+def render(config: RelaunchConfig, run_id: str) -> dict:
+    """``relaunch render trainjob``: the TrainJob launch would create for pipeline run ``run_id``."""
+    return build_trainjob(config, pipeline_run_id=run_id)
+
+
+def render_training_runtime(config: RelaunchConfig, run_id: str) -> dict:
+    """``relaunch render trainingruntime``: the ClusterTrainingRuntime to apply once per cluster."""
+    return build_runtime(config)

@@ -111,9 +111,8 @@ def resume_training(config: RelaunchConfig) -> tuple[RelaunchConfig, str, str]:
         BadInput: the store holds no training to resume.
     """
     from components.core.contract.errors import BadInput
-    from components.core.tracking.goodput import read_summary, stored_run_id
+    from components.core.store.records import pipeline_finished, read_summary, stored_run_id
     from components.core.store import open_store
-    from components.finalize import pipeline_finished
     from components.launch import reached_its_end
 
     names = trainings(config)

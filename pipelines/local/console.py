@@ -14,7 +14,7 @@ from typing import Any
 
 from rich.markup import escape
 
-from components import STEP_TABLE
+from components import EVALUATE, FINALIZE, LAUNCH, LOCATE, PREPARE, REGISTER, STEP_TABLE
 from components.core.contract.config import RelaunchConfig
 from components.core.contract.events import Event, Kind, read_file
 from components.core.contract.exitcodes import MEANING
@@ -122,15 +122,15 @@ class RunView:
         rec.state = "succeeded" if rec.exit_code == 0 else "failed"
         if rec.exit_code == 0:
             rec.outputs = step_outputs(step, ev.get("outputs", {}))
-        if step == "launch":
+        if step == LAUNCH.name:
             self._end_bar()
         mark = "[green]✓[/]" if rec.exit_code == 0 else "[red]✗[/]"
         # a failure's message is the step's own text (a gloo error names "[/path/pair.cc:553]"): never markup
         detail = escape(_detail(step, rec)) if rec.exit_code == 0 else f"exit {rec.exit_code}: {escape(rec.message)}"
         self._print(f"  {mark} {step:<26} {rec.seconds:6.1f}s  {detail}")
-        if step == "evaluate" and rec.exit_code == 0 and not rec.outputs.passed:
-            self.steps["register"].state = "skipped"
-            self._print(f"  [yellow]–[/] {'register':<26} {'':>7}  skipped: the evaluation gate failed")
+        if step == EVALUATE.name and rec.exit_code == 0 and not rec.outputs.passed:
+            self.steps[REGISTER.name].state = "skipped"
+            self._print(f"  [yellow]–[/] {REGISTER.name:<26} {'':>7}  skipped: the evaluation gate failed")
 
     def _progress_update(self, ev: Event) -> None:
         total, step = int(ev.get("total_steps") or 0), int(ev.get("step", 0))
@@ -155,17 +155,17 @@ class RunView:
 
 def _detail(step: str, rec: StepRecord) -> str:
     o = rec.outputs
-    if step == "prepare":
+    if step == PREPARE.name:
         return f"dataset {o.dataset_version}, MLflow run {o.run_id}"
-    if step == "locate-latest-checkpoint":
+    if step == LOCATE.name:
         return f"{o.source}: step {o.step}" if o.checkpoint_uri else "no checkpoint: fresh start"
-    if step == "launch":
+    if step == LAUNCH.name:
         return f"{o.train_seconds:.1f}s training, {o.restarts} restart(s), ETTR {o.ettr:.3f}"
-    if step == "evaluate":
+    if step == EVALUATE.name:
         return f"{_metrics(o.metrics_json)} at step {o.step}, gate {'passed' if o.passed else 'failed'}"
-    if step == "register":
+    if step == REGISTER.name:
         return f"{o.model_name} v{o.version} {o.aliases}"
-    if step == "finalize":
+    if step == FINALIZE.name:
         return f"MLflow run {o.status}"
     return ""
 
@@ -181,7 +181,7 @@ def _metrics(text: str | None) -> str:
 def render_summary(config: RelaunchConfig, result, console) -> None:
     """The closing summary: where to look, what came out, how the fault tolerance behaved."""
     s = result.steps
-    prep, ev, reg, lau = (s[k].outputs for k in ("prepare", "evaluate", "register", "launch"))
+    prep, ev, reg, lau = (s[k].outputs for k in (PREPARE.name, EVALUATE.name, REGISTER.name, LAUNCH.name))
     console.rule("summary")
     rows: list[tuple[str, str]] = []
     if prep is not None and prep.run_id:
@@ -201,13 +201,13 @@ def render_summary(config: RelaunchConfig, result, console) -> None:
     if reg is not None and reg.version:
         rows.append(("model", f"{reg.model_name} version {reg.version}, aliases {', '.join(json.loads(reg.aliases))}"
                               f" ({reg.champion_decision})"))
-    elif s["evaluate"].state == "succeeded":
+    elif s[EVALUATE.name].state == "succeeded":
         rows.append(("model", "not registered: the evaluation gate failed"))
     if lau is not None:
         resumed = [x for x in json.loads(lau.resumed_from_steps or "[]") if x >= 0]
         rows.append(("training", f"{lau.train_seconds:.1f}s training in {lau.duration_seconds:.1f}s "
                                  f"launch; ETTR {lau.ettr:.3f}"))
-        launch_retries = max(0, s["launch"].attempts - 1)
+        launch_retries = max(0, s[LAUNCH.name].attempts - 1)
         rows.append(("fault tolerance", f"{lau.restarts} torchrun restart(s), {launch_retries} launch retr"
                                         f"{'y' if launch_retries == 1 else 'ies'}; "
                                         + (f"resumed from step {', '.join(map(str, resumed))}" if resumed else "no resume")))

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from components import FINALIZE
 from components.core.contract.config import RelaunchConfig
 from components.core.contract.exitcodes import ExitCode
 from pipelines.local.console import STEPS, RunView, StepRecord, render_summary
@@ -101,7 +102,7 @@ def _run_on_kfp_local(config: RelaunchConfig, console, state_dir: Path, run_dir:
         view.stop()
     failed = next((s for s in STEPS if view.steps[s].state == "failed"), None)
     if failed is None and pipeline_error:  # no step reported: kfp.local itself failed
-        failed = "finalize"
+        failed = FINALIZE.name
         view.steps[failed].state, view.steps[failed].exit_code = "failed", ExitCode.BUG
         view.steps[failed].message = f"{pipeline_error} (see {run_dir / 'pipeline.log'})"
     code = 0 if failed is None else int(view.steps[failed].exit_code or ExitCode.BUG)

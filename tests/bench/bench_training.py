@@ -67,8 +67,8 @@ def _torchrun(config: dict, log: Path, max_restarts: int) -> subprocess.Popen:
 
 
 def _training(config: dict, workdir: Path, *, kill_every: float | None, kills: int) -> dict:
+    from components.core.store import open_store, records
     from components.core.tracking import goodput
-    from components.core.store import open_store
 
     rng = random.Random(0)
     store_root = Path(config["store"]["uri"])
@@ -95,7 +95,7 @@ def _training(config: dict, workdir: Path, *, kill_every: float | None, kills: i
         after = [a for a in attempts if a.start > t and a.first_step_time]
         if after:
             mttr.append(after[0].first_step_time - t)
-    summary = goodput.read_summary(store) or {}
+    summary = records.read_summary(store) or {}
     return {"wall": wall, "report": report, "kills": len(kill_times), "mttr": mttr, "attempts": len(attempts),
             "tracking": summary.get("goodput", {}).get("tracking_overhead", {})}
 

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from components.core.store import records
 from components.core.tracking import goodput
 from components.core.contract.classify import torchrun_exit
 from components.core.store import open_store
@@ -69,8 +70,8 @@ def test_the_goodput_figure_is_one_png_with_the_breakdown_and_the_marked_loss_cu
 def test_torchrun_exit_status_maps_to_the_contract(tmp_path, rc, record, expected):
     store = open_store(str(tmp_path))
     if record:
-        store.write_bytes(goodput.EXIT_KEY, json.dumps(record).encode())
-    assert torchrun_exit(rc, goodput.read_exit_record(store), 5.0) == expected
+        store.write_bytes(records.EXIT_KEY, json.dumps(record).encode())
+    assert torchrun_exit(rc, records.read_exit_record(store), 5.0) == expected
 
 
 def test_a_summary_reached_the_end_only_when_it_finished_every_step():

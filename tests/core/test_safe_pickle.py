@@ -26,15 +26,17 @@ class _Payload:
 
 def _plant(store, key: str, payload: bytes) -> None:
     """Replace a committed checkpoint's .metadata and re-seal its manifest, as an attacker with write
-    access to the store could: the digest check passes, only the unpickler stands in the way."""
+    access to the store could (the manifest's digest is no signature): every digest check passes,
+    only the unpickler stands in the way."""
     import json
 
+    from components.core.checkpoint.layout import sealed_manifest_body
     from components.core.checkpoint.verify import digest
 
     store.write_bytes(f"{key}/.metadata", payload)
     manifest = json.loads(store.read_bytes(f"{key}/MANIFEST.json"))
     manifest["files"][".metadata"] = {"size": len(payload), "chunks": [[0, len(payload), digest(payload)]]}
-    store.write_bytes(f"{key}/MANIFEST.json", json.dumps(manifest).encode())
+    store.write_bytes(f"{key}/MANIFEST.json", sealed_manifest_body(manifest))
 
 
 @pytest.fixture(params=["fs", "s3"])

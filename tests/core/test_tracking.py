@@ -101,7 +101,8 @@ def test_checkpoint_tags_name_the_folder_and_are_marked_when_retention_deleted_i
     from components.core.checkpoint import CheckpointInfo, step_key
     from components.core.store import open_store
     from components.core.tracking.client import ensure_run
-    from components.core.trainer.tracking import DELETED_BY_RETENTION, TrainingTracker
+    from components.core.tracking.mlflow_tracker import DELETED_BY_RETENTION
+    from components.core.trainer.tracking import TrainingTracker
 
     from components.core.tracking import goodput
 
@@ -119,14 +120,14 @@ def test_checkpoint_tags_name_the_folder_and_are_marked_when_retention_deleted_i
 
     tracker = TrainingTracker(config, store, enabled=True, run_id=run_id, attempt=2)
     tracker.start(resumed_from=-1, resumed_uri=None, params={}, world_size=1)
-    tracker.logger.start()
+    tracker.step_done(1)  # this attempt's first step: the logger starts sending
     commit(tracker, 10)
     commit(tracker, 20)
     tracker.close(30)
     store.delete_many(store.list(step_key(10)))  # what retention does, between two attempts
     again = TrainingTracker(config, store, enabled=True, run_id=run_id, attempt=3)
     again.start(resumed_from=20, resumed_uri=store.uri_for(step_key(20)), params={}, world_size=1)
-    again.logger.start()
+    again.step_done(22)
     commit(again, 30)
     again.close(30)
     tags = MlflowClient(mlflow_server.uri).get_run(run_id).data.tags
@@ -147,5 +148,5 @@ def test_off_rank_0_the_tracking_object_does_nothing(tmp_path, capsys):
     tracker.log_step(1, {"train/loss": 1.0}, {"train/epoch": 0.0}, total_steps=2, epoch=0, spike=True)
     tracker.log_evaluation(1, {"val_loss": 1.0}, before_checkpoint=True)
     tracker.finish(1, {}, {})
-    assert tracker.logger is None and tracker.recent == [] and tracker.overhead(1, 1.0) == {}
+    assert tracker.trackers == [] and tracker.overhead(1, 1.0) == {}
     assert capsys.readouterr() == ("", "")  # no resumed/progress event, no spike line

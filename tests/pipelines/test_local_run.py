@@ -65,7 +65,7 @@ def events(cwd: Path) -> list[dict]:
 
 
 def summary_of(store_uri: str) -> dict:
-    from components.core.tracking.goodput import read_summary
+    from components.core.store.records import read_summary
     from components.core.store import open_store
 
     return read_summary(open_store(store_uri))

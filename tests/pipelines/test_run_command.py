@@ -8,11 +8,12 @@ from dataclasses import asdict
 
 import pytest
 
+from components.core.store import records
 from components.core.tracking import goodput
 from components.core.contract.config import RelaunchConfig
 from components.core.contract.errors import BadInput
 from components.core.store import open_store
-from components.finalize import write_pipeline_finished
+from components.core.store.records import write_pipeline_finished
 from pipelines.commands.run import new_training, resume_training, trainings
 
 
@@ -23,7 +24,7 @@ def _config(root) -> RelaunchConfig:
 def _summary(store, last_step: int, total: int, code: int = 0) -> None:
     summary = goodput.TrainSummary(exit_code=code, reason="", run_id="run-a", attempt=1, last_step=last_step,
                                    total_steps=total)
-    store.write_bytes(goodput.SUMMARY_KEY, json.dumps(asdict(summary)).encode())
+    store.write_bytes(records.SUMMARY_KEY, json.dumps(asdict(summary)).encode())
 
 
 def test_each_run_gets_a_new_namespace_and_nothing_is_written_before_prepare(tmp_path):
@@ -43,7 +44,7 @@ def test_resume_continues_the_newest_unfinished_training_in_its_mlflow_run(tmp_p
     _summary(open_store(f"{tmp_path}/trainings/20260101-000000"), 76, 76)
     newest = open_store(f"{tmp_path}/trainings/20260102-000000")
     _summary(newest, 30, 76, code=137)
-    newest.write_bytes(goodput.RUN_KEY, json.dumps({"run_id": "run-b"}).encode())
+    newest.write_bytes(records.RUN_KEY, json.dumps({"run_id": "run-b"}).encode())
     config, done, _ = resume_training(_config(tmp_path))
     assert done == "" and config.store.uri == newest.uri and config.tracking.run_id == "run-b"
 
@@ -51,7 +52,7 @@ def test_resume_continues_the_newest_unfinished_training_in_its_mlflow_run(tmp_p
 def test_resuming_a_training_whose_pipeline_finished_is_one_line_of_nothing_to_do(tmp_path):
     training = f"{tmp_path}/trainings/20260101-000000"
     _summary(open_store(training), 76, 76)
-    write_pipeline_finished(RelaunchConfig.model_validate({"store": {"uri": training}}), "run-a", "pipeline-1")
+    write_pipeline_finished(open_store(training), "run-a", "pipeline-1")
     _, done, _ = resume_training(_config(tmp_path))
     assert "already reached its end (step 76 of 76" in done and "\n" not in done
 
@@ -59,7 +60,7 @@ def test_resuming_a_training_whose_pipeline_finished_is_one_line_of_nothing_to_d
 def test_resuming_a_training_that_reached_its_end_but_whose_pipeline_did_not_finish_runs_the_pipeline(tmp_path):
     store = open_store(f"{tmp_path}/trainings/20260101-000000")
     _summary(store, 76, 76)  # trained to its end; evaluate or register failed, so finalize wrote no record
-    store.write_bytes(goodput.RUN_KEY, json.dumps({"run_id": "run-a"}).encode())
+    store.write_bytes(records.RUN_KEY, json.dumps({"run_id": "run-a"}).encode())
     config, done, resuming = resume_training(_config(tmp_path))
     assert done == "" and config.tracking.run_id == "run-a"
     assert "reached its end (step 76 of 76) but its pipeline did not finish" in resuming

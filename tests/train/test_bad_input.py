@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from components.core.tracking import goodput
+from components.core.store import records
 from components.core.checkpoint import CheckpointManager
 from components.core.contract.classify import torchrun_exit
 from components.core.contract.config import RelaunchConfig
@@ -95,7 +95,7 @@ def test_a_checkpoint_of_another_model_is_refused_with_exit_2_and_left_in_place(
     run = run_torchrun(config, tmp_path, max_restarts=2)
 
     store = open_store(config["store"]["uri"])
-    assert torchrun_exit(run.proc.returncode, goodput.read_exit_record(store), run.started_at) == 2, run.output()[-3000:]
+    assert torchrun_exit(run.proc.returncode, records.read_exit_record(store), run.started_at) == 2, run.output()[-3000:]
     assert "checkpoint of another model" in run.output()
     after = _listing(tmp_path / "store")
     assert [k for k in before if k.startswith("checkpoints/")] == [k for k in after if k.startswith("checkpoints/")]

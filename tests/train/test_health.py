@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 
-from components.core.tracking import goodput
+from components.core.store import records
 from components.core.checkpoint import CheckpointManager
 from components.core.contract.classify import torchrun_exit
 from components.core.store import open_store
@@ -21,7 +21,7 @@ def test_a_nan_loss_exits_3_keeps_the_last_good_checkpoint_untouched_and_fails_t
     run = run_torchrun(config, tmp_path, max_restarts=1, env={"NAN_AT_STEP": "25"})
 
     store = open_store(config["store"]["uri"])
-    assert torchrun_exit(run.proc.returncode, goodput.read_exit_record(store), run.started_at) == 3, run.output()[-3000:]
+    assert torchrun_exit(run.proc.returncode, records.read_exit_record(store), run.started_at) == 3, run.output()[-3000:]
     assert "non-finite loss at step 25" in run.output()
     assert "not restarting after a permanent failure" in run.output(), "torchrun's restart ends at once"
     manager = CheckpointManager(store)
@@ -61,7 +61,7 @@ def test_a_hung_rank_is_detected_by_the_watchdog_which_dumps_stacks_and_exits_re
     run = run_torchrun(config, tmp_path, env={"HANG_AT_STEP": "15"})
 
     store = open_store(config["store"]["uri"])
-    assert torchrun_exit(run.proc.returncode, goodput.read_exit_record(store), run.started_at) == 138, run.output()[-3000:]
+    assert torchrun_exit(run.proc.returncode, records.read_exit_record(store), run.started_at) == 138, run.output()[-3000:]
     assert "no training step progress" in run.output() and "Thread 0x" in run.output()  # the stack dump
     assert CheckpointManager(store).latest().step == 10
 

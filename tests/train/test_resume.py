@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from components.core.tracking import goodput
+from components.core.store import records
 from components.core.contract.classify import torchrun_exit
 from components.core.store import open_store
 from tests.train.conftest import (final_params, metric_steps, mlflow_runs, run_torchrun, start_torchrun,
@@ -54,7 +54,7 @@ def test_sigterm_commits_a_checkpoint_exits_143_and_the_rerun_loses_no_committed
     rc = first.wait()
 
     store = open_store(config["store"]["uri"])
-    assert torchrun_exit(rc, goodput.read_exit_record(store), first.started_at) == 143, first.output()[-3000:]
+    assert torchrun_exit(rc, records.read_exit_record(store), first.started_at) == 143, first.output()[-3000:]
     summary = first.records("SUMMARY")[-1]
     assert summary["exit_code"] == 143 and summary["last_committed_step"] == summary["last_step"] >= 30
     run_id = summary["run_id"]

@@ -187,9 +187,9 @@ class TrainJobConfig(_Model):
 
 
 class LaunchConfig(_Model):
-    backend: Literal["local", "pytorchjob", "trainjob"] = Field(
+    backend: str = Field(
         "local", description="Where training runs: local torchrun agents, a Kubeflow PyTorchJob (Training Operator "
-        "v1) or a TrainJob (Kubeflow Trainer v2).")
+        "v1) or a TrainJob (Kubeflow Trainer v2); any backend registered in components/launchers/__init__.py.")
     nodes: int = Field(2, ge=1, description="Nodes (local: simulated node groups on this machine).")
     procs_per_node: int = Field(1, ge=1, description="Training processes per node.")
     max_restarts: int = Field(3, ge=0, description="torchrun/elastic restarts of the worker group.")
@@ -203,8 +203,19 @@ class LaunchConfig(_Model):
 
     @property
     def on_cluster(self) -> bool:
-        """Whether training runs as a Kubernetes job (either cluster backend)."""
-        return self.backend != "local"
+        """Whether training runs as a Kubernetes job (a cluster backend)."""
+        from components.launchers import launch_backend
+
+        return launch_backend(self.backend).cluster
+
+    @field_validator("backend")
+    @classmethod
+    def _registered_backend(cls, v: str) -> str:
+        from components.launchers import launch_backend_names
+
+        if v not in launch_backend_names():
+            raise ValueError(f"{v!r} is not a launch backend; use one of {', '.join(launch_backend_names())}")
+        return v
 
     @field_validator("inject_failure")
     @classmethod

@@ -12,9 +12,9 @@ ratio (ETTR = productive time / wall time from the first start to the last end) 
 ``recomputed`` is work done after the checkpoint the next attempt resumed from (lost, done again);
 ``restart gaps`` is the time between an attempt's end and the next one's start.
 
-Other keys of this module, all relative to the store root: ``runs/exit.json`` (how the latest
-attempt ended, under our control) and ``runs/summary.json`` (the training summary,
-:class:`TrainSummary`); :func:`record_ending` writes both.
+:func:`record_ending` writes ``runs/exit.json`` (how the latest attempt ended, under our control)
+and ``runs/summary.json`` (the training summary, :class:`TrainSummary`). Every ``runs/`` key and its
+JSON helpers live in :mod:`components.core.store.records`.
 
 :func:`attempt_tags` turns the records into the MLflow run's per-attempt tags, the killed attempts'
 included (a SIGKILLed process writes nothing: the next attempt tags it from its record).
@@ -22,36 +22,13 @@ included (a SIGKILLed process writes nothing: the next attempt tags it from its 
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from components.core.contract.exitcodes import ExitCode
-
-ATTEMPTS_PREFIX = "runs/attempts/"
-EXIT_KEY = "runs/exit.json"
-SUMMARY_KEY = "runs/summary.json"
-RUN_KEY = "runs/mlflow-run.json"
-
-
-def stored_run_id(store) -> str | None:
-    """The MLflow run of the training in ``store`` (``RUN_KEY``), or None when none is stored yet."""
-    try:
-        return json.loads(store.read_bytes(RUN_KEY))["run_id"]
-    except FileNotFoundError:
-        return None
-
-
-def remember_run(store, config, run_id: str) -> str:
-    """Store ``run_id`` as the training's MLflow run unless one is stored already; the stored one."""
-    from components.core.tracking.client import tracking_uri
-
-    record = {"run_id": run_id, "tracking_uri": tracking_uri(config), "experiment": config.tracking.experiment}
-    if store.write_if_absent(RUN_KEY, json.dumps(record).encode()):
-        return run_id
-    return stored_run_id(store) or run_id
-
+from components.core.store import records
+from components.core.store.records import write_exit_record  # train.py writes it through goodput too
 
 @dataclass
 class Attempt:
@@ -107,26 +84,22 @@ class TrainSummary:
         return self.exit_code == ExitCode.OK and self.total_steps > 0 and self.last_step >= self.total_steps
 
 
-def attempt_key(n: int) -> str:
-    return f"{ATTEMPTS_PREFIX}attempt-{n:04d}.json"
-
-
 def load_attempts(store) -> list[Attempt]:
     """Every attempt record of this store, in order."""
     out = []
-    for key in store.list(ATTEMPTS_PREFIX):
-        if key.endswith(".json"):
-            data = json.loads(store.read_bytes(key))
+    for key in records.attempt_keys(store):
+        data = records.read_json(store, key)
+        if data is not None:
             out.append(Attempt(**{k: v for k, v in data.items() if k in Attempt.__dataclass_fields__}))
     return sorted(out, key=lambda a: a.attempt)
 
 
 def claim_attempt(store, start: float, world_size: int) -> Attempt:
     """Create the next attempt's record (conditional create, so two racing writers cannot share a number)."""
-    n = len([k for k in store.list(ATTEMPTS_PREFIX) if k.endswith(".json")]) + 1
+    n = len(records.attempt_keys(store)) + 1
     while True:
         record = Attempt(attempt=n, start=start, world_size=world_size, last_seen=time.time())
-        if store.write_if_absent(attempt_key(n), json.dumps(asdict(record)).encode()):
+        if records.write_json_if_absent(store, records.attempt_key(n), asdict(record)):
             return record
         n += 1
 
@@ -140,7 +113,7 @@ class AttemptLog:
 
     def write(self) -> None:
         self.record.last_seen = time.time()
-        self.store.write_bytes(attempt_key(self.record.attempt), json.dumps(asdict(self.record)).encode())
+        records.write_json(self.store, records.attempt_key(self.record.attempt), asdict(self.record))
         self._written = time.monotonic()
 
     def step_done(self, step: int) -> None:
@@ -295,25 +268,10 @@ def summarize(store, code: int, reason: str, *, run_id: str | None, attempt: int
         goodput=report or {}, final_metrics=final_metrics)
 
 
-def write_exit_record(store, attempt: int, exit_code: int, reason: str, elastic_run_id: str = "") -> None:
-    """How this attempt ended (rank 0, every ending under our control)."""
-    store.write_bytes(EXIT_KEY, json.dumps({"attempt": attempt, "exit_code": int(exit_code), "reason": reason,
-                                            "time": time.time(), "elastic_run_id": elastic_run_id}).encode())
-
-
 def record_ending(store, summary: TrainSummary, elastic_run_id: str = "") -> None:
     """Rank 0, at every ending under our control: ``runs/exit.json`` and ``runs/summary.json``."""
     write_exit_record(store, summary.attempt, summary.exit_code, summary.reason, elastic_run_id)
-    store.write_bytes(SUMMARY_KEY, json.dumps(asdict(summary), indent=2, default=str).encode())
-
-
-def read_exit_record(store) -> dict[str, Any] | None:
-    """How the latest attempt ended under control (``runs/exit.json``), or None; what
-    :func:`components.core.contract.classify.torchrun_exit` reads."""
-    try:
-        return json.loads(store.read_bytes(EXIT_KEY))
-    except FileNotFoundError:
-        return None
+    records.write_summary(store, asdict(summary))
 
 
 def refuse_permanent_restart(store, restart_count: int, elastic_run_id: str) -> None:
@@ -324,14 +282,6 @@ def refuse_permanent_restart(store, restart_count: int, elastic_run_id: str) -> 
 
     if restart_count == 0 or not elastic_run_id:
         return
-    record = read_exit_record(store)
+    record = records.read_exit_record(store)
     if record and record.get("elastic_run_id") == elastic_run_id and record.get("exit_code") in PERMANENT:
         raise error_for(record["exit_code"], f"not restarting after a permanent failure: {record.get('reason', '')}")
-
-
-def read_summary(store) -> dict[str, Any] | None:
-    """The last training summary written to ``runs/summary.json``, or None."""
-    try:
-        return json.loads(store.read_bytes(SUMMARY_KEY))
-    except FileNotFoundError:
-        return None

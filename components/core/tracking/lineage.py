@@ -179,7 +179,7 @@ def record_attempts(config, run_id: str) -> None:
 
 
 def _training_summary(config) -> dict | None:
-    from components.core.tracking.goodput import read_summary
+    from components.core.store.records import read_summary
     from components.core.store import open_store
 
     try:

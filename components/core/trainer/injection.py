@@ -16,7 +16,8 @@ import signal
 import sys
 import time
 
-INJECTED_PREFIX = "runs/injected/"
+from components.core.store.records import injected_key
+
 OUTAGE_SECONDS = 3.0  # long enough for several backoff rounds, short enough for a demo
 _FIRST_RETRY_SECONDS, _MAX_RETRY_SECONDS = 0.05, 1.0
 
@@ -44,7 +45,7 @@ class Injection:
         return cls(spec, store, env.rank, env.world_size, pids)
 
     def _claim(self) -> bool:
-        return self.store.write_if_absent(f"{INJECTED_PREFIX}{self.kind}-step-{self.step}", b"fired")
+        return self.store.write_if_absent(injected_key(self.kind, self.step), b"fired")
 
     def before_step(self, step: int) -> None:
         if step != self.step:

@@ -1,0 +1,128 @@
+"""Every key under ``runs/`` in the store, and the small JSON records kept there.
+
+As :mod:`components.core.checkpoint.layout` owns ``checkpoints/``, this module owns ``runs/``: a
+key is spelled here and nowhere else, and the other modules read and write these records through
+the helpers below. All keys are relative to the store root.
+
+    runs/mlflow-run.json             the training's MLflow run (:func:`remember_run`, :func:`stored_run_id`)
+    runs/attempts/attempt-<nnnn>.json one record per attempt (:mod:`components.core.tracking.goodput`)
+    runs/exit.json                   how the latest attempt ended under our control (:func:`write_exit_record`)
+    runs/summary.json                the training summary (:func:`write_summary`, :func:`read_summary`)
+    runs/metrics-pending.json        metric points the tracking server had not confirmed at a checkpoint
+    runs/injected/<kind>-step-<n>    a fault of ``launch.inject_failure`` that already fired
+    runs/pipeline-finished.json      a pipeline of this training went through to its end (finalize)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+RUNS_PREFIX = "runs/"
+RUN_KEY = RUNS_PREFIX + "mlflow-run.json"
+ATTEMPTS_PREFIX = RUNS_PREFIX + "attempts/"
+EXIT_KEY = RUNS_PREFIX + "exit.json"
+SUMMARY_KEY = RUNS_PREFIX + "summary.json"
+PENDING_METRICS_KEY = RUNS_PREFIX + "metrics-pending.json"
+INJECTED_PREFIX = RUNS_PREFIX + "injected/"
+PIPELINE_FINISHED_KEY = RUNS_PREFIX + "pipeline-finished.json"
+
+
+def attempt_key(n: int) -> str:
+    """The record of attempt ``n`` (1-based): ``runs/attempts/attempt-0001.json``."""
+    return f"{ATTEMPTS_PREFIX}attempt-{n:04d}.json"
+
+
+def attempt_keys(store) -> list[str]:
+    """The keys of every attempt record in ``store``, in order."""
+    return sorted(k for k in store.list(ATTEMPTS_PREFIX) if k.endswith(".json"))
+
+
+def injected_key(kind: str, step: int) -> str:
+    """The marker an injected fault claims before it fires: ``runs/injected/<kind>-step-<n>``."""
+    return f"{INJECTED_PREFIX}{kind}-step-{step}"
+
+
+def read_json(store, key: str) -> Any:
+    """The JSON value at ``key``, or None when there is none."""
+    try:
+        return json.loads(store.read_bytes(key))
+    except FileNotFoundError:
+        return None
+
+
+def write_json(store, key: str, value: Any, *, indent: int | None = None) -> None:
+    """Write ``value`` as JSON at ``key`` (values JSON cannot hold are written as strings)."""
+    store.write_bytes(key, json.dumps(value, indent=indent, default=str).encode())
+
+
+def write_json_if_absent(store, key: str, value: Any) -> bool:
+    """Create ``key`` with ``value`` as JSON unless it exists; whether this call created it."""
+    return store.write_if_absent(key, json.dumps(value).encode())
+
+
+# ---- the training's MLflow run
+
+def stored_run_id(store) -> str | None:
+    """The MLflow run of the training in ``store``, or None when none is stored yet."""
+    record = read_json(store, RUN_KEY)
+    return record["run_id"] if record else None
+
+
+def remember_run(store, run_id: str, *, tracking_uri: str, experiment: str) -> str:
+    """Store ``run_id`` as the training's MLflow run unless one is stored already; the stored one."""
+    record = {"run_id": run_id, "tracking_uri": tracking_uri, "experiment": experiment}
+    if write_json_if_absent(store, RUN_KEY, record):
+        return run_id
+    return stored_run_id(store) or run_id
+
+
+# ---- how attempts end
+
+def write_exit_record(store, attempt: int, exit_code: int, reason: str, elastic_run_id: str = "") -> None:
+    """How this attempt ended (rank 0, every ending under our control)."""
+    write_json(store, EXIT_KEY, {"attempt": attempt, "exit_code": int(exit_code), "reason": reason,
+                                 "time": time.time(), "elastic_run_id": elastic_run_id})
+
+
+def read_exit_record(store) -> dict[str, Any] | None:
+    """How the latest attempt ended under control, or None; what
+    :func:`components.core.contract.classify.torchrun_exit` reads."""
+    return read_json(store, EXIT_KEY)
+
+
+def write_summary(store, summary: dict[str, Any]) -> None:
+    """The training summary (a :class:`components.core.tracking.goodput.TrainSummary` as a dict)."""
+    write_json(store, SUMMARY_KEY, summary, indent=2)
+
+
+def read_summary(store) -> dict[str, Any] | None:
+    """The last training summary written, or None."""
+    return read_json(store, SUMMARY_KEY)
+
+
+# ---- metric points not yet confirmed by the tracking server
+
+def write_pending_metrics(store, through_step: int, points: list[list]) -> None:
+    """``points`` ([step, metrics] pairs) the tracking server had not confirmed at ``through_step``."""
+    write_json(store, PENDING_METRICS_KEY, {"through_step": through_step, "points": points})
+
+
+def read_pending_metrics(store) -> list[list]:
+    """The pending [step, metrics] pairs an earlier attempt left ([] when none)."""
+    return (read_json(store, PENDING_METRICS_KEY) or {}).get("points", [])
+
+
+# ---- the pipeline's end
+
+def write_pipeline_finished(store, run_id: str, pipeline_run_id: str) -> None:
+    """Record that a pipeline of MLflow run ``run_id`` went through to its end."""
+    write_json(store, PIPELINE_FINISHED_KEY, {"run_id": run_id, "pipeline_run_id": pipeline_run_id,
+                                              "time": time.time()})
+
+
+def pipeline_finished(store, run_id: str | None) -> bool:
+    """Whether a pipeline of MLflow run ``run_id`` went through to its end in ``store``."""
+    record = read_json(store, PIPELINE_FINISHED_KEY)
+    return record is not None and record.get("run_id") == run_id

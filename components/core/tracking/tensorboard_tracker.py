@@ -1,0 +1,39 @@
+"""The TensorBoard tracker (:class:`~components.core.tracking.trackers.Tracker`): every metric point as a
+scalar in ``tracking.tensorboard_dir``; used only when that folder is set."""
+
+from __future__ import annotations
+
+from components.core.contract.errors import BadInput
+from components.core.tracking.trackers import AttemptStart, TrackerBase
+
+
+def open_tracker(config, store, *, run_id: str | None, attempt: int) -> "TensorBoardTracker | None":
+    """The TensorBoard tracker, or None when ``tracking.tensorboard_dir`` is unset."""
+    folder = config.tracking.tensorboard_dir
+    return TensorBoardTracker(folder) if folder else None
+
+
+class TensorBoardTracker(TrackerBase):
+    """A ``SummaryWriter`` on rank 0, opened at the attempt's start."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        self.writer = None
+
+    def start(self, start: AttemptStart) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise BadInput("tracking.tensorboard_dir is set but the tensorboard package is not installed; "
+                           "pip install tensorboard or unset it") from None
+        self.writer = SummaryWriter(self.folder)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if self.writer is not None:
+            for key, value in metrics.items():
+                self.writer.add_scalar(key, value, step)
+
+    def close(self, timeout: float) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None

@@ -1,0 +1,43 @@
+"""Every ``runs/`` key of the store is spelled once, in components/core/store/records.py."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+from components.core.store import open_store, records
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_no_module_but_records_spells_a_runs_key():
+    literal = re.compile(r"""["']runs/""")
+    offenders = [str(p.relative_to(ROOT)) for folder in ("components", "pipelines") for p in (ROOT / folder).rglob("*.py")
+                 if p.name != "records.py" and any(literal.search(line) and "log-batch" not in line
+                                                   for line in p.read_text().splitlines())]
+    assert offenders == []
+
+
+def test_the_first_stored_run_stays_and_a_missing_record_reads_as_none(tmp_path):
+    store = open_store(str(tmp_path))
+    assert records.stored_run_id(store) is None and records.read_summary(store) is None
+    assert records.remember_run(store, "run-a", tracking_uri="http://x", experiment="e") == "run-a"
+    assert records.remember_run(store, "run-b", tracking_uri="http://x", experiment="e") == "run-a"
+    assert records.stored_run_id(store) == "run-a"
+
+
+def test_a_finished_pipeline_is_recognised_only_for_its_own_run(tmp_path):
+    store = open_store(str(tmp_path))
+    assert not records.pipeline_finished(store, None)
+    records.write_pipeline_finished(store, "run-a", "pipeline-1")
+    assert records.pipeline_finished(store, "run-a") and not records.pipeline_finished(store, "run-b")
+
+
+def test_pending_metrics_round_trip_and_attempt_keys_sort_in_order(tmp_path):
+    store = open_store(str(tmp_path))
+    assert records.read_pending_metrics(store) == []
+    records.write_pending_metrics(store, 4, [[3, {"train/loss": 1.0}], [4, {"train/loss": 0.5}]])
+    assert records.read_pending_metrics(store) == [[3, {"train/loss": 1.0}], [4, {"train/loss": 0.5}]]
+    for n in (2, 10, 1):
+        records.write_json(store, records.attempt_key(n), {"attempt": n})
+    assert [records.read_json(store, k)["attempt"] for k in records.attempt_keys(store)] == [1, 2, 10]
