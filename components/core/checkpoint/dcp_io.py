@@ -15,7 +15,8 @@ tensor's payload when resharding), merged per file into ranged reads of whole ch
 (``Store.read_into``, in parallel) that fill the destination tensors themselves when they are
 contiguous CPU tensors of the stored dtype, and feeds every block to its chunk's digest as it
 arrives. A stored item that several ranks of one node need whole (replicated state: DDP, or
-unsharded buffers under FSDP) is read by one of them and broadcast over the node's gloo group.
+unsharded buffers under FSDP) is read by one of them and broadcast over the node's gloo group
+(items under ``PACK_BYTES`` in one packed broadcast per reader).
 Format 2 (raw bytes at the offsets of ``.metadata``, no archives) is read by the same reader.
 """
 
