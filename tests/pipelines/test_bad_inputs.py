@@ -5,7 +5,6 @@ the command line, store URIs and tracking URIs."""
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 import pytest
