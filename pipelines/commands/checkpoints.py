@@ -7,8 +7,9 @@
     relaunch checkpoints export --store /shared/exp --to model.safetensors --format safetensors
     relaunch checkpoints import ./dcp-folder --store /shared/exp --step 5000 # adopt a dcp.save folder
 
-list, latest and verify never take the write lease and never delete or overwrite anything; the one
-thing they may write is the quarantine marker of a damaged checkpoint they find
+list, latest and verify never take the write lease and never delete or overwrite a checkpoint; what
+they write is a read lease on the step they read (checkpoints/readers/, removed when they end: retention
+leaves that step alone meanwhile) and the quarantine marker of a damaged checkpoint they find
 (checkpoints/quarantine/, created only if absent; docs/checkpoint-format.md, "Quarantine"). export
 writes only its --to file; import writes one checkpoint under the write lease, or, on bad input,
 nothing (docs/checkpoint-format.md, "Other tools"). Exit 2 on bad input (malformed URI, missing
@@ -31,7 +32,7 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--store", required=True, help="store root: a path, file:///path or s3://bucket/prefix")
     p.add_argument("--step", type=int, help="checkpoint step (verify; default: the latest)")
     p.add_argument("--deep", action="store_true",
-                   help="verify: read every byte (format 2: every chunk digest; format 1: each file's sha256)")
+                   help="verify: read every byte (formats 2 and 3: every chunk digest; format 1: each file's sha256)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--to", help="export: the file to write")
     p.add_argument("--format", choices=["torch", "safetensors"], default="torch",

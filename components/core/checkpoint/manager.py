@@ -232,7 +232,7 @@ class CheckpointManager(Committing, Loading, Locating, Leasing):
 
     def verify(self, step: int, deep: bool = True) -> CheckpointInfo:
         """Check checkpoint ``step`` against its manifest: with ``deep`` every byte (format 1: each
-        file's sha256; format 2: every chunk digest), else that every file exists with its size.
+        file's sha256; formats 2 and 3: every chunk digest), else that every file exists with its size.
 
         A checkpoint found damaged is quarantined; one quarantined before is reported as such.
 

@@ -2,10 +2,10 @@
 
 - :func:`check_files` (``latest()``): the manifest parses and every file it lists exists with its
   size. One listing of the step directory, no data read: O(1) requests whatever the size.
-- the read itself (format 2): every chunk a rank reads is checked against its XXH3-128 digest in the
+- the read itself (formats 2 and 3): every chunk a rank reads is checked against its XXH3-128 digest in the
   manifest as its bytes arrive (:class:`ChunkDigests`, used by ``dcp_io.StoreReader``).
 - :func:`deep_verify` (``relaunch checkpoints verify --deep``): read every byte of every file. Format
-  1: sha256 of each file; format 2: every chunk digest, and the chunks must tile each file exactly.
+  1: sha256 of each file; formats 2 and 3: every chunk digest, and the chunks must tile each file exactly.
 
 Why XXH3-128 and not crc32c or sha256: measured on the 2-core build machine, xxhash's XXH3-128
 hashes ~7 GB/s straight from a writable buffer (a tensor); google-crc32c reaches ~6 GB/s but only
@@ -42,7 +42,7 @@ def digest(view: Any) -> str:
 
 
 class ChunkDigests:
-    """The chunk digests of one checkpoint (format 2), per file sorted by offset."""
+    """The chunk digests of one checkpoint (formats 2 and 3), per file sorted by offset."""
 
     def __init__(self, uri: str, files: dict[str, dict[str, Any]]):
         self.uri = uri
