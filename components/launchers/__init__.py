@@ -8,7 +8,7 @@ dict is written as YAML). :data:`LAUNCH_BACKENDS` is the one table of them: the 
 ``launch.backend`` it lists, ``components.launch`` runs its module, ``relaunch render`` offers its
 kinds. Adding a backend is its module plus one :func:`register_launch_backend` line at the end of
 this file. The two cluster backends share one contract, :mod:`components.launchers.cluster`; every
-backend runs the one torchrun command of :mod:`components.launchers.torchrun`.
+backend runs the one torchrun command of :meth:`components.launchers.jobs.JobSpec.torchrun_args`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
-"""The one torchrun command line and the one mapping of torchrun's exit status, for every launcher.
+"""The one mapping of torchrun's exit status, for every launcher (the torchrun command line itself is
+:meth:`components.launchers.jobs.JobSpec.torchrun_args`).
 
     python -m components.launchers.torchrun --config-json JSON --map-exit RC --since EPOCH_SECONDS
 
-:func:`torchrun_args` is what the local agents, the PyTorchJob, the TrainJob and the Slurm script
-run (each passes only where the rendezvous is); :func:`exit_code` is how each of them (the local
-launcher, the container supervisor, the Slurm script through the CLI above) turns torchrun's status
-into the contract's code. torchrun exits 1 whenever a worker failed, whatever the worker's own code,
+:func:`exit_code` is how each launcher (the local launcher, the container supervisor, the Slurm script
+through the CLI above) turns torchrun's status into the contract's code. torchrun exits 1 whenever a worker failed, whatever the worker's own code,
 so the training's ``runs/exit.json`` says what really happened.
 """
 
@@ -13,45 +12,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
 
 from components.core.contract.config import RelaunchConfig
 from components.core.contract.exitcodes import ExitCode, normalize
-
-TRAIN_MODULE = "components.train"
-
-
-def nnodes(config: RelaunchConfig) -> str:
-    """``N`` or the elastic range ``MIN:N``."""
-    launch = config.launch
-    return f"{launch.min_nodes}:{launch.nodes}" if launch.min_nodes and launch.min_nodes != launch.nodes else str(launch.nodes)
-
-
-def torchrun_args(config: RelaunchConfig, *, rdzv_endpoint: str, rdzv_id: str, node_count: str | None = None,
-                  rdzv_conf: str | None = None, extra: Sequence[str] = (), config_json: str | None = None) -> list[str]:
-    """torchrun's arguments (what follows ``torchrun``) that train ``config`` (side-effect free).
-
-    Args:
-        config: nodes, processes per node, restarts and monitor interval come from ``config.launch``.
-        rdzv_endpoint: ``host:port`` of the c10d rendezvous (the only thing launchers really differ in).
-        rdzv_id: the rendezvous id, the same on every node of one job.
-        node_count: ``--nnodes`` when the launcher knows better (Slurm's ``$SLURM_NNODES``).
-        rdzv_conf: ``--rdzv-conf`` (``is_host=true`` for the local agent that hosts the store).
-        extra: further torchrun flags, placed before the training module.
-        config_json: what ``--config-json`` gets; defaults to ``config`` itself.
-
-    Returns:
-        ``[--nnodes=..., ..., -m, components.train, --config-json, JSON]``.
-    """
-    launch = config.launch
-    args = [f"--nnodes={node_count or nnodes(config)}", f"--nproc-per-node={launch.procs_per_node}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}"]
-    if rdzv_conf:
-        args.append(f"--rdzv-conf={rdzv_conf}")
-    args += [f"--max-restarts={launch.max_restarts}", f"--monitor-interval={launch.monitor_interval_seconds:g}",
-             *extra, "-m", TRAIN_MODULE, "--config-json", config.to_json() if config_json is None else config_json]
-    return args
-
 
 def exit_code(config: RelaunchConfig, returncode: int, started_at: float, *, reported: int | None = None) -> int:
     """The contract's exit code of a torchrun of ``config`` that ended with ``returncode``.
