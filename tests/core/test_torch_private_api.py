@@ -1,0 +1,40 @@
+"""The private torch names relaunch leans on, each with the shape our code was written for: a torch upgrade
+that changes one fails here, loudly and by name, instead of somewhere inside a save or a load.
+
+Why each is used (where relaunch found no public way to do the same in torch 2.13):
+- ``filesystem._split_by_size_and_type``, ``_StorageInfo``, ``_StoragePrefix``: our StorageWriter lays out
+  its files exactly as stock ``FileSystemWriter`` does, so that stock ``FileSystemReader`` reads them
+  (checkpoint format 3, components/core/checkpoint/dcp_io.py).
+- ``_traverse.set_element``: the safe load planner places a value loaded with ``weights_only=True`` into
+  the nested state dict where DCP's default planner would (components/core/checkpoint/dcp_io.py).
+- ``state_dict._get_fqns``: the names DCP gives a parameter, to pre-create the optimizer state a load
+  fills (components/core/trainer/state.py).
+- ``utils._create_file_view`` and ``torch._C.PyTorchFileReader``: reading format-1 checkpoints
+  (components/core/checkpoint/legacy_v1.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import torch
+
+
+def _params(fn) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+def test_the_private_torch_names_relaunch_uses_have_the_shape_it_was_written_for():
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.filesystem import _split_by_size_and_type, _StorageInfo, _StoragePrefix
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+    from torch.distributed.checkpoint.utils import _create_file_view
+
+    assert _params(_split_by_size_and_type) == ["bins", "items"]
+    assert [f.name for f in dataclasses.fields(_StorageInfo)][:3] == ["relative_path", "offset", "length"]
+    assert [f.name for f in dataclasses.fields(_StoragePrefix)] == ["prefix"]
+    assert _params(set_element) == ["root_dict", "path", "value"]
+    assert _params(_get_fqns)[:2] == ["model", "name"]
+    assert _params(_create_file_view) == ["file", "offset", "length"]
+    assert hasattr(torch._C, "PyTorchFileReader")
