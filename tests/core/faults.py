@@ -122,7 +122,8 @@ class FaultProxy:
                 return
             threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
 
-    def _draw(self) -> str:
+    def _fate_of(self, request: bytes) -> str:
+        """What happens to ``request``: drawn at random here (:class:`ScriptedProxy` chooses)."""
         with self._lock:
             x = self.rng.random()
         if x < self.p_reset:
@@ -145,14 +146,15 @@ class FaultProxy:
                 conn.close()
                 return
             self._count("requests")
-            fate = self._draw()
+            fate = self._fate_of(request)
             self._count(fate)
             if fate == "reset":
                 _reset(conn)
                 return
-            if fate == "slowdown":
-                conn.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"
-                             b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(_SLOWDOWN) + _SLOWDOWN)
+            if fate in _ANSWERS:
+                status, body = _ANSWERS[fate]
+                conn.sendall(b"HTTP/1.1 %s\r\nContent-Type: application/xml\r\nContent-Length: %d\r\n"
+                             b"Connection: close\r\n\r\n" % (status, len(body)) + body)
                 conn.close()
                 return
             with socket.create_connection(("127.0.0.1", self.upstream_port), timeout=60) as up:
@@ -230,39 +232,10 @@ class ScriptedProxy(FaultProxy):
                     return fate
         return "pass"
 
-    def _handle(self, conn: socket.socket) -> None:
-        self._count("connections")
-        try:
-            request = _read_request(conn)
-            if request is None:
-                conn.close()
-                return
-            self._count("requests")
-            fate = self._fate_of(request)
-            self._count(fate)
-            if fate == "reset":
-                _reset(conn)
-                return
-            if fate in ("slowdown", "conflict"):
-                status, body = ((b"503 Slow Down", _SLOWDOWN) if fate == "slowdown"
-                                else (b"409 Conflict", _CONFLICT))
-                conn.sendall(b"HTTP/1.1 %s\r\nContent-Type: application/xml\r\nContent-Length: %d\r\n"
-                             b"Connection: close\r\n\r\n" % (status, len(body)) + body)
-                conn.close()
-                return
-            with socket.create_connection(("127.0.0.1", self.upstream_port), timeout=60) as up:
-                up.sendall(request)
-                response = _read_all(up)
-            if fate == "reset_after":
-                _reset(conn)
-                return
-            head, sep, body = response.partition(b"\r\n")
-            conn.sendall(head + b"\r\nConnection: close" + sep + body)
-            conn.close()
-        except OSError:
-            conn.close()
-
 
 _CONFLICT = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>ConditionalRequestConflict</Code>'
              b"<Message>A conflicting operation occurred.</Message><Resource>/</Resource>"
              b"<RequestId>fault-proxy</RequestId><HostId>fault-proxy</HostId></Error>")
+
+_ANSWERS = {"slowdown": (b"503 Slow Down", _SLOWDOWN), "conflict": (b"409 Conflict", _CONFLICT)}
+"""The fates answered with an S3 error instead of being forwarded."""
