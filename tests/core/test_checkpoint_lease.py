@@ -162,6 +162,21 @@ def test_a_writer_whose_process_died_on_this_host_is_taken_over_at_once(root, tm
     assert not store.exists(LEASE)
 
 
+def _take_over_with_step_3_in_flight(store, state):
+    """Once the old writer's lease expired, a second run takes it and saves step 3, held just before its
+    commit (files written, no manifest); returns that manager, its link and the in-flight files."""
+    _wait_until_expired(store)
+    new_link = Partition(store, lambda name, args: name == "write_bytes"
+                         and key_of(args).endswith("step-000000000003/MANIFEST.json"))
+    new = CheckpointManager(new_link, owner="run-b", lease_seconds=60, keep_last=1)
+    new.take_lease()
+    new.save(3, state)
+    assert new_link.cut.wait(60)
+    in_flight = _files(store, 3)
+    assert in_flight
+    return new, new_link, in_flight
+
+
 def test_a_stalled_writer_taken_over_commits_nothing_and_spares_the_new_holders_save(root):
     store = open_store(root)
     state = make_state()
@@ -172,16 +187,7 @@ def test_a_stalled_writer_taken_over_commits_nothing_and_spares_the_new_holders_
     old.wait()
     old.save(2, state)
     assert old_link.cut.wait(60)
-    _wait_until_expired(store)
-    # a second run takes the expired lease; its own save of step 3 is in flight (files, no manifest)
-    new_link = Partition(store, lambda name, args: name == "write_bytes"
-                         and key_of(args).endswith("step-000000000003/MANIFEST.json"))
-    new = CheckpointManager(new_link, owner="run-b", lease_seconds=60, keep_last=1)
-    new.take_lease()
-    new.save(3, state)
-    assert new_link.cut.wait(60)
-    in_flight = _files(store, 3)
-    assert in_flight
+    new, new_link, in_flight = _take_over_with_step_3_in_flight(store, state)
     old_link.heal()
     with pytest.raises(LeaseLost, match="lost the write lease"):
         old.wait()
@@ -211,14 +217,7 @@ def test_a_writer_taken_over_between_its_commit_and_retention_deletes_nothing(ro
     old.wait()
     old.save(2, state)
     assert old_link.cut.wait(60)
-    _wait_until_expired(store)
-    new_link = Partition(store, lambda name, args: name == "write_bytes"
-                         and key_of(args).endswith("step-000000000003/MANIFEST.json"))
-    new = CheckpointManager(new_link, owner="run-b", lease_seconds=60, keep_last=1)
-    new.take_lease()
-    new.save(3, state)
-    assert new_link.cut.wait(60)
-    in_flight = _files(store, 3)
+    new, new_link, in_flight = _take_over_with_step_3_in_flight(store, state)
     old_link.heal()
     with pytest.raises(LeaseLost):
         old.wait()
