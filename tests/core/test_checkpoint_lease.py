@@ -62,13 +62,13 @@ def test_a_second_writer_is_refused_while_the_first_holds_the_lease(root):
 
 def test_the_heartbeat_keeps_the_lease_held_past_lease_seconds_between_saves(root):
     store = open_store(root)
-    first = CheckpointManager(root, owner="run-a", lease_seconds=0.6)
+    first = CheckpointManager(root, owner="run-a", lease_seconds=1.5)  # renewed every 0.5 s: slack for a busy moto
     first.take_lease()
     taken = read_json(store, LEASE)
     state = make_state()
     first.save(1, state)
     first.wait()
-    while time.time() < taken["expires_at"] + 3 * 0.6:  # several lease times without a save
+    while time.time() < taken["expires_at"] + 3 * 1.5:  # several lease times without a save
         time.sleep(0.1)
     second = CheckpointManager(root, owner="run-b", lease_seconds=60)
     with pytest.raises(BadInput, match="refusing a second writer"):
@@ -84,7 +84,7 @@ def test_a_live_writer_of_the_same_owner_makes_the_second_wait_then_refuses_it(r
         [sys.executable, "-c", textwrap.dedent(f"""
             import sys
             from components.core.checkpoint import CheckpointManager
-            mgr = CheckpointManager({root!r}, owner="run-a", lease_seconds=0.6)
+            mgr = CheckpointManager({root!r}, owner="run-a", lease_seconds=1.5)
             mgr.take_lease()
             print("held", flush=True)
             sys.stdin.read()
@@ -92,7 +92,7 @@ def test_a_live_writer_of_the_same_owner_makes_the_second_wait_then_refuses_it(r
         stdout=subprocess.PIPE, text=True)
     try:
         assert orphan.stdout.readline().strip() == "held"
-        resumed = CheckpointManager(root, owner="run-a", lease_seconds=0.6, lease_wait_seconds=1.5)  # --resume
+        resumed = CheckpointManager(root, owner="run-a", lease_seconds=1.5, lease_wait_seconds=3)  # --resume
         with pytest.raises(BadInput, match="being written by 'run-a'"):
             resumed.take_lease()
     finally:
