@@ -10,9 +10,11 @@ service account and Secrets; it never carries credentials.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from components.core.contract.config import config_from_cli
+from components.core.contract.errors import BadInput
 
 TARGETS = ["kfp", "argo", "argo-template", "argo-cron"]
 
@@ -61,6 +63,12 @@ def write_output(text: str, output: str, what: str) -> None:
     if output == "-":
         sys.stdout.write(text)
         return
-    with open(output, "w") as fh:
-        fh.write(text)
+    try:
+        with open(output, "w") as fh:
+            fh.write(text)
+    except FileNotFoundError if not os.path.isdir(os.path.dirname(output) or ".") else ():
+        raise BadInput(f"-o {output}: the folder {os.path.dirname(output) or '.'!r} does not exist; "
+                       "create it (mkdir -p) or write elsewhere") from None
+    except OSError as err:
+        raise BadInput(f"-o {output}: cannot write it ({err.strerror}); write elsewhere or - for stdout") from None
     print(f"wrote {output} ({what})", file=sys.stderr)
