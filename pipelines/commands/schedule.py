@@ -14,7 +14,7 @@ from pathlib import Path
 
 from components.core.contract.config import config_from_cli
 from components.core.contract.errors import BadInput
-from pipelines.commands.compile import add_config_args, render
+from pipelines.commands.compile import add_config_args, render, warn_local_services
 from pipelines.commands.submit import kfp_endpoint, send
 
 
@@ -47,4 +47,6 @@ def schedule_command(args: argparse.Namespace) -> int:
         return kfp_cluster.schedule(kfp_cluster.client(kfp_endpoint(args), namespace=args.namespace), package, config,
                                     cron=cron, version=version, arguments=params)
 
-    return send(args, config, render("argo-cron", config, cron), schedule_on_kfp)
+    code = send(args, config, render("argo-cron", config, cron), schedule_on_kfp)
+    warn_local_services(config, "the schedule")
+    return code

@@ -20,7 +20,7 @@ import yaml
 
 from components.core.contract.config import config_from_cli
 from components.core.contract.errors import BadInput
-from pipelines.commands.compile import add_config_args, render
+from pipelines.commands.compile import add_config_args, render, warn_local_services
 
 ARGO = ("argoproj.io", "v1alpha1")
 PLURALS = {"Workflow": "workflows", "CronWorkflow": "cronworkflows", "WorkflowTemplate": "workflowtemplates"}
@@ -98,7 +98,9 @@ def submit_command(args: argparse.Namespace) -> int:
         return kfp_cluster.submit(kfp_cluster.client(kfp_endpoint(args), namespace=args.namespace), package, config,
                                   run_name=args.run_name, arguments=params).run_id
 
-    return send(args, config, render("argo", config), submit_to_kfp, customize=name_the_run)
+    code = send(args, config, render("argo", config), submit_to_kfp, customize=name_the_run)
+    warn_local_services(config, "the submitted run" if not args.dry_run else "this run")
+    return code
 
 
 def send(args: argparse.Namespace, config, argo_yaml: str,
