@@ -13,6 +13,7 @@ import argparse
 import os
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -158,7 +159,9 @@ def _talking_to_kfp(call: Callable[[], str], endpoint: str) -> str:
     from kfp_server_api.exceptions import ApiException
 
     try:
-        return call()
+        with warnings.catch_warnings():  # kfp.Client's version notice on every call: not the user's concern
+            warnings.filterwarnings("ignore", category=FutureWarning, module=r"kfp\.")
+            return call()
     except urllib3.exceptions.HTTPError as err:
         reason = getattr(err, "reason", None) or err
         raise BadInput(f"cannot reach the Kubeflow Pipelines API at {endpoint}: {type(reason).__name__}; "
