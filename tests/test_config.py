@@ -183,16 +183,16 @@ def test_folding_pipeline_parameters_never_parses_text_as_yaml():
 
 
 @pytest.mark.parametrize("uri, says", [
-    ("s3:/bucket/x", "write it as s3://bucket/x"),
-    ("s3:bucket/x", "write it as s3://bucket/x"),
-    ("s3:", "write it as s3://bucket/prefix"),
+    ("s3:/bucket/x", "write the URI as s3://bucket/x"),
+    ("s3:bucket/x", "write the URI as s3://bucket/x"),
+    ("s3:", "write the URI as s3://bucket/prefix"),
     ("S3://bucket/x", "write the scheme in lowercase: s3://bucket/x"),
-    ("S3:/bucket/x", "write it as s3://bucket/x"),
-    ("file:relative/dir", "write a relative path without file: (relative/dir)"),
-    ("file:/abs/dir", "write it as file:///abs/dir"),
+    ("S3:/bucket/x", "write the URI as s3://bucket/x"),
+    ("file:relative/dir", "write the relative path without file: (relative/dir)"),
+    ("file:/abs/dir", "write the URI as file:///abs/dir"),
     ("File:///abs/dir", "write the scheme in lowercase: file:///abs/dir"),
-    ("hdfs:bucket", "scheme 'hdfs' is not supported"),
-    ("my-store:v2", "a local directory of that name is written ./my-store:v2"),
+    ("hdfs:bucket", "hdfs is not supported"),
+    ("my-store:v2", "for a local directory of that name write ./my-store:v2"),
     ("ftp://host/x", "scheme 'ftp' is not supported"),
 ])
 def test_a_scheme_like_prefix_that_is_not_a_well_formed_store_uri_is_refused_naming_the_fix(uri, says):
@@ -224,7 +224,7 @@ def test_the_scheme_check_follows_the_registered_backends():
     register_backend(Toy)
     try:
         assert parse_store_uri("toy://b/p") == ("toy", "b", "p")
-        with pytest.raises(ValueError, match="write it as toy://b/p"):
+        with pytest.raises(ValueError, match="write the URI as toy://b/p"):
             parse_store_uri("toy:/b/p")
     finally:
         del BACKENDS["toy"]
@@ -233,13 +233,13 @@ def test_the_scheme_check_follows_the_registered_backends():
 
 
 @pytest.mark.parametrize("field, value, says", [
-    ("tracking.uri", "sqlite:x.db", "write it as sqlite:///x.db"),
+    ("tracking.uri", "sqlite:x.db", "write the URI as sqlite:///x.db"),
     ("tracking.uri", "sqlite://x.db", "three slashes"),
-    ("tracking.uri", "http:/mlflow:5000", "write it as http://mlflow:5000"),
+    ("tracking.uri", "http:/mlflow:5000", "write the URI as http://mlflow:5000"),
     ("tracking.uri", "HTTP://mlflow:5000", "lowercase: http://mlflow:5000"),
     ("tracking.uri", "http://", "names no host"),
     ("tracking.uri", "./mlruns", "a path is not one"),
-    ("tracking.artifact_location", "s3:/bucket/x", "write it as s3://bucket/x"),
+    ("tracking.artifact_location", "s3:/bucket/x", "write the URI as s3://bucket/x"),
     ("tracking.artifact_location", "S3://bucket/x", "lowercase"),
     ("launch.kubernetes.store_endpoint", "minio:9000", "is not http(s)://host[:port]"),
 ])

@@ -41,7 +41,7 @@ def test_list_latest_and_verify_print_json(root, capsys):
 @pytest.mark.parametrize("argv,message", [
     (["checkpoints", "verify", "--store", "s3://"], "no bucket"),
     (["checkpoints", "latest", "--store", "hdfs://b/x"], "not supported"),
-    (["checkpoints", "list", "--store", "s3:/bucket/x"], "write it as s3://bucket/x"),
+    (["checkpoints", "list", "--store", "s3:/bucket/x"], "write the URI as s3://bucket/x"),
     (["checkpoints", "verify", "--step", "5"], "--store"),
     (["checkpoints", "frobnicate", "--store", "/tmp/x"], "invalid choice"),
     (["checkpoints", "list", "--store", "/nonexistent/relaunch-store"], "no such directory"),

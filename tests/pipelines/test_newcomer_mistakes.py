@@ -22,8 +22,8 @@ TRAINING = "20261204-030015"
 
 SCRIPT = [
     # (what the newcomer typed after `relaunch`, what the one line must say)
-    ("run --set store.uri=s3:/bucket/x", "write it as s3://bucket/x"),
-    ("run --set store.uri=s3:bucket/x", "write it as s3://bucket/x"),
+    ("run --set store.uri=s3:/bucket/x", "write the URI as s3://bucket/x"),
+    ("run --set store.uri=s3:bucket/x", "write the URI as s3://bucket/x"),
     ("run --set store.uri=S3://bucket/x", "lowercase"),
     ("run --set store.uri=file:my-store", "without file:"),
     ("run --set store.uri=mystore:v2", "./mystore:v2"),
@@ -59,7 +59,7 @@ SCRIPT = [
     ("checkpoints lst --store .relaunch/store", "did you mean 'list'?"),
     ("checkpoints list --store .relaunch/store --training 20261204-030016", f"did you mean '{TRAINING}'?"),
     ("checkpoints verify --store .relaunch/store --step 7", "step-000000000007"),
-    ("checkpoints latest --store s3:/bucket/x", "write it as s3://bucket/x"),
+    ("checkpoints latest --store s3:/bucket/x", "write the URI as s3://bucket/x"),
     ("checkpoints export --store .relaunch/store", "export needs --to FILE"),
 ]
 

@@ -60,7 +60,7 @@ def check_tracking_uri(uri: str) -> str:
         raise ValueError(f"tracking URI {uri!r}: write the scheme in lowercase: {scheme.lower()}:{rest}")
     if not rest.startswith("//"):
         slashes = "///" if base in ("sqlite", "file") else "//"
-        raise ValueError(f"tracking URI {uri!r} is not a well-formed {base} URI; write it as "
+        raise ValueError(f"tracking URI {uri!r} is not a well-formed {base} URI; write the URI as "
                          f"{scheme}:{slashes}{rest.lstrip('/')}")
     if base == "sqlite" and not rest.startswith("///"):
         raise ValueError(f"tracking URI {uri!r}: a sqlite URI has three slashes before the file: "
@@ -83,7 +83,7 @@ def check_artifact_location(uri: str) -> str:
         raise ValueError(f"artifact location {uri!r}: write the scheme in lowercase: {scheme.lower()}:{rest}")
     if not rest.startswith("//"):
         slashes = "///" if scheme == "file" else "//"
-        raise ValueError(f"artifact location {uri!r} is not a well-formed URI; write it as "
+        raise ValueError(f"artifact location {uri!r} is not a well-formed URI; write the URI as "
                          f"{scheme}:{slashes}{rest.lstrip('/')} (a local directory of that name is written ./{uri})")
     return uri
 

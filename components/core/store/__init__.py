@@ -149,19 +149,21 @@ def _refuse_malformed_scheme(uri: str, scheme: str, rest: str) -> None:
     lower = scheme.lower()
     if scheme in BACKENDS and rest.startswith("//"):
         return
-    local = "" if rest.startswith("//") else f" (a local directory of that name is written ./{uri})"
-    if lower not in BACKENDS:
-        raise ValueError(f"store URI {uri!r}: scheme {scheme!r} is not supported; use {_choices()}{local}")
     if rest.startswith("//"):
-        fix = f"write the scheme in lowercase: {lower}:{rest}"
-    elif lower == PATH_SCHEME and not rest.startswith("/"):
-        fix = f"write a relative path without file: ({rest or '.'}) or file:///absolute/path"
+        if lower in BACKENDS:
+            raise ValueError(f"store URI {uri!r}: write the scheme in lowercase: {lower}:{rest}")
+        raise ValueError(f"store URI scheme {scheme!r} is not supported; use {_choices()}")
+    local = f"for a local directory of that name write ./{uri}"
+    if lower not in BACKENDS:
+        raise ValueError(f"store URI {uri!r} is not a path but a {scheme} URI, and {scheme} is not supported; "
+                         f"use {_choices()} ({local})")
+    if lower == PATH_SCHEME and not rest.startswith("/"):
+        fix = f"write the relative path without file: ({rest or '.'}), or the URI as file:///absolute/path"
     elif not rest.strip("/"):
-        fix = f"write it as {BACKENDS[lower].example}"
+        fix = f"write the URI as {BACKENDS[lower].example}"
     else:
-        slashes = "///" if lower == PATH_SCHEME else "//"
-        fix = f"write it as {lower}:{slashes}{rest.lstrip('/')}"
-    raise ValueError(f"store URI {uri!r} is not a well-formed {lower} URI; {fix}{local}")
+        fix = f"write the URI as {lower}:{'///' if lower == PATH_SCHEME else '//'}{rest.lstrip('/')}"
+    raise ValueError(f"store URI {uri!r} is not a path; {fix} ({local})")
 
 
 def open_store(uri: str, *, retries: int | None = None, backoff: float | None = None) -> Store:
