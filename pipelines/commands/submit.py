@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import tempfile
 import warnings
@@ -89,6 +90,10 @@ def create_argo_object(doc: dict, namespace: str) -> str:
 
 def submit_command(args: argparse.Namespace) -> int:
     config = config_from_cli(args.config, None, args.overrides)
+    if args.target == "argo" and args.run_name and not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?",
+                                                                    args.run_name):
+        raise BadInput(f"--run-name {args.run_name!r}: an Argo Workflow's name is lowercase a-z, 0-9, '-' and '.' "
+                       "(at most 253), e.g. nightly-8-epochs")
 
     def name_the_run(doc: dict) -> None:
         if args.run_name:

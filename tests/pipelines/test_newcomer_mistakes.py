@@ -52,6 +52,7 @@ SCRIPT = [
     ("submit --target kfp --endpoint kfp.example.com", "is not http(s)://host"),
     ("submit --target argo", "no Kubernetes credentials"),
     ("submit --target argo --dry-run --param epoch=8", "no such pipeline parameter"),
+    ("submit --target argo --dry-run --run-name My_Run", "an Argo Workflow's name is lowercase"),
     ("schedule --target argo --cron @daily", "expected five fields"),
     ("render trainjob --set launch.trainjob.runtime=Relaunch_Torch", "is not a DNS label"),
     ("render volcanojob", "invalid choice"),
