@@ -29,8 +29,8 @@ test: $(STAMP) ## run the whole test suite (starts its own S3, PostgreSQL and ML
 bench: $(STAMP) ## run the benchmarks; prints tables and writes bench-results/*.json
 	$(BIN)/python -m tests.bench $(ARGS)
 
-ui: $(STAMP) ## open the local MLflow UI on http://127.0.0.1:5000
-	$(BIN)/mlflow ui --backend-store-uri sqlite:///./.relaunch/mlflow.db --default-artifact-root ./.relaunch/mlartifacts --host 127.0.0.1 --port 5000
+ui: $(STAMP) ## open the local MLflow UI on http://127.0.0.1:5000 (one worker, no job runner)
+	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(BIN)/mlflow ui --backend-store-uri sqlite:///./.relaunch/mlflow.db --default-artifact-root ./.relaunch/mlartifacts --host 127.0.0.1 --port 5000 --workers 1
 
 ui-check: $(STAMP) ## a finished run's pages in headless Chromium (apt-get install chromium); screenshots to docs/
 	RELAUNCH_UI_SCREENSHOTS=docs $(BIN)/python -m pytest -q tests/pipelines/test_lineage_e2e.py $(ARGS)

@@ -5,6 +5,7 @@
     relaunch compile --target kfp|argo|argo-template|argo-cron -o FILE
     relaunch submit --target kfp|argo        relaunch schedule --target kfp|argo --cron EXPR
     relaunch render pytorchjob|trainjob|trainingruntime|slurm -o FILE
+    relaunch --version
 
 Each subcommand lives in ``pipelines/commands/<name>.py`` with ``add_parser(subparsers)``; only the
 one asked for is imported, so ``relaunch checkpoints`` does not pay for importing kfp and hera.
@@ -30,11 +31,36 @@ COMMANDS: dict[str, str] = {
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse's own exit code is 2 as well; keep one line
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, f"{self.prog}: error: {_with_a_guess(message)}\n")
+
+
+def _with_a_guess(message: str) -> str:
+    """argparse's "invalid choice: 'lst' (choose from ...)" with "did you mean 'list'?" added."""
+    import difflib
+    import re
+
+    found = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+    if not found:
+        return message
+    choices = re.findall(r"'([^']*)'", found[2]) or [c.strip() for c in found[2].split(",")]
+    close = difflib.get_close_matches(found[1], choices, n=1, cutoff=0.5)
+    return f"{message}; did you mean {close[0]!r}?" if close else message
+
+
+def version() -> str:
+    """The installed relaunch package's version (``relaunch --version``)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("relaunch")
+    except PackageNotFoundError:  # a source tree on PYTHONPATH without `pip install -e .`
+        return "unknown (not installed; pip install -e .)"
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = _Parser(prog="relaunch", description="Fault-tolerant, resumable PyTorch training pipelines.")
+    parser.add_argument("--version", action="version", version=f"relaunch {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, help_text in COMMANDS.items():
         if only is None or only == name:

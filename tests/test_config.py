@@ -39,7 +39,7 @@ def test_config_json_round_trips_through_the_step_cli_path():
         (["train.epochs=many"], "train.epochs"),
         (["launch.nodes=0"], "launch.nodes"),
         (["launch.backend=slurm"], "launch.backend"),
-        (["store.uri=gs://bucket/x"], "store.uri"),
+        (["store.uri=hdfs://bucket/x"], "store.uri"),
         (["store.uri=s3:///nobucket"], "store.uri"),
         (["tracking.uri=ftp://host"], "tracking.uri"),
         (["tracking.uri=http://user:pw@host:5000"], "tracking.uri"),
@@ -96,8 +96,8 @@ def test_every_field_has_a_description_for_the_ui_and_readme():
     assert missing == []
 
 
-@pytest.mark.parametrize("uri", ["s3://Bad_Bucket/x", "s3://bucket:9000/x", "s3://bucket/a/../b", "gs://b/x",
-                                 "file://host/x", ""])
+@pytest.mark.parametrize("uri", ["s3://Bad_Bucket/x", "s3://bucket:9000/x", "s3://bucket/a/../b", "hdfs://b/x",
+                                 "file://host/x", "", "s3:/bucket/x", "foo:bar"])
 def test_every_entry_point_refuses_a_bad_store_uri_with_the_same_rule(uri):
     """The configuration and open_store (the checkpoints CLI, a --store argument) apply one rule set."""
     from components.core.store import open_store
@@ -180,3 +180,94 @@ def test_folding_pipeline_parameters_never_parses_text_as_yaml():
     # "yes" and "1e3" are a bool and a float to YAML; a run name is text whatever it looks like
     assert with_pipeline_parameters(RelaunchConfig(), {"run_name": "yes"}).tracking.run_name == "yes"
     assert with_pipeline_parameters(RelaunchConfig(), {"run_name": "1e3"}).tracking.run_name == "1e3"
+
+
+@pytest.mark.parametrize("uri, says", [
+    ("s3:/bucket/x", "write the URI as s3://bucket/x"),
+    ("s3:bucket/x", "write the URI as s3://bucket/x"),
+    ("s3:", "write the URI as s3://bucket/prefix"),
+    ("S3://bucket/x", "write the scheme in lowercase: s3://bucket/x"),
+    ("S3:/bucket/x", "write the URI as s3://bucket/x"),
+    ("file:relative/dir", "write the relative path without file: (relative/dir)"),
+    ("file:/abs/dir", "write the URI as file:///abs/dir"),
+    ("File:///abs/dir", "write the scheme in lowercase: file:///abs/dir"),
+    ("hdfs:bucket", "hdfs is not supported"),
+    ("my-store:v2", "for a local directory of that name write ./my-store:v2"),
+    ("ftp://host/x", "scheme 'ftp' is not supported"),
+])
+def test_a_scheme_like_prefix_that_is_not_a_well_formed_store_uri_is_refused_naming_the_fix(uri, says):
+    with pytest.raises(ValueError) as refused:
+        parse_store_uri(uri)
+    assert says in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("uri, parsed", [
+    ("./my-store:v2", ("file", "./my-store:v2", "")),  # the way to name such a directory
+    ("C:/data/store", ("file", "C:/data/store", "")),  # one letter: a drive, not a scheme
+    ("relative/dir", ("file", "relative/dir", "")),
+])
+def test_paths_that_merely_contain_a_colon_stay_paths(uri, parsed):
+    assert parse_store_uri(uri) == parsed
+
+
+def test_the_scheme_check_follows_the_registered_backends():
+    """A backend registered later (gs, az) is accepted as <scheme>://... and its short forms get the fix."""
+    from components.core.store import BACKENDS, register_backend
+
+    class Toy:
+        scheme, example = "toy", "toy://bucket/prefix"
+
+        @classmethod
+        def parse(cls, uri):
+            return uri.removeprefix("toy://").partition("/")[::2]
+
+    register_backend(Toy)
+    try:
+        assert parse_store_uri("toy://b/p") == ("toy", "b", "p")
+        with pytest.raises(ValueError, match="write the URI as toy://b/p"):
+            parse_store_uri("toy:/b/p")
+    finally:
+        del BACKENDS["toy"]
+    with pytest.raises(ValueError, match="scheme 'toy' is not supported"):
+        parse_store_uri("toy://b/p")
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("tracking.uri", "sqlite:x.db", "write the URI as sqlite:///x.db"),
+    ("tracking.uri", "sqlite://x.db", "three slashes"),
+    ("tracking.uri", "http:/mlflow:5000", "write the URI as http://mlflow:5000"),
+    ("tracking.uri", "HTTP://mlflow:5000", "lowercase: http://mlflow:5000"),
+    ("tracking.uri", "http://", "names no host"),
+    ("tracking.uri", "./mlruns", "a path is not one"),
+    ("tracking.artifact_location", "s3:/bucket/x", "write the URI as s3://bucket/x"),
+    ("tracking.artifact_location", "S3://bucket/x", "lowercase"),
+    ("launch.kubernetes.store_endpoint", "minio:9000", "is not http(s)://host[:port]"),
+])
+def test_uri_typed_fields_refuse_what_does_not_parse_as_what_it_claims(field, value, says):
+    with pytest.raises(BadInput) as refused:
+        load_config(None, [f"{field}={value}"])
+    assert field in str(refused.value) and says in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tracking.uri", "sqlite:////abs/mlflow.db"), ("tracking.uri", "postgresql+psycopg2://u@db:5432/mlflow"),
+    ("tracking.uri", "https://mlflow.example.com"), ("tracking.artifact_location", "mlflow-artifacts:/exp"),
+    ("tracking.artifact_location", "s3://bucket/artifacts"), ("tracking.artifact_location", "./.relaunch/mlartifacts"),
+    ("launch.kubernetes.store_endpoint", "https://minio.example.com:9000"),
+])
+def test_well_formed_uris_are_accepted(field, value):
+    load_config(None, [f"{field}={value}"])
+
+
+@pytest.mark.parametrize("key, guess", [("train.epoch", "train.epochs"), ("trian.epochs", "train"),
+                                        ("launch.kubernetes.imag", "launch.kubernetes.image"), ("zzz", None)])
+def test_an_unknown_key_gets_the_nearest_known_one(key, guess):
+    with pytest.raises(BadInput) as refused:
+        load_config(None, [f"{key}=1"])
+    assert (f"did you mean {guess!r}?" in str(refused.value)) if guess else ("did you mean" not in str(refused.value))
+
+
+def test_a_password_in_a_refused_uri_is_not_echoed():
+    with pytest.raises(BadInput) as refused:
+        load_config(None, ["tracking.uri=http://alice:s3cret@mlflow:5000"])
+    assert "s3cret" not in str(refused.value)

@@ -1,7 +1,9 @@
-"""``relaunch checkpoints list|latest|verify --store URI [--step N] [--deep] [--json]``.
+"""``relaunch checkpoints list|latest|verify --store URI [--training ID] [--step N] [--deep] [--json|--uris]``.
 
-    relaunch checkpoints list   --store s3://bucket/exp/run            # every checkpoint: ok or damaged
-    relaunch checkpoints latest --store ./.relaunch/store --json       # what a resume would load
+    relaunch checkpoints list   --store ./.relaunch/store              # every training `relaunch run` wrote
+    relaunch checkpoints list   --store s3://bucket/exp/run --uris     # one full checkpoint URI a line
+    relaunch checkpoints latest --store ./.relaunch/store --json       # what a resume would load (newest training)
+    relaunch checkpoints verify --store ./.relaunch/store --training 20261204-030501
     relaunch checkpoints verify --store /shared/exp --step 1200        # manifest, files and sizes
     relaunch checkpoints verify --store /shared/exp --deep             # read and check every byte
     relaunch checkpoints export --store /shared/exp --to model.safetensors --format safetensors
@@ -14,7 +16,11 @@ leaves that step alone meanwhile) and the quarantine marker of a damaged checkpo
 writes only its --to file; import writes one checkpoint under the write lease, or, on bad input,
 nothing (docs/checkpoint-format.md, "Other tools"). Exit 2 on bad input (malformed URI, missing
 bucket or directory, no checkpoint to verify, a checkpoint that does not verify or is quarantined, a
-checkpoint of a newer format version, a folder that is not a DCP checkpoint).
+checkpoint of a newer format version, a folder that is not a DCP checkpoint, an unknown --training).
+
+A store root that holds ``trainings/<time>/`` (what ``relaunch run`` writes) and no checkpoints of its
+own is read as its trainings: ``list`` shows each, ``latest`` and ``verify`` read the newest unless
+``--training`` names another.
 """
 
 from __future__ import annotations
@@ -33,7 +39,10 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--step", type=int, help="checkpoint step (verify; default: the latest)")
     p.add_argument("--deep", action="store_true",
                    help="verify: read every byte (formats 2 and 3: every chunk digest; format 1: each file's sha256)")
+    p.add_argument("--training", metavar="ID",
+                   help="one training of a store root (trainings/<ID>/; default: list all, latest/verify the newest)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--uris", action="store_true", help="list: print only the checkpoint URIs, one a line")
     p.add_argument("--to", help="export: the file to write")
     p.add_argument("--format", choices=["torch", "safetensors"], default="torch",
                    help="export: one torch.save file of the whole state (default), or the model's weights "
@@ -45,27 +54,51 @@ def checkpoints(args: argparse.Namespace) -> int:
     """Run one ``relaunch checkpoints`` action; returns the exit code."""
     from components.core.checkpoint import CheckpointManager
 
-    from components.core.contract.errors import BadInput
-    from components.core.store import FileStore
-
     if args.action in INTEROP or args.source is not None:
         return _interop(args)
-    with CheckpointManager(args.store, async_save=False) as mgr:
-        if isinstance(mgr.store, FileStore) and not mgr.store.root.is_dir():  # a typo, not an empty store
-            raise BadInput(f"--store {args.store!r}: no such directory; pass the store root (e.g. ./.relaunch/store)")
-        return _action(mgr, args)
-
-
-def _action(mgr, args: argparse.Namespace) -> int:
-    """One action on an open manager; returns the exit code."""
+    targets = _targets(args)
     if args.action == "list":
-        infos = mgr.list()
-        pins = mgr.pins()
-        rows = [{**i.to_dict(), "status": "ok", "pinned": pins.get(i.step, [])} for i in infos]
-        rows += [_damaged_row(mgr, r, pins) for r in mgr.quarantined()]
-        rows.sort(key=lambda r: (r["step"], r["status"] == "ok"))
-        _print(rows, args.json, empty=f"no checkpoints in {mgr.store.uri}")
+        listed = []
+        for name, uri in targets:
+            with CheckpointManager(uri, async_save=False) as mgr:
+                listed.append((name, mgr.store.uri, _list_rows(mgr, name)))
+        _print_list(listed, args)
         return 0
+    name, uri = targets[-1]
+    with CheckpointManager(uri, async_save=False) as mgr:
+        return _action(mgr, args, name, len(targets))
+
+
+def _targets(args: argparse.Namespace) -> list[tuple[str | None, str]]:
+    """``[(training, store URI), ...]`` the action reads: ``--training``'s, the root's trainings, or the store."""
+    from components.core.store import FileStore, open_store
+    from components.core.store.trainings import pick_training, resolve_trainings
+
+    store = open_store(args.store)
+    if isinstance(store, FileStore) and not store.root.is_dir():  # a typo, not an empty store
+        raise BadInput(f"--store {args.store!r}: no such directory; pass the store root (e.g. ./.relaunch/store)")
+    if args.training:
+        return [(args.training, pick_training(store, args.training))]
+    return resolve_trainings(store)
+
+
+def _list_rows(mgr, training: str | None) -> list[dict]:
+    """The ``list`` rows of one store: intact checkpoints and damaged ones, by step."""
+    infos = mgr.list()
+    pins = mgr.pins()
+    rows = [{**i.to_dict(), "status": "ok", "pinned": pins.get(i.step, []),
+             "size_bytes": sum(mgr.store.sizes(i.key).values())} for i in infos]
+    rows += [_damaged_row(mgr, r, pins) for r in mgr.quarantined()]
+    rows.sort(key=lambda r: (r["step"], r["status"] == "ok"))
+    return [{**r, "training": training} if training else r for r in rows]
+
+
+def _action(mgr, args: argparse.Namespace, training: str | None, trainings: int) -> int:
+    """``latest`` or ``verify`` on an open manager; returns the exit code."""
+    named = {"training": training} if training else {}
+    if training and not args.json:
+        more = f" (the newest of {trainings}; --training picks another)" if trainings > 1 else ""
+        print(f"training {training}{more}")
     if args.action == "latest":
         info = mgr.latest()
         if info is None:
@@ -74,7 +107,7 @@ def _action(mgr, args: argparse.Namespace) -> int:
             else:
                 print(f"no committed checkpoint in {mgr.store.uri}")
             return 0
-        _print([info.to_dict()], args.json, single=True)
+        _print_one({**info.to_dict(), **named}, args.json)
         return 0
     step = args.step
     if step is None:
@@ -86,9 +119,9 @@ def _action(mgr, args: argparse.Namespace) -> int:
         info = mgr.verify(step, deep=args.deep)
     except CorruptCheckpoint as err:
         if args.json:
-            print(json.dumps({"step": step, "ok": False, "status": "damaged", "error": str(err)}))
+            print(json.dumps({"step": step, "ok": False, "status": "damaged", "error": str(err), **named}))
         raise
-    _print([{**info.to_dict(), "ok": True, "deep": bool(args.deep)}], args.json, single=True)
+    _print_one({**info.to_dict(), "ok": True, "deep": bool(args.deep), **named}, args.json)
     return 0
 
 
@@ -100,7 +133,6 @@ def _interop(args: argparse.Namespace) -> int:
     ``dcp.save`` folder adopted as a committed checkpoint); returns the exit code."""
     from components.core.checkpoint import CheckpointManager
     from components.core.checkpoint.interop import export_checkpoint, import_checkpoint
-    from components.core.store import FileStore
 
     if args.action != "import" and args.source is not None:
         raise BadInput(f"unexpected argument {args.source!r}: only import takes a folder")
@@ -109,10 +141,9 @@ def _interop(args: argparse.Namespace) -> int:
     if args.action == "export" and not args.to:
         raise BadInput("export needs --to FILE (the file to write)")
     # import keeps every checkpoint already there (keep_last=0): adopting one never deletes another
-    with CheckpointManager(args.store, async_save=False, keep_last=0) as mgr:
+    uri = _targets(args)[-1][1] if args.action == "export" or args.training else args.store
+    with CheckpointManager(uri, async_save=False, keep_last=0) as mgr:
         if args.action == "export":
-            if isinstance(mgr.store, FileStore) and not mgr.store.root.is_dir():
-                raise BadInput(f"--store {args.store!r}: no such directory; pass the store root")
             info = export_checkpoint(mgr, args.to, step=args.step, fmt=args.format)
             done = {"step": info.step, "uri": info.uri, "to": str(args.to), "format": args.format}
             text = f"exported checkpoint {info.uri} to {args.to} ({args.format})"
@@ -133,27 +164,99 @@ def _damaged_row(mgr, record: dict, pins: dict) -> dict:
             "found_at": record.get("found_at", ""), "found_by": record.get("found_by", ""),
             "moved_to": record.get("moved_to"), "recorded": record.get("recorded", True),
             "uri": record.get("moved_to") or mgr.store.uri_for(step_key(step)),
-            "epoch": "", "world_size": "", "created_at": "", "metrics": {},
+            "epoch": "", "world_size": "", "created_at": "", "metrics": {}, "size_bytes": None,
             "pinned": pins.get(step, []) if record.get("moved_to") is None else []}
 
 
-def _print(rows: list[dict], as_json: bool, *, single: bool = False, empty: str = "") -> None:
+def _print_one(row: dict, as_json: bool) -> None:
+    """One checkpoint: JSON, or ``field: value`` lines (the URI whole, on its own line)."""
     if as_json:
-        print(json.dumps(rows[0] if single else rows, indent=2, sort_keys=True))
+        print(json.dumps(row, indent=2, sort_keys=True))
         return
-    if not rows:
-        print(empty)
+    shown = {k: v for k, v in row.items() if k not in ("key", "manifest_sha256", "training")}
+    shown["metrics"] = _metrics_text(row.get("metrics") or {}) or "-"
+    width = max(len(k) for k in shown)
+    for k, v in shown.items():
+        print(f"{k:<{width}}  {v}")
+
+
+def _print_list(listed: list[tuple[str | None, str, list[dict]]], args: argparse.Namespace) -> None:
+    """``list``: JSON rows, bare URIs (``--uris``), or a table per training that fits the terminal."""
+    rows = [r for _, _, rs in listed for r in rs]
+    if args.json:
+        print(json.dumps(rows, indent=2, sort_keys=True))
+        return
+    if args.uris:
+        for r in rows:
+            print(r["uri"])
         return
     from rich.console import Console
+
+    console = Console()  # rich's own width: the terminal's, 80 columns when piped
+    if not any(rs for _, _, rs in listed):
+        console.print(f"no checkpoints in {listed[0][1]}" if len(listed) == 1 else
+                      f"no checkpoints in the {len(listed)} trainings under {args.store}", highlight=False,
+                      soft_wrap=True)
+        return
+    for name, uri, rs in listed:
+        title = f"training {name}: " if name else ""
+        # soft_wrap: the URI is never broken by an inserted newline, so a copy of it is whole
+        console.print(f"{title}{uri}/checkpoints/  ({len(rs)} checkpoint{'s' if len(rs) != 1 else ''})",
+                      highlight=False, soft_wrap=True, markup=False)
+        if rs:
+            console.print(_table(rs))
+    console.print("full URIs: add --uris; every field: --json", highlight=False, soft_wrap=True)
+
+
+def _table(rows: list[dict]):
+    from rich import box
     from rich.table import Table
 
-    table = Table()
-    columns = ["step"] + [c for c in ("status",) if c in rows[0]] + \
-              ["epoch", "world_size", "created_at", "metrics", "uri"] + \
-              [c for c in ("pinned", "ok", "reason") if any(c in r for r in rows)]
-    for c in columns:
-        table.add_column(c)
-    for r in rows:
-        table.add_row(*(json.dumps(r.get(c, "")) if isinstance(r.get(c), (dict, list)) else str(r.get(c, ""))
-                        for c in columns))
-    Console(width=200).print(table)
+    metrics = sorted({m for r in rows for m in (r.get("metrics") or {})})
+    damaged = any(r["status"] != "ok" for r in rows)
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, padding=(0, 0), collapse_padding=True)
+    columns = [("step", "right"), *([("status", "left")] if damaged else []), ("epoch", "right"),
+               ("world", "right"), ("created UTC", "left"), *[(m, "right") for m in metrics], ("size", "right"),
+               ("pinned", "left"), *([("reason", "left")] if damaged else [])]
+    cells = [[str(r["step"]), *([r["status"]] if damaged else []), str(r.get("epoch", "")),
+              str(r.get("world_size", "")), _when(r.get("created_at", "")),
+              *[_number((r.get("metrics") or {}).get(m)) for m in metrics],
+              human_size(r.get("size_bytes")), ", ".join(r.get("pinned") or []) or "-",
+              *([r.get("reason", "") or "-"] if damaged else [])] for r in rows]
+    for i, (name, justify) in enumerate(columns):
+        if name in ("pinned", "reason"):  # the free text wraps; the figures keep their width
+            table.add_column(name, justify=justify, overflow="fold", ratio=1)
+        else:
+            width = max(len(name), *(len(c[i]) for c in cells))
+            table.add_column(name, justify=justify, no_wrap=True, min_width=width)
+    for row in cells:
+        table.add_row(*row)
+    return table
+
+
+def _number(value) -> str:
+    """A metric to 4 significant digits; ``-`` when absent."""
+    if value is None or value == "":
+        return "-"
+    return f"{value:.4g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+
+
+def _metrics_text(metrics: dict) -> str:
+    return ", ".join(f"{k} {_number(v)}" for k, v in sorted(metrics.items()))
+
+
+def _when(iso: str) -> str:
+    """``2026-12-04T03:05:01+00:00`` -> ``12-04 03:05:01`` (the year is in the training's name)."""
+    return iso[5:19].replace("T", " ") if len(iso) >= 19 else (iso or "-")
+
+
+def human_size(n) -> str:
+    """``1536`` -> ``1.5 KiB``; ``-`` when unknown."""
+    if not isinstance(n, int):
+        return "-"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"

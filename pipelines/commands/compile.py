@@ -10,9 +10,11 @@ service account and Secrets; it never carries credentials.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from components.core.contract.config import config_from_cli
+from components.core.contract.errors import BadInput
 
 TARGETS = ["kfp", "argo", "argo-template", "argo-cron"]
 
@@ -53,7 +55,37 @@ def render(target: str, config, cron: str = "0 3 * * *") -> str:
 def compile_command(args: argparse.Namespace) -> int:
     config = config_from_cli(args.config, None, args.overrides)
     write_output(render(args.target, config, args.cron), args.output, args.target)
+    warn_local_services(config, f"the {args.target} document")
     return 0
+
+
+CLUSTER_CONFIG = "configs/cluster.yaml"
+"""The example configuration for a cluster that the warnings point at (docs/cluster.md, section 5)."""
+
+
+def local_services(config) -> list[str]:
+    """What in ``config`` points at this machine and would not work from a cluster's pods: a store that
+    is a path (each pod's own disk, unless a shared volume is mounted there), a sqlite or file tracking
+    URI (a database file per pod). One line each; empty when the configuration is fit for a cluster."""
+    from components.core.contract.config import parse_store_uri
+
+    found = []
+    if parse_store_uri(config.store.uri)[0] == "file":
+        found.append(f"store.uri {config.store.uri!r}, a path: each pod would write its own disk unless a shared "
+                     "volume is mounted there; use s3://bucket/prefix")
+    if config.tracking.uri.split(":", 1)[0] in ("sqlite", "file"):
+        found.append(f"tracking.uri {config.tracking.uri!r}, a file: each pod would track into its own copy; "
+                     "use an MLflow server, e.g. http://mlflow.relaunch.svc:5000")
+    return found
+
+
+def warn_local_services(config, what: str) -> None:
+    """Warn on stderr (one line per finding, after the document was written or sent) when ``what``
+    carries this machine's store or tracking to a cluster. A warning, not a refusal: a path is right on
+    a cluster where a shared volume is mounted at it."""
+    for finding in local_services(config):
+        print(f"relaunch: warning: {what} carries {finding} (--config {CLUSTER_CONFIG} or --set)",
+              file=sys.stderr)
 
 
 def write_output(text: str, output: str, what: str) -> None:
@@ -61,6 +93,12 @@ def write_output(text: str, output: str, what: str) -> None:
     if output == "-":
         sys.stdout.write(text)
         return
-    with open(output, "w") as fh:
-        fh.write(text)
+    try:
+        with open(output, "w") as fh:
+            fh.write(text)
+    except FileNotFoundError if not os.path.isdir(os.path.dirname(output) or ".") else ():
+        raise BadInput(f"-o {output}: the folder {os.path.dirname(output) or '.'!r} does not exist; "
+                       "create it (mkdir -p) or write elsewhere") from None
+    except OSError as err:
+        raise BadInput(f"-o {output}: cannot write it ({err.strerror}); write elsewhere or - for stdout") from None
     print(f"wrote {output} ({what})", file=sys.stderr)

@@ -13,7 +13,7 @@ import yaml
 
 from components.core.contract.config import RelaunchConfig, config_from_cli
 from components.launchers import renderers
-from pipelines.commands.compile import add_config_args, write_output
+from pipelines.commands.compile import add_config_args, warn_local_services, write_output
 
 
 def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
@@ -28,7 +28,16 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
 def render(args: argparse.Namespace) -> int:
     config = config_from_cli(args.config, None, args.overrides)
     write_output(render_kind(args.kind, config, args.run_id), args.output, args.kind)
+    if args.kind in cluster_kinds():
+        warn_local_services(config, f"the {args.kind}")
     return 0
+
+
+def cluster_kinds() -> set[str]:
+    """The render kinds of cluster launch backends (pytorchjob, trainjob, ...): documents for pods."""
+    from components.launchers import LAUNCH_BACKENDS
+
+    return {kind for backend in LAUNCH_BACKENDS.values() if backend.cluster for kind in backend.renders}
 
 
 def render_kind(kind: str, config: RelaunchConfig, run_id: str = "manual") -> str:

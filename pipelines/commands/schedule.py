@@ -14,8 +14,8 @@ from pathlib import Path
 
 from components.core.contract.config import config_from_cli
 from components.core.contract.errors import BadInput
-from pipelines.commands.compile import add_config_args, render
-from pipelines.commands.submit import send
+from pipelines.commands.compile import add_config_args, render, warn_local_services
+from pipelines.commands.submit import kfp_endpoint, send
 
 
 def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
@@ -25,6 +25,7 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE")
     p.add_argument("--version", help="kfp: name of the uploaded pipeline version (default: a timestamp)")
     p.add_argument("--namespace", help="namespace (default: launch.kubernetes.namespace)")
+    p.add_argument("--endpoint", help="kfp: the Kubeflow Pipelines API (default: $KF_PIPELINES_ENDPOINT)")
     p.add_argument("--dry-run", action="store_true", help="print the document instead of creating it")
     add_config_args(p)
     p.set_defaults(func=schedule_command)
@@ -43,7 +44,9 @@ def schedule_command(args: argparse.Namespace) -> int:
 
     def schedule_on_kfp(kfp_cluster, package: Path, params: dict[str, str]) -> str:
         version = args.version or time.strftime("v%Y%m%d-%H%M%S", time.gmtime())
-        return kfp_cluster.schedule(kfp_cluster.client(namespace=args.namespace), package, config,
+        return kfp_cluster.schedule(kfp_cluster.client(kfp_endpoint(args), namespace=args.namespace), package, config,
                                     cron=cron, version=version, arguments=params)
 
-    return send(args, config, render("argo-cron", config, cron), schedule_on_kfp)
+    code = send(args, config, render("argo-cron", config, cron), schedule_on_kfp)
+    warn_local_services(config, "the schedule")
+    return code

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -20,7 +22,7 @@ import yaml
 
 from components.core.contract.config import config_from_cli
 from components.core.contract.errors import BadInput
-from pipelines.commands.compile import add_config_args, render
+from pipelines.commands.compile import add_config_args, render, warn_local_services
 
 ARGO = ("argoproj.io", "v1alpha1")
 PLURALS = {"Workflow": "workflows", "CronWorkflow": "cronworkflows", "WorkflowTemplate": "workflowtemplates"}
@@ -33,6 +35,7 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
                    help="a pipeline parameter (epochs, nodes, inject_failure, ...)")
     p.add_argument("--run-name", help="display name of the run")
     p.add_argument("--namespace", help="namespace (default: launch.kubernetes.namespace)")
+    p.add_argument("--endpoint", help="kfp: the Kubeflow Pipelines API (default: $KF_PIPELINES_ENDPOINT)")
     p.add_argument("--dry-run", action="store_true", help="print the document instead of submitting it")
     add_config_args(p)
     p.set_defaults(func=submit_command)
@@ -87,6 +90,10 @@ def create_argo_object(doc: dict, namespace: str) -> str:
 
 def submit_command(args: argparse.Namespace) -> int:
     config = config_from_cli(args.config, None, args.overrides)
+    if args.target == "argo" and args.run_name and not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?",
+                                                                    args.run_name):
+        raise BadInput(f"--run-name {args.run_name!r}: an Argo Workflow's name is lowercase a-z, 0-9, '-' and '.' "
+                       "(at most 253), e.g. nightly-8-epochs")
 
     def name_the_run(doc: dict) -> None:
         if args.run_name:
@@ -94,10 +101,12 @@ def submit_command(args: argparse.Namespace) -> int:
             doc["metadata"]["name"] = args.run_name
 
     def submit_to_kfp(kfp_cluster, package: Path, params: dict[str, str]) -> str:
-        return kfp_cluster.submit(kfp_cluster.client(namespace=args.namespace), package, config,
+        return kfp_cluster.submit(kfp_cluster.client(kfp_endpoint(args), namespace=args.namespace), package, config,
                                   run_name=args.run_name, arguments=params).run_id
 
-    return send(args, config, render("argo", config), submit_to_kfp, customize=name_the_run)
+    code = send(args, config, render("argo", config), submit_to_kfp, customize=name_the_run)
+    warn_local_services(config, "the submitted run" if not args.dry_run else "this run")
+    return code
 
 
 def send(args: argparse.Namespace, config, argo_yaml: str,
@@ -119,11 +128,49 @@ def send(args: argparse.Namespace, config, argo_yaml: str,
         return 0
     from pipelines import kfp_cluster
 
+    if not args.dry_run:
+        kfp_endpoint(args)  # refused before anything is compiled
     with tempfile.TemporaryDirectory() as tmp:
         package = Path(tmp) / "pipeline.yaml"
         package.write_text(render("kfp", config))
         if args.dry_run:
             sys.stdout.write(package.read_text())
             return 0
-        print(kfp_action(kfp_cluster, package, params))
+        print(_talking_to_kfp(lambda: kfp_action(kfp_cluster, package, params), kfp_endpoint(args)))
     return 0
+
+
+def kfp_endpoint(args: argparse.Namespace) -> str:
+    """The Kubeflow Pipelines API of ``--endpoint`` or ``KF_PIPELINES_ENDPOINT``.
+
+    Raises:
+        BadInput: neither is set, or the value is not http(s)://host.
+    """
+    from components.core.contract.config import check_http_url
+
+    endpoint = getattr(args, "endpoint", None) or os.environ.get("KF_PIPELINES_ENDPOINT", "")
+    if not endpoint:
+        raise BadInput(f"{args.command} --target kfp needs the Kubeflow Pipelines API: pass --endpoint "
+                       "https://HOST or set KF_PIPELINES_ENDPOINT (--dry-run prints the package instead)")
+    try:
+        return check_http_url(endpoint, "Kubeflow Pipelines endpoint")
+    except ValueError as err:
+        raise BadInput(str(err)) from None
+
+
+def _talking_to_kfp(call: Callable[[], str], endpoint: str) -> str:
+    """``call()``, with an unreachable or refusing API server as one line (BadInput) instead of a traceback."""
+    import urllib3
+    from kfp_server_api.exceptions import ApiException
+
+    try:
+        with warnings.catch_warnings():  # kfp.Client's version notice on every call: not the user's concern
+            warnings.filterwarnings("ignore", category=FutureWarning, module=r"kfp\.")
+            return call()
+    except urllib3.exceptions.HTTPError as err:
+        reason = getattr(err, "reason", None) or err
+        raise BadInput(f"cannot reach the Kubeflow Pipelines API at {endpoint}: {type(reason).__name__}; "
+                       "check --endpoint / KF_PIPELINES_ENDPOINT") from None
+    except ApiException as err:
+        raise BadInput(f"the Kubeflow Pipelines API at {endpoint} refused the request: {err.status} "
+                       f"{err.reason}") from None

@@ -184,7 +184,7 @@ def test_a_registered_scheme_written_as_a_path_is_refused_too(mem_backend):
         open_store("mem:toy/x")
 
 
-@pytest.mark.parametrize("path", ["./s3:/bucket/x", "data/s3:x", "C:/data", "notascheme:x"])
+@pytest.mark.parametrize("path", ["./s3:/bucket/x", "data/s3:x", "C:/data", "./notascheme:x"])
 def test_a_path_with_a_colon_elsewhere_is_still_a_local_directory(path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     store = open_store(path)

@@ -39,6 +39,62 @@ def parse_store_uri(uri: str) -> tuple[str, str, str]:
     return parse(uri)
 
 
+TRACKING_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "file", "databricks")
+"""Tracking URI schemes MLflow serves (a database one may name its driver: ``postgresql+psycopg2``)."""
+_URI_PREFIX = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):(.*)$", re.S)
+
+
+def check_tracking_uri(uri: str) -> str:
+    """``uri`` if it is a well-formed MLflow tracking URI, else ValueError naming the fix in one line:
+    ``sqlite:x.db`` -> ``sqlite:///x.db``, ``http:/host`` -> ``http://host``, ``HTTP://`` -> lowercase,
+    no credentials in it (they come from MLFLOW_TRACKING_USERNAME/PASSWORD)."""
+    usage = "use sqlite:///path.db, postgresql+psycopg2://..., or http://host:port"
+    match = _URI_PREFIX.match(uri)
+    if match is None:
+        raise ValueError(f"unsupported tracking URI {uri!r} (a path is not one); {usage}")
+    scheme, rest = match[1], match[2]
+    base = scheme.split("+")[0].lower()
+    if base not in TRACKING_SCHEMES:
+        raise ValueError(f"unsupported tracking URI {uri!r}: scheme {scheme!r}; {usage}")
+    if scheme != scheme.lower():
+        raise ValueError(f"tracking URI {uri!r}: write the scheme in lowercase: {scheme.lower()}:{rest}")
+    if not rest.startswith("//"):
+        slashes = "///" if base in ("sqlite", "file") else "//"
+        raise ValueError(f"tracking URI {uri!r} is not a well-formed {base} URI; write the URI as "
+                         f"{scheme}:{slashes}{rest.lstrip('/')}")
+    if base == "sqlite" and not rest.startswith("///"):
+        raise ValueError(f"tracking URI {uri!r}: a sqlite URI has three slashes before the file: "
+                         f"sqlite:///{rest.lstrip('/')} (relative) or sqlite:////absolute/path.db")
+    if base in ("http", "https") and not rest[2:].split("/", 1)[0]:
+        raise ValueError(f"tracking URI {uri!r} names no host; write {base}://host:port")
+    if re.match(r"^https?://[^/]*:[^/@]*@", uri):
+        raise ValueError("tracking URI must not carry credentials; set MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD")
+    return uri
+
+
+def check_artifact_location(uri: str) -> str:
+    """``uri`` if it is a path or ``<scheme>://...`` (``mlflow-artifacts:/path`` too), else ValueError:
+    ``s3:/bucket/x`` would be taken as a local folder of that name."""
+    match = _URI_PREFIX.match(uri)
+    if match is None or match[1] == "mlflow-artifacts":
+        return uri
+    scheme, rest = match[1], match[2]
+    if scheme != scheme.lower():
+        raise ValueError(f"artifact location {uri!r}: write the scheme in lowercase: {scheme.lower()}:{rest}")
+    if not rest.startswith("//"):
+        slashes = "///" if scheme == "file" else "//"
+        raise ValueError(f"artifact location {uri!r} is not a well-formed URI; write the URI as "
+                         f"{scheme}:{slashes}{rest.lstrip('/')} (a local directory of that name is written ./{uri})")
+    return uri
+
+
+def check_http_url(url: str, what: str) -> str:
+    """``url`` if it is ``http(s)://host[:port][/...]``, else ValueError naming ``what``."""
+    if not re.match(r"^https?://[^/\s]+", url):
+        raise ValueError(f"{what} {url!r} is not http(s)://host[:port]")
+    return url
+
+
 def parse_failure_spec(spec: str | None) -> tuple[str | None, int]:
     """``("kill-worker", 30)`` for ``kill-worker@step=30``; ``(None, -1)`` when no failure is injected."""
     if not spec:
@@ -84,13 +140,12 @@ class TrackingConfig(_Model):
     @field_validator("uri")
     @classmethod
     def _tracking_scheme(cls, v: str) -> str:
-        schemes = ("sqlite", "postgresql", "postgresql+psycopg2", "mysql", "http", "https", "file", "databricks")
-        scheme = v.split("://", 1)[0] if "://" in v else ""
-        if scheme.split("+")[0] not in {s.split("+")[0] for s in schemes}:
-            raise ValueError(f"unsupported tracking URI {v!r}; use sqlite:///path.db, postgresql+psycopg2://..., or http://host:port")
-        if re.match(r"^https?://[^/]*:[^/@]*@", v):
-            raise ValueError("tracking URI must not carry credentials; set MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD")
-        return v
+        return check_tracking_uri(v)
+
+    @field_validator("artifact_location")
+    @classmethod
+    def _artifact_uri(cls, v: str | None) -> str | None:
+        return v if v is None else check_artifact_location(v)
 
 
 class DataConfig(_Model):
@@ -162,6 +217,11 @@ class KubernetesConfig(_Model):
         "relaunch-mlflow", description="Secret with MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (optional)."
     )
     store_endpoint: str | None = Field("http://minio.relaunch.svc:9000", description="AWS_ENDPOINT_URL given to pods.")
+    @field_validator("store_endpoint")
+    @classmethod
+    def _endpoint_url(cls, v: str | None) -> str | None:
+        return v if not v else check_http_url(v, "store endpoint")
+
     backoff_limit: int = Field(6, ge=0, description="PyTorchJob runPolicy.backoffLimit: pod restarts before the job fails.")
     clean_pod_policy: Literal["None", "Running", "All"] = Field("None", description="PyTorchJob runPolicy.cleanPodPolicy.")
     ttl_seconds_after_finished: int = Field(86400, ge=0, description="Delete the finished job after this long (PyTorchJob runPolicy; the runtime's JobSet).")
@@ -347,15 +407,36 @@ def with_pipeline_parameters(config: RelaunchConfig, values: dict[str, Any]) -> 
     return folded
 
 
+def _did_you_mean(loc: list[str]) -> str | None:
+    """The known key nearest to the unknown ``loc`` (``train.epoch`` -> ``train.epochs``), or None."""
+    import difflib
+
+    model: Any = RelaunchConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return None
+        model = field.annotation
+    close = difflib.get_close_matches(loc[-1], list(model.model_fields), n=1, cutoff=0.6)
+    return ".".join([*loc[:-1], close[0]]) if close else None
+
+
+def _redacted(value: Any) -> Any:
+    """``value`` with the password of a ``scheme://user:password@host`` URI replaced by ``***``."""
+    return re.sub(r"(://[^/:@]*):[^/@]*@", r"\1:***@", value) if isinstance(value, str) else value
+
+
 def describe_validation_error(err: ValidationError) -> str:
     """One line naming the first offending field, its value and what is expected."""
     first = err.errors()[0]
     field = ".".join(str(p) for p in first["loc"]) or "config"
     msg = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
-        return f"config: unknown key {field!r}; remove it or check the spelling (see README: configuration)"
+        guess = _did_you_mean([str(p) for p in first["loc"]])
+        hint = f"did you mean {guess!r}?" if guess else "remove it or check the spelling"
+        return f"config: unknown key {field!r}; {hint} (see README: configuration)"
     value = first.get("input")
-    shown = "" if isinstance(value, dict) else f" (got {value!r})"
+    shown = "" if isinstance(value, dict) else f" (got {_redacted(value)!r})"
     more = f" and {len(err.errors()) - 1} more error(s)" if len(err.errors()) > 1 else ""
     return f"config: {field}: {msg}{shown}{more}"
 

@@ -98,9 +98,6 @@ BACKENDS: dict[str, type] = {}
 """The registered backend classes by URI scheme (``register_backend``)."""
 PATH_SCHEME = "file"
 """The backend of a URI without a scheme (a plain path)."""
-WELL_KNOWN_SCHEMES = frozenset({"s3", "s3a", "s3n", "gs", "gcs", "az", "abfs", "abfss", "wasb", "wasbs", "adl",
-                                "hdfs", "http", "https", "ftp", "sftp", "file"})
-"""Schemes that a path starting ``<scheme>:`` (``s3:/bucket/x``) was surely meant as, registered or not."""
 _SCHEME_PREFIX = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(.*)$", re.S)
 
 B = TypeVar("B", bound=type)
@@ -126,39 +123,47 @@ def parse_store_uri(uri: str) -> tuple[str, str, str]:
     ``file:///path``, ``("s3", bucket, prefix)`` for ``s3://bucket/prefix``, and so on for each
     registered backend; the one set of rules the configuration and :func:`open_store` apply.
 
-    A path whose first part names a scheme with a colon (``s3:/bucket/x``, ``s3:bucket/x``,
-    ``gs:x``) is refused rather than taken as a local directory: it was a URI written wrong.
+    A value that starts like a URI (``<scheme>:``, two characters or more: one letter is a Windows
+    drive) must be a well-formed URI of a registered backend: ``s3:/bucket/x``, ``s3:bucket/x``,
+    ``S3://bucket/x``, ``gs:bucket``, ``file:relative`` or ``foo:bar`` are refused rather than taken
+    as a local directory of that name (``./foo:bar`` is one).
 
     Raises:
         ValueError: one line saying what is wrong and how to write it.
     """
     if not isinstance(uri, str) or not uri.strip():
         raise ValueError(f"store URI is empty; use {_choices()}")
-    if "://" in uri:
-        scheme = uri.split("://", 1)[0]
-    else:
-        _refuse_scheme_like_path(uri)
+    match = _SCHEME_PREFIX.match(uri)
+    if match is None or len(match[1]) < 2:
         scheme = PATH_SCHEME
-    backend = BACKENDS.get(scheme)
-    if backend is None:
-        raise ValueError(f"store URI scheme {scheme!r} is not supported; use {_choices()}")
+    else:
+        scheme = match[1]
+        _refuse_malformed_scheme(uri, scheme, match[2])
+    backend = BACKENDS[scheme]
     location, prefix = backend.parse(uri)
     return scheme, location, prefix
 
 
-def _refuse_scheme_like_path(uri: str) -> None:
-    match = _SCHEME_PREFIX.match(uri)
-    if not match or len(match[1]) < 2:  # one letter: a Windows drive, not a scheme
+def _refuse_malformed_scheme(uri: str, scheme: str, rest: str) -> None:
+    """Nothing for ``<registered scheme>://...``; ValueError naming the fix for any other ``<scheme>:``."""
+    lower = scheme.lower()
+    if scheme in BACKENDS and rest.startswith("//"):
         return
-    scheme, rest = match[1].lower(), match[2]
-    if scheme not in BACKENDS and scheme not in WELL_KNOWN_SCHEMES:
-        return
+    if rest.startswith("//"):
+        if lower in BACKENDS:
+            raise ValueError(f"store URI {uri!r}: write the scheme in lowercase: {lower}:{rest}")
+        raise ValueError(f"store URI scheme {scheme!r} is not supported; use {_choices()}")
     local = f"for a local directory of that name write ./{uri}"
-    if scheme in BACKENDS:
-        written = f"{scheme}:///{rest.lstrip('/')}" if scheme == PATH_SCHEME else f"{scheme}://{rest.lstrip('/')}"
-        raise ValueError(f"store URI {uri!r} is not a path; write the URI as {written} ({local})")
-    raise ValueError(f"store URI {uri!r} is not a path but a {scheme} URI, and {scheme} is not supported; "
-                     f"use {_choices()} ({local})")
+    if lower not in BACKENDS:
+        raise ValueError(f"store URI {uri!r} is not a path but a {scheme} URI, and {scheme} is not supported; "
+                         f"use {_choices()} ({local})")
+    if lower == PATH_SCHEME and not rest.startswith("/"):
+        fix = f"write the relative path without file: ({rest or '.'}), or the URI as file:///absolute/path"
+    elif not rest.strip("/"):
+        fix = f"write the URI as {BACKENDS[lower].example}"
+    else:
+        fix = f"write the URI as {lower}:{'///' if lower == PATH_SCHEME else '//'}{rest.lstrip('/')}"
+    raise ValueError(f"store URI {uri!r} is not a path; {fix} ({local})")
 
 
 def open_store(uri: str, *, retries: int | None = None, backoff: float | None = None) -> Store:
