@@ -7,9 +7,14 @@ pipeline on this machine (kfp.local), with the embedded defaults unless the conf
     relaunch run --config configs/local.yaml --set train.epochs=1
 
 Each ``relaunch run`` is a new training: its own store namespace ``<store.uri>/trainings/<UTC time>/``
-(dataset, checkpoints, attempt records) and its own MLflow run. That is what a user who types the command
+(its configuration, dataset, checkpoints, attempt records) and its own MLflow run. That is what a user who types the command
 again expects after changing a flag, and it keeps every earlier training, its checkpoints and its
-registered model intact. ``--resume`` continues the newest training of the store in its MLflow run; when
+registered model intact. ``--resume`` continues the newest training of the store in its MLflow run,
+with exactly the configuration that training stored (``runs/config.json``): a ``--set`` or ``--config``
+value that would change what the training is (its task, model, data, total steps, optimisation:
+:data:`components.core.store.records.TRAINING_IDENTITY`) is refused in one line, exit 2 — run without
+``--resume`` to start a new training with it; other keys (logging, checkpoint cadence, evaluation, an
+injected failure, the number of nodes: checkpoints reshard) may change. When
 that training already reached its end and its pipeline finished, it says so in one line and exits 0
 without starting anything; when the training reached its end but evaluate or register failed, it runs
 the pipeline again, which launches nothing and evaluates and registers the last checkpoint.
@@ -21,6 +26,7 @@ starts. The exit code is the failing step's, per the exit-code contract.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -60,8 +66,11 @@ def run(args: argparse.Namespace) -> int:
         console.print(done or resuming, highlight=False, soft_wrap=True)
         if done:
             return 0
+        if args.inject_failure:  # a demo of the resumed training, not a change of what it is
+            config = with_pipeline_parameters(config, {"inject_failure": args.inject_failure})
     else:
         config = new_training(config)
+        remember_config(config)
         console.print(f"relaunch: a new training in {config.store.uri} (`relaunch run --resume` continues it)",
                       highlight=False, soft_wrap=True)
 
@@ -102,13 +111,66 @@ def new_training(config: RelaunchConfig) -> RelaunchConfig:
     return _namespaced(config, candidate)
 
 
-def resume_training(config: RelaunchConfig) -> tuple[RelaunchConfig, str, str]:
-    """The configuration that continues the newest training (its namespace, its MLflow run); a line
-    to print instead when there is nothing to do: its training reached its end and its pipeline
-    finished ("" otherwise); and the line that says what the resume will do.
+def remember_config(config: RelaunchConfig) -> None:
+    """Store ``config`` with its training (``runs/config.json``): what ``--resume`` continues with."""
+    from components.core.store import open_store
+    from components.core.store.records import write_training_config
+
+    write_training_config(open_store(config.store.uri), json.loads(config.to_json()))
+
+
+ALWAYS_FROM_THE_COMMAND_LINE = ("store.uri", "tracking.run_id", "launch.inject_failure")
+"""Keys a resume never takes from the stored configuration: where the trainings are (the store may have
+moved), the MLflow run (the training's own, from ``runs/mlflow-run.json``), the failure a demo injects."""
+
+
+def stored_configuration(config: RelaunchConfig, training: str, store) -> RelaunchConfig:
+    """The configuration ``training`` stored, with the keys the command line set explicitly (its
+    ``--config`` file and ``--set`` values, as ``config`` holds them) where they do not change what
+    the training is; ``config`` in a new namespace when the training stored none.
 
     Raises:
-        BadInput: the store holds no training to resume.
+        BadInput: an explicit key of :data:`~components.core.store.records.TRAINING_IDENTITY` differs
+            from the training's; the line names the key, both values and how to start a new training.
+    """
+    from components.core.contract.errors import BadInput
+    from components.core.store.records import identity_changes, read_training_config
+
+    stored = read_training_config(store)
+    if stored is None:  # a training from before relaunch stored its configuration
+        return _namespaced(config, training)
+    own = json.loads(RelaunchConfig.model_validate(stored).to_json())  # the stored one, normalised
+    asked = config.model_dump(mode="json", exclude_unset=True)
+    for key in ALWAYS_FROM_THE_COMMAND_LINE:
+        section, name = key.split(".")
+        asked.get(section, {}).pop(name, None)
+        own[section][name] = None if key != "store.uri" else own[section][name]
+    changes = identity_changes(own, asked)
+    if changes:
+        key, old, new = changes[0]
+        more = f" (and {', '.join(k for k, _, _ in changes[1:])})" if len(changes) > 1 else ""
+        raise BadInput(f"--resume: {key} is {json.dumps(old)} in the training {training} and the command line asks "
+                       f"for {json.dumps(new)}{more}; a resume continues a training with its own configuration: drop "
+                       f"that value, or run without --resume to start a new training with it")
+    merged = RelaunchConfig.model_validate(_merge(own, asked))
+    return _namespaced(merged.model_copy(update={"store": config.store}), training)
+
+
+def _merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _merge(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+    return out
+
+
+def resume_training(config: RelaunchConfig) -> tuple[RelaunchConfig, str, str]:
+    """The configuration that continues the newest training (its stored configuration, its namespace,
+    its MLflow run: :func:`stored_configuration`); a line to print instead when there is nothing to do:
+    its training reached its end and its pipeline finished ("" otherwise); and the line that says what
+    the resume will do.
+
+    Raises:
+        BadInput: the store holds no training to resume, or the command line changes what it is.
     """
     from components.core.contract.errors import BadInput
     from components.core.store.records import pipeline_finished, read_summary, stored_run_id
@@ -118,8 +180,8 @@ def resume_training(config: RelaunchConfig) -> tuple[RelaunchConfig, str, str]:
     names = trainings(config)
     if not names:
         raise BadInput(f"--resume: {config.store.uri} holds no training to resume; `relaunch run` starts one")
-    resumed = _namespaced(config, names[-1])
-    store = open_store(resumed.store.uri)
+    store = open_store(_namespaced(config, names[-1]).store.uri)
+    resumed = stored_configuration(config, names[-1], store)
     summary = read_summary(store)
     ended = reached_its_end(summary)
     if ended and pipeline_finished(store, summary.get("run_id")):
