@@ -26,6 +26,7 @@ starts. The exit code is the failing step's, per the exit-code contract.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -52,11 +53,54 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``relaunch run``; Ctrl-C (SIGINT) or SIGTERM anywhere stops every process it started and ends
+    with one line: exit 143 when the training committed a preemption checkpoint, else 130."""
+    from pipelines.local.interrupt import STOP_MARGIN_SECONDS, Interrupted, interruptible, stop_descendants
+
+    config = config_from_cli(args.config, None, args.overrides)
+    training: list[RelaunchConfig] = []  # the training's configuration, once chosen
+    with interruptible():
+        try:
+            return _run(args, config, training)
+        except Interrupted as stop:
+            stop_descendants(config.train.preempt_grace_seconds + STOP_MARGIN_SECONDS)  # what is left, if any
+            code, line = interrupted(training[-1] if training else None, stop)
+            print(line, file=sys.stderr)
+            return code
+
+
+def interrupted(config: RelaunchConfig | None, stop) -> tuple[int, str]:
+    """The exit code and the one line of a run stopped by signal: 143 when the training committed a
+    checkpoint at the step it stopped at after the signal (its preemption checkpoint), else 130."""
+    from components.core.contract.errors import RelaunchError
+    from components.core.contract.exitcodes import ExitCode
+    from components.core.store import open_store
+    from components.core.store.records import read_exit_record, read_summary
+
+    name = "Ctrl-C (SIGINT)" if stop.signum == 2 else "SIGTERM"
+    if config is None:
+        return ExitCode.INTERRUPTED, f"relaunch: stopped by {name} before a training started"
+    resume = "`relaunch run --resume` continues it"
+    ended: dict = {}
+    summary: dict = {}
+    with contextlib.suppress(RelaunchError, OSError, ValueError):  # the store is away: the plain line
+        store = open_store(config.store.uri)
+        ended, summary = read_exit_record(store) or {}, read_summary(store) or {}
+    after = float(ended.get("time") or 0) >= stop.at
+    if after and ended.get("exit_code") == ExitCode.PREEMPTED and summary.get("exit_code") == ExitCode.PREEMPTED \
+            and summary.get("last_committed_step", -1) == summary.get("last_step") >= 0:
+        return ExitCode.PREEMPTED, (f"relaunch: stopped by {name}; checkpoint at step {summary['last_step']} "
+                                    f"committed; every process of the run ended; {resume}")
+    committed = summary.get("last_committed_step", -1)
+    last = f" from its checkpoint at step {committed}" if committed is not None and committed >= 0 else ""
+    return ExitCode.INTERRUPTED, f"relaunch: stopped by {name}; every process of the run ended; {resume}{last}"
+
+
+def _run(args: argparse.Namespace, config: RelaunchConfig, training: list[RelaunchConfig]) -> int:
     from rich.console import Console
 
     from components.prepare import check_inputs
 
-    config = config_from_cli(args.config, None, args.overrides)
     if args.inject_failure:  # typed, like the pipeline parameter of the same name
         config = with_pipeline_parameters(config, {"inject_failure": args.inject_failure})
     check_inputs(config)
@@ -74,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"relaunch: a new training in {config.store.uri} (`relaunch run --resume` continues it)",
                       highlight=False, soft_wrap=True)
 
+    training.append(config)
     from pipelines.local.runner import render_summary, run_pipeline
 
     result = run_pipeline(config, console=console, state_dir=args.state_dir, cold=args.cold)
