@@ -20,13 +20,14 @@ from components.core.contract.exitcodes import ExitCode
 RELAUNCH = str(Path(sys.executable).parent / "relaunch")
 SHORT = ["--set", "train.hidden_size=32", "--set", "train.max_steps=60", "--set", "train.step_sleep_seconds=0.2",
          "--set", "train.checkpoint_every_steps=10", "--set", "launch.rdzv_port=0"]
+"""The training's configuration; the resume gives none of it (the defaults would train 76 steps)."""
 RUN_TIMEOUT = 420
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * RUN_TIMEOUT)]
 
 
 def _start(cwd: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([RELAUNCH, "run", *SHORT, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    return subprocess.Popen([RELAUNCH, "run", *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
 
 
@@ -61,7 +62,7 @@ def _alive(processes: list[psutil.Process]) -> list[str]:
 def interrupted(tmp_path_factory):
     """A training stopped by SIGINT to the `relaunch run` process alone, then `relaunch run --resume`."""
     cwd = tmp_path_factory.mktemp("interrupted")
-    proc = _start(cwd)
+    proc = _start(cwd, *SHORT)
     try:
         _wait_for_training(proc, cwd)
         run_processes = psutil.Process(proc.pid).children(recursive=True)
@@ -78,7 +79,7 @@ def interrupted(tmp_path_factory):
             pass
     resumed = _start(cwd, "--resume")
     r_out, r_err = resumed.communicate(timeout=RUN_TIMEOUT)
-    return proc.returncode, out, err, run_processes, left, (resumed.returncode, r_out, r_err)
+    return proc.returncode, out, err, run_processes, left, (resumed.returncode, r_out, r_err, cwd)
 
 
 def test_sigint_to_the_cli_alone_ends_with_one_line_and_exit_130_or_143(interrupted):
@@ -98,6 +99,24 @@ def test_sigint_to_the_cli_alone_leaves_no_process_of_the_run(interrupted):
 
 
 def test_resume_after_sigint_finishes_the_training_at_once(interrupted):
-    code, out, err = interrupted[-1]
+    code, out, err, _ = interrupted[-1]
     assert code == 0, (out[-3000:], err[-3000:])
     assert "resuming the training in" in out and "already committed" not in out + err
+
+
+def test_the_resumed_training_keeps_its_own_configuration_in_the_summary_and_mlflow(interrupted):
+    from mlflow.tracking import MlflowClient
+
+    from components.core.contract.config import RelaunchConfig
+    from components.core.store import open_store
+    from components.core.store.records import read_summary
+    from pipelines.commands.run import trainings
+
+    cwd = interrupted[-1][-1]
+    root = str(cwd / ".relaunch" / "store")
+    (name,) = trainings(RelaunchConfig.model_validate({"store": {"uri": root}}))
+    summary = read_summary(open_store(f"{root}/trainings/{name}"))
+    assert (summary["last_step"], summary["total_steps"], summary["exit_code"]) == (60, 60, 0)
+    client = MlflowClient(f"sqlite:///{cwd}/.relaunch/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("relaunch").experiment_id])
+    assert run.data.params["train.max_steps"] == "60" and run.data.params["train.hidden_size"] == "32"
