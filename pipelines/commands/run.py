@@ -44,7 +44,8 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--inject-failure", metavar="SPEC",
                    help="kill-worker@step=N, preempt@step=N or storage-outage@step=N (a fault-tolerance demo)")
     p.add_argument("--resume", action="store_true",
-                   help="continue the newest training of the store instead of starting a new one")
+                   help="continue the newest training of the store, with its own stored configuration, instead "
+                        "of starting a new one (a --set that changes what the training is is refused)")
     p.add_argument("--state-dir", default=".relaunch", help="where kfp.local outputs and run logs go")
     p.add_argument("--cold", action="store_true",
                    help="start every step, torchrun agent and worker as a fresh interpreter, as a cluster does "

@@ -120,3 +120,27 @@ def test_the_resumed_training_keeps_its_own_configuration_in_the_summary_and_mlf
     client = MlflowClient(f"sqlite:///{cwd}/.relaunch/mlflow.db")
     (run,) = client.search_runs([client.get_experiment_by_name("relaunch").experiment_id])
     assert run.data.params["train.max_steps"] == "60" and run.data.params["train.hidden_size"] == "32"
+
+
+def test_ctrl_c_in_a_terminal_signals_the_whole_foreground_group_and_still_ends_in_one_line(tmp_path):
+    """A terminal's Ctrl-C sends SIGINT to the whole foreground process group (here: the group the
+    CLI leads), the CLI, its warm servers and the launch step at once; torchrun agents are in their own
+    sessions."""
+    proc = _start(tmp_path, *SHORT)
+    try:
+        _wait_for_training(proc, tmp_path)
+        run_processes = psutil.Process(proc.pid).children(recursive=True)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=RUN_TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    left = _alive(run_processes)
+    for p in run_processes:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    assert proc.returncode in (ExitCode.INTERRUPTED, ExitCode.PREEMPTED), (out[-2000:], err[-3000:])
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err[-3000:]
+    assert left == []
