@@ -241,4 +241,8 @@ def resume_training(config: RelaunchConfig) -> tuple[RelaunchConfig, str, str]:
                              f"{summary['last_step']} of {summary['total_steps']}) but its pipeline did not finish; "
                              f"finishing it: evaluate and register its last checkpoint in MLflow run "
                              f"{summary.get('run_id')}, without training")
-    return resumed, "", f"relaunch: resuming the training in {resumed.store.uri}"
+    from components.core.store.records import read_training_config
+
+    unknown = "" if read_training_config(store) is not None else \
+        " (it stored no configuration, from before relaunch kept one: continuing with the command line's)"
+    return resumed, "", f"relaunch: resuming the training in {resumed.store.uri}{unknown}"
