@@ -4,7 +4,8 @@ evaluation gate, the retries and the exit handler. :data:`PIPELINE` is walked by
 :mod:`pipelines.argo` (Argo Workflows); the local run, the console and the tests read each step's
 name, module and outputs from here. The libraries the steps share are in ``components.core``.
 
-    prepare >> locate-latest-checkpoint >> launch >> evaluate >> register (when evaluate passed)
+    prepare >> locate-latest-checkpoint >> launch >> evaluate >> register (when evaluate passed: the
+    training completed, launch says, and its metric met the gate)
     on exit, whatever happened: finalize; delete-training-job (Argo, when the workflow did not succeed)
 """
 
@@ -144,7 +145,9 @@ LAUNCH = Step("launch", "components.launch", "LaunchOutputs",
               # training restarts inside torchrun / the job first; a whole launch retry is the outer loop
               retry=RetryPolicy(limit=4, backoff_seconds=10, factor=2, max_backoff_seconds=300),
               uses_torch=True, creates_job=True)
-EVALUATE = Step("evaluate", "components.evaluate", "EvaluateOutputs", inputs=(RESOLVED,), after=(LAUNCH.name,),
+EVALUATE = Step("evaluate", "components.evaluate", "EvaluateOutputs",
+                # the registry gate: a training that did not reach its end is neither evaluated nor registered
+                inputs=(RESOLVED, Input("training_completed", output(LAUNCH, "completed"))),
                 retry=RetryPolicy(limit=2, backoff_seconds=5, factor=2, max_backoff_seconds=60), uses_torch=True)
 REGISTER = Step("register", "components.register", "RegisterOutputs",
                 inputs=(RESOLVED, Input("checkpoint_uri", output(EVALUATE, "checkpoint_uri")),

@@ -26,8 +26,12 @@ class EvaluateOutputs:
     step: int
 
 
-def run(config: RelaunchConfig) -> EvaluateOutputs:
+def run(config: RelaunchConfig, training_completed: bool | str = True) -> EvaluateOutputs:
     """Evaluate the checkpoint ``evaluate.checkpoint`` names on ``evaluate.split``.
+
+    Args:
+        training_completed: launch's verdict (``"true"``/``"false"`` from a step CLI); a training that
+            did not reach its end is not evaluated and its gate fails, so the registry never sees it.
 
     Raises:
         BadInput: there is no committed checkpoint, or the gate metric is not one the task computes.
@@ -36,6 +40,9 @@ def run(config: RelaunchConfig) -> EvaluateOutputs:
     from components.core.tracking.models import load_model, save_model
     from components.tasks.base import load_task
 
+    if str(training_completed).lower() != "true":
+        print("evaluate: the training did not reach its end; not evaluated, nothing will be registered", file=sys.stderr)
+        return EvaluateOutputs(metrics_json="{}", passed=False, checkpoint_uri="", step=-1)
     task = load_task(config.train.task, config)
     with CheckpointManager.from_config(config, async_save=False) as mgr:
         info = None

@@ -32,6 +32,8 @@ class LaunchOutputs:
     ettr: float
     last_checkpoint_uri: str
     job_name: str
+    completed: bool = False
+    """The training trained exactly its last step (:func:`completed`): the gate of evaluate and register."""
 
 
 class LaunchFailed(RelaunchError):
@@ -56,12 +58,16 @@ def run(config: RelaunchConfig, resume_from: str = "", pipeline_run_id: str = ""
     if result.exit_code != 0:
         raise LaunchFailed(result.exit_code, result.message or f"training failed with exit code {result.exit_code}")
     summary = read_summary(config)
+    done = completed(summary)
+    if not done:
+        print(f"launch: the training ended without reaching its end (step {summary.get('last_step')} of "
+              f"{summary.get('total_steps')}); nothing of it is evaluated or registered", file=sys.stderr)
     return LaunchOutputs(
         restarts=result.restarts,
         resumed_from_steps=json.dumps(summary.get("resumed_from_steps", result.resumed_from_steps)),
         train_seconds=float(summary.get("train_seconds", 0.0)), duration_seconds=result.duration_seconds,
         ettr=float(summary.get("ettr", 0.0)), last_checkpoint_uri=str(summary.get("last_checkpoint_uri") or ""),
-        job_name=result.job_name or "")
+        job_name=result.job_name or "", completed=done)
 
 
 def reached_its_end(summary: dict | None) -> bool:
@@ -71,6 +77,12 @@ def reached_its_end(summary: dict | None) -> bool:
     if not summary:
         return False
     return TrainSummary(**{k: v for k, v in summary.items() if k in TrainSummary.__dataclass_fields__}).reached_the_end
+
+
+def completed(summary: dict | None) -> bool:
+    """Whether the summary's training reached its end at exactly its last step: a checkpoint past
+    the total ("step 83 of 76") is another training's, never one to evaluate or register."""
+    return reached_its_end(summary) and int(summary["last_step"]) == int(summary["total_steps"])
 
 
 def finished_training(config: RelaunchConfig) -> LaunchOutputs | None:
@@ -90,7 +102,7 @@ def finished_training(config: RelaunchConfig) -> LaunchOutputs | None:
         resumed_from_steps=json.dumps(summary.get("resumed_from_steps", [])),
         train_seconds=float(summary.get("train_seconds", 0.0)), duration_seconds=0.0,
         ettr=float(summary.get("ettr") or 0.0), last_checkpoint_uri=str(summary.get("last_checkpoint_uri") or ""),
-        job_name="")
+        job_name="", completed=completed(summary))
 
 
 def read_summary(config: RelaunchConfig) -> dict:

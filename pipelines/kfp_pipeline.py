@@ -61,19 +61,19 @@ def locate_latest_checkpoint(config_json: str) -> NamedTuple(
 def launch(config_json: str, resume_from: str, pipeline_run_id: str) -> NamedTuple(
         "LaunchOutputs", [("restarts", int), ("resumed_from_steps", str),
                           ("train_seconds", float), ("duration_seconds", float), ("ettr", float),
-                          ("last_checkpoint_uri", str), ("job_name", str)]):
+                          ("last_checkpoint_uri", str), ("job_name", str), ("completed", bool)]):
     """Run the distributed training to its end (local torchrun agents or a PyTorchJob)."""
     from pipelines.kfp_entry import call
 
     return call("launch", config_json, resume_from=resume_from, pipeline_run_id=pipeline_run_id)
 
 
-def evaluate(config_json: str) -> NamedTuple(
+def evaluate(config_json: str, training_completed: bool) -> NamedTuple(
         "EvaluateOutputs", [("metrics_json", str), ("passed", bool), ("checkpoint_uri", str), ("step", int)]):
     """Metrics of the final checkpoint on the held-out split, and the gate's verdict."""
     from pipelines.kfp_entry import call
 
-    return call("evaluate", config_json)
+    return call("evaluate", config_json, training_completed=training_completed)
 
 
 def register(config_json: str, checkpoint_uri: str, metrics_json: str) -> NamedTuple(

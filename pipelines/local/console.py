@@ -201,12 +201,18 @@ def render_summary(config: RelaunchConfig, result, console) -> None:
     if reg is not None and reg.version:
         rows.append(("model", f"{reg.model_name} version {reg.version}, aliases {', '.join(json.loads(reg.aliases))}"
                               f" ({reg.champion_decision})"))
+    elif s[EVALUATE.name].state == "succeeded" and lau is not None and not lau.completed:
+        rows.append(("model", "not registered: the training did not reach its end"))
     elif s[EVALUATE.name].state == "succeeded":
         rows.append(("model", "not registered: the evaluation gate failed"))
     if lau is not None:
         resumed = [x for x in json.loads(lau.resumed_from_steps or "[]") if x >= 0]
-        rows.append(("training", f"{lau.train_seconds:.1f}s training in {lau.duration_seconds:.1f}s "
-                                 f"launch; ETTR {lau.ettr:.3f}"))
+        if lau.duration_seconds or lau.job_name:
+            rows.append(("training", f"{lau.train_seconds:.1f}s training in {lau.duration_seconds:.1f}s "
+                                     f"launch; ETTR {lau.ettr:.3f}"))
+        else:  # a finish-only resume: launch found the training at its end and started nothing
+            rows.append(("training", f"nothing launched: trained earlier ({lau.train_seconds:.1f}s of training); "
+                                     f"ETTR {lau.ettr:.3f}"))
         launch_retries = max(0, s[LAUNCH.name].attempts - 1)
         rows.append(("fault tolerance", f"{lau.restarts} torchrun restart(s), {launch_retries} launch retr"
                                         f"{'y' if launch_retries == 1 else 'ies'}; "

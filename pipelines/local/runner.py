@@ -19,6 +19,7 @@ from typing import Any
 from components import FINALIZE
 from components.core.contract.config import RelaunchConfig
 from components.core.contract.exitcodes import ExitCode
+from pipelines.local.interrupt import STOP_MARGIN_SECONDS, Interrupted, stop_descendants
 from pipelines.local.console import STEPS, RunView, StepRecord, render_summary
 from pipelines.local.kfp_fixes import install_local_fixes, use_warm_steps
 from pipelines.local.warm_steps import WarmSteps, supported as warm_steps_supported
@@ -63,6 +64,9 @@ def run_pipeline(config: RelaunchConfig, *, console=None, state_dir: str | Path 
                                              extra_imports=(config.train.task.split(":")[0],))
     try:
         return _run_on_kfp_local(config, console, Path(state_dir), run_dir, warm_steps)
+    except Interrupted:
+        stop_descendants(config.train.preempt_grace_seconds + STOP_MARGIN_SECONDS)
+        raise
     finally:
         if warm_steps is not None:
             warm_steps.close()

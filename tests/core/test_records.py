@@ -41,3 +41,22 @@ def test_pending_metrics_round_trip_and_attempt_keys_sort_in_order(tmp_path):
     for n in (2, 10, 1):
         records.write_json(store, records.attempt_key(n), {"attempt": n})
     assert [records.read_json(store, k)["attempt"] for k in records.attempt_keys(store)] == [1, 2, 10]
+
+
+def test_the_first_stored_training_config_stays_and_carries_no_credentials(tmp_path):
+    store = open_store(str(tmp_path))
+    assert records.read_training_config(store) is None
+    first = {"train": {"epochs": 8}, "tracking": {"uri": "http://alice:secret@mlflow:5000"}}
+    assert records.write_training_config(store, first)["train"]["epochs"] == 8
+    assert records.write_training_config(store, {"train": {"epochs": 4}})["train"]["epochs"] == 8
+    stored = store.read_bytes(records.CONFIG_KEY).decode()
+    assert "secret" not in stored and "alice" not in stored and "http://mlflow:5000" in stored
+
+
+def test_identity_changes_name_only_the_keys_asked_for_that_change_what_the_training_is():
+    stored = {"train": {"epochs": 8, "lr": 0.05, "log_every_steps": 1}, "launch": {"nodes": 2}}
+    assert records.identity_changes(stored, {}) == []
+    assert records.identity_changes(stored, {"train": {"epochs": 8, "log_every_steps": 5}, "launch": {"nodes": 3}}) == []
+    assert records.identity_changes(stored, {"train": {"epochs": 4, "lr": 0.05}}) == [("train.epochs", 8, 4)]
+    assert records.identity_changes(stored, {"train": {"max_steps": None}}) == []
+    assert records.identity_changes(stored, {"train": {"max_steps": 10}}) == [("train.max_steps", None, 10)]

@@ -10,7 +10,7 @@ import pytest
 
 from components.core.store import records
 from components.core.tracking import goodput
-from components.core.contract.config import RelaunchConfig
+from components.core.contract.config import RelaunchConfig, config_from_cli
 from components.core.contract.errors import BadInput
 from components.core.store import open_store
 from components.core.store.records import write_pipeline_finished
@@ -64,3 +64,50 @@ def test_resuming_a_training_that_reached_its_end_but_whose_pipeline_did_not_fin
     config, done, resuming = resume_training(_config(tmp_path))
     assert done == "" and config.tracking.run_id == "run-a"
     assert "reached its end (step 76 of 76) but its pipeline did not finish" in resuming
+
+
+def _started(root, *overrides: str) -> str:
+    """A new training started by `relaunch run --set ...` (its stored configuration); its name."""
+    from pipelines.commands.run import remember_config
+
+    config = new_training(config_from_cli(None, None, [f"store.uri={root}", *overrides]))
+    remember_config(config)
+    return config.store.uri.rsplit("/", 1)[1]
+
+
+def test_resume_continues_with_the_trainings_own_configuration_not_the_defaults(tmp_path):
+    name = _started(tmp_path, "train.epochs=8", "train.hidden_size=32")
+    config, done, _ = resume_training(config_from_cli(None, None, [f"store.uri={tmp_path}"]))
+    assert done == "" and config.train.epochs == 8 and config.train.hidden_size == 32
+    assert config.store.uri == f"{tmp_path}/trainings/{name}"
+
+
+def test_resume_takes_harmless_keys_from_the_command_line(tmp_path):
+    _started(tmp_path, "train.epochs=8")
+    config, _, _ = resume_training(config_from_cli(None, None, [f"store.uri={tmp_path}", "train.epochs=8",
+                                                                "train.log_every_steps=5", "launch.nodes=3"]))
+    assert (config.train.epochs, config.train.log_every_steps, config.launch.nodes) == (8, 5, 3)
+
+
+@pytest.mark.parametrize("override, key", [("train.epochs=4", "train.epochs"), ("train.max_steps=10", "train.max_steps"),
+                                           ("train.task=x.y:z", "train.task"), ("data.split_seed=3", "data.split_seed"),
+                                           ("train.hidden_size=64", "train.hidden_size")])
+def test_a_resume_that_would_change_what_the_training_is_is_refused_in_one_line(tmp_path, override, key):
+    name = _started(tmp_path, "train.epochs=8", "train.hidden_size=32")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(BadInput) as refused:
+        resume_training(config_from_cli(None, None, [f"store.uri={tmp_path}", override]))
+    message = str(refused.value)
+    assert "\n" not in message and key in message and name in message and "without --resume" in message
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_the_cli_refuses_a_resume_that_changes_the_total_steps_with_exit_2_and_one_line(tmp_path, capsys):
+    from pipelines.cli import main
+
+    _started(tmp_path, "train.epochs=8", "tracking.uri=sqlite:///" + str(tmp_path / "mlflow.db"))
+    code = main(["run", "--resume", "--set", f"store.uri={tmp_path}", "--set", "train.epochs=4",
+                 "--set", "tracking.uri=sqlite:///" + str(tmp_path / "mlflow.db")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "train.epochs is 8" in err and "asks for 4" in err

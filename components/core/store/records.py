@@ -4,6 +4,7 @@ As :mod:`components.core.checkpoint.layout` owns ``checkpoints/``, this module o
 key is spelled here and nowhere else, and the other modules read and write these records through
 the helpers below. All keys are relative to the store root.
 
+    runs/config.json                 the training's configuration (:func:`write_training_config`)
     runs/mlflow-run.json             the training's MLflow run (:func:`remember_run`, :func:`stored_run_id`)
     runs/attempts/attempt-<nnnn>.json one record per attempt (:mod:`components.core.tracking.goodput`)
     runs/exit.json                   how the latest attempt ended under our control (:func:`write_exit_record`)
@@ -16,10 +17,12 @@ the helpers below. All keys are relative to the store root.
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Any
 
 RUNS_PREFIX = "runs/"
+CONFIG_KEY = RUNS_PREFIX + "config.json"
 RUN_KEY = RUNS_PREFIX + "mlflow-run.json"
 ATTEMPTS_PREFIX = RUNS_PREFIX + "attempts/"
 EXIT_KEY = RUNS_PREFIX + "exit.json"
@@ -60,6 +63,83 @@ def write_json(store, key: str, value: Any, *, indent: int | None = None) -> Non
 def write_json_if_absent(store, key: str, value: Any) -> bool:
     """Create ``key`` with ``value`` as JSON unless it exists; whether this call created it."""
     return store.write_if_absent(key, json.dumps(value).encode())
+
+
+# ---- the training's configuration: what the training is
+
+TRAINING_IDENTITY: tuple[str, ...] = (
+    "train.task", "train.epochs", "train.max_steps", "train.global_batch_size", "train.hidden_size",
+    "train.seed", "train.lr", "train.weight_decay", "train.parallelism", "train.mixed_precision", "train.amp",
+    "train.deterministic", "train.warm_start_model", "train.resume_from",
+    "data.dataset", "data.version", "data.val_fraction", "data.test_fraction", "data.split_seed",
+    "tracking.uri", "tracking.experiment", "launch.backend")
+"""The configuration keys that say what a training is: its task, model, data, total steps and
+optimisation (and where its MLflow run lives); ``relaunch run --resume`` refuses to change them. The
+world size is not here: checkpoints are resharded on load (DDP and FSDP), so ``launch.nodes`` and
+``launch.procs_per_node`` may change between attempts; every other key (logging, checkpoint cadence,
+timeouts, evaluation and registry settings, an injected failure) may change too."""
+
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]*@")
+
+
+def _without_credentials(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_credentials(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_without_credentials(v) for v in value]
+    if isinstance(value, str):
+        return _USERINFO.sub(r"\g<scheme>", value)
+    return value
+
+
+def write_training_config(store, config: dict[str, Any]) -> dict[str, Any]:
+    """Store ``config`` (a configuration as a dict) as the training's own unless one is stored
+    already; the stored one. A user:password in any URI is dropped first: credentials come from the
+    environment and are never stored."""
+    record = _without_credentials(config)
+    if write_json_if_absent(store, CONFIG_KEY, record):
+        return record
+    return read_training_config(store) or record
+
+
+def read_training_config(store) -> dict[str, Any] | None:
+    """The training's stored configuration (a dict), or None for a training that stored none
+    (one started before relaunch stored it)."""
+    return read_json(store, CONFIG_KEY)
+
+
+def dotted(data: dict[str, Any], key: str) -> Any:
+    """The value at ``key`` ("train.epochs") of a nested dict, or None when a section lacks it."""
+    node: Any = data
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def identity_changes(stored: dict[str, Any], asked: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``[(key, stored value, asked value)]`` for every :data:`TRAINING_IDENTITY` key that ``asked``
+    (the keys a user gave explicitly, nested) sets to a value other than ``stored``'s."""
+    changes = []
+    for key in TRAINING_IDENTITY:
+        new = dotted(asked, key)
+        if new is None and not _sets(asked, key):
+            continue
+        old = dotted(stored, key)
+        if new != old:
+            changes.append((key, old, new))
+    return changes
+
+
+def _sets(data: dict[str, Any], key: str) -> bool:
+    *sections, name = key.split(".")
+    node: Any = data
+    for part in sections:
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return isinstance(node, dict) and name in node
 
 
 # ---- the training's MLflow run

@@ -64,6 +64,14 @@ class TrainerCheckpoints:
             if not after_failure:
                 raise
             print(f"relaunch: closing the checkpoint manager: {err}", file=sys.stderr)
+            return
+        # the save pending at close committed there: the summary and the attempt record written next
+        # must name it (they said step 19 while the next attempt resumed from step 20)
+        committed = self.manager.wait()
+        if committed is not None and (self.last_committed is None or committed.step > self.last_committed.step):
+            self.last_committed = committed
+            if self.env.is_main and self.log:
+                self.log.record.last_committed_step = max(self.log.record.last_committed_step, committed.step)
 
     def evaluate(self) -> dict[str, float]:
         """Validation metrics (``val_*``), timed as overhead."""

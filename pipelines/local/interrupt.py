@@ -1,0 +1,116 @@
+"""Stopping ``relaunch run`` cleanly: Ctrl-C (SIGINT) or SIGTERM to the CLI process, and only to it,
+ends every process the run started (steps, warm servers, torchrun agents in their own sessions,
+workers) and leaves one line, never a traceback.
+
+    with interruptible():          # SIGINT/SIGTERM raise Interrupted; this process reaps orphans
+        try:
+            ...                    # start the pipeline
+        except Interrupted:
+            stop_descendants(30)   # SIGTERM (a preemption checkpoint), then SIGKILL what is left
+
+Deliberately light (no kfp, torch or MLflow import), so that it is in place before the slow imports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import time
+
+PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
+STOP_MARGIN_SECONDS = 10.0
+"""Beyond the preemption grace: how long the run's processes get to commit their checkpoint and end."""
+
+
+class Interrupted(BaseException):
+    """``relaunch run`` was sent SIGINT (Ctrl-C) or SIGTERM. A BaseException, as KeyboardInterrupt is,
+    so that no ``except Exception`` of kfp.local's or ours keeps the run going."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.at = time.time()
+
+
+@contextlib.contextmanager
+def interruptible():
+    """While inside: SIGINT and SIGTERM raise :class:`Interrupted` (once; a second signal during the
+    clean-up is ignored), and this process is the child subreaper of everything it starts (Linux
+    ``PR_SET_CHILD_SUBREAPER``), so a process whose parent died (a torchrun agent of a killed launch
+    step) stays a descendant that :func:`stop_descendants` finds, instead of training on under PID 1."""
+
+    def handle(signum, _frame):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        raise Interrupted(signum)
+
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _prctl(option: int, value: int) -> None:
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: no subreaper, the tree walk remains
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(option, value, 0, 0, 0)
+
+
+def stop_descendants(grace_seconds: float) -> int:
+    """Stop every process this one started, however deep (steps, warm servers, torchrun agents in
+    their own sessions, workers): SIGTERM, which lets the training commit a preemption checkpoint,
+    then SIGKILL to whatever is left after ``grace_seconds``. A process that appears meanwhile (a
+    worker group restarting) is sent SIGTERM too. Returns how many processes were stopped."""
+    import psutil
+
+    me = psutil.Process()
+    signalled: dict[int, psutil.Process] = {}
+    deadline = time.monotonic() + grace_seconds
+    while True:
+        for child in _descendants(me):
+            if child.pid not in signalled:
+                signalled[child.pid] = child
+                with contextlib.suppress(psutil.Error):
+                    child.send_signal(signal.SIGTERM)
+        _reap()
+        alive = [p for p in signalled.values() if _running(p)]
+        if not alive and not _descendants(me):
+            return len(signalled)
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for child in [*alive, *_descendants(me)]:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    psutil.wait_procs(alive, timeout=5)
+    _reap()
+    return len(signalled)
+
+
+def _descendants(me) -> list:
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        return [p for p in me.children(recursive=True) if _running(p)]
+    return []
+
+
+def _running(process) -> bool:
+    import psutil
+
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _reap() -> None:
+    """Collect the exit status of every ended child (as subreaper, orphans are our children)."""
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
