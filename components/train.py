@@ -66,7 +66,7 @@ class PeerFailure(RelaunchError):
         super().__init__(PEER_KILLED)
 
 
-PEER_KILLED = "a peer worker was killed (SIGKILL, OOM or a lost node): this rank's collective broke"
+PEER_KILLED = "a peer worker was killed (SIGKILL, OOM or a lost node); the surviving ranks stopped with it"
 
 
 @contextlib.contextmanager

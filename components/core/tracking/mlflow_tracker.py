@@ -110,7 +110,6 @@ class MlflowTracker(TrackerBase):
     def start(self, start: AttemptStart) -> None:
         """Open the logger (sending starts after the first step), requeue the points an earlier attempt
         left unsent, reopen the run, and set the attempt's tags (earlier attempts' included)."""
-        from components.core.checkpoint import step_key
         from components.core.tracking.client import tracking_uri
         from components.core.tracking.runlogger import RunLogger
 
