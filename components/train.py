@@ -60,10 +60,14 @@ class PeerFailure(RelaunchError):
     exit_code = ExitCode.KILLED
     kind = "peer-killed"
 
-    def __init__(self, err: BaseException):
-        print(f"relaunch: a collective failed: {str(err).splitlines()[0][:300] if str(err) else type(err).__name__}",
-              file=sys.stderr, flush=True)
-        super().__init__(PEER_KILLED)
+    def __init__(self, err: BaseException | str):
+        """From the collective's error (its text goes to stderr, not into the reason), or, carried from
+        another rank, from the message."""
+        if isinstance(err, BaseException):
+            print(f"relaunch: a collective failed: {str(err).splitlines()[0][:300] if str(err) else type(err).__name__}",
+                  file=sys.stderr, flush=True)
+            err = PEER_KILLED
+        super().__init__(err)
 
 
 PEER_KILLED = "a peer worker was killed (SIGKILL, OOM or a lost node); the surviving ranks stopped with it"
