@@ -32,7 +32,9 @@ def finished(tmp_path_factory, mlflow_server):
     cwd = tmp_path_factory.mktemp("lineage-e2e")
     user_code = tmp_path_factory.mktemp("user-code")
     shutil.copy(ROOT / "components/tasks/digits.py", user_code / "mytask.py")
-    env = {**os.environ, "PYTHONPATH": str(user_code), "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1"}
+    # the user's folder first, then the project's own path (a worktree's code, not an installed copy)
+    path = os.pathsep.join(p for p in (str(user_code), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)
     # steps of 0.1 s: each attempt lasts a few seconds, long enough for every node's system metrics
     args = [RELAUNCH, "run", *TINY, "--set", "train.max_steps=40", "--inject-failure", "kill-worker@step=25",
