@@ -397,6 +397,8 @@ def test_a_last_attempt_killed_with_no_attempt_after_it_is_recorded_by_finalize(
     assert (first["exit_code"], first["resumed_from_step"], first["end_recorded"]) == (137, -1, False)
     assert 0 <= first["last_step"] < 7 and first["start"] <= first["end"]
     assert (tags["relaunch.attempts"], tags["relaunch.restarts"], tags["relaunch.last_exit_code"]) == ("1", "0", "137")
+    history = _artifact(f"sqlite:///{tmp_path}/mlflow.db", run, "relaunch/checkpoints.json", tmp_path / "artifacts")
+    assert history and all(c["attempt"] == 1 and c["step"] < 7 for c in history)  # its commits, though it sent nothing
 
 
 # ---------------------------------------------------------------- permanent failures stop at once

@@ -182,8 +182,8 @@ def describe_outcome(config, run_id: str, status: str) -> None:
 
 
 def record_attempts(config, run_id: str) -> None:
-    """The attempts' summary tags (count, restarts, last exit code) and ``relaunch/attempts.json``, from
-    the store's attempt records. Each attempt's trainer writes them for the attempts before it, but one
+    """The attempts' summary tags (count, restarts, last exit code), ``relaunch/attempts.json`` and
+    ``relaunch/checkpoints.json``, from the store's attempt records. Each attempt's trainer writes them for the attempts before it, but one
     SIGKILLed with no attempt after it (its rank 0 killed, restarts and retries spent) leaves them to
     the side that survives: finalize. Idempotent: an ended attempt's record no longer changes."""
     from mlflow.entities import RunTag
@@ -191,15 +191,18 @@ def record_attempts(config, run_id: str) -> None:
     from components.core.tracking import goodput
     from components.core.store import open_store
     from components.core.tracking.client import call, client as tracking_client, tracking_uri
-    from components.core.tracking.mlflow_tracker import ATTEMPTS_ARTIFACT, attempt_summary_tags, attempts_table
+    from components.core.tracking.mlflow_tracker import (ATTEMPTS_ARTIFACT, CHECKPOINTS_ARTIFACT, attempt_summary_tags,
+                                                         attempts_table, checkpoint_history)
 
-    attempts = goodput.load_attempts(open_store(config.store.uri))
+    store = open_store(config.store.uri)
+    attempts = goodput.load_attempts(store)
     if not attempts:  # the pipeline stopped before training
         return
     client = tracking_client(tracking_uri(config))
     tags = [RunTag(k, v) for k, v in attempt_summary_tags(attempts).items()]
     call("tag the attempts", client.log_batch, run_id, tags=tags)
     call("log the attempts", client.log_dict, run_id, attempts_table(attempts), ATTEMPTS_ARTIFACT)
+    call("log the checkpoints", client.log_dict, run_id, checkpoint_history(store, attempts), CHECKPOINTS_ARTIFACT)
 
 
 def _training_summary(config) -> dict | None:
