@@ -98,7 +98,7 @@ def test_not_found_is_mlflows_error_code_not_a_message_saying_not_found():
     assert is_not_found(missing_alias, alias_lookup=True) and not is_not_found(missing_alias)
 
 
-def test_the_checkpoint_history_is_one_artifact_that_marks_what_retention_deleted(mlflow_server, tmp_path):
+def test_the_checkpoint_history_is_one_artifact_that_marks_what_retention_deleted_and_health_waits_for_non_zero(mlflow_server, tmp_path):
     from mlflow.tracking import MlflowClient
 
     from components.core.checkpoint import CheckpointInfo, step_key
@@ -127,6 +127,8 @@ def test_the_checkpoint_history_is_one_artifact_that_marks_what_retention_delete
     tracker = TrainingTracker(config, store, enabled=True, run_id=run_id, attempt=2)
     tracker.start(resumed_from=-1, resumed_uri=None, params={}, world_size=1)
     tracker.step_done(1)  # this attempt's first step: the logger starts sending
+    for step, spikes in ((1, 0.0), (2, 1.0)):  # a health counter is charted from its first non-zero value
+        tracker.log_step(step, {"train/loss": 1.0}, {"health/loss_spikes": spikes}, total_steps=40, epoch=0, spike=False)
     commit(tracker, 10)
     commit(tracker, 20)
     tracker.close(30)
@@ -148,6 +150,7 @@ def test_the_checkpoint_history_is_one_artifact_that_marks_what_retention_delete
     assert (attempts[0]["exit_code"], attempts[0]["end_recorded"]) == (137, False)  # its record has no end: killed
     assert (tags["relaunch.attempts"], tags["relaunch.last_exit_code"]) == ("3", "137")
     assert tags["relaunch.resumed_from"] == store.uri_for(step_key(20))
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "health/loss_spikes")] == [(2, 1.0)]
 
 
 def test_off_rank_0_the_tracking_object_does_nothing(tmp_path, capsys):
