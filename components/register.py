@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from components.core.contract.config import RelaunchConfig
 from components.core.contract.errors import BadInput
-from components.core.tracking.lineage import git_commit, logged_model
+from components.core.tracking.lineage import git_commit, logged_model, version_description
 from components.core.tracking.models import _load_pyfunc  # noqa: F401 - the loader_module of models saved before 0.2
 from components.core.tracking.models import save_model
 
@@ -101,7 +101,8 @@ def _register(client, config: RelaunchConfig, checkpoint_uri: str, model_id: str
     # source models:/<id> is what links the version to its LoggedModel (the registry stores no model_id)
     with _process_tracking_uri(tracking_uri(config)):
         version = call("register the model", client.create_model_version, name, f"models:/{model_id}",
-                        run_id=run_id, tags=tags, model_id=model_id)
+                        run_id=run_id, tags=tags, model_id=model_id,
+                        description=version_description(config, checkpoint_uri, _step(checkpoint_uri), metrics))
     _link_version_to_logged_model(client, model_id, name, str(version.version))
     return str(version.version)
 
@@ -127,17 +128,15 @@ def _process_tracking_uri(uri: str):
         yield
         return
     import mlflow
-    from mlflow.tracking._tracking_service import utils
 
-    saved, saved_env = utils._tracking_uri, os.environ.get("MLFLOW_TRACKING_URI")
+    saved = mlflow.get_tracking_uri() if mlflow.is_tracking_uri_set() else None
+    saved_env = os.environ.get("MLFLOW_TRACKING_URI")
     mlflow.set_tracking_uri(uri)
     try:
         yield
     finally:
-        utils._tracking_uri = saved
-        if saved_env is None:
-            os.environ.pop("MLFLOW_TRACKING_URI", None)
-        else:
+        mlflow.set_tracking_uri(saved)  # None: unset again, as it was (it unsets MLFLOW_TRACKING_URI too)
+        if saved_env is not None:
             os.environ["MLFLOW_TRACKING_URI"] = saved_env
 
 

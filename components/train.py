@@ -39,7 +39,7 @@ from components.core.runtime import distributed as distr  # noqa: E402
 from components.core.tracking import goodput  # noqa: E402
 from components.core.trainer import setup  # noqa: E402
 from components.core.contract.config import RelaunchConfig, config_from_cli  # noqa: E402
-from components.core.contract.errors import Diverged, Preempted, RelaunchError, TransientFailure  # noqa: E402
+from components.core.contract.errors import Diverged, Preempted, RelaunchError  # noqa: E402
 from components.core.contract.events import Kind, emit  # noqa: E402
 from components.core.contract.exitcodes import RETRYABLE, ExitCode  # noqa: E402
 from components.core.tracking.goodput import TrainSummary  # noqa: E402
@@ -53,8 +53,24 @@ from components.tasks.base import load_task  # noqa: E402
 _IMPORTED = time.time()
 
 
-class PeerFailure(TransientFailure):
-    """A collective broke because another rank went away (SIGKILL, OOM, a lost node): retryable."""
+class PeerFailure(RelaunchError):
+    """A collective broke because another rank went away without a word (SIGKILL, OOM, a lost node): this
+    rank is a peer of a killed worker, and the attempt ends as the killed one did, 137 (retryable)."""
+
+    exit_code = ExitCode.KILLED
+    kind = "peer-killed"
+
+    def __init__(self, err: BaseException | str):
+        """From the collective's error (its text goes to stderr, not into the reason), or, carried from
+        another rank, from the message."""
+        if isinstance(err, BaseException):
+            print(f"relaunch: a collective failed: {str(err).splitlines()[0][:300] if str(err) else type(err).__name__}",
+                  file=sys.stderr, flush=True)
+            err = PEER_KILLED
+        super().__init__(err)
+
+
+PEER_KILLED = "a peer worker was killed (SIGKILL, OOM or a lost node); the surviving ranks stopped with it"
 
 
 @contextlib.contextmanager
@@ -70,7 +86,7 @@ def waiting_on_peers(world_size: int):
         raise
     except (torch.distributed.DistError, RuntimeError) as err:
         if isinstance(err, torch.distributed.DistError) or world_size > 1:
-            raise PeerFailure(f"a peer rank failed: {str(err).splitlines()[0][:200]}") from err
+            raise PeerFailure(err) from err
         raise
 
 
@@ -321,7 +337,7 @@ def run(config: RelaunchConfig) -> TrainSummary:
         return training.fail(err)
     except Exception as err:
         if isinstance(err, torch.distributed.DistError):  # another rank died, outside waiting_on_peers
-            return training.fail(PeerFailure(f"a peer rank failed: {str(err).splitlines()[0][:200]}"))
+            return training.fail(PeerFailure(err))
         # a bug: record it as exit 1 (permanent), then let the traceback show
         bug = RelaunchError(f"unhandled {type(err).__name__}: {err}")
         try:

@@ -1,5 +1,5 @@
-"""What ``relaunch run`` prints: a line per step, a line per training attempt (where it started, the
-checkpoints it saved), and the training's progress bar while the pipeline runs (:class:`RunView`, tailing the run's event file with
+"""What ``relaunch run`` prints: a line per step, lines per training attempt (where it started, the
+checkpoints it saved, how it ended: its exit code and the reason in words), and the training's progress bar while the pipeline runs (:class:`RunView`, tailing the run's event file with
 :func:`components.core.contract.events.read_file`), then the closing summary (:func:`render_summary`).
 """
 
@@ -17,7 +17,7 @@ from rich.markup import escape
 from components import EVALUATE, FINALIZE, LAUNCH, LOCATE, PREPARE, REGISTER, STEP_TABLE
 from components.core.contract.config import RelaunchConfig
 from components.core.contract.events import Event, Kind, read_file
-from components.core.contract.exitcodes import MEANING
+from components.core.contract.exitcodes import MEANING, ExitCode, is_retryable
 
 STEPS = tuple(STEP_TABLE)  # the five steps and the exit task
 
@@ -50,6 +50,7 @@ class RunView:
         self.steps = {s: StepRecord() for s in STEPS}
         self.resumed: list[dict[str, Any]] = []  # each training attempt's resumed event
         self.saved: list[dict[str, Any]] = []  # each checkpoint's saving event
+        self.ended: dict[int, dict[str, Any]] = {}  # attempt -> how it ended (its summary event)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="relaunch-run-view")
         self._progress = None
@@ -98,8 +99,12 @@ class RunView:
             code = ev["exit_code"]
             self._print(f"  [yellow]↻[/] {ev['step']:<26} retry {ev['attempt']}/{ev['limit']} in {ev['delay']:.0f}s "
                         f"(exit {code}: {MEANING.get(code, 'unknown')})")
+        elif kind == Kind.SUMMARY:
+            self._print_saves()
+            self._attempt_end(ev)
         elif kind == Kind.RESUMED:
             self._print_saves()
+            self._attempts_ended_without_a_word(int(ev.get("attempt", 0) or 0))
             self.resumed.append({"time": ev.time, **ev.fields})
             where = f"resumed from step {ev['step']}" if int(ev.get("step", -1)) >= 0 else "started from scratch"
             self._print(f"    [cyan]↳[/] training attempt {ev.get('attempt', '?')} {where}")
@@ -108,6 +113,27 @@ class RunView:
             self._unprinted_saves.append(ev)
         elif kind == Kind.PROGRESS:
             self._progress_update(ev)
+
+    def _attempt_end(self, ev: Event) -> None:
+        """``attempt 1: preempted by SIGTERM at step 31: checkpoint at step 31 committed -> exit 143, retrying``."""
+        attempt, code = int(ev.get("attempt", 0) or 0), int(ev.get("exit_code", 1))
+        self.ended[attempt] = {"time": ev.time, **ev.fields}
+        if code == ExitCode.OK:
+            self._print(f"    [green]■[/] attempt {attempt} finished at step {ev.get('last_step', '?')} -> exit 0")
+            return
+        reason = str(ev.get("reason") or MEANING.get(code, "unknown code"))
+        after = "retrying" if is_retryable(code) else "not retried"
+        # the reason is the training's own text (a path, a bracket): never markup
+        self._print(f"    [red]■[/] attempt {attempt}: {escape(reason)} -> exit {code}, {after}")
+
+    def _attempts_ended_without_a_word(self, attempt: int) -> None:
+        """Attempts before ``attempt`` (just started) that sent no summary: their rank 0 was killed."""
+        earlier = [n for n in range(max(self.ended, default=0) + 1, attempt)
+                   if n not in self.ended and any(r.get("attempt") == n for r in self.resumed)]
+        for n in earlier:
+            self.ended[n] = {"exit_code": int(ExitCode.KILLED)}
+            self._print(f"    [red]■[/] attempt {n}: rank 0 ended without a word ({MEANING[ExitCode.KILLED]})"
+                        f" -> exit {int(ExitCode.KILLED)}, retrying")
 
     def _print_saves(self) -> None:
         """One line for the checkpoints an attempt saved, once it ended (or the next one started)."""

@@ -316,3 +316,14 @@ def test_an_error_carried_to_another_rank_is_rebuilt_from_its_kind_and_exit_code
 def test_a_carried_kind_whose_exit_code_differs_is_rebuilt_from_the_code():
     again = CarriedError(138, "corrupt-checkpoint", "older peer").rebuild()
     assert type(again) is TransientFailure and again.exit_code == 138
+
+
+def test_a_peer_of_a_killed_worker_is_137_by_its_type_and_stays_so_when_carried_to_another_rank():
+    from components.core.contract.classify import CarriedError, classify
+    from components.core.contract.exitcodes import ExitCode
+    from components.train import PeerFailure
+
+    err = PeerFailure(RuntimeError("[/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1"))
+    assert classify(err) == ExitCode.KILLED and "gloo" not in str(err)
+    again = CarriedError.of(err).rebuild()
+    assert isinstance(again, PeerFailure) and again.exit_code == ExitCode.KILLED

@@ -90,7 +90,7 @@ def test_a_registered_toy_tracker_is_fed_params_metrics_checkpoints_and_the_end_
                          ("end", 2, "FAILED"), ("close",)]
     run = MlflowClient(mlflow_server.uri).get_run(run_id)
     assert run.data.params == {"train.lr": "0.1"} and run.data.tags["checkpoint.latest"] == store.uri_for(step_key(2))
-    assert run.data.metrics["val/loss"] == 0.4 and run.data.tags["relaunch.attempt.1.exit_code"] == "2"
+    assert run.data.metrics["val/loss"] == 0.4 and run.data.tags["relaunch.last_exit_code"] == "2"
     assert run.info.status == "FAILED"
 
 

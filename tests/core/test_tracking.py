@@ -4,6 +4,9 @@ against a real ``mlflow server`` on Postgres."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from components.core.contract.config import RelaunchConfig
@@ -95,13 +98,13 @@ def test_not_found_is_mlflows_error_code_not_a_message_saying_not_found():
     assert is_not_found(missing_alias, alias_lookup=True) and not is_not_found(missing_alias)
 
 
-def test_checkpoint_tags_name_the_folder_and_are_marked_when_retention_deleted_it(mlflow_server, tmp_path):
+def test_the_checkpoint_history_is_one_artifact_that_marks_what_retention_deleted_and_health_waits_for_non_zero(mlflow_server, tmp_path):
     from mlflow.tracking import MlflowClient
 
     from components.core.checkpoint import CheckpointInfo, step_key
     from components.core.store import open_store
     from components.core.tracking.client import ensure_run
-    from components.core.tracking.mlflow_tracker import DELETED_BY_RETENTION
+    from components.core.tracking.mlflow_tracker import ATTEMPTS_ARTIFACT, CHECKPOINTS_ARTIFACT, DELETED_BY_RETENTION
     from components.core.trainer.tracking import TrainingTracker
 
     from components.core.tracking import goodput
@@ -113,30 +116,41 @@ def test_checkpoint_tags_name_the_folder_and_are_marked_when_retention_deleted_i
     killed.committed(5, 1.0, 0.0)
 
     def commit(tracker, step):
+        logs[tracker.attempt].committed(step, float(step), 0.0)  # as the trainer records a commit first
         store.write_bytes(f"{step_key(step)}/MANIFEST.json", b"{}")
         tracker.checkpoint_committed(CheckpointInfo(step=step, uri=store.uri_for(step_key(step)), key=step_key(step),
                                                     epoch=0, world_size=1, created_at="", metrics={},
                                                     manifest_sha256=""))
 
+    logs = {1: killed}
+    logs[2] = goodput.AttemptLog(store, goodput.claim_attempt(store, 2.0, 1))
     tracker = TrainingTracker(config, store, enabled=True, run_id=run_id, attempt=2)
     tracker.start(resumed_from=-1, resumed_uri=None, params={}, world_size=1)
     tracker.step_done(1)  # this attempt's first step: the logger starts sending
+    for step, spikes in ((1, 0.0), (2, 1.0)):  # a health counter is charted from its first non-zero value
+        tracker.log_step(step, {"train/loss": 1.0}, {"health/loss_spikes": spikes}, total_steps=40, epoch=0, spike=False)
     commit(tracker, 10)
     commit(tracker, 20)
     tracker.close(30)
     store.delete_many(store.list(step_key(10)))  # what retention does, between two attempts
+    logs[3] = goodput.AttemptLog(store, goodput.claim_attempt(store, 3.0, 1))
     again = TrainingTracker(config, store, enabled=True, run_id=run_id, attempt=3)
     again.start(resumed_from=20, resumed_uri=store.uri_for(step_key(20)), params={}, world_size=1)
     again.step_done(22)
     commit(again, 30)
     again.close(30)
-    tags = MlflowClient(mlflow_server.uri).get_run(run_id).data.tags
-    assert tags["checkpoint.step-000000000005"] == DELETED_BY_RETENTION + store.uri_for(step_key(5))
-    assert tags["relaunch.attempt.1.exit_code"] == "137"  # its record has no end: killed
-    assert tags["checkpoint.step-000000000010"] == DELETED_BY_RETENTION + store.uri_for(step_key(10))
-    assert tags["checkpoint.step-000000000020"] == store.uri_for(step_key(20))
-    assert tags["checkpoint.step-000000000030"] == tags["checkpoint.latest"] == store.uri_for(step_key(30))
+    client = MlflowClient(mlflow_server.uri)
+    tags = client.get_run(run_id).data.tags
+    assert not [k for k in tags if k.startswith(("checkpoint.step-", "relaunch.attempt."))]  # no wall of tags
+    history = json.loads(Path(client.download_artifacts(run_id, CHECKPOINTS_ARTIFACT, str(tmp_path))).read_text())
+    assert [(c["step"], c["attempt"], c["state"]) for c in history] == [
+        (5, 1, DELETED_BY_RETENTION), (10, 2, DELETED_BY_RETENTION), (20, 2, "kept"), (30, 3, "kept")]
+    assert history[-1]["uri"] == tags["checkpoint.latest"] == store.uri_for(step_key(30))
+    attempts = json.loads((Path(client.download_artifacts(run_id, ATTEMPTS_ARTIFACT, str(tmp_path)))).read_text())
+    assert (attempts[0]["exit_code"], attempts[0]["end_recorded"]) == (137, False)  # its record has no end: killed
+    assert (tags["relaunch.attempts"], tags["relaunch.last_exit_code"]) == ("3", "137")
     assert tags["relaunch.resumed_from"] == store.uri_for(step_key(20))
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "health/loss_spikes")] == [(2, 1.0)]
 
 
 def test_off_rank_0_the_tracking_object_does_nothing(tmp_path, capsys):

@@ -74,3 +74,38 @@ def test_a_failure_message_with_brackets_is_printed_as_text_and_the_retry_after_
     view.start()
     view.stop()
     assert f"exit 138: {message}" in out.getvalue() and "↻ launch" in out.getvalue()
+
+
+def test_each_attempts_end_is_shown_with_its_exit_code_and_its_reason_in_words(tmp_path):
+    """The README's preempt row promises "SIGTERM: checkpoint, exit 143": the terminal shows it, and a
+    killed worker's attempt (137), and an attempt whose rank 0 died without a summary."""
+    from components.core.contract import events
+    from components.core.contract.events import Kind
+    from components.train import PEER_KILLED
+
+    path = tmp_path / "events.jsonl"
+    events.write(Kind.STEP_START, path, step="launch")
+    events.write(Kind.RESUMED, path, attempt=1, step=-1, uri="", world_size=2)
+    events.write(Kind.SAVING, path, attempt=1, step=30)
+    events.write(Kind.SUMMARY, path, attempt=1, exit_code=143, last_step=31, last_committed_step=31,
+                 reason="preempted by SIGTERM at step 31: checkpoint at step 31 committed")
+    events.write(Kind.RESUMED, path, attempt=2, step=31, uri="/c/step-31", world_size=2)
+    events.write(Kind.SUMMARY, path, attempt=2, exit_code=137, last_step=40, reason=PEER_KILLED)
+    events.write(Kind.RESUMED, path, attempt=3, step=31, uri="/c/step-31", world_size=2)
+    events.write(Kind.RESUMED, path, attempt=4, step=31, uri="/c/step-31", world_size=2)  # 3 said nothing
+    events.write(Kind.SUMMARY, path, attempt=4, exit_code=0, last_step=76, reason="finished")
+    out = io.StringIO()
+    view = RunView(Console(file=out, width=300), path, tmp_path / "pipeline.log")
+    view.start()
+    view.stop()
+    lines = out.getvalue().splitlines()
+    expected = ["attempt 1 saved checkpoints at step 30",
+                "attempt 1: preempted by SIGTERM at step 31: checkpoint at step 31 committed -> exit 143, retrying",
+                "attempt 2 resumed from step 31",
+                f"attempt 2: {PEER_KILLED} -> exit 137, retrying",
+                "attempt 3 resumed from step 31",
+                "attempt 3: rank 0 ended without a word (killed (SIGKILL, OOM)) -> exit 137, retrying",
+                "attempt 4 resumed from step 31",
+                "attempt 4 finished at step 76 -> exit 0"]
+    found = [next((i for i, line in enumerate(lines) if want in line), -1) for want in expected]
+    assert -1 not in found and found == sorted(found), out.getvalue()

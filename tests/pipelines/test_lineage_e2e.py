@@ -32,7 +32,9 @@ def finished(tmp_path_factory, mlflow_server):
     cwd = tmp_path_factory.mktemp("lineage-e2e")
     user_code = tmp_path_factory.mktemp("user-code")
     shutil.copy(ROOT / "components/tasks/digits.py", user_code / "mytask.py")
-    env = {**os.environ, "PYTHONPATH": str(user_code), "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1"}
+    # the user's folder first, then the project's own path (a worktree's code, not an installed copy)
+    path = os.pathsep.join(p for p in (str(user_code), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)
     # steps of 0.1 s: each attempt lasts a few seconds, long enough for every node's system metrics
     args = [RELAUNCH, "run", *TINY, "--set", "train.max_steps=40", "--inject-failure", "kill-worker@step=25",
@@ -89,13 +91,36 @@ def test_the_run_has_system_metrics_of_every_node(finished):
 
 
 def test_the_run_is_named_described_and_sourced(finished):
-    _, out, _, run, _ = finished
-    assert run.info.run_name.startswith("relaunch-sha256-")
+    cwd, out, _, run, _ = finished
+    (training,) = (cwd / ".relaunch/store/trainings").iterdir()
+    assert run.info.run_name == f"relaunch-{training.name}"  # the run names its training's folder
     tags = run.data.tags
     assert tags["mlflow.source.type"] == "JOB" and tags["mlflow.source.git.commit"]
     assert "Outcome: FINISHED" in tags["mlflow.note.content"] and "1 restart(s)" in tags["mlflow.note.content"]
     assert not [k for k in run.data.params if k.startswith("launch.kubernetes.")]
     assert f"/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}?workflowType=machine_learning" in out
+
+
+def test_the_tags_are_few_and_readable_and_the_histories_are_artifacts(finished, tmp_path):
+    _, out, client, run, _ = finished
+    tags = run.data.tags
+    assert not [k for k in tags if k.startswith(("checkpoint.step-", "relaunch.attempt."))], sorted(tags)
+    assert (tags["relaunch.attempts"], tags["relaunch.restarts"], tags["relaunch.last_exit_code"]) == ("2", "1", "0")
+    attempts = json.loads(Path(client.download_artifacts(run.info.run_id, "relaunch/attempts.json", str(tmp_path))).read_text())
+    assert [a["exit_code"] for a in attempts] == [137, 0]  # the killed worker's attempt, not 138
+    history = json.loads(Path(client.download_artifacts(run.info.run_id, "relaunch/checkpoints.json", str(tmp_path))).read_text())
+    assert history[-1]["step"] == 40 and history[-1]["uri"] == tags["checkpoint.latest"]
+    assert "-> exit 137, retrying" in out and "a peer worker was killed" in out
+    assert not [k for k in run.data.metrics if k.startswith("health/")]  # flat zeros: not charted before the loss
+
+
+def test_the_registered_version_is_described(finished):
+    _, _, client, run, _ = finished
+    (version,) = client.search_model_versions(f"name = '{MODEL}'")
+    text = client.get_model_version(MODEL, version.version).description
+    for needle in (run.info.run_name.removeprefix("relaunch-"), run.info.run_id, "at step 40",
+                   run.inputs.dataset_inputs[0].dataset.digest, "accuracy=", run.data.tags["checkpoint.latest"]):
+        assert needle in text, (needle, text)
 
 
 def test_the_registered_model_loads_in_a_fresh_process_without_the_task_on_the_path(finished, tmp_path):

@@ -194,6 +194,11 @@ def _runs(cwd: Path) -> list:
     return runs
 
 
+def _artifact(tracking_uri: str, run, path: str, into: Path):
+    """The JSON artifact ``path`` of ``run`` (``relaunch/attempts.json``, ``relaunch/checkpoints.json``)."""
+    return json.loads(Path(MlflowClient(tracking_uri).download_artifacts(run.info.run_id, path, str(into))).read_text())
+
+
 def test_each_relaunch_run_is_a_new_training_with_its_own_mlflow_run_and_both_finish(demo):
     cwd, first, first_training, second, _ = demo
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
@@ -216,29 +221,31 @@ def test_resuming_a_training_that_reached_its_end_says_so_in_one_line_and_trains
     assert len(_runs(cwd)) == 2
 
 
-def test_every_attempt_of_the_killed_training_is_recorded_on_its_run_the_killed_one_included(demo):
-    cwd, *_ = demo
-    tags = _runs(cwd)[1].data.tags
-    assert tags["relaunch.attempt.1.resumed_from_step"] == "-1"
-    assert tags["relaunch.attempt.1.exit_code"] in {str(c) for c in RETRYABLE}
-    assert int(tags["relaunch.attempt.1.last_step"]) >= int(tags["relaunch.attempt.2.resumed_from_step"]) > 0
-    assert tags["relaunch.attempt.2.exit_code"] == "0" and tags["relaunch.attempt.2.last_step"] == "40"
-    for n in (1, 2):
-        assert tags[f"relaunch.attempt.{n}.start"] <= tags[f"relaunch.attempt.{n}.end"]
+def test_every_attempt_of_the_killed_training_is_recorded_on_its_run_the_killed_one_included(demo, tmp_path):
+    cwd, _, _, second, _ = demo
+    run = _runs(cwd)[1]
+    tags = run.data.tags
+    assert (tags["relaunch.attempts"], tags["relaunch.last_exit_code"]) == ("2", "0")
+    first, again = _artifact(f"sqlite:///{cwd}/.relaunch/mlflow.db", run, "relaunch/attempts.json", tmp_path)
+    assert (first["resumed_from_step"], first["exit_code"]) == (-1, ExitCode.KILLED)  # its survivor is a peer of it
+    assert first["last_step"] >= again["resumed_from_step"] > 0
+    assert (again["exit_code"], again["last_step"]) == (0, 40)
+    assert all(a["start"] <= a["end"] for a in (first, again))
+    assert "attempt 1: a peer worker was killed" in second.stdout and "-> exit 137, retrying" in second.stdout
 
 
-def test_checkpoint_tags_use_the_folder_step_format_and_name_only_existing_or_deleted_checkpoints(demo):
+def test_the_checkpoint_history_is_one_artifact_naming_existing_and_deleted_checkpoints(demo, tmp_path):
     cwd, *_ = demo
     training = Path(newest_training(str(cwd / ".relaunch/store")))
-    tags = _runs(cwd)[1].data.tags
-    checkpoint_tags = {k: v for k, v in tags.items() if k.startswith("checkpoint.step-")}
-    assert checkpoint_tags and all(re.fullmatch(r"checkpoint\.step-\d{12}", k) for k in checkpoint_tags)
-    deleted = {k for k, v in checkpoint_tags.items() if v.startswith("deleted by retention: ")}
+    run = _runs(cwd)[1]
+    assert not [k for k in run.data.tags if k.startswith(("checkpoint.step-", "relaunch.attempt."))]
+    history = _artifact(f"sqlite:///{cwd}/.relaunch/mlflow.db", run, "relaunch/checkpoints.json", tmp_path)
+    deleted = [c for c in history if c["state"] == "deleted by retention"]
     assert deleted, "retention (keep_last=3) deleted some of the checkpoints of a 40-step run"
-    for key, value in checkpoint_tags.items():
-        folder = training / "checkpoints" / key.removeprefix("checkpoint.")
-        assert folder.is_dir() != (key in deleted), (key, value)
-        assert value.endswith(f"checkpoints/{folder.name}")
+    for c in history:
+        folder = training / "checkpoints" / f"step-{c['step']:012d}"
+        assert folder.is_dir() != (c in deleted), c
+        assert c["uri"].endswith(f"checkpoints/{folder.name}") and c["attempt"] in (1, 2)
 
 
 def test_single_number_summaries_are_tags_and_a_goodput_figure_not_metric_series(demo):
@@ -292,13 +299,15 @@ def preempted(tmp_path_factory):
     return cwd, failed, finished
 
 
-def test_a_preempted_training_checkpoints_exits_143_and_resumes(preempted):
+def test_a_preempted_training_checkpoints_exits_143_and_resumes(preempted, tmp_path):
     cwd, failed, _ = preempted
     run = _runs(cwd)[0]
-    tags = run.data.tags
-    assert tags["relaunch.attempt.1.exit_code"] == "143" and tags["relaunch.attempt.2.exit_code"] == "0"
-    stopped_at = int(tags["relaunch.attempt.1.last_step"])
-    assert stopped_at >= 30 and tags["relaunch.attempt.2.resumed_from_step"] == str(stopped_at)  # nothing recomputed
+    first, again = _artifact(f"sqlite:///{cwd}/.relaunch/mlflow.db", run, "relaunch/attempts.json", tmp_path)
+    assert (first["exit_code"], again["exit_code"]) == (143, 0)
+    stopped_at = first["last_step"]
+    assert stopped_at >= 30 and again["resumed_from_step"] == stopped_at  # nothing recomputed
+    # what the README's preempt row promises, on the terminal
+    assert f"checkpoint at step {stopped_at} committed -> exit 143, retrying" in failed.stdout, failed.stdout[-3000:]
     assert summary_of(newest_training(str(cwd / ".relaunch/store")))["resumed_from_steps"] == [-1, stopped_at]
     assert "1 torchrun restart(s), 0 launch retries" in failed.stdout, failed.stdout[-3000:]
 
@@ -385,10 +394,12 @@ def test_a_last_attempt_killed_with_no_attempt_after_it_is_recorded_by_finalize(
     run = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(resolved.tracking.run_id)
     tags = run.data.tags
     assert run.info.status == "FAILED"
-    assert (tags["relaunch.attempt.1.exit_code"], tags["relaunch.attempt.1.resumed_from_step"]) == ("137", "-1")
-    assert 0 <= int(tags["relaunch.attempt.1.last_step"]) < 7 and tags["relaunch.attempt.1.end_recorded"] == "false"
-    assert tags["relaunch.attempt.1.start"] <= tags["relaunch.attempt.1.end"]
-    assert (tags["relaunch.attempts"], tags["relaunch.restarts"]) == ("1", "0")
+    (first,) = _artifact(f"sqlite:///{tmp_path}/mlflow.db", run, "relaunch/attempts.json", tmp_path / "artifacts")
+    assert (first["exit_code"], first["resumed_from_step"], first["end_recorded"]) == (137, -1, False)
+    assert 0 <= first["last_step"] < 7 and first["start"] <= first["end"]
+    assert (tags["relaunch.attempts"], tags["relaunch.restarts"], tags["relaunch.last_exit_code"]) == ("1", "0", "137")
+    history = _artifact(f"sqlite:///{tmp_path}/mlflow.db", run, "relaunch/checkpoints.json", tmp_path / "artifacts")
+    assert history and all(c["attempt"] == 1 and c["step"] < 7 for c in history)  # its commits, though it sent nothing
 
 
 # ---------------------------------------------------------------- permanent failures stop at once

@@ -23,7 +23,7 @@ def pipeline(tmp_path_factory):
     """prepare -> (a checkpoint at step 12) -> evaluate -> register -> finalize."""
     root = tmp_path_factory.mktemp("lineage")
     config = RelaunchConfig.model_validate({
-        "store": {"uri": str(root / "store")},
+        "store": {"uri": str(root / "store" / "trainings" / "20261204-031500")},  # as `relaunch run` names it
         "tracking": {"uri": f"sqlite:///{root / 'mlflow.db'}", "artifact_location": str(root / "art")},
         "train": {"hidden_size": 8},
         "evaluate": {"gate_min": 0.0},
@@ -39,10 +39,14 @@ def pipeline(tmp_path_factory):
     return resolved, prepared, evaluated, registered, MlflowClient(resolved.tracking.uri)
 
 
-def test_the_run_is_named_after_the_pipeline_the_dataset_version_and_the_start_time(pipeline):
+def test_the_run_is_named_after_the_pipeline_and_the_training_folder(pipeline):
     config, prepared, _, _, client = pipeline
-    name = client.get_run(prepared.run_id).info.run_name
-    assert name.startswith(f"relaunch-{prepared.dataset_version}-20")
+    assert client.get_run(prepared.run_id).info.run_name == "relaunch-20261204-031500"
+
+
+def test_a_store_outside_trainings_names_the_run_after_its_utc_start_time():
+    config = RelaunchConfig.model_validate({"store": {"uri": "s3://bucket/team/digits"}})
+    assert lineage.run_name(config, "sha256-0123456789abcdef", started=0.0) == "relaunch-19700101-000000"
 
 
 def test_a_run_name_the_user_gave_wins(tmp_path):

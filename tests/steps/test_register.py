@@ -106,6 +106,30 @@ def test_the_version_records_run_checkpoint_dataset_and_commit(setup, history):
     assert {"relaunch.dataset_version", "relaunch.git_commit", "relaunch.metric.accuracy"} <= set(v.tags)
 
 
+def test_the_version_is_described_with_its_training_step_dataset_metrics_and_checkpoint(setup, history):
+    config, mgr, _ = setup
+    from mlflow.tracking import MlflowClient
+
+    text = MlflowClient(config.tracking.uri).get_model_version(config.registry.model_name, "3").description
+    for needle in (config.tracking.run_id, "at step 12", "dataset `digits`", "accuracy=0.95", _uri(mgr, 12)):
+        assert needle in text, (needle, text)
+
+
+def test_registering_leaves_mlflows_process_wide_tracking_uri_as_it_was(setup, history):
+    import os
+
+    import mlflow
+
+    assert not mlflow.is_tracking_uri_set() and "MLFLOW_TRACKING_URI" not in os.environ
+    mlflow.set_tracking_uri("http://127.0.0.1:9")
+    try:
+        with register._process_tracking_uri(setup[0].tracking.uri):
+            assert mlflow.get_tracking_uri() == setup[0].tracking.uri
+        assert mlflow.get_tracking_uri() == os.environ["MLFLOW_TRACKING_URI"] == "http://127.0.0.1:9"
+    finally:
+        mlflow.set_tracking_uri(None)
+
+
 def test_the_registered_model_loads_and_predicts_without_unpickling(setup, history, tmp_path):
     import mlflow
     import numpy as np

@@ -6,14 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from components.core.contract.errors import BadInput, TransientFailure
+from components.core.contract.classify import classify
+from components.core.contract.errors import BadInput
+from components.core.contract.exitcodes import ExitCode
 from components.train import PeerFailure, waiting_on_peers
 
 
-def test_a_runtime_error_while_waiting_on_peers_is_a_retryable_peer_failure():
+def test_a_runtime_error_while_waiting_on_peers_is_a_peer_of_a_killed_worker_137_without_gloos_text():
     with pytest.raises(PeerFailure) as caught, waiting_on_peers(world_size=2):
         raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:48812")
-    assert isinstance(caught.value, TransientFailure) and "Connection closed by peer" in str(caught.value)
+    assert caught.value.exit_code == ExitCode.KILLED and classify(caught.value) == ExitCode.KILLED
+    assert "peer worker was killed" in str(caught.value) and "gloo" not in str(caught.value)
 
 
 def test_torchs_distributed_errors_are_peer_failures_even_in_a_world_of_one():

@@ -202,6 +202,16 @@ def attempt_tags(attempts: list[Attempt], *, current: int | None = None) -> dict
     return tags
 
 
+ENDINGS = {ExitCode.KILLED: "killed (SIGKILL, OOM)", ExitCode.PREEMPTED: "preempted (SIGTERM)",
+           ExitCode.RETRY_ME: "transient failure", ExitCode.INTERRUPTED: "interrupted (SIGINT)"}
+"""How an attempt's end reads in the goodput legend: the exit code's meaning in a few words."""
+
+
+def _ending(code: int | None) -> str:
+    """``exit 137, killed (SIGKILL, OOM)``: the legend's words for an attempt's exit code."""
+    return f"exit {code}, {ENDINGS[code]}" if code in ENDINGS else f"exit {code}"
+
+
 BREAKDOWN = ("productive", "startup", "checkpoint_stall", "evaluation", "recomputed", "restart_gaps")
 
 
@@ -236,7 +246,7 @@ def plot_goodput(report: dict[str, Any], loss_curve: list[tuple[int, float]], pa
         end, code, again = (ends[i] if i < len(ends) else -1), (codes[i] if i < len(codes) else None), resumed[i + 1]
         if end >= 0:
             loss.axvline(end, color="tab:red", linewidth=1.5,
-                         label=f"attempt {i + 1} ended at step {end} (exit {code})")
+                         label=f"attempt {i + 1} ended at step {end}: {_ending(code)}")
         if 0 <= again < end:
             loss.axvspan(again, end, color="tab:orange", alpha=0.25,
                          label=f"recomputed: steps {again + 1}-{end}")

@@ -1,6 +1,6 @@
 """MLflow 3 lineage of a training: what a person sees in the MLflow UI besides the metrics.
 
-- the run's name (pipeline name + dataset version + start time, unless ``tracking.run_name`` is set),
+- the run's name (pipeline name + the training's folder name, unless ``tracking.run_name`` is set),
   MLflow's own source/git/user tags, a run description that says what the pipeline does and, at
   the end, what it did, and the experiment's description and kind ("Model training" view);
 - the prepared dataset as a run input (``mlflow.data``: name, digest = the content-addressed
@@ -38,12 +38,35 @@ DATASET_CONTEXT = "training"
 # the run: name, source tags, descriptions, link
 
 
-def run_name(config, dataset_version: str, started: float | None = None) -> str:
-    """``tracking.run_name`` when set, else ``<pipeline>-<dataset version>-<UTC start time>``."""
+TRAININGS = "trainings"  # ``relaunch run``'s namespace of trainings in the store: <store>/trainings/<id>
+
+
+def training_id(config) -> str | None:
+    """The training's folder name when its store is ``<root>/trainings/<id>`` (``relaunch run``), else None."""
+    parent, _, name = config.store.uri.rstrip("/").rpartition("/")
+    return name if name and parent.rstrip("/").rpartition("/")[2] == TRAININGS else None
+
+
+def run_name(config, dataset_version: str = "", started: float | None = None) -> str:
+    """``tracking.run_name`` when set, else ``<pipeline>-<training id>``: the training's folder name
+    (its UTC start time, ``trainings/20261204-025830``), so the run list tells trainings apart and each
+    run names its folder; a store outside ``trainings/`` gives the UTC start time the same way. The
+    dataset version is not in the name: it is the same for every training of the same data (it is
+    the run's dataset input and its ``relaunch.dataset_version`` tag)."""
     if config.tracking.run_name:
         return config.tracking.run_name
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(started if started is not None else time.time()))
-    return f"{config.name}-{dataset_version}-{stamp}"
+    return f"{config.name}-{training_id(config) or stamp}"
+
+
+def version_description(config, checkpoint_uri: str, step: int, metrics: dict[str, Any]) -> str:
+    """A registered model version's description: the training it came from (id and MLflow run), the
+    step, the dataset version, the evaluation metrics and the checkpoint URI it was made from."""
+    scores = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(metrics.items()))
+    training = training_id(config) or config.tracking.run_name or "?"
+    return (f"Training `{training}` (MLflow run `{config.tracking.run_id}`) at step {step}, trained on dataset "
+            f"`{config.data.dataset}` version `{config.data.version or '?'}`; evaluated on the "
+            f"{config.evaluate.split} split: {scores or 'no metrics'}. Checkpoint: {checkpoint_uri}")
 
 
 def with_run_name(config, dataset_version: str):
@@ -159,23 +182,27 @@ def describe_outcome(config, run_id: str, status: str) -> None:
 
 
 def record_attempts(config, run_id: str) -> None:
-    """Every attempt's ``relaunch.attempt.<n>.*`` tags and the restart count, from the store's attempt
-    records. Each attempt's trainer writes the tags of the attempts before it, but one SIGKILLed with
-    no attempt after it (its rank 0 killed, restarts and retries spent) leaves its tags to the side
-    that survives: finalize. Idempotent: an ended attempt's record no longer changes."""
+    """The attempts' summary tags (count, restarts, last exit code), ``relaunch/attempts.json`` and
+    ``relaunch/checkpoints.json``, from the store's attempt records. Each attempt's trainer writes them for the attempts before it, but one
+    SIGKILLed with no attempt after it (its rank 0 killed, restarts and retries spent) leaves them to
+    the side that survives: finalize. Idempotent: an ended attempt's record no longer changes."""
     from mlflow.entities import RunTag
 
     from components.core.tracking import goodput
     from components.core.store import open_store
-    from components.core.tracking.client import TAGS_PER_REQUEST, call, client as tracking_client, tracking_uri
+    from components.core.tracking.client import call, client as tracking_client, tracking_uri
+    from components.core.tracking.mlflow_tracker import (ATTEMPTS_ARTIFACT, CHECKPOINTS_ARTIFACT, attempt_summary_tags,
+                                                         attempts_table, checkpoint_history)
 
-    attempts = goodput.load_attempts(open_store(config.store.uri))
+    store = open_store(config.store.uri)
+    attempts = goodput.load_attempts(store)
     if not attempts:  # the pipeline stopped before training
         return
-    tags = [RunTag(k, v) for k, v in goodput.attempt_tags(attempts).items()]
     client = tracking_client(tracking_uri(config))
-    for i in range(0, len(tags), TAGS_PER_REQUEST):
-        call("tag the attempts", client.log_batch, run_id, tags=tags[i:i + TAGS_PER_REQUEST])
+    tags = [RunTag(k, v) for k, v in attempt_summary_tags(attempts).items()]
+    call("tag the attempts", client.log_batch, run_id, tags=tags)
+    call("log the attempts", client.log_dict, run_id, attempts_table(attempts), ATTEMPTS_ARTIFACT)
+    call("log the checkpoints", client.log_dict, run_id, checkpoint_history(store, attempts), CHECKPOINTS_ARTIFACT)
 
 
 def _training_summary(config) -> dict | None:

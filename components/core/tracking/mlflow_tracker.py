@@ -2,15 +2,18 @@
 fed through the asynchronous :class:`~components.core.tracking.runlogger.RunLogger`, and the
 pending-metrics record that carries unsent metric points across a crash.
 
-What the run holds, kept true across restarts:
+What the run holds, kept true across restarts, in a form a person reads on the run page:
 
-- ``checkpoint.step-<12 digits>`` (the folder's own name) for each committed checkpoint; when retention
-  deletes one, its tag becomes ``deleted by retention: <uri>``; ``checkpoint.latest`` and
-  ``checkpoint.latest_step``;
-- ``relaunch.attempt.<n>.*`` for every attempt (start, end, exit code, last step, resumed-from step),
-  the killed ones included, and ``relaunch.restarts``;
+- ``checkpoint.latest`` and ``checkpoint.latest_step`` as tags, and the whole checkpoint history in
+  ONE artifact, ``relaunch/checkpoints.json`` (step, URI, the attempt that committed it, when, and
+  whether it is still there or retention deleted it), rewritten at each commit;
+- the attempts summarised in tags (``relaunch.attempts``, ``relaunch.restarts``,
+  ``relaunch.last_exit_code``) and told in full in ``relaunch/attempts.json`` (start, end, exit code
+  and its meaning, last step, resumed-from step), the killed ones included;
 - the goodput report as ``goodput.*`` tags (single numbers, not one-point metric series) plus the
-  ``goodput/goodput.png`` figure and ``goodput/goodput.json``.
+  ``goodput/goodput.png`` figure and ``goodput/goodput.json``;
+- the metrics, health counters (``health/*``) only once one is not zero: a chart of zeros says nothing
+  and would sort before the loss.
 
 An unreachable server never stops the training: the logger buffers and retries on its own thread;
 only what retrying cannot help (refused credentials, :attr:`RunLogger.fatal`) is raised, as bad input.
@@ -22,6 +25,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from typing import Any
 
 from components.core.contract.errors import BadInput
@@ -29,14 +33,61 @@ from components.core.store import records
 from components.core.tracking import goodput
 from components.core.tracking.trackers import AttemptEnd, AttemptStart, TrackerBase
 
-CHECKPOINT_TAG_PREFIX = "checkpoint."
-DELETED_BY_RETENTION = "deleted by retention: "
+DELETED_BY_RETENTION = "deleted by retention"
 FLUSH_SECONDS_BEFORE_PLOT = 30.0
+ARTIFACT_DIR = "relaunch"
+CHECKPOINTS_ARTIFACT = f"{ARTIFACT_DIR}/checkpoints.json"
+ATTEMPTS_ARTIFACT = f"{ARTIFACT_DIR}/attempts.json"
+HEALTH_PREFIX = "health/"
 
 
-def checkpoint_tag(key: str) -> str:
-    """``checkpoint.step-000000000038``: the tag of a checkpoint is its folder's name (one step format)."""
-    return CHECKPOINT_TAG_PREFIX + key.rstrip("/").rsplit("/", 1)[-1]
+def _iso(seconds: float | None) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds)) if seconds else ""
+
+
+def attempt_summary_tags(attempts: list[goodput.Attempt], *, current: int | None = None) -> dict[str, str]:
+    """The attempts in three tags: ``relaunch.attempts``, ``relaunch.restarts`` and
+    ``relaunch.last_exit_code`` (of the newest attempt that ended; absent while none has)."""
+    tags = {"relaunch.attempts": str(len(attempts)), "relaunch.restarts": str(max(0, len(attempts) - 1))}
+    ended = [a for a in attempts if a.attempt != current]
+    if ended:
+        tags["relaunch.last_exit_code"] = str(ended[-1].outcome)
+    return tags
+
+
+def attempts_table(attempts: list[goodput.Attempt], *, current: int | None = None) -> list[dict[str, Any]]:
+    """Every attempt as a row of ``relaunch/attempts.json``; ``current`` (still running) without an end.
+    An attempt killed without a word ends at its last heartbeat with exit 137 and ``end_recorded`` false."""
+    from components.core.contract.exitcodes import MEANING
+
+    rows = []
+    for a in attempts:
+        row: dict[str, Any] = {"attempt": a.attempt, "start": _iso(a.start), "world_size": a.world_size,
+                               "resumed_from_step": a.resumed_from_step, "last_step": a.last_step,
+                               "last_committed_step": a.last_committed_step}
+        if a.attempt != current:
+            row.update(end=_iso(a.ended), exit_code=a.outcome, ending=MEANING.get(a.outcome, "unknown code"),
+                       end_recorded=a.end is not None)
+        rows.append(row)
+    return rows
+
+
+def checkpoint_history(store, attempts: list[goodput.Attempt], extra: dict[int, int] | None = None) -> list[dict[str, Any]]:
+    """Every checkpoint this training committed, oldest first, as rows of ``relaunch/checkpoints.json``:
+    step, URI, the attempt that committed it, when, and its state ("kept", or "deleted by retention"
+    when its folder is gone). ``extra``: step -> attempt of commits not yet in the attempt records."""
+    from components.core.checkpoint import checkpoint_steps, step_key
+
+    existing = set(checkpoint_steps(store))
+    committed: dict[int, tuple[int, float | None]] = {}
+    for a in attempts:
+        for step, (done_at, _overhead) in a.commits.items():
+            committed[int(step)] = (a.attempt, done_at)
+    for step, attempt in (extra or {}).items():
+        committed.setdefault(step, (attempt, time.time()))
+    return [{"step": step, "uri": store.uri_for(step_key(step)), "attempt": attempt, "committed_at": _iso(done_at),
+             "state": "kept" if step in existing else DELETED_BY_RETENTION}
+            for step, (attempt, done_at) in sorted(committed.items())]
 
 
 def open_tracker(config, store, *, run_id: str | None, attempt: int) -> "MlflowTracker":
@@ -52,12 +103,13 @@ class MlflowTracker(TrackerBase):
         self.logger = None  # RunLogger, from start()
         self.recent: list[list] = []  # [step, metrics] not yet confirmed by the tracking server
         self._resumed_from = -1
+        self._committed: dict[int, int] = {}  # step -> attempt: this attempt's commits
+        self._health_shown = False  # health/* counters are logged once one is not zero
         self._artifacts: tempfile.TemporaryDirectory | None = None  # files the logger uploads; removed at close
 
     def start(self, start: AttemptStart) -> None:
         """Open the logger (sending starts after the first step), requeue the points an earlier attempt
         left unsent, reopen the run, and set the attempt's tags (earlier attempts' included)."""
-        from components.core.checkpoint import step_key
         from components.core.tracking.client import tracking_uri
         from components.core.tracking.runlogger import RunLogger
 
@@ -67,16 +119,11 @@ class MlflowTracker(TrackerBase):
         if self.attempt > 1:
             self.logger.set_status("RUNNING")
         attempts = goodput.load_attempts(self.store)
-        # an earlier attempt killed before its logger sent anything: its commits are in its record
-        earlier = sorted({int(s) for a in attempts if a.attempt != self.attempt for s in a.commits})
         self.logger.set_tags({"relaunch.attempt": self.attempt, "relaunch.resumed_from_step": start.resumed_from,
-                              f"relaunch.attempt.{self.attempt}.resumed_from_step": start.resumed_from,
-                              f"relaunch.attempt.{self.attempt}.world_size": start.world_size,
                               "relaunch.resumed_from": start.resumed_uri or "none",
-                              **{checkpoint_tag(step_key(s)): self.store.uri_for(step_key(s)) for s in earlier},
-                              **goodput.attempt_tags(attempts, current=self.attempt)})
-        if earlier:
-            self.logger.submit(self._mark_deleted_checkpoints)
+                              **attempt_summary_tags(attempts, current=self.attempt)})
+        if len(attempts) > 1:  # earlier attempts (a killed one sent nothing itself): their rows and commits
+            self.logger.submit(self._log_history)
 
     def _requeue_pending_metrics(self) -> None:
         """Metric points of steps up to the resumed checkpoint that an earlier attempt may not have
@@ -90,6 +137,13 @@ class MlflowTracker(TrackerBase):
         self.logger.log_params(params)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if not self._health_shown:
+            if any(k.startswith(HEALTH_PREFIX) and v for k, v in metrics.items()):
+                self._health_shown = True
+            else:
+                metrics = {k: v for k, v in metrics.items() if not k.startswith(HEALTH_PREFIX)}
+                if not metrics:
+                    return
         self.logger.log_metrics(metrics, step)
         self.recent.append([step, metrics])
 
@@ -106,37 +160,32 @@ class MlflowTracker(TrackerBase):
         records.write_pending_metrics(self.store, step, self.recent)
 
     def checkpoint_committed(self, step: int, uri: str, key: str) -> None:
-        """Tag a committed checkpoint, and mark the tags of checkpoints retention has deleted since."""
-        self.logger.set_tags({checkpoint_tag(key): uri, "checkpoint.latest": uri, "checkpoint.latest_step": step})
-        self.logger.submit(self._mark_deleted_checkpoints)
+        """Tag the latest checkpoint; rewrite ``relaunch/checkpoints.json`` (retention's deletions included)."""
+        self._committed[step] = self.attempt
+        self.logger.set_tags({"checkpoint.latest": uri, "checkpoint.latest_step": step})
+        self.logger.submit(self._log_checkpoints)
 
-    def _mark_deleted_checkpoints(self, client, run_id: str) -> None:
-        """On the logger's thread: every ``checkpoint.step-*`` (and the resumed-from) tag whose folder is
-        gone gets the value ``deleted by retention: <uri>``."""
-        from mlflow.entities import RunTag
-
-        from components.core.checkpoint import checkpoint_steps, parse_checkpoint_uri
-
+    def _log_checkpoints(self, client, run_id: str) -> None:
+        """On the logger's thread: the checkpoint history as one artifact."""
         try:
-            existing = set(checkpoint_steps(self.store))
-        except Exception as err:  # noqa: BLE001 - the store is away: the next commit reconciles again
-            print(f"relaunch: checkpoint tags not reconciled: {err}", file=sys.stderr)
+            history = checkpoint_history(self.store, goodput.load_attempts(self.store), self._committed)
+        except Exception as err:  # noqa: BLE001 - the store is away: the next commit writes it again
+            print(f"relaunch: checkpoint history not logged: {err}", file=sys.stderr)
             return
-        tags = client.get_run(run_id).data.tags  # an MLflow error here is retried like any send
-        stale = {}
-        for key, value in tags.items():
-            if not (key.startswith(CHECKPOINT_TAG_PREFIX + "step-") or key == "relaunch.resumed_from"):
-                continue
-            if value.startswith(DELETED_BY_RETENTION) or "/checkpoints/step-" not in value:
-                continue
-            try:
-                root, step = parse_checkpoint_uri(value)
-            except BadInput:
-                continue
-            if step not in existing and root.rstrip("/") == self.store.uri.rstrip("/"):
-                stale[key] = DELETED_BY_RETENTION + value
-        if stale:
-            client.log_batch(run_id, tags=[RunTag(k, v) for k, v in stale.items()])
+        client.log_dict(run_id, history, CHECKPOINTS_ARTIFACT)  # an MLflow error here is retried like any send
+
+    def _log_attempts(self, client, run_id: str) -> None:
+        """On the logger's thread: every attempt's row as one artifact."""
+        try:
+            attempts = goodput.load_attempts(self.store)
+        except Exception as err:  # noqa: BLE001 - the store is away: the next ending writes it again
+            print(f"relaunch: attempt history not logged: {err}", file=sys.stderr)
+            return
+        client.log_dict(run_id, attempts_table(attempts), ATTEMPTS_ARTIFACT)
+
+    def _log_history(self, client, run_id: str) -> None:
+        self._log_attempts(client, run_id)
+        self._log_checkpoints(client, run_id)
 
     def end_attempt(self, end: AttemptEnd) -> None:
         """Finished (exit 0): goodput tags and figure, every attempt's tags, the run FINISHED (the
@@ -145,18 +194,21 @@ class MlflowTracker(TrackerBase):
         if self.logger is None:
             return
         if end.exit_code == 0:
-            self.logger.set_tags({**goodput.attempt_tags(goodput.load_attempts(self.store)),
+            self.logger.set_tags({**attempt_summary_tags(goodput.load_attempts(self.store)),
                                   **self._goodput_tags(end.report)})
+            self.logger.submit(self._log_attempts)
             self.logger.flush(timeout=FLUSH_SECONDS_BEFORE_PLOT)
             self._log_goodput_artifacts(end.report)
             self.logger.set_status("FINISHED")
             return
         try:  # this attempt's record is final by now; the store may be what failed, though
-            attempts = goodput.attempt_tags(goodput.load_attempts(self.store))
+            attempts = attempt_summary_tags(goodput.load_attempts(self.store))
         except Exception:  # noqa: BLE001 - the next attempt writes these tags again
             attempts = {}
         self.logger.set_tags({**attempts, "relaunch.end_reason": end.reason[:5000],
-                              f"relaunch.attempt.{self.attempt}.exit_code": int(end.exit_code)})
+                              "relaunch.last_exit_code": int(end.exit_code)})
+        if not end.told_to_go:  # told to go, the logger has a second or two: the next attempt writes the table
+            self.logger.submit(self._log_attempts)
         if end.status:
             self.logger.set_status(end.status)
 
