@@ -39,6 +39,31 @@ def test_a_restarted_logger_never_logs_a_step_the_server_already_has(mlflow_serv
     assert MlflowClient(mlflow_server.uri).get_run(run_id).info.status == "KILLED"
 
 
+def test_a_call_submitted_again_while_queued_runs_once_after_everything_queued_before_it(mlflow_server):
+    from components.core.tracking.client import ensure_run
+    from components.core.tracking.runlogger import RunLogger
+
+    run_id = ensure_run(_config(mlflow_server.uri, "logger-coalesce"))
+    seen: list[tuple[str, dict]] = []
+
+    class Reconcile:  # equal to each other, as a tracker's bound method is
+        def __eq__(self, other):
+            return isinstance(other, Reconcile)
+
+        def __call__(self, client, run_id):
+            seen.append(("reconcile", dict(client.get_run(run_id).data.tags)))
+
+    logger = RunLogger(mlflow_server.uri, run_id, defer_start=True)  # nothing is sent before start
+    for n in range(5):
+        logger.set_tags({"checkpoint.latest_step": n})
+        logger.submit(Reconcile())
+    logger.submit(lambda client, run_id: seen.append(("other", {})))
+    assert logger.close(30)
+    assert [kind for kind, _ in seen] == ["reconcile", "other"] and logger.stats.coalesced_calls == 4
+    assert seen[0][1]["checkpoint.latest_step"] == "4"  # it ran after the last tags were sent
+    assert logger.stats.sender_cpu_by_kind.get("call", 0) > 0
+
+
 def test_params_are_logged_once_and_a_changed_value_becomes_a_latest_tag(mlflow_server):
     from components.core.tracking.client import client, ensure_run, find_pipeline_run, log_new_params
 

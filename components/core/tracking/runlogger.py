@@ -58,6 +58,8 @@ class LoggerStats:
     lost_contact_seconds: float = 0.0
     failed_sends: int = 0
     sender_cpu_seconds: float = 0.0  # CPU time of the sender thread (it competes for the GIL)
+    sender_cpu_by_kind: dict[str, float] = field(default_factory=dict)  # the same, by operation kind
+    coalesced_calls: int = 0  # submitted calls dropped because the same call was already queued
     dropped_ops: int = field(default=0)
 
 
@@ -139,7 +141,15 @@ class RunLogger:
 
     def submit(self, fn) -> None:
         """Queue ``fn(client, run_id)`` to run on the sender thread, in order with everything else
-        (for read-then-write updates such as reconciling tags; retried like any other op)."""
+        (for read-then-write updates such as reconciling tags; retried like any other op). A call
+        equal to one still waiting in the queue replaces it at the end of the queue: it reads the
+        state when it runs, after everything queued before it (one reconciliation per send instead
+        of one per checkpoint)."""
+        with self._lock:
+            head = [self._ops.popleft()] if self._ops else []  # the head may be in flight: it stays
+            kept = [op for op in self._ops if not (op.kind == "call" and op.payload == fn)]
+            self.stats.coalesced_calls += len(self._ops) - len(kept)
+            self._ops = collections.deque(head + kept)
         self._enqueue("call", fn)
 
     def set_status(self, status: str) -> None:
@@ -236,7 +246,9 @@ class RunLogger:
                     backoff = min(backoff * 2, 5.0)
                     continue
                 backoff = 0.5
-                self.stats.sender_cpu_seconds += time.thread_time() - cpu
+                spent = time.thread_time() - cpu
+                self.stats.sender_cpu_seconds += spent
+                self.stats.sender_cpu_by_kind[op.kind] = self.stats.sender_cpu_by_kind.get(op.kind, 0.0) + spent
                 with self._lock:
                     self._ops.popleft()
                 self._regained()
