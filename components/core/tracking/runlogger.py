@@ -24,7 +24,8 @@ from components.core.tracking.client import client as tracking_client
 from components.core.tracking.client import (describe, import_mlflow, is_auth_error, is_not_found, is_rejected,
                                              log_new_params, set_run_status)
 
-_BATCH = 1000  # MLflow's log_batch limit on metrics per request
+_BATCH = 1000  # MLflow's log_batch limit on metrics (and tags) per request
+_FINITE = sys.float_info.max
 
 
 def _json_number(value: float) -> str:
@@ -118,12 +119,13 @@ class RunLogger:
         self.stats.calls += 1
         self.stats.main_thread_seconds += time.perf_counter() - t0
 
-    def _enqueue(self, kind: str, payload: Any) -> None:
+    def _enqueue(self, kind: str, payload: Any, *, wake: bool = True) -> None:
         with self._lock:
             self._flush_metrics_into_ops()
             self._ops.append(_Op(kind, payload))
             self._idle.clear()
-        self._wake.set()
+        if wake:
+            self._wake.set()
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         """Queue tags (values become strings); sent with the next metrics batch, later values winning."""
@@ -144,13 +146,13 @@ class RunLogger:
         (for read-then-write updates such as reconciling tags; retried like any other op). A call
         equal to one still waiting in the queue replaces it at the end of the queue: it reads the
         state when it runs, after everything queued before it (one reconciliation per send instead
-        of one per checkpoint)."""
+        of one per checkpoint). It does not wake the sender: it goes out with the next periodic send."""
         with self._lock:
             head = [self._ops.popleft()] if self._ops else []  # the head may be in flight: it stays
             kept = [op for op in self._ops if not (op.kind == "call" and op.payload == fn)]
             self.stats.coalesced_calls += len(self._ops) - len(kept)
             self._ops = collections.deque(head + kept)
-        self._enqueue("call", fn)
+        self._enqueue("call", fn, wake=False)  # it goes with the next periodic send (or flush)
 
     def set_status(self, status: str) -> None:
         """Queue a status change: RUNNING, FINISHED, FAILED or KILLED."""
@@ -312,6 +314,8 @@ class RunLogger:
         self.stats.points_skipped_as_logged += len(points) - len(fresh)
         ordered = list(fresh.values())
         chunks = [ordered[i:i + _BATCH] for i in range(0, len(ordered), _BATCH)] or [[]]
+        if op.tags and len(chunks[-1]) + len(op.tags) > _BATCH:  # the server counts tags in the same limit
+            chunks.append([])
         for n, chunk in enumerate(chunks):
             tags = op.tags if n == len(chunks) - 1 else None
             if self.uri.startswith(("http://", "https://")):
@@ -335,9 +339,11 @@ class RunLogger:
         from mlflow.utils.rest_utils import http_request, verify_rest_response
 
         endpoint = "/api/2.0/mlflow/runs/log-batch"
-        keys = {k: json.dumps(k) for k in {p[0] for p in chunk}}
-        points = ",".join(f'{{"key":{keys[k]},"value":{_json_number(v)},"timestamp":{t},"step":{s}}}'
-                          for k, v, t, s in chunk)
+        heads = {k: '{"key":' + json.dumps(k) + ',"value":' for k in {p[0] for p in chunk}}
+        finite = _FINITE
+        # most values are finite: repr() is their JSON; only NaN and infinities need _json_number
+        points = ",".join(f'{heads[k]}{repr(v) if -finite <= v <= finite else _json_number(v)},'
+                          f'"timestamp":{t},"step":{s}}}' for k, v, t, s in chunk)
         tag_list = json.dumps([{"key": k, "value": v} for k, v in (tags or {}).items()])
         body = f'{{"run_id":{json.dumps(self.run_id)},"metrics":[{points}],"tags":{tag_list}}}'
         if self._host_creds is None:  # reading them parses ~/.mlflow/credentials: once per logger
