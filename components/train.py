@@ -148,6 +148,7 @@ class Training:
         self.store = wrap_store(raw_store, self.injection)
         setup.seed(self.config)
         self.data = setup.load_data(self.config, self.task, self.store)
+        self.phases["data"] = time.time() - _PROCESS_START
         self.total_steps = self.data.total_steps
         self.parts = setup.build_model(self.config, self.task, self.device, self.total_steps, self.spikes)
         self.phases["build"] = time.time() - _PROCESS_START

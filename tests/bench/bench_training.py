@@ -12,13 +12,13 @@ server``, plus the logger's own main-thread time per call.
 MTTR is broken into phases, per restart (p50 and p95 of each over the kills): detection (kill ->
 the last worker of the old group gone: torchrun noticing and stopping the survivors, polled every
 20 ms), rendezvous (-> the new rank 0 process created: torchrun's re-rendezvous and spawn), process
-start + imports (-> its imports done), process-group init, build (task, data, model, optimiser:
-torch.optim imports torch._dynamo), lease + checkpoint load, first step (-> the first step of the
+start + imports (-> its imports done), process-group init, task + data, model + optimiser (DDP's
+first broadcast; torch.optim imports torch._dynamo), lease + checkpoint load, first step (-> the first step of the
 resumed attempt done). The worker records its phases in its attempt record
 (:class:`components.core.tracking.goodput.Attempt`); the floor is a fresh interpreter importing
 torch and torch.distributed, timed in the same run. The ETTR rows carry the goodput categories;
 both breakdowns are drawn into ``bench-results/training-breakdown.png`` (copied to
-``docs/figures/`` for docs/benchmarks.md).
+``docs/training-breakdown.png`` for docs/benchmarks.md).
 
 A kill comes T s after the previous one, once the resumed attempt has completed a step (a kill
 never lands inside a recovery). Checkpoints: async, every 2 s. The logging rows: the trainer's own
@@ -58,8 +58,8 @@ GOAL_COLD_OVER_FLOOR = 2.0  # p95 of a cold restart over the floor (fresh interp
 GOAL_ETTR = 0.97  # with a SIGKILL every 60 s
 GOAL_LOGGING = 0.01  # MLflow logging / step time on rank 0
 
-PHASES = ("detection", "rendezvous", "process start + imports", "process-group init", "build",
-          "lease + checkpoint load", "first step")
+PHASES = ("detection", "rendezvous", "process start + imports", "process-group init", "task + data",
+          "model + optimiser", "lease + checkpoint load", "first step")
 
 
 def _children(pid: int) -> list[int]:
@@ -139,8 +139,9 @@ def restart_phases(killed: float, gone: float | None, attempt) -> dict[str, floa
     p = attempt.phases
     created = attempt.created or attempt.start
     gone = min(max(gone if gone is not None else created, killed), created)
-    marks = [killed, gone, created, attempt.start + p.get("imports", 0.0), attempt.start + p.get("process_group", 0.0),
-             attempt.start + p.get("build", 0.0), attempt.start + p.get("resume", 0.0), attempt.first_step_time]
+    offsets = [p.get(name, 0.0) for name in ("imports", "process_group", "data", "build", "resume")]
+    offsets[2] = offsets[2] or offsets[1]  # a record without the data phase: all of it is the model's
+    marks = [killed, gone, created, *(attempt.start + o for o in offsets), attempt.first_step_time]
     return {name: max(0.0, marks[i + 1] - marks[i]) for i, name in enumerate(PHASES)}
 
 

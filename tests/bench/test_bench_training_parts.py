@@ -11,7 +11,7 @@ from tests.bench.bench_training import PHASES, plot_breakdown, restart_phases
 
 def _attempt(created: float = 101.0) -> Attempt:
     return Attempt(attempt=2, start=101.05, created=created, first_step_time=104.0,
-                   phases={"imports": 1.0, "process_group": 1.2, "build": 2.0, "resume": 2.5})
+                   phases={"imports": 1.0, "process_group": 1.2, "data": 1.5, "build": 2.0, "resume": 2.5})
 
 
 @pytest.mark.parametrize("gone, created", [(100.3, 101.0), (None, 101.0), (101.5, 101.0), (99.0, 101.0),
@@ -26,7 +26,7 @@ def test_a_restarts_phases_add_up_to_kill_to_first_step_and_none_is_negative(gon
 def test_the_phases_are_the_intervals_between_the_marks():
     phases = restart_phases(100.0, 100.3, _attempt())
     assert phases == pytest.approx({"detection": 0.3, "rendezvous": 0.7, "process start + imports": 1.05,
-                                    "process-group init": 0.2, "build": 0.8, "lease + checkpoint load": 0.5,
+                                    "process-group init": 0.2, "task + data": 0.3, "model + optimiser": 0.5, "lease + checkpoint load": 0.5,
                                     "first step": 0.45})
 
 

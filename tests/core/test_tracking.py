@@ -64,6 +64,23 @@ def test_a_call_submitted_again_while_queued_runs_once_after_everything_queued_b
     assert logger.stats.sender_cpu_by_kind.get("call", 0) > 0
 
 
+def test_a_full_batch_of_points_with_tags_is_sent_whole_within_the_servers_limit(mlflow_server):
+    from mlflow.tracking import MlflowClient
+
+    from components.core.tracking.client import ensure_run
+    from components.core.tracking.runlogger import RunLogger
+
+    run_id = ensure_run(_config(mlflow_server.uri, "logger-limit"))
+    logger = RunLogger(mlflow_server.uri, run_id, defer_start=True)
+    for step in range(1, 201):  # 1000 points: one full request, and the tags on top of it
+        logger.log_metrics({f"m/{i}": float(step) for i in range(5)}, step)
+    logger.set_tags({"relaunch.test": "yes"})
+    assert logger.close(60) and logger.stats.dropped_ops == 0
+    client = MlflowClient(mlflow_server.uri)
+    assert len(client.get_metric_history(run_id, "m/4")) == 200
+    assert client.get_run(run_id).data.tags["relaunch.test"] == "yes"
+
+
 def test_params_are_logged_once_and_a_changed_value_becomes_a_latest_tag(mlflow_server):
     from components.core.tracking.client import client, ensure_run, find_pipeline_run, log_new_params
 

@@ -69,7 +69,7 @@ def test_the_first_step_event_carries_the_start_up_phases_in_order(tmp_path, tra
     found = [e for e in map(events.read, _worker(config)) if e is not None and e.kind == events.Kind.FIRST_STEP]
     assert len(found) == 1 and found[0]["step"] == 1 and found[0]["attempt"] == 1
     phases = found[0]["phases"]
-    order = ["imports", "process_group", "build", "resume", "first_step"]
+    order = ["imports", "process_group", "data", "build", "resume", "first_step"]
     assert [phases[p] for p in order] == sorted(phases[p] for p in order) and phases["exec"] >= 0
 
 
