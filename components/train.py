@@ -65,10 +65,15 @@ from components.core.trainer.health import PreemptionFlag, SpikeDetector, Watchd
 from components.core.trainer.injection import Injection, wrap_store  # noqa: E402
 from components.core.trainer.checkpoints import TrainerCheckpoints  # noqa: E402
 from components.core.trainer.tracking import (CLOSE_SECONDS_FAILED, CLOSE_SECONDS_PREEMPTED,  # noqa: E402
-                                              CLOSE_SECONDS_TOLD_TO_GO, TrainingTracker, resolve_run_id, run_params)
+                                              TrainingTracker, resolve_run_id, run_params)
 from components.tasks.base import load_task  # noqa: E402
 
 _IMPORTED = time.time()
+
+
+# A retryable failure (a peer died, torchrun is stopping the group): the system metrics of a dying
+# attempt are not worth delaying its restart for.
+SYSTEM_METRICS_SECONDS_TOLD_TO_GO = 0.3
 
 
 class PeerFailure(TransientFailure):
@@ -246,9 +251,9 @@ class Training:
             self.system_metrics = SystemSampler(tracking_uri(self.config), self.run_id, self.env.node_rank,
                                                 lambda: self.step).start()
 
-    def _stop_system_metrics(self, timeout: float) -> None:
+    def _stop_system_metrics(self, timeout: float, *, hurry: bool = False) -> None:
         if self.system_metrics is not None:
-            self.system_metrics.stop(timeout)
+            self.system_metrics.stop(SYSTEM_METRICS_SECONDS_TOLD_TO_GO if hurry else timeout, last_sample=not hurry)
 
     def _record_hang(self, message: str) -> None:
         if self.env.is_main:
@@ -323,7 +328,7 @@ class Training:
         status = "KILLED" if isinstance(err, Preempted) else None if err.exit_code in RETRYABLE else "FAILED"
         if self.checkpoints is not None:
             self.checkpoints.close(after_failure=True)
-        self._stop_system_metrics(CLOSE_SECONDS_TOLD_TO_GO if status is None or told_to_go else CLOSE_SECONDS_PREEMPTED)
+        self._stop_system_metrics(CLOSE_SECONDS_PREEMPTED, hurry=status is None or told_to_go)
         if main:
             if self.log:
                 self.log.finish(err.exit_code)
@@ -398,6 +403,9 @@ if __name__ == "__main__":
 
     sys.stdout.reconfigure(line_buffering=True)
     code = main()
-    if code == ExitCode.OK:  # a failed rank ends the usual way: torchrun stops its peers once it has ended
+    # A permanently failed rank ends the usual way (the interpreter's teardown takes seconds): torchrun
+    # stops its peers once it has ended, and rank 0 must first mark the run FAILED. A transient
+    # failure (a peer died) marks nothing, and the restart waits for every rank of the group to end.
+    if code in (ExitCode.OK, ExitCode.RETRY_ME):
         end_process(code)
     sys.exit(code)

@@ -171,13 +171,17 @@ class RunLogger:
         return self._idle.wait(timeout)
 
     def close(self, timeout: float = 30.0) -> bool:
-        """Flush, then stop the thread; idempotent. Returns whether everything was sent."""
+        """Flush, then stop the thread, within ``timeout`` seconds in all; idempotent. Returns whether
+        everything was sent. The thread is a daemon: one still importing MLflow or inside a request
+        when the time is up is left behind, never waited for beyond ``timeout`` (a worker told to go
+        right after its first step must not linger while its logger imports MLflow)."""
         if self._closed:
             return not self.pending()
+        deadline = time.monotonic() + timeout
         done = self.flush(timeout)
         self._closed = True
         self._wake.set()
-        self._thread.join(2.0)
+        self._thread.join(max(0.0, min(2.0, deadline - time.monotonic())))
         return done
 
     def pending(self) -> int:

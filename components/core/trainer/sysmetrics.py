@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from typing import Callable
 
 SAMPLE_SECONDS = 2.0
@@ -92,17 +93,20 @@ class SystemSampler:
         self.logger.log_metrics({self.prefix + k: float(v) for k, v in metrics.items()}, int(self.step()))
         self.samples += 1
 
-    def stop(self, timeout: float) -> None:
-        """Stop sampling, take one last sample and send what is queued within ``timeout`` seconds;
-        idempotent. A SIGKILLed attempt loses only what its logger had not sent."""
+    def stop(self, timeout: float, *, last_sample: bool = True) -> None:
+        """Stop sampling, take one last sample (unless told not to) and send what is queued, within
+        ``timeout`` seconds in all; idempotent. A SIGKILLed attempt loses only what its logger had not sent."""
         if self._stopped:
             return
         self._stopped = True
         self._stop.set()
         if not self._thread.is_alive() and not self._ready.is_set():
             return  # never started
-        self._ready.wait(timeout)
-        self._thread.join(timeout)
+        deadline = time.monotonic() + timeout
+        if not self._ready.wait(timeout):
+            return  # still importing: nothing was sampled, nothing is worth waiting for
+        self._thread.join(max(0.0, deadline - time.monotonic()))
         if self.logger is not None:
-            self.sample()
-            self.logger.close(timeout)
+            if last_sample:
+                self.sample()
+            self.logger.close(max(0.0, deadline - time.monotonic()))
