@@ -60,6 +60,7 @@ class LoggerStats:
     failed_sends: int = 0
     sender_cpu_seconds: float = 0.0  # CPU time of the sender thread (it competes for the GIL)
     sender_cpu_by_kind: dict[str, float] = field(default_factory=dict)  # the same, by operation kind
+    sender_setup_cpu_seconds: float = 0.0  # once per logger: importing mlflow, making the client (not per step)
     coalesced_calls: int = 0  # submitted calls dropped because the same call was already queued
     dropped_ops: int = field(default=0)
 
@@ -211,10 +212,17 @@ class RunLogger:
     def _loop(self) -> None:
         backoff = 0.5
         self._go.wait()
+        setup = time.thread_time()
         try:
             import_mlflow("mlflow.utils.rest_utils", "mlflow.utils.credentials")
+            self.get_client()  # its store and REST modules load on first use: once, not per step
+            if self.uri.startswith(("http://", "https://")):
+                from mlflow.utils.credentials import get_default_host_creds
+
+                self._host_creds = get_default_host_creds(self.uri)
         except Exception as err:  # noqa: BLE001 - each send below fails and says why
             print(f"relaunch: importing mlflow: {describe(err)}", file=sys.stderr)
+        self.stats.sender_setup_cpu_seconds = time.thread_time() - setup
         while True:
             self._wake.wait(self.flush_seconds)
             self._wake.clear()
