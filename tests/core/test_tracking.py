@@ -81,6 +81,39 @@ def test_a_full_batch_of_points_with_tags_is_sent_whole_within_the_servers_limit
     assert client.get_run(run_id).data.tags["relaunch.test"] == "yes"
 
 
+def test_after_its_first_send_a_logger_no_longer_searches_for_databricks_modules_on_every_request(mlflow_server):
+    import importlib.util
+    import sys
+
+    from components.core.tracking.client import ensure_run
+    from components.core.tracking.runlogger import RunLogger
+
+    absent = [n for n in ("dbruntime", "IPython", "pyspark")  # None: an earlier logger recorded it as absent
+              if (sys.modules[n] is None if n in sys.modules else importlib.util.find_spec(n) is None)]
+    if not absent:
+        pytest.skip("every module MLflow looks for per request is installed here")
+    looked_for: list[str] = []
+
+    class Observer:  # sees every import that reaches the finders, finds nothing itself
+        def find_spec(self, name, path=None, target=None):
+            looked_for.append(name)
+            return None
+
+    run_id = ensure_run(_config(mlflow_server.uri, "logger-lookups"))
+    logger = RunLogger(mlflow_server.uri, run_id)
+    logger.log_metrics({"m": 1.0}, 1)
+    assert logger.flush(30)
+    sys.meta_path.insert(0, observer := Observer())
+    try:
+        for step in range(2, 5):
+            logger.log_metrics({"m": float(step)}, step)
+            assert logger.flush(30)
+    finally:
+        sys.meta_path.remove(observer)
+        logger.close(30)
+    assert not set(looked_for) & set(absent), looked_for
+
+
 def test_params_are_logged_once_and_a_changed_value_becomes_a_latest_tag(mlflow_server):
     from components.core.tracking.client import client, ensure_run, find_pipeline_run, log_new_params
 
