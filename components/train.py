@@ -17,19 +17,37 @@ all-reduce), save when the last save's duration fits the grace period left, and 
 loss exits 3 without saving; a hung rank exits 138 (watchdog). Rank 0 alone talks to MLflow, through
 a buffered asynchronous logger. Every attempt ending under our control writes ``runs/exit.json`` and
 ``runs/summary.json`` in the store (see :mod:`components.core.tracking.goodput`). Rank 0 tells its launcher
-what happens with the events of :mod:`components.core.contract.events` on stdout (``resumed``, ``progress``,
-``saving``, ``summary``, ``exit``).
+what happens with the events of :mod:`components.core.contract.events` on stdout (``resumed``, ``first-step``
+(with the start-up phases), ``progress``, ``saving``, ``summary``, ``exit``). What a first step does
+not need (MLflow, psutil, matplotlib) loads after it, off the training thread.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 _PROCESS_START = time.time()  # before the heavy imports: start-up time is part of goodput
 
+
+def _process_created() -> float:
+    """When this process was created (Linux's /proc, 10 ms resolution), else its first line's time:
+    the interpreter's own start-up belongs to a restart's "process start" phase."""
+    try:
+        with open("/proc/self/stat") as fh:
+            ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as fh:
+            boot = next(int(line.split()[1]) for line in fh if line.startswith("btime "))
+        created = boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return _PROCESS_START
+    return created if created <= _PROCESS_START else _PROCESS_START
+
+
+_PROCESS_CREATED = _process_created()
+
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
-import os  # noqa: E402
 import sys  # noqa: E402
 from dataclasses import asdict  # noqa: E402
 
@@ -45,12 +63,17 @@ from components.core.contract.exitcodes import RETRYABLE, ExitCode  # noqa: E402
 from components.core.tracking.goodput import TrainSummary  # noqa: E402
 from components.core.trainer.health import PreemptionFlag, SpikeDetector, Watchdog, is_finite  # noqa: E402
 from components.core.trainer.injection import Injection, wrap_store  # noqa: E402
-from components.core.tracking.lineage import start_system_metrics  # noqa: E402
 from components.core.trainer.checkpoints import TrainerCheckpoints  # noqa: E402
-from components.core.trainer.tracking import TrainingTracker, resolve_run_id, run_params  # noqa: E402
+from components.core.trainer.tracking import (CLOSE_SECONDS_FAILED, CLOSE_SECONDS_PREEMPTED,  # noqa: E402
+                                              TrainingTracker, resolve_run_id, run_params)
 from components.tasks.base import load_task  # noqa: E402
 
 _IMPORTED = time.time()
+
+
+# A retryable failure (a peer died, torchrun is stopping the group): the system metrics of a dying
+# attempt are not worth delaying its restart for.
+SYSTEM_METRICS_SECONDS_TOLD_TO_GO = 0.3
 
 
 class PeerFailure(RelaunchError):
@@ -116,7 +139,7 @@ class Training:
         self.log: goodput.AttemptLog | None = None  # rank 0's attempt record
         self.tracker = TrainingTracker(config, None, enabled=False, run_id=None, attempt=0)
         self.preempt = PreemptionFlag()
-        self.system_metrics = None  # on each node's local rank 0: MLflow's system-metrics monitor
+        self.system_metrics = None  # on each node's local rank 0 after the first step: a SystemSampler
         # progress of this attempt
         self.attempt = 0
         self.run_id: str | None = None
@@ -146,18 +169,18 @@ class Training:
         self.store = wrap_store(raw_store, self.injection)
         setup.seed(self.config)
         self.data = setup.load_data(self.config, self.task, self.store)
+        self.phases["data"] = time.time() - _PROCESS_START
         self.total_steps = self.data.total_steps
         self.parts = setup.build_model(self.config, self.task, self.device, self.total_steps, self.spikes)
         self.phases["build"] = time.time() - _PROCESS_START
         if env.is_main:
-            record = goodput.claim_attempt(self.store, _PROCESS_START, env.world_size)
+            record = goodput.claim_attempt(self.store, _PROCESS_START, env.world_size, created=_PROCESS_CREATED)
             self.log = goodput.AttemptLog(self.store, record)
             self.attempt = record.attempt
             self.run_id = resolve_run_id(self.config, self.store)
         self.attempt, self.run_id = distr.broadcast_object((self.attempt, self.run_id))
         self.tracker = TrainingTracker(self.config, self.store, enabled=env.is_main, run_id=self.run_id,
                                        attempt=self.attempt)
-        self.system_metrics = start_system_metrics(self.config, self.run_id, env)
         manager = setup.open_checkpoints(self.config, self.store, self.run_id, self.parts.module)
         self.checkpoints = TrainerCheckpoints(
             self.config, env, manager, self.parts.state, self.tracker, self.log, self.attempt,
@@ -217,6 +240,8 @@ class Training:
                     time.sleep(self.t.step_sleep_seconds)
                 step_seconds = time.perf_counter() - began
                 watchdog.beat(self.step)
+                if self.steps_done == 1:
+                    self._first_step_done()
                 self._after_step(loss_sum / self.env.world_size, grad_norm, step_seconds, epoch)
                 if cadence.wanted(self.step, bool(save_due)):
                     self.checkpoints.save(self.step)
@@ -225,6 +250,26 @@ class Training:
         finally:
             watchdog.stop()
             self.train_seconds = time.monotonic() - loop_started
+
+    def _first_step_done(self) -> None:
+        """What a restarted worker's first step must not wait for starts now: the ``first-step``
+        event goes out before anything imports MLflow or psutil (the logger's sender thread starts
+        with the tracker's next ``step_done``; the system-metrics sampler here, on its own thread)."""
+        if self.env.is_main:
+            emit(Kind.FIRST_STEP, attempt=self.attempt, step=self.step,
+                 phases={**{k: round(v, 4) for k, v in self.phases.items()},
+                         "first_step": round(time.time() - _PROCESS_START, 4),
+                         "exec": round(_PROCESS_START - _PROCESS_CREATED, 4)})
+        if self.run_id and self.env.local_rank == 0:
+            from components.core.tracking.client import tracking_uri
+            from components.core.trainer.sysmetrics import SystemSampler
+
+            self.system_metrics = SystemSampler(tracking_uri(self.config), self.run_id, self.env.node_rank,
+                                                lambda: self.step).start()
+
+    def _stop_system_metrics(self, timeout: float, *, hurry: bool = False) -> None:
+        if self.system_metrics is not None:
+            self.system_metrics.stop(SYSTEM_METRICS_SECONDS_TOLD_TO_GO if hurry else timeout, last_sample=not hurry)
 
     def _record_hang(self, message: str) -> None:
         if self.env.is_main:
@@ -279,6 +324,7 @@ class Training:
         self.preempt.uninstall()
         self.final_metrics = self.checkpoints.evaluate()
         self.checkpoints.close()
+        self._stop_system_metrics(CLOSE_SECONDS_FAILED)
         if not self.env.is_main:
             return self._summary(ExitCode.OK, "finished")
         self.log.finish(ExitCode.OK)
@@ -298,6 +344,7 @@ class Training:
         status = "KILLED" if isinstance(err, Preempted) else None if err.exit_code in RETRYABLE else "FAILED"
         if self.checkpoints is not None:
             self.checkpoints.close(after_failure=True)
+        self._stop_system_metrics(CLOSE_SECONDS_PREEMPTED, hurry=status is None or told_to_go)
         if main:
             if self.log:
                 self.log.finish(err.exit_code)
@@ -372,6 +419,9 @@ if __name__ == "__main__":
 
     sys.stdout.reconfigure(line_buffering=True)
     code = main()
-    if code == ExitCode.OK:  # a failed rank ends the usual way: torchrun stops its peers once it has ended
+    # A permanently failed rank ends the usual way (the interpreter's teardown takes seconds): torchrun
+    # stops its peers once it has ended, and rank 0 must first mark the run FAILED. A transient
+    # failure (a peer died) marks nothing, and the restart waits for every rank of the group to end.
+    if code in (ExitCode.OK, ExitCode.RETRY_ME):
         end_process(code)
     sys.exit(code)

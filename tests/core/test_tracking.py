@@ -42,6 +42,81 @@ def test_a_restarted_logger_never_logs_a_step_the_server_already_has(mlflow_serv
     assert MlflowClient(mlflow_server.uri).get_run(run_id).info.status == "KILLED"
 
 
+def test_a_call_submitted_again_while_queued_runs_once_after_everything_queued_before_it(mlflow_server):
+    from components.core.tracking.client import ensure_run
+    from components.core.tracking.runlogger import RunLogger
+
+    run_id = ensure_run(_config(mlflow_server.uri, "logger-coalesce"))
+    seen: list[tuple[str, dict]] = []
+
+    class Reconcile:  # equal to each other, as a tracker's bound method is
+        def __eq__(self, other):
+            return isinstance(other, Reconcile)
+
+        def __call__(self, client, run_id):
+            seen.append(("reconcile", dict(client.get_run(run_id).data.tags)))
+
+    logger = RunLogger(mlflow_server.uri, run_id, defer_start=True)  # nothing is sent before start
+    for n in range(5):
+        logger.set_tags({"checkpoint.latest_step": n})
+        logger.submit(Reconcile())
+    logger.submit(lambda client, run_id: seen.append(("other", {})))
+    assert logger.close(30)
+    assert [kind for kind, _ in seen] == ["reconcile", "other"] and logger.stats.coalesced_calls == 4
+    assert seen[0][1]["checkpoint.latest_step"] == "4"  # it ran after the last tags were sent
+    assert logger.stats.sender_cpu_by_kind.get("call", 0) > 0
+
+
+def test_a_full_batch_of_points_with_tags_is_sent_whole_within_the_servers_limit(mlflow_server):
+    from mlflow.tracking import MlflowClient
+
+    from components.core.tracking.client import ensure_run
+    from components.core.tracking.runlogger import RunLogger
+
+    run_id = ensure_run(_config(mlflow_server.uri, "logger-limit"))
+    logger = RunLogger(mlflow_server.uri, run_id, defer_start=True)
+    for step in range(1, 201):  # 1000 points: one full request, and the tags on top of it
+        logger.log_metrics({f"m/{i}": float(step) for i in range(5)}, step)
+    logger.set_tags({"relaunch.test": "yes"})
+    assert logger.close(60) and logger.stats.dropped_ops == 0
+    client = MlflowClient(mlflow_server.uri)
+    assert len(client.get_metric_history(run_id, "m/4")) == 200
+    assert client.get_run(run_id).data.tags["relaunch.test"] == "yes"
+
+
+def test_after_its_first_send_a_logger_no_longer_searches_for_databricks_modules_on_every_request(mlflow_server):
+    import importlib.util
+    import sys
+
+    from components.core.tracking.client import ensure_run
+    from components.core.tracking.runlogger import RunLogger
+
+    absent = [n for n in ("dbruntime", "IPython", "pyspark")  # None: an earlier logger recorded it as absent
+              if (sys.modules[n] is None if n in sys.modules else importlib.util.find_spec(n) is None)]
+    if not absent:
+        pytest.skip("every module MLflow looks for per request is installed here")
+    looked_for: list[str] = []
+
+    class Observer:  # sees every import that reaches the finders, finds nothing itself
+        def find_spec(self, name, path=None, target=None):
+            looked_for.append(name)
+            return None
+
+    run_id = ensure_run(_config(mlflow_server.uri, "logger-lookups"))
+    logger = RunLogger(mlflow_server.uri, run_id)
+    logger.log_metrics({"m": 1.0}, 1)
+    assert logger.flush(30)
+    sys.meta_path.insert(0, observer := Observer())
+    try:
+        for step in range(2, 5):
+            logger.log_metrics({"m": float(step)}, step)
+            assert logger.flush(30)
+    finally:
+        sys.meta_path.remove(observer)
+        logger.close(30)
+    assert not set(looked_for) & set(absent), looked_for
+
+
 def test_params_are_logged_once_and_a_changed_value_becomes_a_latest_tag(mlflow_server):
     from components.core.tracking.client import client, ensure_run, find_pipeline_run, log_new_params
 

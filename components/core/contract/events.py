@@ -6,8 +6,8 @@ Who writes what, and where it goes:
 - the pipeline's steps (:mod:`pipelines.kfp_entry`, :mod:`pipelines.local.kfp_fixes`): ``step-start``,
   ``step-end``, ``attempt-end``, ``retry``, appended to the run's event file (``$RELAUNCH_EVENTS``,
   one JSON object a line, which ``relaunch run`` sets and :mod:`pipelines.local.console` tails);
-- the training's rank 0 (:mod:`components.train` and its helpers): ``resumed``, ``progress``,
-  ``saving``, ``summary``, ``exit``, printed on stdout as ``RELAUNCH_EVENT {json}``; the local
+- the training's rank 0 (:mod:`components.train` and its helpers): ``resumed``, ``first-step``,
+  ``progress``, ``saving``, ``summary``, ``exit``, printed on stdout as ``RELAUNCH_EVENT {json}``; the local
   launcher reads its workers' output with :func:`read` and passes every event on to the event file.
 
 Each event is ``{"kind": ..., "time": <epoch seconds>, **fields}``; the same JSON in both places.
@@ -38,6 +38,7 @@ class Kind(str, enum.Enum):
     ATTEMPT_END = "attempt-end"  # step, exit_code: one run of a step's process ended (kfp.local)
     RETRY = "retry"  # step, attempt, limit, exit_code, delay
     RESUMED = "resumed"  # attempt, step (-1: from scratch), uri, world_size
+    FIRST_STEP = "first-step"  # attempt, step, phases: start-up phase -> seconds after the worker's first line
     PROGRESS = "progress"  # attempt, step, total_steps, loss, epoch
     SAVING = "saving"  # attempt, step: a checkpoint of that step is being written
     SUMMARY = "summary"  # the attempt's TrainSummary

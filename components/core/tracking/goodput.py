@@ -49,6 +49,7 @@ class Attempt:
     end: float | None = None
     exit_code: int | None = None
     phases: dict[str, float] = field(default_factory=dict)  # start-up phase -> seconds after start
+    created: float | None = None  # when the worker process was created (``start`` is its first line's time)
 
     @property
     def ended(self) -> float:
@@ -94,11 +95,11 @@ def load_attempts(store) -> list[Attempt]:
     return sorted(out, key=lambda a: a.attempt)
 
 
-def claim_attempt(store, start: float, world_size: int) -> Attempt:
+def claim_attempt(store, start: float, world_size: int, *, created: float | None = None) -> Attempt:
     """Create the next attempt's record (conditional create, so two racing writers cannot share a number)."""
     n = len(records.attempt_keys(store)) + 1
     while True:
-        record = Attempt(attempt=n, start=start, world_size=world_size, last_seen=time.time())
+        record = Attempt(attempt=n, start=start, world_size=world_size, last_seen=time.time(), created=created)
         if records.write_json_if_absent(store, records.attempt_key(n), asdict(record)):
             return record
         n += 1

@@ -24,7 +24,22 @@ from components.core.tracking.client import client as tracking_client
 from components.core.tracking.client import (describe, import_mlflow, is_auth_error, is_not_found, is_rejected,
                                              log_new_params, set_run_status)
 
-_BATCH = 1000  # MLflow's log_batch limit on metrics per request
+_BATCH = 1000  # MLflow's log_batch limit on metrics (and tags) per request
+# MLflow's request-header providers try these imports on every request (Databricks and notebook
+# detection); a module that is not installed is looked for on the whole sys.path each time: 11 failed
+# imports and ~4 ms of CPU per request here, on the thread that shares the GIL with the training.
+_LOOKED_UP_PER_REQUEST = ("dbruntime", "IPython", "pyspark")
+
+
+def remember_absent(names=_LOOKED_UP_PER_REQUEST) -> None:
+    """Record each module of ``names`` that is not installed as absent (``sys.modules[name] = None``,
+    Python's documented negative entry: importing it then fails at once, without a sys.path search)."""
+    import importlib.util
+
+    for name in names:
+        if name not in sys.modules and importlib.util.find_spec(name) is None:
+            sys.modules[name] = None
+_FINITE = sys.float_info.max
 
 
 def _json_number(value: float) -> str:
@@ -58,6 +73,9 @@ class LoggerStats:
     lost_contact_seconds: float = 0.0
     failed_sends: int = 0
     sender_cpu_seconds: float = 0.0  # CPU time of the sender thread (it competes for the GIL)
+    sender_cpu_by_kind: dict[str, float] = field(default_factory=dict)  # the same, by operation kind
+    sender_setup_cpu_seconds: float = 0.0  # once per logger: importing mlflow, making the client (not per step)
+    coalesced_calls: int = 0  # submitted calls dropped because the same call was already queued
     dropped_ops: int = field(default=0)
 
 
@@ -116,12 +134,13 @@ class RunLogger:
         self.stats.calls += 1
         self.stats.main_thread_seconds += time.perf_counter() - t0
 
-    def _enqueue(self, kind: str, payload: Any) -> None:
+    def _enqueue(self, kind: str, payload: Any, *, wake: bool = True) -> None:
         with self._lock:
             self._flush_metrics_into_ops()
             self._ops.append(_Op(kind, payload))
             self._idle.clear()
-        self._wake.set()
+        if wake:
+            self._wake.set()
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         """Queue tags (values become strings); sent with the next metrics batch, later values winning."""
@@ -139,8 +158,16 @@ class RunLogger:
 
     def submit(self, fn) -> None:
         """Queue ``fn(client, run_id)`` to run on the sender thread, in order with everything else
-        (for read-then-write updates such as reconciling tags; retried like any other op)."""
-        self._enqueue("call", fn)
+        (for read-then-write updates such as reconciling tags; retried like any other op). A call
+        equal to one still waiting in the queue replaces it at the end of the queue: it reads the
+        state when it runs, after everything queued before it (one reconciliation per send instead
+        of one per checkpoint). It does not wake the sender: it goes out with the next periodic send."""
+        with self._lock:
+            head = [self._ops.popleft()] if self._ops else []  # the head may be in flight: it stays
+            kept = [op for op in self._ops if not (op.kind == "call" and op.payload == fn)]
+            self.stats.coalesced_calls += len(self._ops) - len(kept)
+            self._ops = collections.deque(head + kept)
+        self._enqueue("call", fn, wake=False)  # it goes with the next periodic send (or flush)
 
     def set_status(self, status: str) -> None:
         """Queue a status change: RUNNING, FINISHED, FAILED or KILLED."""
@@ -159,13 +186,17 @@ class RunLogger:
         return self._idle.wait(timeout)
 
     def close(self, timeout: float = 30.0) -> bool:
-        """Flush, then stop the thread; idempotent. Returns whether everything was sent."""
+        """Flush, then stop the thread, within ``timeout`` seconds in all; idempotent. Returns whether
+        everything was sent. The thread is a daemon: one still importing MLflow or inside a request
+        when the time is up is left behind, never waited for beyond ``timeout`` (a worker told to go
+        right after its first step must not linger while its logger imports MLflow)."""
         if self._closed:
             return not self.pending()
+        deadline = time.monotonic() + timeout
         done = self.flush(timeout)
         self._closed = True
         self._wake.set()
-        self._thread.join(2.0)
+        self._thread.join(max(0.0, min(2.0, deadline - time.monotonic())))
         return done
 
     def pending(self) -> int:
@@ -195,10 +226,18 @@ class RunLogger:
     def _loop(self) -> None:
         backoff = 0.5
         self._go.wait()
+        setup = time.thread_time()
         try:
             import_mlflow("mlflow.utils.rest_utils", "mlflow.utils.credentials")
+            remember_absent()
+            self.get_client()  # its store and REST modules load on first use: once, not per step
+            if self.uri.startswith(("http://", "https://")):
+                from mlflow.utils.credentials import get_default_host_creds
+
+                self._host_creds = get_default_host_creds(self.uri)
         except Exception as err:  # noqa: BLE001 - each send below fails and says why
             print(f"relaunch: importing mlflow: {describe(err)}", file=sys.stderr)
+        self.stats.sender_setup_cpu_seconds = time.thread_time() - setup
         while True:
             self._wake.wait(self.flush_seconds)
             self._wake.clear()
@@ -236,7 +275,9 @@ class RunLogger:
                     backoff = min(backoff * 2, 5.0)
                     continue
                 backoff = 0.5
-                self.stats.sender_cpu_seconds += time.thread_time() - cpu
+                spent = time.thread_time() - cpu
+                self.stats.sender_cpu_seconds += spent
+                self.stats.sender_cpu_by_kind[op.kind] = self.stats.sender_cpu_by_kind.get(op.kind, 0.0) + spent
                 with self._lock:
                     self._ops.popleft()
                 self._regained()
@@ -300,6 +341,8 @@ class RunLogger:
         self.stats.points_skipped_as_logged += len(points) - len(fresh)
         ordered = list(fresh.values())
         chunks = [ordered[i:i + _BATCH] for i in range(0, len(ordered), _BATCH)] or [[]]
+        if op.tags and len(chunks[-1]) + len(op.tags) > _BATCH:  # the server counts tags in the same limit
+            chunks.append([])
         for n, chunk in enumerate(chunks):
             tags = op.tags if n == len(chunks) - 1 else None
             if self.uri.startswith(("http://", "https://")):
@@ -323,9 +366,11 @@ class RunLogger:
         from mlflow.utils.rest_utils import http_request, verify_rest_response
 
         endpoint = "/api/2.0/mlflow/runs/log-batch"
-        keys = {k: json.dumps(k) for k in {p[0] for p in chunk}}
-        points = ",".join(f'{{"key":{keys[k]},"value":{_json_number(v)},"timestamp":{t},"step":{s}}}'
-                          for k, v, t, s in chunk)
+        heads = {k: '{"key":' + json.dumps(k) + ',"value":' for k in {p[0] for p in chunk}}
+        finite = _FINITE
+        # most values are finite: repr() is their JSON; only NaN and infinities need _json_number
+        points = ",".join(f'{heads[k]}{repr(v) if -finite <= v <= finite else _json_number(v)},'
+                          f'"timestamp":{t},"step":{s}}}' for k, v, t, s in chunk)
         tag_list = json.dumps([{"key": k, "value": v} for k, v in (tags or {}).items()])
         body = f'{{"run_id":{json.dumps(self.run_id)},"metrics":[{points}],"tags":{tag_list}}}'
         if self._host_creds is None:  # reading them parses ~/.mlflow/credentials: once per logger

@@ -1,0 +1,37 @@
+"""The training bench's own parts, untimed: a restart's phases add up to its MTTR whatever order
+the marks came in, and the figure is drawn from the rows' data."""
+
+from __future__ import annotations
+
+import pytest
+
+from components.core.tracking.goodput import Attempt
+from tests.bench.bench_training import PHASES, plot_breakdown, restart_phases
+
+
+def _attempt(created: float = 101.0) -> Attempt:
+    return Attempt(attempt=2, start=101.05, created=created, first_step_time=104.0,
+                   phases={"imports": 1.0, "process_group": 1.2, "data": 1.5, "build": 2.0, "resume": 2.5})
+
+
+@pytest.mark.parametrize("gone, created", [(100.3, 101.0), (None, 101.0), (101.5, 101.0), (99.0, 101.0),
+                                           (100.3, None)])
+def test_a_restarts_phases_add_up_to_kill_to_first_step_and_none_is_negative(gone, created):
+    phases = restart_phases(100.0, gone, _attempt(created))
+    assert list(phases) == list(PHASES)
+    assert sum(phases.values()) == pytest.approx(4.0)
+    assert min(phases.values()) >= 0
+
+
+def test_the_phases_are_the_intervals_between_the_marks():
+    phases = restart_phases(100.0, 100.3, _attempt())
+    assert phases == pytest.approx({"detection": 0.3, "rendezvous": 0.7, "process start + imports": 1.05,
+                                    "process-group init": 0.2, "task + data": 0.3, "model + optimiser": 0.5, "lease + checkpoint load": 0.5,
+                                    "first step": 0.45})
+
+
+def test_the_figure_is_written_from_the_breakdowns(tmp_path):
+    report = {"ettr": 0.8, "wall": 10.0, "productive": 8.0, "startup": 1.0, "restart_gaps": 1.0}
+    killed = {"kills": 2, "report": report, "phases": [restart_phases(100.0, 100.3, _attempt())] * 2}
+    path = plot_breakdown(killed, {"report": {**report, "ettr": 0.95}}, 1.8, tmp_path / "figures" / "b.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,87 @@
+"""A worker's start-up path: what it imports before its first step, and what starts after it.
+
+Real worker processes (``python -m components.train``, a world of one) against the session's real
+MLflow server; the import order comes from the interpreter's own ``-X importtime`` lines, which it
+writes to the same pipe as the worker's events, in order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+from components.core.contract import events
+from tests.train.conftest import ROOT, train_config
+
+# What the first step of a restarted worker does not need: each loads after it, off the training thread.
+DEFERRED = ("mlflow", "matplotlib", "psutil", "pandas", "sqlalchemy")
+
+
+def _worker(config: dict, *, importtime: bool = False, env: dict | None = None) -> list[str]:
+    """Run one world-of-one worker to its end; its stdout and stderr lines, interleaved as written."""
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "RELAUNCH_"))}
+    child_env.update({"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})})
+    argv = [sys.executable, *(["-X", "importtime"] if importtime else []), "-m", "components.train",
+            "--config-json", json.dumps(config)]
+    proc = subprocess.run(argv, cwd=ROOT, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return proc.stdout.splitlines()
+
+
+def _with_run(config: dict) -> dict:
+    """The config with its MLflow run made beforehand, as the pipeline's launch step passes it (a
+    restarted worker finds the run id in the store: neither creates a run before the first step)."""
+    from components.core.contract.config import RelaunchConfig
+    from components.core.tracking.client import ensure_run
+
+    config["tracking"]["run_id"] = ensure_run(RelaunchConfig.model_validate(config))
+    return config
+
+
+def _imported(lines: list[str]) -> set[str]:
+    """The top-level package of every module an ``-X importtime`` line among ``lines`` names."""
+    found = set()
+    for line in lines:
+        match = re.match(r"import time:\s+\d+ \|\s+\d+ \|\s*(\S+)$", line)
+        if match:
+            found.add(match.group(1).split(".")[0])
+    return found
+
+
+def test_a_worker_imports_no_mlflow_matplotlib_or_psutil_before_its_first_step(tmp_path, tracking):
+    config = _with_run(train_config(tmp_path, tracking, max_steps=12, checkpoint_every_steps=10))
+    lines = _worker(config, importtime=True)
+    first = next((i for i, line in enumerate(lines)
+                  if (e := events.read(line)) is not None and e.kind == events.Kind.FIRST_STEP), None)
+    assert first is not None, "no first-step event:\n" + "\n".join(lines[-40:])
+    before, after = _imported(lines[:first]), _imported(lines[first:])
+    assert "torch" in before
+    assert not before & set(DEFERRED), f"imported before the first step: {sorted(before & set(DEFERRED))}"
+    assert {"mlflow", "psutil"} <= after  # the logger and the sampler did start, after it
+
+
+def test_the_first_step_event_carries_the_start_up_phases_in_order(tmp_path, tracking):
+    config = _with_run(train_config(tmp_path, tracking, max_steps=3, checkpoint_every_steps=None))
+    found = [e for e in map(events.read, _worker(config)) if e is not None and e.kind == events.Kind.FIRST_STEP]
+    assert len(found) == 1 and found[0]["step"] == 1 and found[0]["attempt"] == 1
+    phases = found[0]["phases"]
+    order = ["imports", "process_group", "data", "build", "resume", "first_step"]
+    assert [phases[p] for p in order] == sorted(phases[p] for p in order) and phases["exec"] >= 0
+
+
+def test_system_metrics_are_sampled_through_a_short_training(tmp_path, tracking):
+    from mlflow.tracking import MlflowClient
+
+    config = _with_run(train_config(tmp_path, tracking, max_steps=40, checkpoint_every_steps=20,
+                                    step_sleep_seconds=0.15))  # 6 s or more: samples at the default interval
+    _worker(config)
+    client = MlflowClient(tracking)
+    cpu = client.get_metric_history(config["tracking"]["run_id"], "system/node-0/cpu_utilization_percentage")
+    assert len(cpu) > 1, [(m.step, m.value) for m in cpu]
+    assert max(m.value for m in cpu) > 0
+    memory = client.get_metric_history(config["tracking"]["run_id"], "system/node-0/process_memory_rss_megabytes")
+    assert memory and min(m.value for m in memory) > 0
