@@ -123,7 +123,8 @@ class JobSpec:
         return f"{self.min_nodes}:{self.nodes}" if self.elastic else str(self.nodes)
 
     def torchrun_args(self, *, rdzv_endpoint: str, rdzv_id: str, node_count: str | None = None,
-                      rdzv_conf: str | None = None, extra: Sequence[str] = (), config_json: str | None = None) -> list[str]:
+                      rdzv_conf: str | None = None, extra: Sequence[str] = (), config_json: str | None = None,
+                      worker: Sequence[str] = ()) -> list[str]:
         """torchrun's arguments (what follows ``torchrun``), the one command every launcher runs.
 
         Args:
@@ -133,6 +134,9 @@ class JobSpec:
             rdzv_conf: ``--rdzv-conf`` (``is_host=true`` for the local agent that hosts the store).
             extra: further torchrun flags, placed before the training module.
             config_json: what ``--config-json`` gets (a shell word); defaults to :attr:`config_json`.
+            worker: the worker command prefix when workers come from the node's zygote
+                (:func:`components.core.runtime.zygote.client_command`): torchrun then runs
+                ``--no-python *worker -m components.train ...`` instead of ``python -u -m components.train ...``.
 
         Returns:
             ``[--nnodes=..., ..., -m, components.train, --config-json, JSON]``.
@@ -142,7 +146,7 @@ class JobSpec:
         if rdzv_conf:
             args.append(f"--rdzv-conf={rdzv_conf}")
         args += [f"--max-restarts={self.restart.max_restarts}", f"--monitor-interval={self.monitor_interval_seconds:g}",
-                 *extra, "-m", self.module, "--config-json", self.config_json if config_json is None else config_json]
+                 *extra, *(("--no-python", *worker) if worker else ()), "-m", self.module, "--config-json", self.config_json if config_json is None else config_json]
         return args
 
     def plain_env(self) -> list[dict[str, Any]]:

@@ -36,7 +36,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -52,8 +51,9 @@ ZYGOTE_DIR = "/tmp/relaunch-zygote"
 """Where :func:`run` puts the socket and a copy of the client in a pod (one training container per pod)."""
 CLIENT_PATH = f"{ZYGOTE_DIR}/client.py"
 CLIENT_SOURCE = Path(__file__).with_name("zygote_client.py")
-SINGLE_THREAD_ENV = {"OPENBLAS_NUM_THREADS": "1"}
-"""numpy's OpenBLAS starts its thread pool at import unless told not to: a thread the zygote must not have."""
+SINGLE_THREAD_ENV = {"OPENBLAS_NUM_THREADS": "1", "JE_ARROW_MALLOC_CONF": "background_thread:false"}
+"""Threads an import starts unless told not to, which a process that forks must not have: numpy's OpenBLAS
+pool, and pyarrow's jemalloc background thread (MLflow imports pyarrow)."""
 _PR_SET_PDEATHSIG = 1
 MODULE = "components.core.runtime.zygote"
 
@@ -273,16 +273,25 @@ def _serve_main(socket_path: str, preload: list[str], lifeline: int) -> None:
 class Zygote:
     """A zygote this process started: :attr:`env` points worker clients at it; :meth:`close` ends it."""
 
-    def __init__(self, socket_path: str, preload: tuple[str, ...] = (), *, log=None, ready_timeout: float = 30.0):
-        """Start ``python -m components.core.runtime.zygote serve`` and wait until it listens."""
+    def __init__(self, socket_path: str, preload: tuple[str, ...] = (), *, log=None, ready_timeout: float = 30.0,
+                 env: dict[str, str] | None = None, cwd: str | None = None):
+        """Start ``python -m components.core.runtime.zygote serve`` and wait until it listens.
+
+        Args:
+            socket_path: where it listens (a path short enough for a unix socket).
+            preload: modules to import besides :data:`PRELOAD` (the task).
+            log: a file for its own output (None: this process's).
+            env, cwd: its environment (default: this process's) and directory; a worker whose
+                ``PYTHONPATH`` differs from the zygote's is refused and starts cold.
+        """
         self.socket_path = socket_path
         read_end, self._lifeline = os.pipe()
-        env = {**os.environ, **SINGLE_THREAD_ENV}
+        env = {**(os.environ if env is None else env), **SINGLE_THREAD_ENV}
         self.process = subprocess.Popen(
             [sys.executable, "-m", MODULE, "serve", "--socket", socket_path, "--lifeline", str(read_end),
              *(arg for name in preload for arg in ("--preload", name))],
             pass_fds=(read_end,), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT if log else None,
-            env=env, start_new_session=True)
+            env=env, cwd=cwd, start_new_session=True)
         os.close(read_end)
         deadline = time.monotonic() + ready_timeout
         while not os.path.exists(socket_path) and self.process.poll() is None and time.monotonic() < deadline:
