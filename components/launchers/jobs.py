@@ -232,10 +232,30 @@ def worker_config(config: RelaunchConfig, resume_from: str | None) -> RelaunchCo
     return worker
 
 
-def supervised(torchrun_args: list[str]) -> list[str]:
+def supervised(torchrun_args: list[str], *, warm: bool = True) -> list[str]:
     """The container command: torchrun under the supervisor that maps its blanket exit 1 to the
-    contract's code (:mod:`components.launchers.supervise`)."""
+    contract's code (:mod:`components.launchers.supervise`).
+
+    ``warm``: the workers are forks of the pod's zygote (:mod:`components.core.runtime.zygote`, which the
+    supervisor starts before torchrun): torchrun's worker command becomes its stdlib client,
+    ``--no-python python -I -S /tmp/relaunch-zygote/client.py -m components.train ...``, which falls back to
+    the cold ``python -u -m components.train ...`` by itself when the zygote is missing.
+    """
+    if warm:
+        torchrun_args = with_zygote_worker(torchrun_args)
     return ["python", "-m", "components.launchers.supervise", "torchrun", *torchrun_args]
+
+
+def with_zygote_worker(torchrun_args: list[str], python: str = "python") -> list[str]:
+    """``torchrun_args`` (what :meth:`JobSpec.torchrun_args` returns, ending ``-m MODULE --config-json J``)
+    with the pod zygote's client as the worker command."""
+    from components.core.runtime.zygote import CLIENT_PATH, client_command
+
+    if len(torchrun_args) < 4 or torchrun_args[-4] != "-m" or torchrun_args[-2] != "--config-json":
+        raise ValueError(f"not JobSpec.torchrun_args: {torchrun_args[-4:]}")
+    if "--no-python" in torchrun_args:
+        return list(torchrun_args)
+    return [*torchrun_args[:-4], "--no-python", *client_command(python, CLIENT_PATH), *torchrun_args[-4:]]
 
 
 def job_metadata(spec: JobSpec, k8s, pipeline_run_id: str, owner: dict | None) -> dict[str, Any]:

@@ -8,10 +8,11 @@ processes standing in for nodes. What it runs, per simulated node ``i`` (agent 0
 
 Warm (a launch step forked from ``relaunch run``'s warm server; ``--cold`` or ``RELAUNCH_COLD=1`` turns it
 off, and a launch step started any other way is cold), each node first gets a
-zygote (:mod:`components.core.runtime.zygote`) that imports torch, the trainer and the task once; the
-agent and its workers are then forks of it, started through its stdlib client, with
-``--no-python python -I -S zygote_client.py -m components.train ...`` as torchrun's worker command: the
-mechanism a pod uses (:func:`components.launchers.jobs.zygote_command`).
+zygote (:mod:`components.core.runtime.zygote`; in ``relaunch run`` the full warm server is that zygote,
+having imported torch, MLflow and the task already): torchrun's worker command becomes its stdlib client,
+``--no-python python -I -S zygote_client.py -m components.train ...``, so that every worker, first or
+restarted, is a fork of a single-threaded pre-imported process: the mechanism a pod uses
+(:func:`components.launchers.jobs.supervised`). The agents themselves are plain processes.
 
 It streams the agents' output, reads rank 0's events (:mod:`components.core.contract.events`) from it, passes
 them on to the run's event file (or draws a progress bar), and maps the outcome to the exit-code
@@ -41,6 +42,7 @@ from components.core.contract.exitcodes import ExitCode
 from components.core.runtime import warm as runtime_warm
 from components.core.runtime.net import free_port
 from components.core.runtime.zygote import Zygote, client_command
+from components.core.runtime.zygote_client import ZYGOTE_ENV
 from components.launchers import LaunchResult
 from components.launchers.jobs import JobSpec, job_spec
 from components.launchers.torchrun import exit_code
@@ -54,13 +56,12 @@ COLD_ENV = "RELAUNCH_COLD"
 
 
 def build_commands(spec: JobSpec, *, job_id: str, port: int, warm: bool = False) -> list[list[str]]:
-    """The torchrun command of each simulated node of ``spec`` (side-effect free); ``warm``: the agent
-    and its workers through the node's zygote client."""
-    client = client_command() if warm else []
-    return [[*(client or [sys.executable]), "-m", "torch.distributed.run",
+    """The torchrun command of each simulated node of ``spec`` (side-effect free); ``warm``: its workers
+    through the zygote client."""
+    return [[sys.executable, "-m", "torch.distributed.run",
              *spec.torchrun_args(rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=job_id,
                                  rdzv_conf=f"is_host={'true' if node == 0 else 'false'}", extra=["--local-addr=127.0.0.1"],
-                                 worker=client)]
+                                 worker=client_command() if warm else ())]
             for node in range(spec.nodes)]
 
 
@@ -75,17 +76,11 @@ def launch(config: RelaunchConfig, *, pipeline_run_id: str, resume_from: str | N
     commands = build_commands(spec, job_id=job_id, port=config.launch.rdzv_port or free_port(), warm=warm)
     started = time.time()
     watch = _Watch(ProgressReporter.for_environment())
-    with tempfile.TemporaryDirectory(prefix="relaunch-zygote-") as directory:
-        zygotes = [Zygote(os.path.join(directory, f"node{node}.sock"), (config.train.task.split(":")[0],))
-                   for node in range(spec.nodes)] if warm else []
-        try:
-            agents = [_start(cmd, node, zygotes[node].env if warm else {}) for node, cmd in enumerate(commands)]
-            for node, agent in enumerate(agents):
-                threading.Thread(target=watch.follow, args=(agent, node), daemon=True, name=f"agent-{node}-reader").start()
-            codes, timed_out = _wait(agents, config.launch.timeout_seconds)
-        finally:
-            for zygote in zygotes:
-                zygote.close()
+    with _zygotes(spec.nodes if warm else 0, config.train.task.split(":")[0]) as zygote_envs:
+        agents = [_start(cmd, node, zygote_envs[node] if warm else {}) for node, cmd in enumerate(commands)]
+        for node, agent in enumerate(agents):
+            threading.Thread(target=watch.follow, args=(agent, node), daemon=True, name=f"agent-{node}-reader").start()
+        codes, timed_out = _wait(agents, config.launch.timeout_seconds)
     watch.close()
     duration = time.time() - started
     if timed_out:
@@ -94,6 +89,22 @@ def launch(config: RelaunchConfig, *, pipeline_run_id: str, resume_from: str | N
     code = _outcome(config, codes, watch, started)
     message = "" if code == 0 else watch.failure_message(code)
     return LaunchResult(code, message, watch.restarts, watch.resumed, duration, job_id)
+
+
+@contextlib.contextmanager
+def _zygotes(nodes: int, task_module: str):
+    """Each node's zygote environment: the warm run's own zygote (``relaunch run``'s full server, which
+    already imported torch, MLflow and the task) when it gave one, else a zygote per node started here."""
+    if not nodes or os.environ.get(ZYGOTE_ENV):
+        yield [{}] * nodes
+        return
+    with tempfile.TemporaryDirectory(prefix="relaunch-zygote-") as directory:
+        zygotes = [Zygote(os.path.join(directory, f"node{node}.sock"), (task_module,)) for node in range(nodes)]
+        try:
+            yield [zygote.env for zygote in zygotes]
+        finally:
+            for zygote in zygotes:
+                zygote.close()
 
 
 def _start(cmd: list[str], node: int, zygote_env: dict[str, str]) -> subprocess.Popen:

@@ -20,7 +20,7 @@ for the steps marked :attr:`components.Step.uses_torch` (launch, evaluate). A st
 workers through per-node zygotes (:mod:`components.core.runtime.zygote`), never as forks of itself.
 ``relaunch run --cold`` starts no server: every process is a fresh interpreter, as on a cluster.
 
-    python -m pipelines.local.warm_steps FD light|full [MODULE ...]    # what WarmSteps starts
+    python -m pipelines.local.warm_steps FD light|full|none ZYGOTE_SOCKET|- [MODULE ...]   # what WarmSteps starts
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ from pathlib import Path
 
 from components import STEP_MODULES, STEP_TABLE
 from components.core.runtime.warm import SignalledByPid
-from components.core.runtime.zygote import SINGLE_THREAD_ENV
+from components.core.runtime.zygote import SINGLE_THREAD_ENV, Job
+from components.core.runtime.zygote_client import ZYGOTE_ENV
 
 LIGHT_IMPORTS = (
     "kfp.dsl.executor_main", "pipelines.kfp_entry", *STEP_MODULES.values(),
@@ -146,13 +147,16 @@ class RemoteProcess(SignalledByPid):
 
 
 class WarmServer:
-    """One server process (``imports``: "light" or "full") and the requests to it."""
+    """One server process (``imports``: "light", "full" or "none") and the requests to it; with
+    ``zygote_socket`` it also answers zygote clients there (:mod:`components.core.runtime.zygote`)."""
 
-    def __init__(self, imports: str, log, extra_imports: tuple[str, ...] = (), cwd: str | None = None):
+    def __init__(self, imports: str, log, extra_imports: tuple[str, ...] = (), cwd: str | None = None,
+                 zygote_socket: str | None = None):
         self.control, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._lock = threading.Lock()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "pipelines.local.warm_steps", str(server_end.fileno()), imports, *extra_imports],
+            [sys.executable, "-m", "pipelines.local.warm_steps", str(server_end.fileno()), imports,
+             zygote_socket or "-", *extra_imports],
             pass_fds=(server_end.fileno(),), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
             env={**os.environ, **SINGLE_THREAD_ENV})
         server_end.close()
@@ -195,11 +199,16 @@ class WarmServer:
 
 
 class WarmSteps:
-    """The client side, in ``relaunch run``: starts the servers, runs steps through them, stops them."""
+    """The client side, in ``relaunch run``: starts the servers, runs steps through them, stops them.
+    The full server is also the run's zygote: the launch step's torchrun workers are forks of it."""
 
     def __init__(self, *, log_path: Path, extra_imports: tuple[str, ...] = ()):
+        self._dir = tempfile.TemporaryDirectory(prefix="relaunch-warm-")
+        self.zygote_socket = os.path.join(self._dir.name, "zygote.sock")
         with open(log_path, "a") as log:
-            self._servers = {kind: WarmServer(kind, log, extra_imports) for kind in SERVER_IMPORTS}
+            self._servers = {kind: WarmServer(kind, log, extra_imports,
+                                              zygote_socket=self.zygote_socket if kind == "full" else None)
+                             for kind in ("light", "full")}
 
     def run(self, full_command: list[str], env_vars: dict[str, str] | None) -> int | None:
         """Run one task's command in a fork of a server, echoing its output; its exit code, or None
@@ -211,7 +220,7 @@ class WarmSteps:
         try:
             step = self._servers[server_for(call[1])].start(
                 {"kind": "kfp", "source": call[0], "args": call[1], "cwd": os.getcwd(),
-                 "env": {**os.environ, **(env_vars or {})}}, [write_end])
+                 "env": {**os.environ, **(env_vars or {}), ZYGOTE_ENV: self.zygote_socket}}, [write_end])
         finally:
             os.close(write_end)
         if step is None:
@@ -226,6 +235,7 @@ class WarmSteps:
     def close(self) -> None:
         for server in self._servers.values():
             server.close()
+        self._dir.cleanup()
 
 
 def _receive(control: socket.socket) -> tuple[dict, list[int]] | None:
@@ -263,11 +273,17 @@ def _reap(pid: int, status: socket.socket, temp_dir: str | None) -> None:
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def serve(control: socket.socket, imports: tuple[str, ...]) -> None:
+def serve(control: socket.socket, imports: tuple[str, ...], zygote_socket: str | None = None) -> Job | None:
     """Import ``imports``, then fork a child per request until the control socket closes; then wait for
-    the children still running (:data:`STOP_GRACE_SECONDS`, then kill them) and report how each ended."""
-    from components.core.runtime.zygote import single_threaded
+    the children still running (:data:`STOP_GRACE_SECONDS`, then kill them) and report how each ended.
+    With ``zygote_socket``, also fork a worker per zygote client there; in such a fork, returns its
+    :class:`~components.core.runtime.zygote.Job`."""
+    from components.core.runtime.zygote import ForkServer, listen, single_threaded
 
+    running: dict[int, tuple[int, socket.socket, str | None]] = {}  # pidfd -> (pid, status socket, temp dir)
+    workers = None
+    if zygote_socket:  # listening before the imports: an early client waits in the backlog
+        workers = ForkServer(listen(zygote_socket), lambda: [control, *(sock for _, sock, _ in running.values())])
     os.environ.setdefault("MPLBACKEND", "Agg")
     gc.disable()  # imports allocate millions of objects that live as long as the process: ~20% faster
     for name in imports:
@@ -275,15 +291,17 @@ def serve(control: socket.socket, imports: tuple[str, ...]) -> None:
             importlib.import_module(name)
     gc.enable()
     gc.freeze()  # the forks never scan (and so never copy) what was imported
-    running: dict[int, tuple[int, socket.socket, str | None]] = {}  # pidfd -> (pid, status socket, temp dir)
     closing_since: float | None = None
-    while running or closing_since is None:
+    while running or (workers and workers.running) or closing_since is None:
         timeout = None if closing_since is None else max(0.0, closing_since + STOP_GRACE_SECONDS - time.monotonic())
-        ready, _, _ = select.select([*([control] if closing_since is None else []), *running], [], [], timeout)
+        watched = [*([control] if closing_since is None else []), *running, *(workers.selectable() if workers else [])]
+        ready, _, _ = select.select(watched, [], [], timeout)
         if not ready and closing_since is not None:  # the grace period is over
             for pid, _, _ in running.values():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+            if workers:
+                workers.stop()
             closing_since = -STOP_GRACE_SECONDS  # wait for them to die, without a further timeout
             continue
         for fd in ready:
@@ -306,10 +324,19 @@ def serve(control: socket.socket, imports: tuple[str, ...]) -> None:
                     os.close(output_fd)
                 _send(status, {"pid": pid})
                 running[os.pidfd_open(pid)] = (pid, status, temp_dir)
-            else:
+            elif isinstance(fd, int) and fd in running:
                 pid, status, temp_dir = running.pop(fd)
                 os.close(fd)
                 _reap(pid, status, temp_dir)
+            else:
+                job = workers.handle(fd)
+                if job is not None:
+                    return job
+    if workers:
+        workers.listener.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(zygote_socket)
+    return None
 
 
 def _fork(request: dict, output_fds: list[int]) -> tuple[int, str | None]:
@@ -331,7 +358,12 @@ def main(argv: list[str]) -> None:
     control = socket.socket(fileno=int(argv[0]))
     # Ctrl-C of the run reaches the whole process group: the steps stop, the server reaps and reports them
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    serve(control, (*SERVER_IMPORTS[argv[1]], *argv[2:]))
+    job = serve(control, (*SERVER_IMPORTS[argv[1]], *argv[3:]), None if argv[2] == "-" else argv[2])
+    if job is not None:  # a zygote client's worker, forked: it ends as a cold interpreter does
+        from components.core.runtime.zygote import become_worker
+
+        become_worker(job)
+        return
     sys.stdout.flush()
     os._exit(0)  # nothing to tear down: freeing torch and MLflow module by module takes seconds
 

@@ -13,9 +13,11 @@ what would break it.
     python -m components.core.runtime.zygote serve --socket PATH [--preload MODULE ...]   # one node's zygote
     python -m components.core.runtime.zygote run [--preload MODULE ...] -- COMMAND ...    # a pod's command
 
-``run`` starts the zygote, waits until it listens, runs COMMAND (``supervise torchrun ...``) with
-``RELAUNCH_ZYGOTE`` set and the client at :data:`CLIENT_PATH`, forwards SIGTERM/SIGINT/SIGUSR1 to it, stops
-the zygote when COMMAND ended, and exits with COMMAND's status.
+``run`` starts the zygote, waits until it listens, runs COMMAND with ``RELAUNCH_ZYGOTE`` set and the
+client at :data:`CLIENT_PATH`, forwards SIGTERM/SIGINT/SIGUSR1 to it, stops the zygote when COMMAND ended,
+and exits with COMMAND's status. A pod does the same inside its supervisor (:func:`for_command`, called by
+:mod:`components.launchers.supervise`), whose torchrun runs ``--no-python python -I -S CLIENT_PATH -m
+components.train ...`` (:func:`components.launchers.jobs.supervised`).
 
 Before each fork the zygote checks it is still single-threaded (Python threads and OS threads): if an
 import started a thread it refuses, and every worker starts cold (the client says so).
@@ -41,6 +43,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from components.core.runtime.zygote_client import HEADER, ZYGOTE_ENV
 
@@ -118,83 +121,114 @@ def _refusal(request: dict) -> str | None:
     return single_threaded()
 
 
+class ForkServer:
+    """The zygote's side of the client protocol, for any single-threaded select loop: the zygote's own
+    (:func:`serve`) and the warm step server's (:mod:`pipelines.local.warm_steps`), which answers the
+    clients of a warm local run with forks of itself."""
+
+    def __init__(self, listener: socket.socket, others: Callable[[], list[socket.socket]] = list):
+        """``others``: the loop's own sockets, which a forked child must drop along with ours."""
+        self.listener, self._others = listener, others
+        self.running: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, client connection)
+        self.watching: dict[socket.socket, int] = {}  # client connection -> pidfd, while its client is there
+
+    def selectable(self) -> list:
+        """What the loop should select on for this server."""
+        return [self.listener, *self.running, *self.watching]
+
+    def handle(self, item) -> Job | None:
+        """``item`` (one of :meth:`selectable`) is ready: act on it. Returns a :class:`Job` only in a
+        freshly forked child, which must then :func:`become_worker`."""
+        if item is self.listener:
+            return self._accept()
+        if isinstance(item, socket.socket):
+            # the client ended (it never sends after its request): its worker must not outlive it
+            pidfd = self.watching.pop(item)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.running[pidfd][0], signal.SIGKILL)
+            return None
+        pid, conn = self.running.pop(item)  # a child ended
+        self.watching.pop(conn, None)
+        os.close(item)
+        try:
+            _, status = os.waitpid(pid, 0)
+        except ChildProcessError as err:  # never reported as a success
+            _send(conn, {"lost": f"cannot read worker {pid}'s exit status: {err}"})
+        else:
+            _send(conn, {"status": status})
+        conn.close()
+        return None
+
+    def _accept(self) -> Job | None:
+        conn, _ = self.listener.accept()
+        conn.settimeout(30)
+        try:
+            received = _receive(conn)
+        except (OSError, ValueError):
+            received = None
+        if received is None:
+            conn.close()
+            return None
+        request, fds = received
+        refused = _refusal(request)
+        if refused is None:
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            pid = os.fork()
+            if pid == 0:
+                _become(fds, [self.listener, conn, *(c for _, c in self.running.values()), *self._others()])
+                return Job(request["argv"], request["env"], request["cwd"])
+        for fd in fds:
+            os.close(fd)
+        if refused is not None:
+            _send(conn, {"refused": refused})
+            conn.close()
+            return None
+        _send(conn, {"pid": pid})
+        pidfd = os.pidfd_open(pid)
+        self.running[pidfd] = (pid, conn)
+        self.watching[conn] = pidfd
+        return None
+
+    def stop(self) -> None:
+        """Kill the children still running and report them."""
+        for pidfd, (pid, conn) in self.running.items():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                _, status = os.waitpid(pid, 0)
+                _send(conn, {"status": status})
+            conn.close()
+            os.close(pidfd)
+        self.running.clear()
+        self.watching.clear()
+
+
+def listen(socket_path: str) -> socket.socket:
+    """A unix socket listening at ``socket_path`` (replacing a stale one)."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(socket_path)
+    listener.bind(socket_path)
+    listener.listen(64)
+    return listener
+
+
 def serve(listener: socket.socket, lifeline: int) -> Job | None:
     """Fork a child per request until ``lifeline`` reads end-of-file (its starter ended), then kill the
     children still running and return None. In a child, returns the :class:`Job` it is to run."""
-    running: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, client connection)
-    watching: dict[socket.socket, int] = {}  # client connection -> pidfd, while its client should be there
+    server = ForkServer(listener)
     while True:
-        ready, _, _ = select.select([listener, lifeline, *running, *watching], [], [])
+        ready, _, _ = select.select([lifeline, *server.selectable()], [], [])
         for item in ready:
-            if item is listener:
-                child = _accept(listener, running, watching)
-                if child is not None:
-                    return child
-            elif isinstance(item, socket.socket):
-                # the client ended (it never sends after its request): its worker must not outlive it
-                pidfd = watching.pop(item)
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(running[pidfd][0], signal.SIGKILL)
-            elif item == lifeline:
+            if isinstance(item, int) and item == lifeline:
                 if not os.read(lifeline, 1):
-                    _stop(running)
+                    server.stop()
                     return None
-            else:  # a child ended
-                pid, conn = running.pop(item)
-                watching.pop(conn, None)
-                os.close(item)
-                try:
-                    _, status = os.waitpid(pid, 0)
-                except ChildProcessError as err:  # never reported as a success
-                    _send(conn, {"lost": f"cannot read worker {pid}'s exit status: {err}"})
-                else:
-                    _send(conn, {"status": status})
-                conn.close()
-
-
-def _accept(listener: socket.socket, running: dict, watching: dict) -> Job | None:
-    """Answer one client: refuse it, or fork its worker. Returns the :class:`Job` in the child."""
-    conn, _ = listener.accept()
-    conn.settimeout(30)
-    try:
-        received = _receive(conn)
-    except (OSError, ValueError):
-        received = None
-    if received is None:
-        conn.close()
-        return None
-    request, fds = received
-    refused = _refusal(request)
-    if refused is None:
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        pid = os.fork()
-        if pid == 0:
-            _become(fds, [listener, conn, *(c for _, c in running.values())])
-            return Job(request["argv"], request["env"], request["cwd"])
-    for fd in fds:
-        os.close(fd)
-    if refused is not None:
-        _send(conn, {"refused": refused})
-        conn.close()
-        return None
-    _send(conn, {"pid": pid})
-    pidfd = os.pidfd_open(pid)
-    running[pidfd] = (pid, conn)
-    watching[conn] = pidfd
-    return None
-
-
-def _stop(running: dict[int, tuple[int, socket.socket]]) -> None:
-    for pidfd, (pid, conn) in running.items():
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):
-            _, status = os.waitpid(pid, 0)
-            _send(conn, {"status": status})
-        conn.close()
-        os.close(pidfd)
-    running.clear()
+                continue
+            job = server.handle(item)
+            if job is not None:
+                return job
 
 
 def _become(fds: list[int], sockets: list[socket.socket]) -> None:
@@ -206,7 +240,7 @@ def _become(fds: list[int], sockets: list[socket.socket]) -> None:
     os.closerange(3, os.sysconf("SC_OPEN_MAX"))
 
 
-def _run(job: Job) -> None:
+def become_worker(job: Job) -> None:
     """Turn this forked child into ``python -u -m MODULE ARGS`` and run it; the interpreter then exits as
     a cold one does (atexit handlers, non-daemon threads, uncaught exceptions, SystemExit, SIGINT)."""
     os.setsid()
@@ -243,12 +277,7 @@ def _text_stream(fd: int) -> io.TextIOWrapper:
 
 
 def _serve_main(socket_path: str, preload: list[str], lifeline: int) -> None:
-    # listening before the imports: a client that connects early waits in the backlog, not cold
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(socket_path)
-    listener.bind(socket_path)
-    listener.listen(64)
+    listener = listen(socket_path)  # before the imports: a client that connects early waits in the backlog, not cold
     for sig in (signal.SIGINT, signal.SIGTERM):  # the starter ends the zygote (lifeline); its workers get the signals
         signal.signal(sig, signal.SIG_IGN)
     os.environ.setdefault("MPLBACKEND", "Agg")
@@ -267,7 +296,7 @@ def _serve_main(socket_path: str, preload: list[str], lifeline: int) -> None:
             os.unlink(socket_path)
         sys.stdout.flush()
         os._exit(0)  # nothing to tear down; freeing torch module by module takes seconds
-    _run(job)
+    become_worker(job)
 
 
 class Zygote:
@@ -313,10 +342,27 @@ class Zygote:
             self.process.wait()
 
 
+@contextlib.contextmanager
+def for_command(command: list[str], preload: tuple[str, ...] = (), directory: str = ZYGOTE_DIR):
+    """The environment to run ``command`` in: when its workers are the zygote client at :data:`CLIENT_PATH`
+    (what :func:`components.launchers.jobs.supervised` renders for a pod), a zygote in ``directory`` with
+    the client beside it, for as long as the block runs; otherwise this process's environment."""
+    if CLIENT_PATH.replace(ZYGOTE_DIR, directory) not in command:
+        yield dict(os.environ)
+        return
+    os.makedirs(directory, exist_ok=True)
+    shutil.copyfile(CLIENT_SOURCE, os.path.join(directory, "client.py"))
+    zygote = Zygote(os.path.join(directory, "socket"), preload)
+    try:
+        yield {**os.environ, **zygote.env}
+    finally:
+        zygote.close()
+
+
 def run(command: list[str], preload: tuple[str, ...], directory: str = ZYGOTE_DIR) -> int:
-    """A pod's command: start the zygote in ``directory`` with the client beside it, run ``command`` with
-    the zygote's environment, forwarding SIGTERM/SIGINT/SIGUSR1; returns ``command``'s exit code
-    (128 + the signal when it was killed by one)."""
+    """Start the zygote in ``directory`` with the client beside it, run ``command`` with the zygote's
+    environment, forwarding SIGTERM/SIGINT/SIGUSR1; returns ``command``'s exit code (128 + the signal
+    when it was killed by one)."""
     os.makedirs(directory, exist_ok=True)
     shutil.copyfile(CLIENT_SOURCE, os.path.join(directory, "client.py"))
     zygote = Zygote(os.path.join(directory, "socket"), preload)
