@@ -231,3 +231,33 @@ _PRIORITY = textwrap.dedent("""
 def test_warm_steps_run_at_the_priority_of_the_run_as_cold_ones_do():
     result = _last_json(_PRIORITY)
     assert result["step"] == result["run"]
+
+
+# ------------------------------------------------------------------------------ a pod
+
+
+def test_a_pods_torchrun_runs_its_workers_through_the_zygote_client_that_the_supervisor_provides():
+    from components.launchers.jobs import supervised
+
+    args = ["--nnodes=2", "--rdzv-backend=c10d", "-m", "components.train", "--config-json", "{}"]
+    command = supervised(args)
+    assert command[:4] == ["python", "-m", "components.launchers.supervise", "torchrun"]
+    assert command[4:] == [*args[:-4], "--no-python", "python", "-I", "-S", "/tmp/relaunch-zygote/client.py",
+                           "-m", "components.train", "--config-json", "{}"]
+    assert supervised(args, warm=False)[4:] == args
+
+
+def test_the_supervisors_zygote_serves_the_client_it_copied_and_ends_with_the_block(tmp_path, monkeypatch):
+    from components.core.runtime.zygote import for_command
+
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    client = tmp_path / "client.py"
+    command = ["torchrun", "--no-python", *client_command(sys.executable, client), *CHILD, "--config-json", "{}"]
+    with for_command(command, ("tests.core.warm_child",), str(tmp_path)) as env:
+        proc = subprocess.Popen([*client_command(sys.executable, client), *CHILD, "exit", "9"], cwd=ROOT,
+                                env={**env, "WARM_PROBE": "pod"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        child = _report(proc)
+        assert proc.wait(60) == 9 and child["warm"] and child["env"] == "pod", proc.stderr.read()
+    assert not (tmp_path / "socket").exists()
+    with for_command(["torchrun", "-m", "components.train"], (), str(tmp_path / "unused")) as env:
+        assert "RELAUNCH_ZYGOTE" not in env or env["RELAUNCH_ZYGOTE"] == os.environ.get("RELAUNCH_ZYGOTE")
