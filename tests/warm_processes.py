@@ -1,11 +1,13 @@
-"""Real torchrun agents and workers for the tests, forked from one warm server per test session (the
-``pipelines.local.warm_steps.WarmServer`` that ``relaunch run`` uses): the same torchrun and training code,
-without every agent and rank importing torch, DCP and MLflow again (most of a small test's time).
+"""Real torchrun agents and workers for the tests, started warm the way a node starts them: through one
+zygote per test session (:mod:`components.core.runtime.zygote`, the mechanism ``relaunch run`` and a pod use),
+so that agents and ranks do not each import torch and DCP again (most of a small test's time).
 
-:func:`start` and :func:`run` take the command a test would give ``subprocess``: ``torchrun ...`` or
-``python -m module ...`` is forked by the server; anything else, or a machine without warm servers,
-runs as a plain subprocess (so does everything with ``RELAUNCH_TEST_COLD=1``). The cold path stays covered by the tests that start processes themselves
-(``relaunch run --cold``, the supervisor, the Slurm script, the launcher run by hand)."""
+:func:`start` and :func:`run` take the command a test would give ``subprocess``. ``torchrun ...`` and
+``python -m module ...`` become the zygote client's command (torchrun's workers too, with
+``--no-python``); the process started is always a plain ``subprocess.Popen`` of that client, which
+ends as its forked process does. Anything else, a machine without the zygote's pidfds, or
+``RELAUNCH_TEST_COLD=1`` (the CI's cold lane, .ci/run) runs the command as given: fresh interpreters
+all the way down, as on a cluster with the warm runtime off."""
 
 from __future__ import annotations
 
@@ -16,49 +18,66 @@ import sys
 import tempfile
 from pathlib import Path
 
-from components.core.runtime import warm
-from pipelines.local.warm_steps import RemoteProcess, WarmServer, supported
+from components.core.runtime.zygote import Zygote, client_command
 
 ROOT = Path(__file__).resolve().parents[1]
-_WORKERS = ("tests.core.fsdp_worker", "tests.core.resume_worker", "components.tasks.digits")
-_server: WarmServer | None = None
+COLD_ENV = "RELAUNCH_TEST_COLD"
+_WORKERS = ("tests.core.fsdp_worker", "tests.core.resume_worker", "components.tasks.digits", "tests.core.warm_child")
+_zygote: Zygote | None = None
+_dir: tempfile.TemporaryDirectory | None = None
 
 
-def _warm_server() -> WarmServer:
-    global _server
-    if _server is None:
-        log = open(tempfile.mkstemp(prefix="relaunch-test-warm-", suffix=".log")[1], "w")  # noqa: SIM115
-        _server = WarmServer("full", log, extra_imports=_WORKERS, cwd=str(ROOT))
-    return _server
+def cold() -> bool:
+    """True when the tests start every process as a fresh interpreter."""
+    return bool(os.environ.get(COLD_ENV)) or sys.platform != "linux" or not hasattr(os, "pidfd_open")
+
+
+def _session_zygote() -> Zygote:
+    global _zygote, _dir
+    if _zygote is None:
+        _dir = tempfile.TemporaryDirectory(prefix="relaunch-test-zygote-")
+        log = open(Path(_dir.name, "zygote.log"), "w")  # noqa: SIM115 - lives as long as the zygote
+        _zygote = Zygote(str(Path(_dir.name, "socket")), _WORKERS, log=log,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=str(ROOT))
+    return _zygote
 
 
 def stop() -> None:
-    """End the session's server (conftest calls this when the session finishes)."""
-    global _server
-    if _server is not None:
-        _server.close()
-        _server = None
+    """End the session's zygote (conftest calls this when the session finishes)."""
+    global _zygote, _dir
+    if _zygote is not None:
+        _zygote.close()
+        _zygote = None
+    if _dir is not None:
+        _dir.cleanup()
+        _dir = None
 
 
-def _target(cmd: list[str]) -> tuple[str, list[str], bool] | None:
-    """``(module, argv, is a torchrun agent)`` of a command the server can fork."""
+def warm_command(cmd: list[str]) -> list[str] | None:
+    """The zygote client's form of ``cmd`` (``torchrun ...`` or ``python -m module ...``), else None."""
+    client = client_command()
     if Path(cmd[0]).name == "torchrun" and Path(cmd[0]).parent == Path(sys.executable).parent:
-        return "torch.distributed.run", list(cmd[1:]), True
-    found = warm.module_of(list(cmd))
-    if found is None:
+        args = list(cmd[1:])
+    elif cmd[:3] == [sys.executable, "-m", "torch.distributed.run"] or cmd[:4] == [sys.executable, "-u", "-m", "torch.distributed.run"]:
+        args = cmd[cmd.index("torch.distributed.run") + 1:]
+    elif len(cmd) >= 3 and cmd[0] == sys.executable and (cmd[1:3][0] == "-m" or cmd[1:3] == ["-u", "-m"]):
+        rest = cmd[1:] if cmd[1] == "-m" else cmd[2:]
+        return [*client, *rest]
+    else:
         return None
-    return found[0], found[1], found[0] == "torch.distributed.run"
+    # torchrun's options come first; its training entry (-m MODULE) then runs through the client too
+    entry = next((i for i, arg in enumerate(args) if not arg.startswith("--")), None)
+    if entry is None or args[entry] != "-m" or "--no-python" in args[:entry]:
+        return [*client, "-m", "torch.distributed.run", *args]
+    return [*client, "-m", "torch.distributed.run", *args[:entry], "--no-python", *client, *args[entry:]]
 
 
 def start(cmd: list[str], *, env: dict[str, str], cwd: Path | str, stdout, stderr,
-          new_session: bool = False) -> RemoteProcess | subprocess.Popen:
-    """Like ``subprocess.Popen(cmd, ...)`` with ``stdout``/``stderr`` open files: forked when it can be."""
-    target = _target(cmd) if supported() and not os.environ.get("RELAUNCH_TEST_COLD") else None
-    if target is not None:
-        proc = _warm_server().start_module(target[0], target[1], env=env, cwd=str(cwd), stdout_fd=stdout.fileno(),
-                                           stderr_fd=stderr.fileno(), new_session=new_session, torchrun_agent=target[2])
-        if proc is not None:
-            return proc
+          new_session: bool = False) -> subprocess.Popen:
+    """Like ``subprocess.Popen(cmd, ...)`` with ``stdout``/``stderr`` open files: warm when it can be."""
+    warm = None if cold() else warm_command(list(cmd))
+    if warm is not None:
+        cmd, env = warm, {**env, **_session_zygote().env}
     return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=stdout, stderr=stderr, start_new_session=new_session)
 
 

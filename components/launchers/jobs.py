@@ -123,7 +123,8 @@ class JobSpec:
         return f"{self.min_nodes}:{self.nodes}" if self.elastic else str(self.nodes)
 
     def torchrun_args(self, *, rdzv_endpoint: str, rdzv_id: str, node_count: str | None = None,
-                      rdzv_conf: str | None = None, extra: Sequence[str] = (), config_json: str | None = None) -> list[str]:
+                      rdzv_conf: str | None = None, extra: Sequence[str] = (), config_json: str | None = None,
+                      worker: Sequence[str] = ()) -> list[str]:
         """torchrun's arguments (what follows ``torchrun``), the one command every launcher runs.
 
         Args:
@@ -133,6 +134,9 @@ class JobSpec:
             rdzv_conf: ``--rdzv-conf`` (``is_host=true`` for the local agent that hosts the store).
             extra: further torchrun flags, placed before the training module.
             config_json: what ``--config-json`` gets (a shell word); defaults to :attr:`config_json`.
+            worker: the worker command prefix when workers come from the node's zygote
+                (:func:`components.core.runtime.zygote.client_command`): torchrun then runs
+                ``--no-python *worker -m components.train ...`` instead of ``python -u -m components.train ...``.
 
         Returns:
             ``[--nnodes=..., ..., -m, components.train, --config-json, JSON]``.
@@ -142,7 +146,7 @@ class JobSpec:
         if rdzv_conf:
             args.append(f"--rdzv-conf={rdzv_conf}")
         args += [f"--max-restarts={self.restart.max_restarts}", f"--monitor-interval={self.monitor_interval_seconds:g}",
-                 *extra, "-m", self.module, "--config-json", self.config_json if config_json is None else config_json]
+                 *extra, *(("--no-python", *worker) if worker else ()), "-m", self.module, "--config-json", self.config_json if config_json is None else config_json]
         return args
 
     def plain_env(self) -> list[dict[str, Any]]:
@@ -228,10 +232,30 @@ def worker_config(config: RelaunchConfig, resume_from: str | None) -> RelaunchCo
     return worker
 
 
-def supervised(torchrun_args: list[str]) -> list[str]:
+def supervised(torchrun_args: list[str], *, warm: bool = True) -> list[str]:
     """The container command: torchrun under the supervisor that maps its blanket exit 1 to the
-    contract's code (:mod:`components.launchers.supervise`)."""
+    contract's code (:mod:`components.launchers.supervise`).
+
+    ``warm``: the workers are forks of the pod's zygote (:mod:`components.core.runtime.zygote`, which the
+    supervisor starts before torchrun): torchrun's worker command becomes its stdlib client,
+    ``--no-python python -I -S /tmp/relaunch-zygote/client.py -m components.train ...``, which falls back to
+    the cold ``python -u -m components.train ...`` by itself when the zygote is missing.
+    """
+    if warm:
+        torchrun_args = with_zygote_worker(torchrun_args)
     return ["python", "-m", "components.launchers.supervise", "torchrun", *torchrun_args]
+
+
+def with_zygote_worker(torchrun_args: list[str], python: str = "python") -> list[str]:
+    """``torchrun_args`` (what :meth:`JobSpec.torchrun_args` returns, ending ``-m MODULE --config-json J``)
+    with the pod zygote's client as the worker command."""
+    from components.core.runtime.zygote import CLIENT_PATH, client_command
+
+    if len(torchrun_args) < 4 or torchrun_args[-4] != "-m" or torchrun_args[-2] != "--config-json":
+        raise ValueError(f"not JobSpec.torchrun_args: {torchrun_args[-4:]}")
+    if "--no-python" in torchrun_args:
+        return list(torchrun_args)
+    return [*torchrun_args[:-4], "--no-python", *client_command(python, CLIENT_PATH), *torchrun_args[-4:]]
 
 
 def job_metadata(spec: JobSpec, k8s, pipeline_run_id: str, owner: dict | None) -> dict[str, Any]:

@@ -6,6 +6,14 @@ processes standing in for nodes. What it runs, per simulated node ``i`` (agent 0
         --rdzv-endpoint=127.0.0.1:PORT --rdzv-id=JOB --rdzv-conf=is_host=true \\
         --max-restarts=3 --monitor-interval=0.5 -m components.train --config-json '{...}'
 
+Warm (a launch step forked from ``relaunch run``'s warm server; ``--cold`` or ``RELAUNCH_COLD=1`` turns it
+off, and a launch step started any other way is cold), each node first gets a
+zygote (:mod:`components.core.runtime.zygote`; in ``relaunch run`` the full warm server is that zygote,
+having imported torch, MLflow and the task already): torchrun's worker command becomes its stdlib client,
+``--no-python python -I -S zygote_client.py -m components.train ...``, so that every worker, first or
+restarted, is a fork of a single-threaded pre-imported process: the mechanism a pod uses
+(:func:`components.launchers.jobs.supervised`). The agents themselves are plain processes.
+
 It streams the agents' output, reads rank 0's events (:mod:`components.core.contract.events`) from it, passes
 them on to the run's event file (or draws a progress bar), and maps the outcome to the exit-code
 contract: torchrun exits 1 for any worker failure, so the code of the worker that ended the attempt
@@ -22,17 +30,19 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 
 from components.core.contract import events
-
-from components.core.runtime import warm
 from components.core.contract.config import RelaunchConfig
 from components.core.contract.events import Kind
 from components.core.contract.exitcodes import ExitCode
+from components.core.runtime import warm as runtime_warm
 from components.core.runtime.net import free_port
+from components.core.runtime.zygote import Zygote, client_command
+from components.core.runtime.zygote_client import ZYGOTE_ENV
 from components.launchers import LaunchResult
 from components.launchers.jobs import JobSpec, job_spec
 from components.launchers.torchrun import exit_code
@@ -41,11 +51,17 @@ _TORCHRUN_EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
 AGENT_GRACE_SECONDS = 30.0  # once one agent ended badly, how long the others get to notice
 
 
-def build_commands(spec: JobSpec, *, job_id: str, port: int) -> list[list[str]]:
-    """The torchrun command of each simulated node of ``spec`` (side-effect free)."""
+COLD_ENV = "RELAUNCH_COLD"
+"""Set (to anything but empty) to start every agent and worker as a fresh interpreter, as ``--cold`` does."""
+
+
+def build_commands(spec: JobSpec, *, job_id: str, port: int, warm: bool = False) -> list[list[str]]:
+    """The torchrun command of each simulated node of ``spec`` (side-effect free); ``warm``: its workers
+    through the zygote client."""
     return [[sys.executable, "-m", "torch.distributed.run",
              *spec.torchrun_args(rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=job_id,
-                                 rdzv_conf=f"is_host={'true' if node == 0 else 'false'}", extra=["--local-addr=127.0.0.1"])]
+                                 rdzv_conf=f"is_host={'true' if node == 0 else 'false'}", extra=["--local-addr=127.0.0.1"],
+                                 worker=client_command() if warm else ())]
             for node in range(spec.nodes)]
 
 
@@ -55,13 +71,16 @@ def launch(config: RelaunchConfig, *, pipeline_run_id: str, resume_from: str | N
     if resume_from:
         config.train.resume_from = resume_from
     job_id = re.sub(r"[^a-zA-Z0-9-]", "-", f"{config.name}-{pipeline_run_id or 'manual'}")[:60]
-    commands = build_commands(job_spec(config), job_id=job_id, port=config.launch.rdzv_port or free_port())
+    spec = job_spec(config)
+    warm = runtime_warm.forked and not os.environ.get(COLD_ENV)
+    commands = build_commands(spec, job_id=job_id, port=config.launch.rdzv_port or free_port(), warm=warm)
     started = time.time()
     watch = _Watch(ProgressReporter.for_environment())
-    agents = [_start(cmd, node) for node, cmd in enumerate(commands)]
-    for node, agent in enumerate(agents):  # readers after every start: a warm start forks this process
-        threading.Thread(target=watch.follow, args=(agent, node), daemon=True, name=f"agent-{node}-reader").start()
-    codes, timed_out = _wait(agents, config.launch.timeout_seconds)
+    with _zygotes(spec.nodes if warm else 0, config.train.task.split(":")[0]) as zygote_envs:
+        agents = [_start(cmd, node, zygote_envs[node] if warm else {}) for node, cmd in enumerate(commands)]
+        for node, agent in enumerate(agents):
+            threading.Thread(target=watch.follow, args=(agent, node), daemon=True, name=f"agent-{node}-reader").start()
+        codes, timed_out = _wait(agents, config.launch.timeout_seconds)
     watch.close()
     duration = time.time() - started
     if timed_out:
@@ -72,37 +91,31 @@ def launch(config: RelaunchConfig, *, pipeline_run_id: str, resume_from: str | N
     return LaunchResult(code, message, watch.restarts, watch.resumed, duration, job_id)
 
 
-def _start(cmd: list[str], node: int) -> subprocess.Popen | warm.ForkedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RELAUNCH_NODE": str(node)}
+@contextlib.contextmanager
+def _zygotes(nodes: int, task_module: str):
+    """Each node's zygote environment: the warm run's own zygote (``relaunch run``'s full server, which
+    already imported torch, MLflow and the task) when it gave one, else a zygote per node started here."""
+    if not nodes or os.environ.get(ZYGOTE_ENV):
+        yield [{}] * nodes
+        return
+    with tempfile.TemporaryDirectory(prefix="relaunch-zygote-") as directory:
+        zygotes = [Zygote(os.path.join(directory, f"node{node}.sock"), (task_module,)) for node in range(nodes)]
+        try:
+            yield [zygote.env for zygote in zygotes]
+        finally:
+            for zygote in zygotes:
+                zygote.close()
+
+
+def _start(cmd: list[str], node: int, zygote_env: dict[str, str]) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RELAUNCH_NODE": str(node), **zygote_env}
     env.setdefault("OMP_NUM_THREADS", "1")
     # A fresh worker store per rendezvous round: with torchrun's shared store, a restart can pair ranks
     # whose TORCHELASTIC_RESTART_COUNT differ (an agent that only saw the others re-join keeps its count)
     # or read keys the dead round left, and the new round waits out the process-group timeout.
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    return warm.start_python(cmd, env=env, new_session=True, before=prepare_warm_agent)
-
-
-RENDEZVOUS_POLL_SECONDS = 0.1
-"""How often a warm local agent polls the rendezvous state: torch's 1 s is sized for one store under
-hundreds of nodes; here a few processes on one machine share it."""
-
-
-def prepare_warm_agent() -> None:
-    """In an agent forked from a warm launch step: fork the workers too, poll the rendezvous every
-    :data:`RENDEZVOUS_POLL_SECONDS`, and name the rendezvous's callers from the frame (torch calls
-    ``inspect.stack()`` twice per rendezvous event, which resolves every frame's module over
-    ``sys.modules``: seconds per rendezvous with MLflow and torch loaded)."""
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous, utils
-
-    warm.fork_workers()
-    dynamic_rendezvous.get_method_name = _caller_name
-    dynamic_rendezvous._delay = lambda seconds: utils._delay(RENDEZVOUS_POLL_SECONDS if seconds == 1 else seconds)
-
-
-def _caller_name(depth: int = 2) -> str:
-    """``inspect.stack()[depth].function``, without reading every frame's source."""
-    frame = sys._getframe(depth)
-    return frame.f_code.co_name if frame is not None else "no_method_name"
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
+                            start_new_session=True)
 
 
 def _wait(agents: list[subprocess.Popen], timeout: float) -> tuple[list[int], bool]:

@@ -33,12 +33,15 @@ def config_of(command: list[str]) -> RelaunchConfig:
 
 def supervise(command: list[str]) -> int:
     """Run ``command`` to its end, forwarding signals; return the contract's exit code."""
+    from components.core.runtime.zygote import for_command
+
     config = config_of(command)
     started = time.time()
-    child = subprocess.Popen(command)
-    for sig in FORWARDED:
-        signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
-    returncode = child.wait()
+    with for_command(command, (config.train.task.split(":")[0],)) as env:  # the pod's zygote, when its workers use it
+        child = subprocess.Popen(command, env=env)
+        for sig in FORWARDED:
+            signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
+        returncode = child.wait()
     code = exit_code(config, returncode, started)
     print(f"relaunch supervise: torchrun exit {returncode} -> {code}", file=sys.stderr)
     return code

@@ -1,6 +1,9 @@
 """The warm servers of ``relaunch run``: processes that import kfp's executor, MLflow with its SQL store,
 (torch with DCP) and the steps once, then fork each kfp.local step from themselves instead of kfp.local
-starting a fresh interpreter that imports them again (seconds per step on a small machine).
+starting a fresh interpreter that imports them again (seconds per step on a small machine). A server
+forks only while it is single-threaded (it refuses otherwise, and the step runs cold), ignores Ctrl-C
+(the steps get it; the server reaps them and reports how they ended, 130 for an interrupted one), and
+when the run closes it, waits for the steps still running before it exits.
 
 kfp.local still runs the pipeline: its orchestrator resolves the inputs, builds each task's command
 and reads the outputs. :func:`pipelines.local.kfp_fixes.install_local_fixes` routes the command of a
@@ -10,15 +13,14 @@ source to a temporary file and run ``python -m kfp.dsl.executor_main`` on it, wi
 environment, working directory and a pipe for its output. The exit status comes back over a socket.
 A command it does not recognise, or a server that is gone, runs cold as kfp.local would run it.
 
-Two servers start together, one per core: the *light* one imports what prepare, locate, register and
-finalize need and is ready first; the *full* one adds torch, DCP and matplotlib for the steps marked
-:attr:`components.Step.uses_torch` (launch, evaluate). A step's child is warm
-(:data:`components.core.runtime.warm.forked`): the launch step forks its torchrun agents, and they fork their
-workers (:mod:`components.core.runtime.warm`). ``relaunch run --cold`` starts no server: every process is a
-fresh interpreter, as on a cluster. A server also forks any ``python -m module`` on request
-(:meth:`WarmServer.start_module`): the tests start their torchrun agents that way (tests/warm_processes.py).
+Two servers start together, one per core, at the same priority: the *light* one imports what prepare,
+locate, register and finalize need and is ready first; the *full* one adds torch, DCP and matplotlib
+for the steps marked :attr:`components.Step.uses_torch` (launch, evaluate). A step's child is warm
+(:data:`components.core.runtime.warm.forked`): the launch step then starts its torchrun agents and
+workers through per-node zygotes (:mod:`components.core.runtime.zygote`), never as forks of itself.
+``relaunch run --cold`` starts no server: every process is a fresh interpreter, as on a cluster.
 
-    python -m pipelines.local.warm_steps FD light|full [MODULE ...]    # what WarmSteps starts
+    python -m pipelines.local.warm_steps FD light|full|none ZYGOTE_SOCKET|- [MODULE ...]   # what WarmSteps starts
 """
 
 from __future__ import annotations
@@ -30,16 +32,20 @@ import json
 import os
 import select
 import shutil
+import signal
 import socket
 import struct
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from components import STEP_MODULES, STEP_TABLE
 from components.core.runtime.warm import SignalledByPid
+from components.core.runtime.zygote import SINGLE_THREAD_ENV, Job
+from components.core.runtime.zygote_client import ZYGOTE_ENV
 
 LIGHT_IMPORTS = (
     "kfp.dsl.executor_main", "pipelines.kfp_entry", *STEP_MODULES.values(),
@@ -57,8 +63,11 @@ TORCH_IMPORTS = (
 )
 """What the torchrun agents, the workers and evaluate add (DCP's state-dict helpers import torch._dynamo).
 An import that fails is skipped: the step then imports, or fails, as it would cold."""
-SERVER_IMPORTS = {"light": LIGHT_IMPORTS, "full": (*TORCH_IMPORTS, *LIGHT_IMPORTS)}
-LIGHT_SERVER_NICENESS = 10
+SERVER_IMPORTS = {"light": LIGHT_IMPORTS, "full": (*TORCH_IMPORTS, *LIGHT_IMPORTS), "none": ()}
+"""What each server imports ("none": nothing beyond this module, for the tests of the server itself)."""
+STOP_GRACE_SECONDS = 25.0
+"""Once the run closed a server, how long its steps still running get (the launch step stops its agents
+in up to 20 s) before they are killed."""
 
 _HEADER = struct.Struct("!Q")
 _SCRIPT_MARKERS = ('"$program_path/ephemeral_component.py"', "kfp.dsl.executor_main", '"$@"')
@@ -113,7 +122,12 @@ class RemoteProcess(SignalledByPid):
         return line
 
     def _ended(self, line: bytes) -> None:
-        self.returncode = int(json.loads(line)["exit"]) if line else 1  # a server that died took it down
+        message = json.loads(line) if line else {}
+        if "exit" in message:
+            self.returncode = int(message["exit"])
+        else:  # the server died (its children die with it) or lost the status: killed, never a success
+            self.returncode = -signal.SIGKILL
+            print(f"relaunch: warm step {self.pid}: {message.get('lost', 'its server ended')}", file=sys.stderr, flush=True)
         self._status.close()
 
     def poll(self) -> int | None:
@@ -133,14 +147,18 @@ class RemoteProcess(SignalledByPid):
 
 
 class WarmServer:
-    """One server process (``imports``: "light" or "full") and the requests to it."""
+    """One server process (``imports``: "light", "full" or "none") and the requests to it; with
+    ``zygote_socket`` it also answers zygote clients there (:mod:`components.core.runtime.zygote`)."""
 
-    def __init__(self, imports: str, log, extra_imports: tuple[str, ...] = (), cwd: str | None = None):
+    def __init__(self, imports: str, log, extra_imports: tuple[str, ...] = (), cwd: str | None = None,
+                 zygote_socket: str | None = None):
         self.control, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._lock = threading.Lock()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "pipelines.local.warm_steps", str(server_end.fileno()), imports, *extra_imports],
-            pass_fds=(server_end.fileno(),), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
+            [sys.executable, "-m", "pipelines.local.warm_steps", str(server_end.fileno()), imports,
+             zygote_socket or "-", *extra_imports],
+            pass_fds=(server_end.fileno(),), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
+            env={**os.environ, **SINGLE_THREAD_ENV})
         server_end.close()
 
     def start(self, request: dict, fds: list[int]) -> RemoteProcess | None:
@@ -161,34 +179,36 @@ class WarmServer:
             theirs.close()
         child = RemoteProcess(mine, request.get("argv") or [request["kind"]])
         forked = child._line(None)
-        if not forked:  # the server ended before it forked
+        answer = json.loads(forked) if forked else {}
+        if "pid" not in answer:  # the server ended before it forked, or refused
+            if answer.get("refused"):
+                print(f"relaunch: warm server refused ({answer['refused']}); running the step cold", file=sys.stderr)
             mine.close()
             return None
-        child.pid = int(json.loads(forked)["pid"])
+        child.pid = int(answer["pid"])
         return child
-
-    def start_module(self, module: str, argv: list[str], *, env: dict[str, str], cwd: str, stdout_fd: int,
-                     stderr_fd: int, new_session: bool = False, torchrun_agent: bool = False) -> RemoteProcess | None:
-        """``python -m module *argv`` forked by the server; a torchrun agent forks its workers too."""
-        return self.start({"kind": "module", "module": module, "argv": argv, "env": env, "cwd": cwd,
-                           "new_session": new_session, "torchrun_agent": torchrun_agent}, [stdout_fd, stderr_fd])
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.control.close()
         try:
-            self.process.wait(10)
+            self.process.wait(STOP_GRACE_SECONDS + 10)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
 
 
 class WarmSteps:
-    """The client side, in ``relaunch run``: starts the servers, runs steps through them, stops them."""
+    """The client side, in ``relaunch run``: starts the servers, runs steps through them, stops them.
+    The full server is also the run's zygote: the launch step's torchrun workers are forks of it."""
 
     def __init__(self, *, log_path: Path, extra_imports: tuple[str, ...] = ()):
+        self._dir = tempfile.TemporaryDirectory(prefix="relaunch-warm-")
+        self.zygote_socket = os.path.join(self._dir.name, "zygote.sock")
         with open(log_path, "a") as log:
-            self._servers = {kind: WarmServer(kind, log, extra_imports) for kind in SERVER_IMPORTS}
+            self._servers = {kind: WarmServer(kind, log, extra_imports,
+                                              zygote_socket=self.zygote_socket if kind == "full" else None)
+                             for kind in ("light", "full")}
 
     def run(self, full_command: list[str], env_vars: dict[str, str] | None) -> int | None:
         """Run one task's command in a fork of a server, echoing its output; its exit code, or None
@@ -200,7 +220,7 @@ class WarmSteps:
         try:
             step = self._servers[server_for(call[1])].start(
                 {"kind": "kfp", "source": call[0], "args": call[1], "cwd": os.getcwd(),
-                 "env": {**os.environ, **(env_vars or {})}}, [write_end])
+                 "env": {**os.environ, **(env_vars or {}), ZYGOTE_ENV: self.zygote_socket}}, [write_end])
         finally:
             os.close(write_end)
         if step is None:
@@ -215,6 +235,7 @@ class WarmSteps:
     def close(self) -> None:
         for server in self._servers.values():
             server.close()
+        self._dir.cleanup()
 
 
 def _receive(control: socket.socket) -> tuple[dict, list[int]] | None:
@@ -233,47 +254,92 @@ def _receive(control: socket.socket) -> tuple[dict, list[int]] | None:
     return json.loads(body), fds
 
 
-def serve(control: socket.socket, imports: tuple[str, ...]) -> None:
-    """Import ``imports``, then fork a child per request until the control socket closes."""
-    from components.core.runtime.warm import recording_exit_handlers
+def _send(status: socket.socket, message: dict) -> None:
+    """One message to a requester; one that left early must not take the server down."""
+    with contextlib.suppress(OSError):
+        status.sendall(json.dumps(message).encode() + b"\n")
 
+
+def _reap(pid: int, status: socket.socket, temp_dir: str | None) -> None:
+    """Wait for a child and report its exit code (never a success it cannot read)."""
+    try:
+        _, wait_status = os.waitpid(pid, 0)
+    except ChildProcessError as err:
+        _send(status, {"lost": f"cannot read the exit status of {pid}: {err}"})
+    else:
+        _send(status, {"exit": os.waitstatus_to_exitcode(wait_status)})
+    status.close()
+    if temp_dir:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def serve(control: socket.socket, imports: tuple[str, ...], zygote_socket: str | None = None) -> Job | None:
+    """Import ``imports``, then fork a child per request until the control socket closes; then wait for
+    the children still running (:data:`STOP_GRACE_SECONDS`, then kill them) and report how each ended.
+    With ``zygote_socket``, also fork a worker per zygote client there; in such a fork, returns its
+    :class:`~components.core.runtime.zygote.Job`."""
+    from components.core.runtime.zygote import ForkServer, listen, single_threaded
+
+    running: dict[int, tuple[int, socket.socket, str | None]] = {}  # pidfd -> (pid, status socket, temp dir)
+    workers = None
+    if zygote_socket:  # listening before the imports: an early client waits in the backlog
+        workers = ForkServer(listen(zygote_socket), lambda: [control, *(sock for _, sock, _ in running.values())])
     os.environ.setdefault("MPLBACKEND", "Agg")
     gc.disable()  # imports allocate millions of objects that live as long as the process: ~20% faster
-    with recording_exit_handlers():
-        for name in imports:
-            with contextlib.suppress(Exception):
-                importlib.import_module(name)
+    for name in imports:
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
     gc.enable()
     gc.freeze()  # the forks never scan (and so never copy) what was imported
-    running: dict[int, tuple[int, socket.socket, str | None]] = {}  # pidfd -> (pid, status socket, temp dir)
-    while True:
-        ready, _, _ = select.select([control, *running], [], [])
+    closing_since: float | None = None
+    while running or (workers and workers.running) or closing_since is None:
+        timeout = None if closing_since is None else max(0.0, closing_since + STOP_GRACE_SECONDS - time.monotonic())
+        watched = [*([control] if closing_since is None else []), *running, *(workers.selectable() if workers else [])]
+        ready, _, _ = select.select(watched, [], [], timeout)
+        if not ready and closing_since is not None:  # the grace period is over
+            for pid, _, _ in running.values():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            if workers:
+                workers.stop()
+            closing_since = -STOP_GRACE_SECONDS  # wait for them to die, without a further timeout
+            continue
         for fd in ready:
             if fd is control:
                 received = _receive(control)
                 if received is None:
-                    return
+                    closing_since = time.monotonic()
+                    continue
                 request, (status_fd, *output_fds) = received
                 status = socket.socket(fileno=status_fd)
-                own = (control.fileno(), status_fd, *output_fds, *running,
-                       *(sock.fileno() for _, sock, _ in running.values()))
-                pid, temp_dir = _fork(request, output_fds, own)
+                refused = single_threaded()
+                if refused:
+                    _send(status, {"refused": refused})
+                    status.close()
+                    for output_fd in output_fds:
+                        os.close(output_fd)
+                    continue
+                pid, temp_dir = _fork(request, output_fds)
                 for output_fd in output_fds:
                     os.close(output_fd)
-                status.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+                _send(status, {"pid": pid})
                 running[os.pidfd_open(pid)] = (pid, status, temp_dir)
-            else:
+            elif isinstance(fd, int) and fd in running:
                 pid, status, temp_dir = running.pop(fd)
                 os.close(fd)
-                _, wait_status = os.waitpid(pid, 0)
-                with contextlib.suppress(OSError):
-                    status.sendall(json.dumps({"exit": os.waitstatus_to_exitcode(wait_status)}).encode() + b"\n")
-                status.close()
-                if temp_dir:
-                    shutil.rmtree(temp_dir, ignore_errors=True)
+                _reap(pid, status, temp_dir)
+            else:
+                job = workers.handle(fd)
+                if job is not None:
+                    return job
+    if workers:
+        workers.listener.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(zygote_socket)
+    return None
 
 
-def _fork(request: dict, output_fds: list[int], own: tuple[int, ...]) -> tuple[int, str | None]:
+def _fork(request: dict, output_fds: list[int]) -> tuple[int, str | None]:
     """Fork the child ``request`` asks for: its pid, and a directory to remove when it has ended."""
     from components.core.runtime.warm import fork_module
 
@@ -283,23 +349,21 @@ def _fork(request: dict, output_fds: list[int], own: tuple[int, ...]) -> tuple[i
         path.write_text(request["source"])
         return fork_module("kfp.dsl.executor_main", ["--component_module_path", str(path), *request["args"]],
                            env={**request["env"], "_KFP_RUNTIME": "true"}, stdout_fd=output_fds[0],
-                           stderr_fd=output_fds[0], cwd=request["cwd"], keep_atexit=True, close_fds=own), source_dir
-    before = None
-    if request["torchrun_agent"]:
-        from components.launchers.local import prepare_warm_agent as before
+                           stderr_fd=output_fds[0], cwd=request["cwd"]), source_dir
     return fork_module(request["module"], request["argv"], env=request["env"], stdout_fd=output_fds[0],
-                       stderr_fd=output_fds[1], cwd=request["cwd"], new_session=request["new_session"],
-                       keep_atexit=True, close_fds=own, before=before), None
+                       stderr_fd=output_fds[-1], cwd=request["cwd"], new_session=request.get("new_session", False)), None
 
 
 def main(argv: list[str]) -> None:
     control = socket.socket(fileno=int(argv[0]))
-    if argv[1] == "light":  # the full server's imports are what the run waits for: let them have the CPU
-        os.nice(LIGHT_SERVER_NICENESS)
-    try:
-        serve(control, (*SERVER_IMPORTS[argv[1]], *argv[2:]))
-    except KeyboardInterrupt:  # Ctrl-C of the whole run reaches us too; the parent reports it
-        pass
+    # Ctrl-C of the run reaches the whole process group: the steps stop, the server reaps and reports them
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    job = serve(control, (*SERVER_IMPORTS[argv[1]], *argv[3:]), None if argv[2] == "-" else argv[2])
+    if job is not None:  # a zygote client's worker, forked: it ends as a cold interpreter does
+        from components.core.runtime.zygote import become_worker
+
+        become_worker(job)
+        return
     sys.stdout.flush()
     os._exit(0)  # nothing to tear down: freeing torch and MLflow module by module takes seconds
 

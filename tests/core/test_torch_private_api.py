@@ -11,6 +11,10 @@ Why each is used (where relaunch found no public way to do the same in torch 2.1
   fills (components/core/trainer/state.py).
 - ``utils._create_file_view`` and ``torch._C.PyTorchFileReader``: reading format-1 checkpoints
   (components/core/checkpoint/legacy_v1.py).
+
+Removed: the warm runtime no longer replaces torch elastic's ``SubprocessHandler._popen`` nor dynamic
+rendezvous's ``get_method_name`` / ``_delay`` (workers come from a zygote through torchrun's public
+``--no-python`` worker command; tests/pipelines/test_warm_steps.py keeps them out).
 """
 
 from __future__ import annotations

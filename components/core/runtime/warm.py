@@ -1,63 +1,36 @@
-"""Warm processes: start a Python module as a fork of a process that already imported what it needs.
+"""Warm steps: run a ``python -m`` module as a fork of a process that already imported what it needs.
 
-A local ``relaunch run`` is mostly interpreter start-up: every step, every torchrun agent and every
-worker is a fresh Python that imports kfp, MLflow (and its SQL store) and torch again, seconds each
-on a small machine. :mod:`pipelines.local.warm_steps` imports them once in server processes and forks every
-kfp.local step from one of them; a step forked that way is *warm* (:data:`forked` is true), and the
-processes it starts are forks of itself too:
+A local ``relaunch run`` is mostly interpreter start-up: every step is a fresh Python that imports kfp,
+MLflow (and its SQL store) and torch again, seconds each on a small machine. :mod:`pipelines.local.warm_steps`
+imports them once in single-threaded server processes and forks every kfp.local step from one of them with
+:func:`fork_module`; a step forked that way is *warm* (:data:`forked` is true). Torchrun agents and workers
+are never forked from a step: the local launcher starts them through per-node zygotes
+(:mod:`components.core.runtime.zygote`), as a pod does.
 
-- the local launcher starts each torchrun agent with :func:`start_python` (a fork when warm, else
-  ``subprocess.Popen``), and
-- a warm agent starts its workers with :func:`fork_workers` installed (torch elastic's
-  ``SubprocessHandler`` forks ``python -u -m <module>`` instead of executing it).
-
-Each fork is a real child of the process that asked for it: same pid semantics (``os.getpid`` in a
-worker is the pid its agent signals), new session when asked, its own stdout/stderr, environment and
-``sys.argv``, default signal handlers, the ``atexit`` handlers of its own and of its imports (not its
-parent's), and the exit status Python
-itself would give (``SystemExit`` code, 1 for an uncaught exception, death by SIGINT for Ctrl-C).
-:class:`ForkedProcess` is the ``Popen`` part the launcher and torch elastic use. On a cluster nothing
-here runs: each pod is a fresh ``torchrun``.
+The fork is a real child of the server: its own stdout/stderr, environment, working directory and
+``sys.argv``, default signal handlers and mask, no descriptor of the server but the ones it is given,
+the ``atexit`` handlers of its imports (a fresh process importing the same modules has them), and the
+exit status Python itself would give (``SystemExit`` code, 1 for an uncaught exception, death by SIGINT
+for Ctrl-C).
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
+import ctypes
 import io
 import os
 import runpy
 import signal
-import subprocess
 import sys
-import time
 import traceback
 import warnings
-import weakref
-from typing import Callable
 
 forked = False
 """True in a process forked from a warm server (and in the processes it forks in turn)."""
-_import_time_exit_handlers: list[tuple[Callable, tuple, dict]] = []
 
 
-@contextlib.contextmanager
-def recording_exit_handlers():
-    """Remember the ``atexit`` handlers registered inside (the warm server's imports): a fork that
-    drops its parent's handlers gets these back, as a fresh process importing the same modules has them."""
-    register = atexit.register
-
-    def recording(func, *args, **kwargs):
-        _import_time_exit_handlers.append((func, args, kwargs))
-        return register(func, *args, **kwargs)
-
-    atexit.register = recording
-    try:
-        yield
-    finally:
-        atexit.register = register
-
-
+_PR_SET_PDEATHSIG = 1
 _DEFAULT_HANDLERS = {signal.SIGINT: signal.default_int_handler, signal.SIGPIPE: signal.SIG_IGN}
 
 
@@ -80,57 +53,16 @@ class SignalledByPid:
         self.send_signal(signal.SIGKILL)
 
 
-class ForkedProcess(SignalledByPid):
-    """The ``subprocess.Popen`` surface of a forked child: ``pid``, ``returncode``, ``stdout``,
-    ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``."""
-
-    def __init__(self, pid: int, args: list[str], stdout: io.TextIOBase | None = None):
-        self.pid, self.args, self.stdout = pid, args, stdout
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            self._reap(os.WNOHANG)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        if timeout is None:
-            while self.returncode is None:
-                self._reap(0)
-            return self.returncode
-        deadline = time.monotonic() + timeout
-        while self.poll() is None:
-            if time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            time.sleep(0.01)
-        return self.returncode
-
-    def _reap(self, flags: int) -> None:
-        try:
-            pid, status = os.waitpid(self.pid, flags)
-        except ChildProcessError:  # reaped elsewhere: what Popen reports then
-            self.returncode = 0
-            return
-        if pid:
-            self.returncode = os.waitstatus_to_exitcode(status)
-
-
 def fork_module(module: str, argv: list[str], *, env: dict[str, str], stdout_fd: int | None = None,
                 stderr_fd: int | None = None, new_session: bool = False, cwd: str | None = None,
-                keep_atexit: bool = False, close_fds: tuple[int, ...] = (),
-                before: Callable[[], None] | None = None) -> int:
+                close_fds: tuple[int, ...] = ()) -> int:
     """Fork; the child runs ``python -m module *argv`` in this interpreter and never returns.
 
     Args:
         env: the child's whole environment.
         stdout_fd, stderr_fd: what becomes the child's fd 1 and 2 (None: inherit).
-        close_fds: raw descriptors (no Python object owns them) the child closes after that.
+        close_fds: kept for callers; the child closes every descriptor above 2 after the redirection.
         new_session: ``setsid`` in the child, as ``Popen(start_new_session=True)``.
-        keep_atexit: keep the ``atexit`` handlers registered so far (the warm server's are only those
-            its imports registered, which a fresh process importing the same modules has too);
-            otherwise the child starts with only those import-time ones (:func:`recording_exit_handlers`):
-            the parent's own are the parent's business.
-        before: called in the child right before the module runs.
 
     Returns:
         the child's pid (in the parent).
@@ -143,9 +75,7 @@ def fork_module(module: str, argv: list[str], *, env: dict[str, str], stdout_fd:
         return pid
     code = 1
     try:
-        _become_child(env, stdout_fd, stderr_fd, new_session, cwd, keep_atexit, close_fds)
-        if before is not None:
-            before()
+        _become_child(env, stdout_fd, stderr_fd, new_session, cwd, close_fds)
         code = _run_main(module, argv)
     except BaseException:  # noqa: BLE001 - setting the child up failed: say why, exit 1
         traceback.print_exc()
@@ -154,7 +84,7 @@ def fork_module(module: str, argv: list[str], *, env: dict[str, str], stdout_fd:
 
 
 def _become_child(env: dict[str, str], stdout_fd: int | None, stderr_fd: int | None, new_session: bool,
-                  cwd: str | None, keep_atexit: bool, close_fds: tuple[int, ...]) -> None:
+                  cwd: str | None, close_fds: tuple[int, ...]) -> None:
     global forked
     forked = True
     if new_session:
@@ -164,6 +94,9 @@ def _become_child(env: dict[str, str], stdout_fd: int | None, stderr_fd: int | N
             os.dup2(fd, target)
     for fd in set(close_fds) - {0, 1, 2}:
         os.close(fd)
+    os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # fork keeps every descriptor, CLOEXEC or not: none of the server's
+    with contextlib.suppress(OSError, AttributeError):  # die with the server: nothing of a run outlives it
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     signal.set_wakeup_fd(-1)
     for sig in signal.valid_signals():
         if sig in (signal.SIGKILL, signal.SIGSTOP):
@@ -173,11 +106,6 @@ def _become_child(env: dict[str, str], stdout_fd: int | None, stderr_fd: int | N
         if handler is not None and handler is not default:
             signal.signal(sig, default)
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
-    if not keep_atexit:
-        atexit._clear()
-        weakref.finalize._registered_with_atexit = False  # the next finalizer registers again, here
-        for func, args, kwargs in _import_time_exit_handlers:
-            atexit.register(func, *args, **kwargs)
     os.environ.clear()
     os.environ.update(env)
     if cwd:
@@ -228,54 +156,3 @@ def _exit_code(code) -> int:
         return code & 0xFF
     print(code, file=sys.stderr)
     return 1
-
-
-def module_of(cmd: list[str]) -> tuple[str, list[str]] | None:
-    """``(module, argv)`` of ``[python, (-u,) -m, module, *argv]`` run by this interpreter, else None."""
-    if not cmd or os.path.realpath(cmd[0]) != os.path.realpath(sys.executable):
-        return None
-    rest = list(cmd[1:])
-    if rest[:1] == ["-u"]:
-        rest = rest[1:]
-    if len(rest) < 2 or rest[0] != "-m":
-        return None
-    return rest[1], rest[2:]
-
-
-def start_python(cmd: list[str], *, env: dict[str, str], new_session: bool = False,
-                 before: Callable[[], None] | None = None) -> subprocess.Popen | ForkedProcess:
-    """Start ``cmd`` with its stdout and stderr on one text pipe (``.stdout``): a fork of this process
-    when it is warm and ``cmd`` is ``python -m module ...``, else ``subprocess.Popen``."""
-    target = module_of(cmd) if forked else None
-    if target is None:
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                env=env, start_new_session=new_session)
-    read_end, write_end = os.pipe()
-    try:
-        pid = fork_module(target[0], target[1], env=env, stdout_fd=write_end, stderr_fd=write_end,
-                          new_session=new_session, close_fds=(read_end, write_end), before=before)
-    finally:
-        os.close(write_end)
-    return ForkedProcess(pid, cmd, open(read_end, encoding="utf-8", errors="replace"))
-
-
-def fork_workers() -> None:
-    """Make torch elastic fork its ``python -u -m <module>`` workers from this (warm) agent."""
-    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
-
-    handler = subprocess_handler.SubprocessHandler
-    if getattr(handler, "_relaunch_forks", False):
-        return
-    popen = handler._popen
-
-    def fork_or_popen(self, args: tuple, env: dict[str, str]):
-        target = module_of([str(a) for a in args])
-        if target is None:
-            return popen(self, args, env)
-        pid = fork_module(target[0], target[1], env=env, new_session=True,
-                          stdout_fd=self._stdout.fileno() if self._stdout else None,
-                          stderr_fd=self._stderr.fileno() if self._stderr else None)
-        return ForkedProcess(pid, list(args))
-
-    handler._popen = fork_or_popen
-    handler._relaunch_forks = True
