@@ -67,6 +67,16 @@ class StoreConfig(_Model):
         return v
 
 
+class WandbConfig(_Model):
+    """Weights & Biases as a second tracker (components/core/tracking/wandb_tracker.py); credentials only
+    from the environment (``WANDB_API_KEY``, ``WANDB_BASE_URL`` for a self-hosted server)."""
+
+    project: str = Field(..., min_length=1, description="W&B project the training's run goes to.")
+    entity: str | None = Field(None, description="W&B team or user; the API key's default entity when empty.")
+    mode: Literal["online", "offline", "disabled"] = Field(
+        "online", description="online sends as it goes; offline writes under WANDB_DIR for a later `wandb sync`.")
+
+
 class TrackingConfig(_Model):
     uri: str = Field(
         "sqlite:///./.relaunch/mlflow.db",
@@ -80,6 +90,7 @@ class TrackingConfig(_Model):
     run_id: str | None = Field(None, description="MLflow run to log into; decided by prepare when empty.")
     run_name: str | None = Field(None, description="Display name of a newly created MLflow run.")
     tensorboard_dir: str | None = Field(None, description="Also write TensorBoard events here when set.")
+    wandb: WandbConfig | None = Field(None, description="Also track in Weights & Biases when set.")
 
     @field_validator("uri")
     @classmethod
