@@ -36,9 +36,9 @@ MARKER_PREFIX = "relaunch-last-step-"
 
 
 def wandb_run_id(run_id: str | None, store_uri: str) -> str:
-    """The W&B run id of a training: the same for every attempt (derived from the MLflow run id, or the
-    store URI without one), 24 lowercase hex digits (W&B run ids allow no ``/`` or ``:``)."""
-    return "rl" + hashlib.sha256(f"{run_id or ''}|{store_uri}".encode()).hexdigest()[:22]
+    """The W&B run id of a training: the same for every attempt and step (derived from the MLflow run
+    id, or the store URI without one): ``rl`` and 22 lowercase hex digits (W&B ids allow no ``/`` or ``:``)."""
+    return "rl" + hashlib.sha256((f"run:{run_id}" if run_id else f"store:{store_uri}").encode()).hexdigest()[:22]
 
 
 def open_tracker(config, store, *, run_id: str | None, attempt: int) -> "WandbTracker | None":
@@ -196,7 +196,11 @@ def record_registered_version(config, *, run_id: str | None, store_uri: str, mod
     if settings is None or settings.mode == "disabled":
         return False
     tracker = WandbTracker(settings, run_id=wandb_run_id(run_id, store_uri), attempt=0, group=config.name)
-    tracker.start(AttemptStart(attempt=0, resumed_from=-1, resumed_uri=None, world_size=0))
+    try:
+        tracker.start(AttemptStart(attempt=0, resumed_from=-1, resumed_uri=None, world_size=0))
+    except BadInput as err:  # the package is missing: the training's own start said so already
+        _say("registered version not recorded", err)
+        return False
     if tracker.run is None:
         return False
     done = tracker._guard("registered version", tracker.run.summary.update,
