@@ -36,6 +36,7 @@ from dataclasses import asdict  # noqa: E402
 import torch  # noqa: E402
 
 from components.core.runtime import distributed as distr  # noqa: E402
+from components.core.runtime import logs  # noqa: E402
 from components.core.tracking import goodput  # noqa: E402
 from components.core.trainer import setup  # noqa: E402
 from components.core.contract.config import RelaunchConfig, config_from_cli  # noqa: E402
@@ -192,6 +193,7 @@ class Training:
                 self.checkpoints.wait_for_snapshot()
                 self.overflows += int(self.parts.optimizer_step())
                 self.step += 1
+                logs.set_step(self.step)
                 state = self.parts.state
                 state.step, state.epoch = self.step, self.step // self.data.steps_per_epoch
                 state.samples_seen, state.sampler_epoch = self.step * self.t.global_batch_size, epoch
@@ -311,6 +313,7 @@ class Training:
 
 def run(config: RelaunchConfig) -> TrainSummary:
     """Train (or resume) to the end on this rank; raises the contract's errors for the exit code."""
+    logs.configure(config, role="worker")
     training = Training(config)
     try:
         training.setup()

@@ -259,6 +259,15 @@ class RegistryConfig(_Model):
     champion_margin: float = Field(0.0, ge=0, description="New version must beat the champion by at least this.")
 
 
+class LoggingConfig(_Model):
+    """How every relaunch process (steps, torchrun agents, workers) writes its log lines
+    (components/core/runtime/logs.py)."""
+
+    format: Literal["text", "json"] = Field(
+        "text", description="json: one JSON object a line on stderr with training_id, attempt, rank, node and "
+        "step (for Loki or Elasticsearch); passed to child processes as RELAUNCH_LOG_FORMAT.")
+
+
 class RelaunchConfig(_Model):
     """The whole pipeline's configuration."""
 
@@ -270,6 +279,7 @@ class RelaunchConfig(_Model):
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
     @field_validator("name")
     @classmethod
