@@ -48,6 +48,7 @@ from components.core.trainer.health import PreemptionFlag, SpikeDetector, Watchd
 from components.core.trainer.injection import Injection, wrap_store  # noqa: E402
 from components.core.tracking.lineage import start_system_metrics  # noqa: E402
 from components.core.trainer.checkpoints import TrainerCheckpoints  # noqa: E402
+from components.core.trainer import progress  # noqa: E402
 from components.core.trainer.tracking import TrainingTracker, resolve_run_id, run_params  # noqa: E402
 from components.tasks.base import load_task  # noqa: E402
 
@@ -204,6 +205,7 @@ class Training:
                 step_seconds = time.perf_counter() - began
                 watchdog.beat(self.step)
                 self._after_step(loss_sum / self.env.world_size, grad_norm, step_seconds, epoch)
+                progress.step_done(self.step, self.total_steps, rank=self.env.rank, loss=loss_sum / self.env.world_size)
                 if cadence.wanted(self.step, bool(save_due)):
                     self.checkpoints.save(self.step)
                 if preempted:

@@ -201,7 +201,7 @@ def render_trainjob(spec: JobSpec, k8s: KubernetesConfig, trainjob: TrainJobConf
         trainer=t.TrainerV1alpha1Trainer(
             image=spec.image,
             command=command(spec, metadata["name"]),
-            env=[t.IoK8sApiCoreV1EnvVar.from_dict(e) for e in training_env(spec, pipeline_run_id)],
+            env=[t.IoK8sApiCoreV1EnvVar.from_dict(e) for e in training_env(spec, pipeline_run_id) + progress_env(metadata)],
             resources_per_node=t.IoK8sApiCoreV1ResourceRequirements.from_dict(spec.resources.kubernetes()),
             num_nodes=spec.nodes, num_proc_per_node=spec.procs_per_node),
         active_deadline_seconds=k8s.active_deadline_seconds)
@@ -209,6 +209,15 @@ def render_trainjob(spec: JobSpec, k8s: KubernetesConfig, trainjob: TrainJobConf
                                     metadata=t.IoK8sApimachineryPkgApisMetaV1ObjectMeta.from_dict(metadata),
                                     spec=job_spec_model)
     return _dump(job)
+
+
+def progress_env(metadata: dict) -> list[dict[str, str]]:
+    """Where rank 0 reports progress when Trainer's progress server is not offered: the TrainJob's own
+    ``status`` subresource (components/core/trainer/progress.py)."""
+    from components.core.trainer.progress import NAMESPACE_ENV, TRAINJOB_ENV
+
+    return [{"name": TRAINJOB_ENV, "value": metadata["name"]},
+            {"name": NAMESPACE_ENV, "value": metadata["namespace"]}]
 
 
 # --------------------------------------------------------------------------- read a TrainJob's state
