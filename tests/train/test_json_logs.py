@@ -62,3 +62,26 @@ def test_a_step_process_writes_json_lines_on_stderr(tmp_path):
     records = _json_lines(err)
     assert done.returncode == 2 and records, done.stderr
     assert all(LABELS <= r.keys() and r["role"] == "locate-latest-checkpoint" and r["rank"] is None for r in records)
+
+
+def test_in_a_container_the_supervisor_makes_the_torchrun_agents_lines_json_too(tmp_path):
+    from tests.services import free_port
+    from tests.train.conftest import BIN, RDZV_CONF
+
+    config = train_config(tmp_path, f"sqlite:///{tmp_path / 'mlflow.db'}", max_steps=6)
+    config["logging"] = {"format": "json"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_TRACKING_URI", "RELAUNCH_"))}
+    env.update({"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "LOGLEVEL": "INFO"})  # torchrun's agent talks
+    done = subprocess.run(
+        [sys.executable, "-m", "components.launchers.supervise", str(BIN / "torchrun"), "--nnodes=1",
+         "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=logs",
+         f"--rdzv-conf={RDZV_CONF}", "-m", "components.train", "--config-json", json.dumps(config)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    err = tmp_path / "stderr.log"
+    err.write_text(done.stderr)
+    records = _json_lines(err)
+    assert done.returncode == 0, done.stderr[-3000:]
+    roles = {r["role"] for r in records}
+    assert {"agent", "worker"} <= roles, roles
+    assert all(LABELS <= r.keys() for r in records)
+    assert {r["training_id"] for r in records} == {training_id(RelaunchConfig.model_validate(config))}

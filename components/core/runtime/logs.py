@@ -6,7 +6,8 @@ one JSON object a line on stderr, labelled with the training, the attempt, the r
      "role": "worker", "step": 120}
 
 :func:`configure` is called once at the start of a process (each step's CLI and KFP entry, each torchrun
-worker): it points the stdlib ``logging`` root at a JSON formatter and wraps ``sys.stderr`` so that a
+worker, and the container supervisor of the torchrun agent, which passes the agent's stderr through
+:func:`relay`): it points the stdlib ``logging`` root at a JSON formatter and wraps ``sys.stderr`` so that a
 ``print(..., file=sys.stderr)``, a warning or a traceback becomes JSON lines too. It exports
 ``RELAUNCH_LOG_FORMAT`` and ``RELAUNCH_TRAINING_ID``, so the processes it starts (torchrun agents and
 their workers, which inherit the environment) log the same way even before they read the configuration.
@@ -17,9 +18,11 @@ one training, and few enough values to be a Loki label); ``attempt`` is torchrun
 outside the workers); ``node`` the host name and ``node_rank`` ``GROUP_RANK``; ``step`` the last step
 :func:`set_step` was told (null before the first, and in the steps).
 
-Not covered: bytes written to file descriptor 2 below Python (C++ warnings of torch's c10d, a
-``faulthandler`` stack dump of the hang watchdog) stay plain text; a log pipeline should keep
-unparsable lines as ``message`` (promtail's ``json`` stage and Filebeat's ``ndjson`` parser do).
+Not covered: bytes a worker writes to file descriptor 2 below Python (C++ warnings of torch's c10d, a
+``faulthandler`` stack dump of the hang watchdog) stay plain text, unless the supervisor relays them (in a
+container it does); and a torchrun agent started without the supervisor (``relaunch run`` on a laptop)
+writes plain text. A log pipeline should keep unparsable lines as ``message`` (promtail's ``json`` stage
+and Filebeat's ``ndjson`` parser do).
 """
 
 from __future__ import annotations
@@ -128,9 +131,31 @@ class JsonLines(io.TextIOBase):
         return getattr(self.target, "encoding", "utf-8")
 
 
+def relay(source, *, to=None) -> threading.Thread:
+    """Copy a child's stderr (a binary pipe) to ours on a daemon thread: a JSON line as it is (a
+    worker's), any other line (torchrun's agent, a C++ warning) wrapped as one. Returns the thread."""
+    target = to or (sys.stderr.target if isinstance(sys.stderr, JsonLines) else sys.stderr)
+
+    def pump() -> None:
+        for raw in iter(source.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            if not line.strip():
+                continue
+            try:
+                is_json = isinstance(json.loads(line), dict)
+            except ValueError:
+                is_json = False
+            target.write((line if is_json else json_line("info", "stderr", line)) + "\n")
+            target.flush()
+
+    thread = threading.Thread(target=pump, name="relaunch-log-relay", daemon=True)
+    thread.start()
+    return thread
+
+
 def log_format(config=None) -> str:
-    """``RELAUNCH_LOG_FORMAT`` when set (what a parent process chose), else ``config.logging.format``."""
-    chosen = os.environ.get(LOG_FORMAT_ENV) or (config.logging.format if config is not None else "text")
+    """``config.logging.format``; without a configuration, ``RELAUNCH_LOG_FORMAT`` (what a parent chose)."""
+    chosen = config.logging.format if config is not None else os.environ.get(LOG_FORMAT_ENV, "text")
     return chosen if chosen in FORMATS else "text"
 
 
@@ -142,7 +167,7 @@ def configure(config=None, *, role: str) -> str:
     fmt = log_format(config)
     os.environ[LOG_FORMAT_ENV] = fmt
     if config is not None:
-        os.environ.setdefault(TRAINING_ID_ENV, training_id(config))
+        os.environ[TRAINING_ID_ENV] = training_id(config)
     if fmt != "json":
         return fmt
     if not isinstance(sys.stderr, JsonLines):
