@@ -135,7 +135,7 @@ def render_runtime(spec: JobSpec, k8s: KubernetesConfig, trainjob: TrainJobConfi
         "containers": [{
             "name": NODE, "image": spec.image, "imagePullPolicy": spec.image_pull_policy,
             "command": command(spec, trainjob.runtime),
-            "env": training_env(spec, None),
+            "env": training_env(spec, None) + progress_env(),
             "resources": spec.resources.kubernetes(),
             "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
         }],
@@ -201,7 +201,7 @@ def render_trainjob(spec: JobSpec, k8s: KubernetesConfig, trainjob: TrainJobConf
         trainer=t.TrainerV1alpha1Trainer(
             image=spec.image,
             command=command(spec, metadata["name"]),
-            env=[t.IoK8sApiCoreV1EnvVar.from_dict(e) for e in training_env(spec, pipeline_run_id) + progress_env(metadata)],
+            env=[t.IoK8sApiCoreV1EnvVar.from_dict(e) for e in training_env(spec, pipeline_run_id)],
             resources_per_node=t.IoK8sApiCoreV1ResourceRequirements.from_dict(spec.resources.kubernetes()),
             num_nodes=spec.nodes, num_proc_per_node=spec.procs_per_node),
         active_deadline_seconds=k8s.active_deadline_seconds)
@@ -211,13 +211,14 @@ def render_trainjob(spec: JobSpec, k8s: KubernetesConfig, trainjob: TrainJobConf
     return _dump(job)
 
 
-def progress_env(metadata: dict) -> list[dict[str, str]]:
-    """Where rank 0 reports progress when Trainer's progress server is not offered: the TrainJob's own
-    ``status`` subresource (components/core/trainer/progress.py)."""
+def progress_env() -> list[dict[str, Any]]:
+    """The runtime's pods learn their TrainJob (its JobSet has the TrainJob's name) from the downward API,
+    for rank 0's progress reports into the TrainJob's ``status`` (components/core/trainer/progress.py)
+    when Trainer's progress server is not offered; the TrainJob itself stays env-equal to a PyTorchJob."""
     from components.core.trainer.progress import NAMESPACE_ENV, TRAINJOB_ENV
 
-    return [{"name": TRAINJOB_ENV, "value": metadata["name"]},
-            {"name": NAMESPACE_ENV, "value": metadata["namespace"]}]
+    return [{"name": TRAINJOB_ENV, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{JOBSET_LABEL}']"}}},
+            {"name": NAMESPACE_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]
 
 
 # --------------------------------------------------------------------------- read a TrainJob's state

@@ -16,6 +16,7 @@ import pytest
 
 from components.core.trainer.progress import (NAMESPACE_ENV, TRAINJOB_ENV, ApiSink, ProgressReporter, ServerSink,
                                               open_sink)
+from components.launchers.trainjob import JOBSET_LABEL, build_runtime
 from tests.k8s.conftest import NAMESPACE
 from tests.k8s.test_launcher_contract import start_launch
 
@@ -34,11 +35,16 @@ async def test_rank_0_reports_progress_into_the_trainjob_status_and_the_launcher
     task = start_launch(k8s_config)
     await cluster.wait_for(lambda: cluster.jobs(), "the job to be created")
     job = cluster.jobs()[0]
-    env = {e["name"]: e.get("value") for e in job["spec"]["trainer"]["env"]}
-    assert env[TRAINJOB_ENV] == job["metadata"]["name"] and env[NAMESPACE_ENV] == NAMESPACE
+    # what the runtime's downward-API env resolves to in a pod of this TrainJob (its node-0 pod's labels)
+    _pod, labels = cluster.op.node0_pod(job["metadata"]["name"])
+    runtime_env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in build_runtime(k8s_config)[
+        "spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]["env"]
+        if "fieldRef" in e.get("valueFrom", {})}
+    assert runtime_env[TRAINJOB_ENV] == f"metadata.labels['{JOBSET_LABEL}']"
+    assert runtime_env[NAMESPACE_ENV] == "metadata.namespace"
     await cluster.set_status(job["metadata"]["name"], cluster.op.running())
-    monkeypatch.setenv(TRAINJOB_ENV, env[TRAINJOB_ENV])
-    monkeypatch.setenv(NAMESPACE_ENV, env[NAMESPACE_ENV])
+    monkeypatch.setenv(TRAINJOB_ENV, labels[JOBSET_LABEL])
+    monkeypatch.setenv(NAMESPACE_ENV, job["metadata"]["namespace"])
     sink = open_sink()
     assert isinstance(sink, ApiSink)
     reporter = ProgressReporter(sink, interval=0.0)

@@ -9,8 +9,9 @@ Two ways in, chosen from the environment of the pod:
   token) when its TrainJobStatus feature gate is on; relaunch POSTs ``{"trainerStatus": ...}`` there, the
   same body the ``kubeflow`` SDK's ``update_trainjob_status`` sends (that helper swallows every answer, so a
   404 could not turn reporting off; relaunch sends the same request itself). No RBAC is needed.
-- Else the Kubernetes API: relaunch's launcher sets ``RELAUNCH_TRAINJOB_NAME`` and
-  ``RELAUNCH_TRAINJOB_NAMESPACE``, and rank 0 merge-patches the ``trainjobs/status`` subresource (the
+- Else the Kubernetes API: relaunch's ``relaunch-torch`` runtime sets ``RELAUNCH_TRAINJOB_NAME`` and
+  ``RELAUNCH_TRAINJOB_NAMESPACE`` (downward API: the JobSet label, which carries the TrainJob's name, and the
+  pod's namespace), and rank 0 merge-patches the ``trainjobs/status`` subresource (the
   ``relaunch-trainjob-progress`` Role in manifests/launch/trainjob grants ``patch`` on it).
 
 Off, with one info line and no error, when the cluster does not serve it: a 404 or 403, or a status that
