@@ -63,6 +63,8 @@ def run(config: RelaunchConfig, checkpoint_uri: str, metrics_json: str) -> Regis
     champion, decision = _decide_champion(client, config, version, float(metrics[metric]))
     call("tag the version", client.set_model_version_tag, name, version, TAG + "champion_decision", decision)
     _pin(checkpoint_uri, f"registered as {name} v{version}")
+    from components.core.tracking.wandb_tracker import record_registered_version  # W&B, when tracking.wandb is set
+    record_registered_version(config, run_id=config.tracking.run_id, store_uri=config.store.uri, model_name=name, version=version)
     aliases = call("read the version", client.get_model_version, name, version).aliases
     return RegisterOutputs(model_name=name, version=version, aliases=json.dumps(sorted(aliases)),
                            champion_version=champion, champion_decision=decision)

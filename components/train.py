@@ -54,6 +54,7 @@ from dataclasses import asdict  # noqa: E402
 import torch  # noqa: E402
 
 from components.core.runtime import distributed as distr  # noqa: E402
+from components.core.runtime import logs  # noqa: E402
 from components.core.tracking import goodput  # noqa: E402
 from components.core.trainer import setup  # noqa: E402
 from components.core.contract.config import RelaunchConfig, config_from_cli  # noqa: E402
@@ -64,6 +65,7 @@ from components.core.tracking.goodput import TrainSummary  # noqa: E402
 from components.core.trainer.health import PreemptionFlag, SpikeDetector, Watchdog, is_finite  # noqa: E402
 from components.core.trainer.injection import Injection, wrap_store  # noqa: E402
 from components.core.trainer.checkpoints import TrainerCheckpoints  # noqa: E402
+from components.core.trainer import progress  # noqa: E402
 from components.core.trainer.tracking import (CLOSE_SECONDS_FAILED, CLOSE_SECONDS_PREEMPTED,  # noqa: E402
                                               TrainingTracker, resolve_run_id, run_params)
 from components.tasks.base import load_task  # noqa: E402
@@ -231,6 +233,7 @@ class Training:
                 self.checkpoints.wait_for_snapshot()
                 self.overflows += int(self.parts.optimizer_step())
                 self.step += 1
+                logs.set_step(self.step)
                 state = self.parts.state
                 state.step, state.epoch = self.step, self.step // self.data.steps_per_epoch
                 state.samples_seen, state.sampler_epoch = self.step * self.t.global_batch_size, epoch
@@ -243,6 +246,7 @@ class Training:
                 if self.steps_done == 1:
                     self._first_step_done()
                 self._after_step(loss_sum / self.env.world_size, grad_norm, step_seconds, epoch)
+                progress.step_done(self.step, self.total_steps, rank=self.env.rank, loss=loss_sum / self.env.world_size)
                 if cadence.wanted(self.step, bool(save_due)):
                     self.checkpoints.save(self.step)
                 if preempted:
@@ -374,6 +378,7 @@ class Training:
 
 def run(config: RelaunchConfig) -> TrainSummary:
     """Train (or resume) to the end on this rank; raises the contract's errors for the exit code."""
+    logs.configure(config, role="worker")
     training = Training(config)
     try:
         training.setup()

@@ -30,6 +30,7 @@ from components import STEP_MODULES
 from components.core.contract import events
 from components.core.contract.events import Kind
 from components.core.contract.exitcodes import ExitCode
+from components.core.runtime import logs
 
 _failed_with: list[int] = []
 _ends_without_teardown = False
@@ -69,6 +70,7 @@ def call(step: str, config_json: str, **inputs: Any) -> tuple:
     events.write(Kind.STEP_START, step=step, warm=warm.forked)
     try:
         config = RelaunchConfig.from_json(config_json)
+        logs.configure(config, role=step)
         outputs = importlib.import_module(STEP_MODULES[step]).run(config, **inputs)
     except RelaunchError as err:
         _fail(step, int(err.exit_code), str(err))

@@ -18,6 +18,7 @@ import time
 
 from components.core.contract.config import RelaunchConfig
 from components.core.contract.errors import BadInput, exit_on_error
+from components.core.runtime import logs
 from components.launchers.torchrun import exit_code
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -37,11 +38,15 @@ def supervise(command: list[str]) -> int:
 
     config = config_of(command)
     started = time.time()
+    json_logs = logs.configure(config, role="agent") == "json"  # logging.format: the agent's lines too
     with for_command(command, (config.train.task.split(":")[0],)) as env:  # the pod's zygote, when its workers use it
-        child = subprocess.Popen(command, env=env)
+        child = subprocess.Popen(command, env=env, stderr=subprocess.PIPE if json_logs else None)
+        relay = logs.relay(child.stderr) if json_logs else None
         for sig in FORWARDED:
             signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
         returncode = child.wait()
+        if relay is not None:
+            relay.join(10)
     code = exit_code(config, returncode, started)
     print(f"relaunch supervise: torchrun exit {returncode} -> {code}", file=sys.stderr)
     return code

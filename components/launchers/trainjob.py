@@ -135,7 +135,7 @@ def render_runtime(spec: JobSpec, k8s: KubernetesConfig, trainjob: TrainJobConfi
         "containers": [{
             "name": NODE, "image": spec.image, "imagePullPolicy": spec.image_pull_policy,
             "command": command(spec, trainjob.runtime),
-            "env": training_env(spec, None),
+            "env": training_env(spec, None) + progress_env(),
             "resources": spec.resources.kubernetes(),
             "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
         }],
@@ -209,6 +209,16 @@ def render_trainjob(spec: JobSpec, k8s: KubernetesConfig, trainjob: TrainJobConf
                                     metadata=t.IoK8sApimachineryPkgApisMetaV1ObjectMeta.from_dict(metadata),
                                     spec=job_spec_model)
     return _dump(job)
+
+
+def progress_env() -> list[dict[str, Any]]:
+    """The runtime's pods learn their TrainJob (its JobSet has the TrainJob's name) from the downward API,
+    for rank 0's progress reports into the TrainJob's ``status`` (components/core/trainer/progress.py)
+    when Trainer's progress server is not offered; the TrainJob itself stays env-equal to a PyTorchJob."""
+    from components.core.trainer.progress import NAMESPACE_ENV, TRAINJOB_ENV
+
+    return [{"name": TRAINJOB_ENV, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{JOBSET_LABEL}']"}}},
+            {"name": NAMESPACE_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]
 
 
 # --------------------------------------------------------------------------- read a TrainJob's state

@@ -93,6 +93,8 @@ def test_each_role_grants_nothing_beyond_what_the_pipeline_and_its_launch_backen
     expected = {"relaunch-pipeline": PIPELINE_GRANTS}
     if BUILD_BACKEND[build]:
         expected[f"relaunch-launch-{BUILD_BACKEND[build]}"] = LAUNCH_GRANTS[BUILD_BACKEND[build]]
+    if BUILD_BACKEND[build] == "trainjob":  # rank 0 reports progress (components/core/trainer/progress.py)
+        expected["relaunch-trainjob-progress"] = {("trainer.kubeflow.org", "trainjobs/status"): {"patch"}}
     assert {name: grants(role) for name, role in roles.items()} == expected
     for name in roles:
         binding = next(d for d in rendered[build] if d["kind"] == "RoleBinding" and d["metadata"]["name"] == name)

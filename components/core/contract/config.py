@@ -123,6 +123,16 @@ class StoreConfig(_Model):
         return v
 
 
+class WandbConfig(_Model):
+    """Weights & Biases as a second tracker (components/core/tracking/wandb_tracker.py); credentials only
+    from the environment (``WANDB_API_KEY``, ``WANDB_BASE_URL`` for a self-hosted server)."""
+
+    project: str = Field(..., min_length=1, description="W&B project the training's run goes to.")
+    entity: str | None = Field(None, description="W&B team or user; the API key's default entity when empty.")
+    mode: Literal["online", "offline", "disabled"] = Field(
+        "online", description="online sends as it goes; offline writes under WANDB_DIR for a later `wandb sync`.")
+
+
 class TrackingConfig(_Model):
     uri: str = Field(
         "sqlite:///./.relaunch/mlflow.db",
@@ -136,6 +146,7 @@ class TrackingConfig(_Model):
     run_id: str | None = Field(None, description="MLflow run to log into; decided by prepare when empty.")
     run_name: str | None = Field(None, description="Display name of a newly created MLflow run.")
     tensorboard_dir: str | None = Field(None, description="Also write TensorBoard events here when set.")
+    wandb: WandbConfig | None = Field(None, description="Also track in Weights & Biases when set.")
 
     @field_validator("uri")
     @classmethod
@@ -308,6 +319,15 @@ class RegistryConfig(_Model):
     champion_margin: float = Field(0.0, ge=0, description="New version must beat the champion by at least this.")
 
 
+class LoggingConfig(_Model):
+    """How every relaunch process (steps, torchrun agents, workers) writes its log lines
+    (components/core/runtime/logs.py)."""
+
+    format: Literal["text", "json"] = Field(
+        "text", description="json: one JSON object a line on stderr with training_id, attempt, rank, node and "
+        "step (for Loki or Elasticsearch); passed to child processes as RELAUNCH_LOG_FORMAT.")
+
+
 class RelaunchConfig(_Model):
     """The whole pipeline's configuration."""
 
@@ -319,6 +339,7 @@ class RelaunchConfig(_Model):
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
     @field_validator("name")
     @classmethod

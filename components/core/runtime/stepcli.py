@@ -21,6 +21,7 @@ from typing import Any, Callable, NoReturn
 
 from components.core.contract.config import config_from_cli
 from components.core.contract.errors import BadInput, exit_on_error
+from components.core.runtime import logs
 
 
 def outputs_as_dict(outputs: Any) -> dict[str, Any]:
@@ -56,6 +57,7 @@ def step_main(step: str, run: Callable[..., Any], argv: list[str] | None = None)
         parser.add_argument("--outputs-dir", type=Path, help="write each output to DIR/<name>")
         args = parser.parse_args(argv)
         config = config_from_cli(args.config, args.config_json, args.overrides)
+        logs.configure(config, role=step)
         inputs: dict[str, str] = {}
         for item in args.inputs:
             if "=" not in item:

@@ -14,6 +14,13 @@ anything else (no answer, a 5xx, a database error) into :class:`TransientFailure
 
 The tracking URI is ``MLFLOW_TRACKING_URI`` when set, else ``config.tracking.uri``; credentials come
 only from the environment (``MLFLOW_TRACKING_USERNAME``/``_PASSWORD``/``_TOKEN``).
+
+Under KFP's MLflow integration (KFP 2.17, KEP-12862) the API server opens one parent run per pipeline run,
+the driver a nested run per task, and each task's container gets ``MLFLOW_TRACKING_URI``,
+``MLFLOW_EXPERIMENT_ID`` and ``MLFLOW_RUN_ID`` (the *task's* nested run, which KFP's launcher closes when
+the task ends). The training outlives any one task (prepare opens it, launch logs into it, finalize ends
+it), so it is neither the task's run nor a second top-level run: it is created in the injected run's
+experiment, nested (``mlflow.parentRunId``) under the pipeline's parent run, the injected run's own parent.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from components.core.contract.errors import BadInput, TransientFailure
 from components.core.contract.exitcodes import ExitCode
 
 PIPELINE_RUN_TAG = "relaunch.pipeline_run_id"
+PARENT_RUN_TAG = "mlflow.parentRunId"  # what makes a run nested, in MLflow's UI and API
+KFP_TASK_RUN_TAG = "relaunch.kfp_task_run_id"  # the task run KFP injected when the training run was created
 END_REASON_TAG = "relaunch.end_reason"
 STATUSES = ("FINISHED", "FAILED", "KILLED", "RUNNING")
 PARAMS_PER_REQUEST = 100  # MLflow's log_batch limit on params per request
@@ -150,10 +159,41 @@ def find_run(mlflow_client, experiment_id: str, pipeline_run_id: str) -> str | N
 
 
 def find_pipeline_run(config, pipeline_run_id: str) -> str | None:
-    """The run a pipeline run opened (looked up, never created), or None."""
+    """The run a pipeline run opened (looked up, never created), or None. Under KFP's MLflow
+    integration it is looked for in the injected run's experiment, where :func:`ensure_run` made it."""
     mlflow_client = client(tracking_uri(config))
+    kfp = kfp_parent(mlflow_client)
+    if kfp is not None:
+        return find_run(mlflow_client, kfp[0], pipeline_run_id)
     experiment = call("look up the experiment", mlflow_client.get_experiment_by_name, config.tracking.experiment)
     return None if experiment is None else find_run(mlflow_client, experiment.experiment_id, pipeline_run_id)
+
+
+def injected_run_id() -> str | None:
+    """The run an orchestrator injected as ``MLFLOW_RUN_ID`` (KFP's MLflow integration: the task's nested run)."""
+    return os.environ.get("MLFLOW_RUN_ID") or None
+
+
+def kfp_parent(mlflow_client) -> tuple[str, str] | None:
+    """``(experiment id, parent run id)`` under which the training run belongs when a run was injected
+    (``MLFLOW_RUN_ID``): the injected run's experiment and its parent (the pipeline's run), or the
+    injected run itself when it has no parent. None when nothing was injected.
+
+    Raises:
+        BadInput: the injected run does not exist at the tracking URI, or credentials are refused.
+        TransientFailure: the tracking server cannot be reached.
+    """
+    task_run_id = injected_run_id()
+    if not task_run_id:
+        return None
+    try:
+        run = mlflow_client.get_run(task_run_id)
+    except Exception as err:
+        if is_not_found(err):
+            raise BadInput(f"MLFLOW_RUN_ID: run {task_run_id!r} does not exist at the tracking server "
+                           "(MLFLOW_TRACKING_URI); unset MLFLOW_RUN_ID or point MLFLOW_TRACKING_URI at its server") from None
+        raise contract_error(err, f"read the injected run {task_run_id}") from None
+    return run.info.experiment_id, run.data.tags.get(PARENT_RUN_TAG) or task_run_id
 
 
 def _experiment_id(mlflow_client, config) -> str:
@@ -180,7 +220,9 @@ def ensure_run(config, pipeline_run_id: str | None = None) -> str:
 
     ``config.tracking.run_id`` wins when set (it must exist). Else, with ``pipeline_run_id``, the run
     of ``config.tracking.experiment`` tagged ``relaunch.pipeline_run_id=<id>`` is returned, created
-    with that tag when there is none.
+    with that tag when there is none. When an orchestrator injected ``MLFLOW_RUN_ID`` (KFP's MLflow
+    integration), the experiment is the injected run's and a created run is nested under the
+    pipeline's run (see :func:`kfp_parent`): never a second top-level run beside KFP's.
 
     Raises:
         BadInput: ``tracking.run_id`` does not exist, or the server refuses the credentials.
@@ -196,12 +238,16 @@ def ensure_run(config, pipeline_run_id: str | None = None) -> str:
                                f"{tracking_uri(config)}; unset it to create one") from None
             raise contract_error(err, f"read run {config.tracking.run_id}") from None
         return config.tracking.run_id
-    experiment_id = _experiment_id(mlflow_client, config)
+    kfp = kfp_parent(mlflow_client)
+    experiment_id = kfp[0] if kfp else _experiment_id(mlflow_client, config)
     if pipeline_run_id:
         found = find_run(mlflow_client, experiment_id, pipeline_run_id)
         if found:
             return found
     tags = {"relaunch.pipeline": config.name}
+    if kfp:
+        tags[PARENT_RUN_TAG] = kfp[1]
+        tags[KFP_TASK_RUN_TAG] = injected_run_id()
     if pipeline_run_id:
         tags[PIPELINE_RUN_TAG] = pipeline_run_id
     run = call("create a run", mlflow_client.create_run, experiment_id, run_name=config.tracking.run_name, tags=tags)

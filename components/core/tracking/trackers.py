@@ -9,6 +9,7 @@ fans every call out to the trackers :func:`open_trackers` returns, on rank 0 onl
 
     mlflow        components/core/tracking/mlflow_tracker.py       always (the run of the training)
     tensorboard   components/core/tracking/tensorboard_tracker.py  when tracking.tensorboard_dir is set
+    wandb         components/core/tracking/wandb_tracker.py        when tracking.wandb is set
 """
 
 from __future__ import annotations
@@ -134,3 +135,4 @@ def open_trackers(config, store, *, run_id: str | None, attempt: int) -> list[Tr
 
 register_tracker("mlflow", "components.core.tracking.mlflow_tracker:open_tracker")
 register_tracker("tensorboard", "components.core.tracking.tensorboard_tracker:open_tracker")
+register_tracker("wandb", "components.core.tracking.wandb_tracker:open_tracker")
