@@ -219,3 +219,20 @@ def test_a_resumable_chunk_whose_answer_was_lost_resumes_where_the_server_stands
         assert store.read_bytes("big.bin") == data
     finally:
         proxy.stop()
+
+
+def test_no_store_operation_draws_from_the_training_rng_stream(store, small_chunks):
+    import random
+
+    random.seed(1234)
+    expected = random.random()
+    random.seed(1234)
+    store.write_bytes("r/a", b"x")
+    assert store.write_if_absent("r/b", b"y")
+    store.write_bytes("r/a", b"z", if_match=store.etag("r/a"))
+    writer = store.open_writer("r/c")
+    writer.write(os.urandom(256 * 1024 + 1))
+    writer.close()
+    store.read_into("r/c", 0, bytearray(10))
+    store.list("r/")
+    assert random.random() == expected

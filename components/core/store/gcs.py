@@ -140,6 +140,7 @@ class GCSStore:
         self.retries = int(retries if retries is not None else os.environ.get("RELAUNCH_STORE_RETRIES", 8))
         self.backoff = float(backoff if backoff is not None else os.environ.get("RELAUNCH_STORE_BACKOFF", 0.1))
         self.max_backoff = 5.0
+        self._jitter = random.Random()
         self.endpoint, credentials, project = _settings()
         self.client = storage.Client(project=project, credentials=credentials,
                                      client_options={"api_endpoint": self.endpoint})
@@ -205,7 +206,7 @@ class GCSStore:
                 last = err
             if attempt == self.retries:
                 break
-            sleep = random.uniform(0, delay)  # full jitter
+            sleep = self._jitter.uniform(0, delay)  # full jitter, off the training's RNG stream
             with self._stats_lock:
                 self.stats["retries"] += 1
                 self.stats["retry_seconds"] += sleep
@@ -286,15 +287,23 @@ class GCSStore:
         return self._call("list", listing, key=prefix, missing="bucket")
 
     def _upload(self, key: str, data: bytes, generation: int | None) -> tuple[str, int]:
-        """One upload request (retried); returns (the new generation, attempts made)."""
-        name, attempts = self._name(key), [0]
+        """One upload request (retried); returns (the new generation, attempts made).
+
+        A plain media upload of the JSON API, not the client's ``upload_from_string``: that one
+        draws its multipart boundary from the global ``random`` module, which would shift the
+        training's python RNG stream (and break an exact resume) at every checkpoint."""
+        query = {"uploadType": "media", "name": self._name(key)}
+        if generation is not None:
+            query["ifGenerationMatch"] = str(generation)
+        url = self._upload_url(query)
+        attempts = [0]
 
         def put() -> str:
             attempts[0] += 1
-            blob = self.bucket.blob(name)
-            blob.upload_from_string(data, content_type="application/octet-stream", if_generation_match=generation,
-                                    retry=None, timeout=self.timeout)
-            return str(blob.generation)
+            resp = self.session.post(url, data=data, headers={"Content-Type": "application/octet-stream"},
+                                     timeout=self.timeout)
+            _raise_for(resp)
+            return str(resp.json()["generation"])
 
         try:
             result = self._call("put", put, key=key, missing="bucket")
@@ -303,6 +312,9 @@ class GCSStore:
             raise
         self._add_bytes("bytes_written", len(data))
         return result, attempts[0]
+
+    def _upload_url(self, query: dict[str, str]) -> str:
+        return f"{self.endpoint}/upload/storage/v1/b/{self.bucket_name}/o?{urllib.parse.urlencode(query)}"
 
     def _holds(self, key: str, data: bytes) -> bool:
         try:
@@ -427,10 +439,16 @@ class _ResumableWriter:
 
     def _start(self) -> None:
         store = self.store
-        blob = store.bucket.blob(self.name)
-        self.session_url = store._call("resumable_start", lambda: blob.create_resumable_upload_session(
-            content_type="application/octet-stream", retry=None, timeout=store.timeout), key=self.key,
-            missing="bucket")
+        url = store._upload_url({"uploadType": "resumable", "name": self.name})
+
+        def start() -> str:
+            resp = store.session.post(url, json={"contentType": "application/octet-stream"},
+                                      headers={"X-Upload-Content-Type": "application/octet-stream"},
+                                      timeout=store.timeout)
+            _raise_for(resp)
+            return resp.headers["Location"]
+
+        self.session_url = store._call("resumable_start", start, key=self.key, missing="bucket")
 
     def _send(self, *, final: bool) -> None:
         store, chunk = self.store, bytes(self.buf)
