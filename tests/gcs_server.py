@@ -121,6 +121,7 @@ class PreconditionEdge:
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # headers and body go out in two writes: no 40 ms delayed ACK
 
             def log_message(self, *args):  # quiet
                 pass
