@@ -247,9 +247,12 @@ def secret_refs(secrets: Iterable[SecretEnv]) -> list[dict[str, Any]]:
     return env
 
 
-def secret_env(k8s) -> list[dict[str, Any]]:
-    """Credentials as ``secretKeyRef`` env entries, for every relaunch container (the Argo steps too)."""
-    return secret_refs(SecretEnv(*source) for source in secret_env_sources(k8s))
+def secret_env(k8s, store_uri: str = "") -> list[dict[str, Any]]:
+    """Credentials as env entries, for every relaunch container (the Argo steps too): ``secretKeyRef``
+    entries, and the paths of the Secret files of :func:`store_secret_files` (which the container
+    mounts with :func:`secret_file_volumes` and :func:`secret_file_mounts`)."""
+    files = [{"name": f.env, "value": f.path} for f in store_secret_files(k8s, store_uri)]
+    return files + secret_refs(SecretEnv(*source) for source in secret_env_sources(k8s, store_uri))
 
 
 def plain_env(k8s) -> list[dict[str, Any]]:
