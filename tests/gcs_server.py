@@ -207,17 +207,6 @@ class PreconditionEdge:
         handler.wfile.write(data)
 
 
-if __name__ == "__main__":  # a server for trying things by hand: python -m tests.gcs_server
-    server = GcsServer().start()
-    server.create_bucket()
-    print(f"export STORAGE_EMULATOR_HOST={server.endpoint}", flush=True)
-    try:
-        threading.Event().wait()
-    except KeyboardInterrupt:
-        server.stop()
-        sys.exit(0)
-
-
 @pytest.fixture(scope="session")
 def gcs_server():
     """One gcp-storage-emulator (behind its precondition edge) per session."""
@@ -234,3 +223,14 @@ def gcs_env(gcs_server, monkeypatch):
     for key, value in gcs_server.env().items():
         monkeypatch.setenv(key, value)
     return gcs_server
+
+
+if __name__ == "__main__":  # a server for trying things by hand: python -m tests.gcs_server
+    server = GcsServer().start()
+    server.create_bucket()
+    print(f"export STORAGE_EMULATOR_HOST={server.endpoint}", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        server.stop()
+        sys.exit(0)
