@@ -236,3 +236,19 @@ def test_no_store_operation_draws_from_the_training_rng_stream(store, small_chun
     store.read_into("r/c", 0, bytearray(10))
     store.list("r/")
     assert random.random() == expected
+
+
+def test_a_403_from_gcs_is_bad_input_at_once_in_one_line(gcs_env, monkeypatch):
+    from tests.core import faults
+
+    body = b'{"error": {"code": 403, "message": "caller does not have storage.buckets.get access"}}'
+    monkeypatch.setitem(faults._ANSWERS, "forbidden", (b"403 Forbidden", body))
+    proxy = ScriptedProxy(gcs_env.edge.port, [("get ", "forbidden", None)]).start()
+    try:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.endpoint)
+        with pytest.raises(BadInput, match="GCS refused bucket_get") as err:
+            open_store(gcs_env.root("forbidden"), backoff=0.01)
+        assert err.value.exit_code == 2 and len(str(err.value).splitlines()) == 1
+        assert proxy.counts["forbidden"] == 1  # not retried
+    finally:
+        proxy.stop()
