@@ -22,13 +22,14 @@ from __future__ import annotations
 import sys
 
 import yaml
-from hera.workflows import DAG, Container, CronWorkflow, Parameter, RetryStrategy, Workflow, WorkflowTemplate
+from hera.workflows import (DAG, Container, CronWorkflow, Parameter, RetryStrategy, SecretVolume, Workflow,
+                            WorkflowTemplate)
 from hera.workflows import models as m
 
 from components import CONFIG, FINAL_STATUS, PARAMETERS, PIPELINE, RUN_ID, Condition, Step
 from components.core.contract.config import RelaunchConfig
 from components.core.contract.exitcodes import argo_retry_expression
-from components.launchers.jobs import OWNER_ENV, plain_env, secret_env
+from components.launchers.jobs import OWNER_ENV, plain_env, secret_env, store_secret_files
 
 OUTPUTS_DIR = "/tmp/outputs"
 ARTIFACT_REPOSITORY = m.ArtifactRepositoryRef(config_map="artifact-repositories", key="minio")
@@ -123,7 +124,11 @@ def step_template(step: Step, config: RelaunchConfig, inputs: list[str]) -> Cont
         args=args + ["--outputs-dir", OUTPUTS_DIR],
         inputs=[Parameter(name=n) for n in inputs],
         outputs=[Parameter(name=o, value_from=m.ValueFrom(path=f"{OUTPUTS_DIR}/{o}")) for o, _ in step.output_fields()],
-        env=_env(plain_env(k8s) + [{"name": k, "value": v} for k, v in extra_env.items()] + secret_env(k8s)),
+        env=_env(plain_env(k8s) + [{"name": k, "value": v} for k, v in extra_env.items()]
+                 + secret_env(k8s, config.store.uri)),
+        volumes=[SecretVolume(name=f"secret-{f.secret}"[:63].rstrip("-"), secret_name=f.secret, mount_path=f.mount_dir,
+                              read_only=True, default_mode=0o400, items=[m.KeyToPath(key=f.key, path=f.key)])
+                 for f in store_secret_files(k8s, config.store.uri)] or None,
         retry_strategy=retry_strategy(step, config),
     )
 

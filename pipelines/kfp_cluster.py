@@ -30,7 +30,7 @@ def secret_env_config(config: RelaunchConfig) -> dict:
     """
     from kfp import compiler, dsl, kubernetes
 
-    from components.launchers.jobs import secret_env_sources
+    from components.launchers.jobs import secret_env_sources, store_secret_files
 
     k8s = config.launch.kubernetes
 
@@ -41,9 +41,11 @@ def secret_env_config(config: RelaunchConfig) -> dict:
     @dsl.pipeline(name="probe")
     def probe_pipeline():
         task = probe()
-        for secret, keys, optional in secret_env_sources(k8s):
+        for secret, keys, optional in secret_env_sources(k8s, config.store.uri):
             kubernetes.use_secret_as_env(task, secret_name=secret, optional=optional,
                                          secret_key_to_env={key: key for key in keys})
+        for file in store_secret_files(k8s, config.store.uri):
+            kubernetes.use_secret_as_volume(task, secret_name=file.secret, mount_path=file.mount_dir)
         kubernetes.set_image_pull_policy(task, k8s.image_pull_policy)
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -55,6 +57,7 @@ def secret_env_config(config: RelaunchConfig) -> dict:
 
 def compile_for_cluster(path: str | Path, config: RelaunchConfig | None = None) -> None:
     """Compile the KFP pipeline to ``path`` with secrets-as-env and the store endpoint on every executor."""
+    from components.launchers.jobs import store_secret_files
     from pipelines.kfp_pipeline import compile_pipeline, to_yaml
 
     config = config or RelaunchConfig()
@@ -72,6 +75,8 @@ def compile_for_cluster(path: str | Path, config: RelaunchConfig | None = None) 
         if k8s.store_endpoint:
             env = executor["container"].setdefault("env", [])
             env.append({"name": "AWS_ENDPOINT_URL", "value": k8s.store_endpoint})
+        for file in store_secret_files(k8s, config.store.uri):
+            executor["container"].setdefault("env", []).append({"name": file.env, "value": file.path})
     Path(path).write_text(to_yaml([pipeline, platform]))
 
 

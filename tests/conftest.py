@@ -70,3 +70,6 @@ def mlflow_server(postgres):
     server = MlflowServer(backend_uri=backend, artifacts_dir=Path(tempfile.mkdtemp(prefix="mlflow-art-"))).start()
     yield server
     server.stop()
+
+
+from tests.gcs_server import gcs_env, gcs_server  # noqa: E402,F401 - the GCS emulator fixtures

@@ -31,6 +31,10 @@ TRAIN_MODULE = "components.train"
 # The Secrets every relaunch container reads, and the keys (each key equals the variable's name).
 STORE_SECRET_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 TRACKING_SECRET_KEYS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+# A gs:// store's credentials: the store Secret's key file, mounted read-only, named by the variable
+# Google's client libraries read (an empty launch.kubernetes.store_secret: workload identity instead).
+GCS_KEY_DIR = "/var/run/secrets/relaunch/store"
+GCS_KEY_FILE = "key.json"
 
 # Environment the Argo launch step sets so the job is garbage-collected with its workflow.
 OWNER_ENV = {
@@ -54,6 +58,20 @@ class SecretEnv:
     secret: str
     keys: tuple[str, ...]
     optional: bool = False
+
+
+@dataclass(frozen=True)
+class SecretFile:
+    """A Secret's key mounted as a read-only file; ``env`` names the variable that gets its path."""
+
+    secret: str
+    key: str
+    mount_dir: str
+    env: str
+
+    @property
+    def path(self) -> str:
+        return f"{self.mount_dir}/{self.key}"
 
 
 @dataclass(frozen=True)
@@ -113,6 +131,8 @@ class JobSpec:
     tracking_uri: str
     module: str = TRAIN_MODULE
     """What each worker runs: ``python -m <module> --config-json JSON``."""
+    secret_files: tuple[SecretFile, ...] = ()
+    """Credentials as files from Secrets (a gs:// store's key file), each with its path in env."""
 
     @property
     def elastic(self) -> bool:
@@ -171,7 +191,9 @@ def job_spec(config: RelaunchConfig, *, resume_from: str | None = None) -> JobSp
         name=config.name, image=k8s.image, image_pull_policy=k8s.image_pull_policy,
         config_json=worker_config(config, resume_from).to_json(),
         env=tuple((e["name"], e["value"]) for e in plain_env(k8s)),
-        secrets=tuple(SecretEnv(secret, keys, optional) for secret, keys, optional in secret_env_sources(k8s)),
+        secrets=tuple(SecretEnv(secret, keys, optional) for secret, keys, optional
+                      in secret_env_sources(k8s, config.store.uri)),
+        secret_files=store_secret_files(k8s, config.store.uri),
         resources=Resources(cpu=str(k8s.cpu), memory=str(k8s.memory), gpus=k8s.gpus_per_node, shm_size=k8s.shm_size),
         nodes=launch.nodes, min_nodes=launch.min_nodes or launch.nodes, procs_per_node=launch.procs_per_node,
         monitor_interval_seconds=launch.monitor_interval_seconds,
@@ -183,13 +205,38 @@ def job_spec(config: RelaunchConfig, *, resume_from: str | None = None) -> JobSp
 # --------------------------------------------------------------------------- what every manifest shares
 
 
-def secret_env_sources(k8s) -> list[tuple[str, tuple[str, ...], bool]]:
+def secret_env_sources(k8s, store_uri: str = "") -> list[tuple[str, tuple[str, ...], bool]]:
     """``(secret name, keys, optional)`` of every Secret a relaunch container reads: the one list the
-    jobs, the Argo steps and the KFP tasks (:mod:`pipelines.kfp_cluster`) are built from."""
-    sources = [(k8s.store_secret, STORE_SECRET_KEYS, False)]
+    jobs, the Argo steps and the KFP tasks (:mod:`pipelines.kfp_cluster`) are built from. A gs://
+    store reads no AWS keys: its Secret is a mounted file (:func:`store_secret_files`)."""
+    sources = [] if store_uri.startswith("gs://") else [(k8s.store_secret, STORE_SECRET_KEYS, False)]
     if k8s.tracking_secret:
         sources.append((k8s.tracking_secret, TRACKING_SECRET_KEYS, True))
     return sources
+
+
+def store_secret_files(k8s, store_uri: str) -> tuple[SecretFile, ...]:
+    """The store's credentials as files: for a gs:// store, key ``key.json`` of the store Secret as
+    ``GOOGLE_APPLICATION_CREDENTIALS``; none with an empty ``store_secret`` (workload identity: the
+    pods' ServiceAccount is bound to a Google service account) or another store."""
+    if store_uri.startswith("gs://") and k8s.store_secret:
+        return (SecretFile(k8s.store_secret, GCS_KEY_FILE, GCS_KEY_DIR, "GOOGLE_APPLICATION_CREDENTIALS"),)
+    return ()
+
+
+def secret_file_volumes(files: Iterable[SecretFile]) -> list[dict[str, Any]]:
+    """Pod volumes of Secret files (one per Secret, only the keys named, mode 0400)."""
+    return [{"name": _volume_name(f), "secret": {"secretName": f.secret, "defaultMode": 0o400,
+                                                 "items": [{"key": f.key, "path": f.key}]}} for f in files]
+
+
+def secret_file_mounts(files: Iterable[SecretFile]) -> list[dict[str, Any]]:
+    """Read-only container mounts of :func:`secret_file_volumes`."""
+    return [{"name": _volume_name(f), "mountPath": f.mount_dir, "readOnly": True} for f in files]
+
+
+def _volume_name(f: SecretFile) -> str:
+    return f"secret-{f.secret}"[:63].rstrip("-")
 
 
 def secret_refs(secrets: Iterable[SecretEnv]) -> list[dict[str, Any]]:
@@ -204,9 +251,12 @@ def secret_refs(secrets: Iterable[SecretEnv]) -> list[dict[str, Any]]:
     return env
 
 
-def secret_env(k8s) -> list[dict[str, Any]]:
-    """Credentials as ``secretKeyRef`` env entries, for every relaunch container (the Argo steps too)."""
-    return secret_refs(SecretEnv(*source) for source in secret_env_sources(k8s))
+def secret_env(k8s, store_uri: str = "") -> list[dict[str, Any]]:
+    """Credentials as env entries, for every relaunch container (the Argo steps too): ``secretKeyRef``
+    entries, and the paths of the Secret files of :func:`store_secret_files` (which the container
+    mounts with :func:`secret_file_volumes` and :func:`secret_file_mounts`)."""
+    files = [{"name": f.env, "value": f.path} for f in store_secret_files(k8s, store_uri)]
+    return files + secret_refs(SecretEnv(*source) for source in secret_env_sources(k8s, store_uri))
 
 
 def plain_env(k8s) -> list[dict[str, Any]]:
@@ -221,7 +271,8 @@ def training_env(spec: JobSpec, pipeline_run_id: str | None) -> list[dict[str, A
     """The training container's whole environment: plain values, the run id (when there is one: a
     runtime serves many runs), credentials by reference."""
     run = [{"name": "RELAUNCH_PIPELINE_RUN_ID", "value": pipeline_run_id}] if pipeline_run_id else []
-    return spec.plain_env() + run + spec.secret_env()
+    files = [{"name": f.env, "value": f.path} for f in spec.secret_files]
+    return spec.plain_env() + run + files + spec.secret_env()
 
 
 def worker_config(config: RelaunchConfig, resume_from: str | None) -> RelaunchConfig:

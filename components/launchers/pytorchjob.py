@@ -17,7 +17,7 @@ from components.launchers import LaunchResult
 from components.launchers.cluster import launch_job
 from components.launchers.jobs import (
     RUN_LABEL, JobKind, JobSpec, JobState, describe_conditions, job_metadata, job_spec, owner_from_env, supervised,
-    training_env,
+    secret_file_mounts, secret_file_volumes, training_env,
 )
 
 GROUP, VERSION, PLURAL, KIND_NAME = "kubeflow.org", "v1", "pytorchjobs", "PyTorchJob"
@@ -99,7 +99,7 @@ def render_pytorchjob(spec: JobSpec, k8s: KubernetesConfig, *, pipeline_run_id: 
         env=training_env(spec, pipeline_run_id),
         ports=[k.V1ContainerPort(name="pytorchjob-port", container_port=RDZV_PORT)],
         resources=k.V1ResourceRequirements(**spec.resources.kubernetes()),
-        volume_mounts=[k.V1VolumeMount(name="dshm", mount_path="/dev/shm")])
+        volume_mounts=[k.V1VolumeMount(name="dshm", mount_path="/dev/shm"), *secret_file_mounts(spec.secret_files)])
     pod = k.V1PodTemplateSpec(
         metadata=k.V1ObjectMeta(labels=run_labels),
         spec=k.V1PodSpec(
@@ -107,7 +107,8 @@ def render_pytorchjob(spec: JobSpec, k8s: KubernetesConfig, *, pipeline_run_id: 
             termination_grace_period_seconds=k8s.termination_grace_period_seconds,
             containers=[container],
             volumes=[k.V1Volume(name="dshm", empty_dir=k.V1EmptyDirVolumeSource(medium="Memory",
-                                                                                size_limit=spec.resources.shm_size))],
+                                                                                size_limit=spec.resources.shm_size)),
+                     *secret_file_volumes(spec.secret_files)],
             node_selector=dict(k8s.node_selector) or None,
             tolerations=[dict(t) for t in k8s.tolerations] or None))
 

@@ -24,7 +24,7 @@ from components.launchers import LaunchResult
 from components.launchers.cluster import launch_job
 from components.launchers.jobs import (
     JobKind, JobSpec, JobState, RestartPolicy, describe_conditions, job_metadata, job_spec, owner_from_env,
-    supervised, training_env,
+    secret_file_mounts, secret_file_volumes, supervised, training_env,
 )
 
 GROUP, VERSION, PLURAL, KIND_NAME = "trainer.kubeflow.org", "v1alpha1", "trainjobs", "TrainJob"
@@ -137,9 +137,10 @@ def render_runtime(spec: JobSpec, k8s: KubernetesConfig, trainjob: TrainJobConfi
             "command": command(spec, trainjob.runtime),
             "env": training_env(spec, None) + progress_env(),
             "resources": spec.resources.kubernetes(),
-            "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+            "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, *secret_file_mounts(spec.secret_files)],
         }],
-        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shm_size}}],
+        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shm_size}},
+                    *secret_file_volumes(spec.secret_files)],
     }
     if k8s.node_selector:
         pod_spec["nodeSelector"] = dict(k8s.node_selector)

@@ -100,3 +100,14 @@ def test_replicated_ddp_state_is_read_once_per_node_from_s3(tmp_path, s3_env):
     for node in (read[0:2], read[2:4]):
         assert 0.9 * total <= sum(node) <= 1.1 * total, (read, total)  # once per node, not once per rank
     assert_bitwise_equal(_state(tmp_path / "w" / "step1.pt"), _state(tmp_path / "r" / "loaded.pt"))
+
+
+def test_a_checkpoint_on_gcs_reshards_fsdp_2_to_1_to_3_ranks(tmp_path, gcs_env):
+    root = gcs_env.root("sharded")
+    _torchrun(2, "--root", root, "--out", str(tmp_path / "w0"), "--steps", "2", "--save-at", "2")
+    saved = tmp_path / "w0" / "step2.pt"
+    for i, nproc in enumerate((1, 3), start=1):
+        out = tmp_path / f"w{i}"
+        _torchrun(nproc, "--root", root, "--out", str(out), "--resume", "--steps", "1", "--save-at", str(2 + i))
+        assert_bitwise_equal(_state(saved), _state(out / "loaded.pt"), f"{nproc} ranks")
+        saved = out / f"step{2 + i}.pt"

@@ -19,6 +19,7 @@ VARIANTS = {
                                    "launch.kubernetes.tolerations=[{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]",
                                    "launch.kubernetes.active_deadline_seconds=7200"],
     "one node, no tracking secret": ["launch.nodes=1", "launch.kubernetes.tracking_secret=null"],
+    "gs:// store, key file from the store Secret": ["store.uri=gs://relaunch-ckpt/exp"],
 }
 
 

@@ -32,6 +32,7 @@ VARIANTS = {
         "launch.kubernetes.tolerations=[{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]",
         "launch.kubernetes.active_deadline_seconds=7200", "launch.trainjob.max_restarts=5"],
     "one node, no tracking secret": ["launch.nodes=1", "launch.kubernetes.tracking_secret=null"],
+    "gs:// store, key file from the store Secret": ["store.uri=gs://relaunch-ckpt/exp"],
 }
 CODES = sorted({int(c) for c in MEANING if c != ExitCode.OK} | {4, 42, 125, 255})  # and codes outside the table
 
