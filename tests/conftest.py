@@ -70,3 +70,21 @@ def mlflow_server(postgres):
     server = MlflowServer(backend_uri=backend, artifacts_dir=Path(tempfile.mkdtemp(prefix="mlflow-art-"))).start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def azurite():
+    """One Azurite blob server per session (tests/azure_server.py; skipped without npm unless CI)."""
+    from tests.azure_server import AzuriteServer
+
+    server = AzuriteServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def azure_env(azurite, monkeypatch):
+    """Only AZURE_STORAGE_CONNECTION_STRING (with a BlobEndpoint), as a user points the SDK at an emulator."""
+    for key, value in azurite.env().items():
+        monkeypatch.setenv(key, value)
+    return azurite

@@ -231,6 +231,7 @@ def check_key(key: str) -> str:
 # -- the backends: one line each (importing the module registers its class)
 from components.core.store.file import FileStore  # noqa: E402
 from components.core.store.s3 import S3Store  # noqa: E402
+from components.core.store.azure import AzureStore  # noqa: E402
 
 __all__ = ["BACKENDS", "Backend", "FileStore", "PreconditionFailed", "READ_BLOCK", "S3Store", "Segments", "Store",
            "StreamWriter", "byte_view", "check_key", "join_uri", "open_store", "parse_store_uri", "register_backend"]
