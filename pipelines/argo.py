@@ -123,7 +123,7 @@ def step_template(step: Step, config: RelaunchConfig, inputs: list[str]) -> Cont
         args=args + ["--outputs-dir", OUTPUTS_DIR],
         inputs=[Parameter(name=n) for n in inputs],
         outputs=[Parameter(name=o, value_from=m.ValueFrom(path=f"{OUTPUTS_DIR}/{o}")) for o, _ in step.output_fields()],
-        env=_env(plain_env(k8s) + [{"name": k, "value": v} for k, v in extra_env.items()] + secret_env(k8s)),
+        env=_env(plain_env(k8s) + [{"name": k, "value": v} for k, v in extra_env.items()] + secret_env(k8s, config.store.uri)),
         retry_strategy=retry_strategy(step, config),
     )
 

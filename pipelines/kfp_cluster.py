@@ -41,7 +41,7 @@ def secret_env_config(config: RelaunchConfig) -> dict:
     @dsl.pipeline(name="probe")
     def probe_pipeline():
         task = probe()
-        for secret, keys, optional in secret_env_sources(k8s):
+        for secret, keys, optional in secret_env_sources(k8s, config.store.uri):
             kubernetes.use_secret_as_env(task, secret_name=secret, optional=optional,
                                          secret_key_to_env={key: key for key in keys})
         kubernetes.set_image_pull_policy(task, k8s.image_pull_policy)

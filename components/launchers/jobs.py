@@ -30,6 +30,12 @@ TRAIN_MODULE = "components.train"
 
 # The Secrets every relaunch container reads, and the keys (each key equals the variable's name).
 STORE_SECRET_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+# az:// stores: the Secret holds one of the forms the Azure SDK reads (a connection string, an account
+# with its key, or an account with a SAS token), so each key is optional.
+AZURE_SECRET_KEYS = ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT", "AZURE_STORAGE_KEY",
+                     "AZURE_STORAGE_SAS_TOKEN")
+STORE_SECRETS_BY_SCHEME = {"az": (AZURE_SECRET_KEYS, True)}
+"""``(keys, optional)`` of the store Secret by store URI scheme; any other scheme reads STORE_SECRET_KEYS."""
 TRACKING_SECRET_KEYS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
 
 # Environment the Argo launch step sets so the job is garbage-collected with its workflow.
@@ -167,7 +173,8 @@ def job_spec(config: RelaunchConfig, *, resume_from: str | None = None) -> JobSp
         name=config.name, image=k8s.image, image_pull_policy=k8s.image_pull_policy,
         config_json=worker_config(config, resume_from).to_json(),
         env=tuple((e["name"], e["value"]) for e in plain_env(k8s)),
-        secrets=tuple(SecretEnv(secret, keys, optional) for secret, keys, optional in secret_env_sources(k8s)),
+        secrets=tuple(SecretEnv(secret, keys, optional)
+                      for secret, keys, optional in secret_env_sources(k8s, config.store.uri)),
         resources=Resources(cpu=str(k8s.cpu), memory=str(k8s.memory), gpus=k8s.gpus_per_node, shm_size=k8s.shm_size),
         nodes=launch.nodes, min_nodes=launch.min_nodes or launch.nodes, procs_per_node=launch.procs_per_node,
         monitor_interval_seconds=launch.monitor_interval_seconds,
@@ -179,10 +186,13 @@ def job_spec(config: RelaunchConfig, *, resume_from: str | None = None) -> JobSp
 # --------------------------------------------------------------------------- what every manifest shares
 
 
-def secret_env_sources(k8s) -> list[tuple[str, tuple[str, ...], bool]]:
+def secret_env_sources(k8s, store_uri: str = "") -> list[tuple[str, tuple[str, ...], bool]]:
     """``(secret name, keys, optional)`` of every Secret a relaunch container reads: the one list the
-    jobs, the Argo steps and the KFP tasks (:mod:`pipelines.kfp_cluster`) are built from."""
-    sources = [(k8s.store_secret, STORE_SECRET_KEYS, False)]
+    jobs, the Argo steps and the KFP tasks (:mod:`pipelines.kfp_cluster`) are built from; the store
+    Secret's keys follow the scheme of ``store_uri`` (STORE_SECRETS_BY_SCHEME)."""
+    scheme = store_uri.split("://", 1)[0] if "://" in store_uri else ""
+    keys, optional = STORE_SECRETS_BY_SCHEME.get(scheme, (STORE_SECRET_KEYS, False))
+    sources = [(k8s.store_secret, keys, optional)]
     if k8s.tracking_secret:
         sources.append((k8s.tracking_secret, TRACKING_SECRET_KEYS, True))
     return sources
@@ -200,9 +210,9 @@ def secret_refs(secrets: Iterable[SecretEnv]) -> list[dict[str, Any]]:
     return env
 
 
-def secret_env(k8s) -> list[dict[str, Any]]:
+def secret_env(k8s, store_uri: str = "") -> list[dict[str, Any]]:
     """Credentials as ``secretKeyRef`` env entries, for every relaunch container (the Argo steps too)."""
-    return secret_refs(SecretEnv(*source) for source in secret_env_sources(k8s))
+    return secret_refs(SecretEnv(*source) for source in secret_env_sources(k8s, store_uri))
 
 
 def plain_env(k8s) -> list[dict[str, Any]]:
