@@ -219,3 +219,11 @@ def test_resets_and_503s_at_the_http_edge_are_retried_and_every_byte_arrives(azu
     finally:
         proxy.stop()
     assert store.stats["retries"] > 0 and proxy.counts["slowdown"] + proxy.counts["reset"] > 0, proxy.counts
+
+
+def test_an_az_uri_is_given_to_mlflow_by_its_wasbs_name_with_the_account_of_the_credentials(azure_env):
+    import mlflow.data
+
+    uri = azure_backend.wasbs_uri("az://relaunch-ckpt/run/datasets/v1")
+    assert uri == f"wasbs://relaunch-ckpt@{ACCOUNT}.blob.core.windows.net/run/datasets/v1"
+    assert mlflow.data.from_numpy(np.zeros((2, 2)), source=uri).source.uri == uri

@@ -77,6 +77,16 @@ def azure_settings() -> dict[str, str]:
     return {"account_url": url, "credential": {"account_name": account, "account_key": credential}}
 
 
+def wasbs_uri(uri: str) -> str:
+    """``az://container/prefix`` as MLflow (its dataset sources) and Hadoop name the same blobs:
+    ``wasbs://container@<account>.blob.core.windows.net/prefix``, the account from the environment's
+    credentials (``account`` when none names one). No I/O."""
+    container, _, prefix = uri.split("://", 1)[1].partition("/")
+    conn = dict(part.split("=", 1) for part in (_env("AZURE_STORAGE_CONNECTION_STRING") or "").split(";") if "=" in part)
+    account = conn.get("AccountName") or _env("AZURE_STORAGE_ACCOUNT", "AZURE_STORAGE_ACCOUNT_NAME") or "account"
+    return f"wasbs://{container}@{account}.blob.core.windows.net/{prefix}".rstrip("/")
+
+
 _CHECKED: set[tuple] = set()
 """(credentials digest, container) one request of this process already proved."""
 
