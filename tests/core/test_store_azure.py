@@ -22,7 +22,7 @@ from components.core.contract.errors import BadInput, TransientFailure
 from components.core.store import PreconditionFailed, open_store
 from components.core.store import azure as azure_backend
 from tests.azure_server import ACCOUNT, ACCOUNT_KEY
-from tests.core.faults import FaultProxy
+from tests.core.faults import FaultProxy, ScriptedProxy
 
 MiB = 1024 * 1024
 
@@ -227,3 +227,27 @@ def test_an_az_uri_is_given_to_mlflow_by_its_wasbs_name_with_the_account_of_the_
     uri = azure_backend.wasbs_uri("az://relaunch-ckpt/run/datasets/v1")
     assert uri == f"wasbs://relaunch-ckpt@{ACCOUNT}.blob.core.windows.net/run/datasets/v1"
     assert mlflow.data.from_numpy(np.zeros((2, 2)), source=uri).source.uri == uri
+
+
+@pytest.mark.parametrize("needle", ["if-none-match: *", "if-match:"])
+def test_a_conditional_write_whose_answer_was_lost_is_read_back_and_counts_as_ours(azurite, monkeypatch, needle):
+    _no_azure_env(monkeypatch)
+    azurite.create_container()
+    root = f"az://relaunch-ckpt/lost-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite.connection_string())
+    open_store(root).write_bytes("lease.json", b"old holder")
+    etag = open_store(root).etag("lease.json") if needle == "if-match:" else None
+    if needle != "if-match:":
+        open_store(root).delete("lease.json")
+    proxy = ScriptedProxy(azurite.port, [(needle, "reset_after", 1)]).start()  # it lands, its answer is lost
+    try:
+        monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite.connection_string(f"{proxy.endpoint}/{ACCOUNT}"))
+        store = open_store(root, retries=4, backoff=0.01)
+        if etag is None:
+            assert store.write_if_absent("lease.json", b"new holder") is True
+        else:
+            assert store.write_bytes("lease.json", b"new holder", if_match=etag) == store.etag("lease.json")
+    finally:
+        proxy.stop()
+    assert proxy.counts["reset_after"] == 1 and store.stats["conditional_read_back"] == 1
+    assert store.read_bytes("lease.json") == b"new holder"

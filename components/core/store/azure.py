@@ -176,8 +176,7 @@ class AzureStore:
 
     def _call(self, op: str, fn: Callable[[], T], *, key: str = "") -> T:
         """Run one request with bounded retries of transient failures; map permanent ones."""
-        from azure.core.exceptions import (ClientAuthenticationError, HttpResponseError, ResourceExistsError,
-                                           ResourceModifiedError, ResourceNotFoundError, ServiceRequestError,
+        from azure.core.exceptions import (HttpResponseError, IncompleteReadError, ServiceRequestError,
                                            ServiceResponseError)
 
         delay = self.backoff
@@ -185,27 +184,13 @@ class AzureStore:
             self._count(op)
             try:
                 return fn()
-            except (ServiceRequestError, ServiceResponseError, ConnectionError, TimeoutError) as err:
+            except (ServiceRequestError, ServiceResponseError, IncompleteReadError, ConnectionError,
+                    TimeoutError) as err:  # no answer, or a body cut short: the connection broke
                 last: BaseException = err
             except HttpResponseError as err:
-                code, status = str(getattr(err.error_code, "value", err.error_code) or ""), err.status_code or 0
-                if code == "ContainerNotFound":
-                    raise BadInput(f"container {self.container_name!r} does not exist at {self.endpoint}; "
-                                   f"create it or fix the store URI") from None
-                if isinstance(err, ClientAuthenticationError) or code in _CREDENTIAL_CODES or status in (401, 403):
-                    raise BadInput(f"Azure refused {op} on {self.uri_for(key)}: {code or status} (check "
-                                   f"AZURE_STORAGE_CONNECTION_STRING / AZURE_STORAGE_KEY / the SAS)") from None
-                if isinstance(err, ResourceNotFoundError) or status == 404:
-                    raise FileNotFoundError(self.uri_for(key)) from None
-                if code == "InvalidRange" or status == 416:
-                    raise EOFError(f"{self.uri_for(key)} is shorter than the range asked for") from None
-                if isinstance(err, (ResourceModifiedError, ResourceExistsError)) or status in (409, 412):
-                    raise PreconditionFailed(f"{self.uri_for(key)} exists or changed since it was read "
-                                             f"(another writer?)") from None
-                if status < 500 and status not in (408, 429):
-                    raise BadInput(f"Azure error on {op} {self.uri_for(key)}: {code or status}: "
-                                   f"{str(err.message or err)[:200]}") from None
                 last = err
+                if err.status_code is not None:  # None: an answer cut short or undecodable in flight
+                    self._raise_permanent(err, op, key)
             if attempt == self.retries:
                 break
             sleep = random.uniform(0, delay)  # full jitter
@@ -216,6 +201,29 @@ class AzureStore:
             delay = min(delay * 2, self.max_backoff)
         raise TransientFailure(f"Azure {op} {self.uri_for(key)} failed {self.retries} times; last error: "
                                f"{type(last).__name__}: {str(last).splitlines()[0][:200] if str(last) else ''}")
+
+    def _raise_permanent(self, err: Any, op: str, key: str) -> None:
+        """Raise what an answered failure means unless it is transient (408, 429, 5xx): then return."""
+        from azure.core.exceptions import (ClientAuthenticationError, ResourceExistsError, ResourceModifiedError,
+                                           ResourceNotFoundError)
+
+        code, status = str(getattr(err.error_code, "value", err.error_code) or ""), err.status_code or 0
+        if code == "ContainerNotFound":
+            raise BadInput(f"container {self.container_name!r} does not exist at {self.endpoint}; "
+                           f"create it or fix the store URI") from None
+        if isinstance(err, ClientAuthenticationError) or code in _CREDENTIAL_CODES or status in (401, 403):
+            raise BadInput(f"Azure refused {op} on {self.uri_for(key)}: {code or status} (check "
+                           f"AZURE_STORAGE_CONNECTION_STRING / AZURE_STORAGE_KEY / the SAS)") from None
+        if isinstance(err, ResourceNotFoundError) or status == 404:
+            raise FileNotFoundError(self.uri_for(key)) from None
+        if code == "InvalidRange" or status == 416:
+            raise EOFError(f"{self.uri_for(key)} is shorter than the range asked for") from None
+        if isinstance(err, (ResourceModifiedError, ResourceExistsError)) or status in (409, 412):
+            raise PreconditionFailed(f"{self.uri_for(key)} exists or changed since it was read "
+                                     f"(another writer?)") from None
+        if status < 500 and status not in (408, 429):
+            raise BadInput(f"Azure error on {op} {self.uri_for(key)}: {code or status}: "
+                           f"{str(err.message or err)[:200]}") from None
 
     # -- the interface
     def check(self) -> None:
@@ -229,7 +237,7 @@ class AzureStore:
         return data
 
     def read_into(self, key: str, offset: int, buffer: Any, *, sink: Callable[[int], None] | None = None) -> None:
-        """One ranged GET (the SDK splits it into 4 MiB requests on one connection) of the bytes that
+        """One ranged download (the SDK's: a first GET of up to 32 MiB, then 4 MiB GETs) of the bytes that
         fill ``buffer`` (a writable buffer or a list of them) from ``offset``, each chunk copied into
         the buffers as it arrives, with ``sink(bytes filled so far)`` every READ_BLOCK (a retried
         request starts over at ``sink(0)``). FileNotFoundError if absent; EOFError if short."""
