@@ -383,19 +383,17 @@ class AzureStore:
         return sorted(self._call("list", listing, key=prefix))
 
     def delete(self, key: str) -> None:
+        """Delete ``key``; a missing key is no error (as on S3)."""
         blob = self._blob(key)
-        self._call("delete", blob.delete_blob, key=key)
+        try:
+            self._call("delete", blob.delete_blob, key=key)
+        except FileNotFoundError:
+            pass
 
     def delete_many(self, keys: Iterable[str]) -> None:
         """One Delete Blob per key, a few in parallel (a missing key is no error)."""
-        def one(key: str) -> None:
-            try:
-                self.delete(key)
-            except FileNotFoundError:
-                pass
-
         with concurrent.futures.ThreadPoolExecutor(PARALLEL_BLOCKS) as pool:
-            list(pool.map(one, list(keys)))
+            list(pool.map(self.delete, list(keys)))
 
     def abort_incomplete_uploads(self, prefix: str) -> int:
         """Drop the uncommitted blocks of blobs never committed under the directory ``prefix`` (all
