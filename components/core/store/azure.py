@@ -37,7 +37,7 @@ from components.core.store import (READ_BLOCK, PreconditionFailed, Segments, Str
 
 T = TypeVar("T")
 
-SINGLE_PUT_LIMIT = 64 * 1024 * 1024
+SINGLE_PUT_LIMIT = 64 * 1024 * 1024  # the SDK's own splitting of one upload_blob call (ours stay below a block)
 BLOCK_SIZE = 32 * 1024 * 1024
 PARALLEL_BLOCKS = 4
 _CONTAINER = re.compile(r"^(?=.{3,63}$)[a-z0-9](?:[a-z0-9]|-(?!-))*[a-z0-9]$")
@@ -82,7 +82,8 @@ def wasbs_uri(uri: str) -> str:
     ``wasbs://container@<account>.blob.core.windows.net/prefix``, the account from the environment's
     credentials (``account`` when none names one). No I/O."""
     container, _, prefix = uri.split("://", 1)[1].partition("/")
-    conn = dict(part.split("=", 1) for part in (_env("AZURE_STORAGE_CONNECTION_STRING") or "").split(";") if "=" in part)
+    parts = (_env("AZURE_STORAGE_CONNECTION_STRING") or "").split(";")
+    conn = dict(part.split("=", 1) for part in parts if "=" in part)
     account = conn.get("AccountName") or _env("AZURE_STORAGE_ACCOUNT", "AZURE_STORAGE_ACCOUNT_NAME") or "account"
     return f"wasbs://{container}@{account}.blob.core.windows.net/{prefix}".rstrip("/")
 
@@ -406,7 +407,10 @@ class AzureStore:
         Raises:
             TransientFailure: a request still failed after the bounded retries (exit 138).
         """
-        full = (self._name(prefix.strip("/")) + "/") if prefix.strip("/") else (self.prefix + "/" if self.prefix else "")
+        if prefix.strip("/"):
+            full = self._name(prefix.strip("/")) + "/"
+        else:
+            full = self.prefix + "/" if self.prefix else ""
         strip = len(self.prefix) + 1 if self.prefix else 0
 
         def listing() -> tuple[set[str], set[str]]:
