@@ -73,3 +73,19 @@ def mlflow_server(postgres):
 
 
 from tests.gcs_server import gcs_env, gcs_server  # noqa: E402,F401 - the GCS emulator fixtures
+@pytest.fixture(scope="session")
+def azurite():
+    """One Azurite blob server per session (tests/azure_server.py; skipped without npm unless CI)."""
+    from tests.azure_server import AzuriteServer
+
+    server = AzuriteServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def azure_env(azurite, monkeypatch):
+    """Only AZURE_STORAGE_CONNECTION_STRING (with a BlobEndpoint), as a user points the SDK at an emulator."""
+    for key, value in azurite.env().items():
+        monkeypatch.setenv(key, value)
+    return azurite

@@ -30,6 +30,12 @@ TRAIN_MODULE = "components.train"
 
 # The Secrets every relaunch container reads, and the keys (each key equals the variable's name).
 STORE_SECRET_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+# az:// stores: the Secret holds one of the forms the Azure SDK reads (a connection string, an account
+# with its key, or an account with a SAS token), so each key is optional.
+AZURE_SECRET_KEYS = ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT", "AZURE_STORAGE_KEY",
+                     "AZURE_STORAGE_SAS_TOKEN")
+STORE_SECRETS_BY_SCHEME = {"az": (AZURE_SECRET_KEYS, True)}
+"""``(keys, optional)`` of the store Secret by store URI scheme; any other scheme reads STORE_SECRET_KEYS."""
 TRACKING_SECRET_KEYS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
 # A gs:// store's credentials: the store Secret's key file, mounted read-only, named by the variable
 # Google's client libraries read (an empty launch.kubernetes.store_secret: workload identity instead).
@@ -207,9 +213,12 @@ def job_spec(config: RelaunchConfig, *, resume_from: str | None = None) -> JobSp
 
 def secret_env_sources(k8s, store_uri: str = "") -> list[tuple[str, tuple[str, ...], bool]]:
     """``(secret name, keys, optional)`` of every Secret a relaunch container reads: the one list the
-    jobs, the Argo steps and the KFP tasks (:mod:`pipelines.kfp_cluster`) are built from. A gs://
-    store reads no AWS keys: its Secret is a mounted file (:func:`store_secret_files`)."""
-    sources = [] if store_uri.startswith("gs://") else [(k8s.store_secret, STORE_SECRET_KEYS, False)]
+    jobs, the Argo steps and the KFP tasks (:mod:`pipelines.kfp_cluster`) are built from; the store
+    Secret's keys follow the scheme of ``store_uri`` (STORE_SECRETS_BY_SCHEME). A gs:// store reads no
+    keys from env: its Secret is a mounted file (:func:`store_secret_files`)."""
+    scheme = store_uri.split("://", 1)[0] if "://" in store_uri else ""
+    keys, optional = STORE_SECRETS_BY_SCHEME.get(scheme, (STORE_SECRET_KEYS, False))
+    sources = [] if scheme == "gs" else [(k8s.store_secret, keys, optional)]
     if k8s.tracking_secret:
         sources.append((k8s.tracking_secret, TRACKING_SECRET_KEYS, True))
     return sources

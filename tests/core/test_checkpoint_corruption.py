@@ -62,12 +62,14 @@ def _two_checkpoints(root):
     return good
 
 
-@pytest.fixture(params=["fs", "s3", "gcs"])
+@pytest.fixture(params=["fs", "s3", "gcs", "azure"])
 def root(request, tmp_path):
     if request.param == "fs":
         return str(tmp_path / "store")
     if request.param == "gcs":
         return request.getfixturevalue("gcs_env").root("corrupt")
+    if request.param == "azure":
+        return request.getfixturevalue("azure_env").root("corrupt")
     return s3_root(request.getfixturevalue("s3_env"), "corrupt")
 
 

@@ -126,6 +126,11 @@ def test_a_crash_at_any_gcs_operation_leaves_the_newest_committed_checkpoint(con
     assert total >= 25
 
 
+def test_a_crash_at_any_azure_operation_leaves_the_newest_committed_checkpoint(azure_env, tmp_path):
+    total = _enumerate(lambda: azure_env.root("crash"), CONFIGS["keep_last=1 keep_best=1"], [10, 20, 30], tmp_path)
+    assert total >= 25
+
+
 # ------------------------------------------------------------------------------------ SIGKILL
 
 def _child(root: str, kill_at: int | None, conn, cache: str) -> None:
@@ -202,6 +207,12 @@ def test_a_sigkilled_saving_process_on_gcs_leaves_a_loadable_latest(gcs_env, tmp
     assert n == 11
 
 
+def test_a_sigkilled_saving_process_on_azure_leaves_a_loadable_latest(azure_env, tmp_path):
+    n = _kill_cases(lambda: azure_env.root("kill"), tmp_path, kill_points=[1, 3, 5, 7, 9, 11, 14, 17],
+                    timed=[0.0, 0.05, 0.2])
+    assert n == 11
+
+
 @pytest.fixture(scope="module", autouse=True)
 def at_least_200_crashes_in_total(request):
     """At the module's end, whatever the order its tests ran in: when every enumeration test of it was
@@ -214,4 +225,4 @@ def at_least_200_crashes_in_total(request):
     assert INJECTED["raise"] + INJECTED["sigkill"] >= 200, INJECTED
 
 
-ENUMERATION_TESTS = 3 + 2 + 1 + 1  # the parametrized filesystem and S3 cases, and the two SIGKILL tests
+ENUMERATION_TESTS = 3 + 2 + 1 + 1 + 1 + 1  # the parametrized filesystem and S3 cases, Azure's, the SIGKILL tests

@@ -37,11 +37,11 @@ def _load(out: Path, rank: int):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["fs", "s3", "gcs"])
+@pytest.mark.parametrize("backend", ["fs", "s3", "gcs", "azure"])
 def test_training_2n_steps_straight_equals_n_steps_then_a_resume_in_a_fresh_process(backend, tmp_path, request):
-    root = str(tmp_path / "store") if backend == "fs" else s3_root(request.getfixturevalue("s3_env"), "resume")
-    if backend == "gcs":
-        root = request.getfixturevalue("gcs_env").root("resume")
+    root = {"fs": lambda: str(tmp_path / "store"), "s3": lambda: s3_root(request.getfixturevalue("s3_env"), "resume"),
+            "gcs": lambda: request.getfixturevalue("gcs_env").root("resume"),
+            "azure": lambda: request.getfixturevalue("azure_env").root("resume")}[backend]()
     _run(["--root", str(tmp_path / "straight-store"), "--out", str(tmp_path / "straight"), "--steps", str(2 * N)], 1)
     _run(["--root", root, "--out", str(tmp_path / "first"), "--steps", str(N), "--save-at", str(N)], 1)
     _run(["--root", root, "--out", str(tmp_path / "resumed"), "--steps", str(N), "--resume"], 1)

@@ -65,9 +65,10 @@ def test_a_checkpoint_reshards_fsdp_2_to_1_to_3_ranks_and_between_ddp_and_fsdp(t
         saved = out / f"step{step}.pt"
 
 
+@pytest.mark.parametrize("backend", ["s3", "azure"])
 def test_a_flipped_byte_in_one_ranks_shard_makes_every_rank_load_the_previous_checkpoint_and_each_rank_reads_its_share(
-        tmp_path, s3_env):
-    root = s3_root(s3_env, "sharded")
+        tmp_path, backend, request):
+    root = _remote_root(request, backend, "sharded")
     _torchrun(2, "--root", root, "--out", str(tmp_path / "w"), "--steps", "4", "--save-at", "2,4", "--width", "8192")
     _torchrun(2, "--root", root, "--out", str(tmp_path / "r"), "--resume", "--width", "8192")
     assert_bitwise_equal(_state(tmp_path / "w" / "step4.pt"), _state(tmp_path / "r" / "loaded.pt"))
@@ -88,8 +89,9 @@ def test_a_flipped_byte_in_one_ranks_shard_makes_every_rank_load_the_previous_ch
     assert_bitwise_equal(_state(tmp_path / "w" / "step2.pt"), _state(tmp_path / "f" / "loaded.pt"))
 
 
-def test_replicated_ddp_state_is_read_once_per_node_from_s3(tmp_path, s3_env):
-    root = s3_root(s3_env, "replicated")
+@pytest.mark.parametrize("backend", ["s3", "azure"])
+def test_replicated_ddp_state_is_read_once_per_node_from_an_object_store(tmp_path, backend, request):
+    root = _remote_root(request, backend, "replicated")
     _torchrun(4, "--root", root, "--out", str(tmp_path / "w"), "--parallelism", "ddp", "--steps", "1",
               "--save-at", "1", "--width", "8192")
     _torchrun(4, "--root", root, "--out", str(tmp_path / "r"), "--parallelism", "ddp", "--resume",
@@ -111,3 +113,9 @@ def test_a_checkpoint_on_gcs_reshards_fsdp_2_to_1_to_3_ranks(tmp_path, gcs_env):
         _torchrun(nproc, "--root", root, "--out", str(out), "--resume", "--steps", "1", "--save-at", str(2 + i))
         assert_bitwise_equal(_state(saved), _state(out / "loaded.pt"), f"{nproc} ranks")
         saved = out / f"step{2 + i}.pt"
+
+
+def _remote_root(request, backend: str, name: str) -> str:
+    if backend == "azure":
+        return request.getfixturevalue("azure_env").root(name)
+    return s3_root(request.getfixturevalue("s3_env"), name)

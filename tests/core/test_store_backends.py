@@ -166,7 +166,8 @@ def test_a_backend_registered_from_a_test_file_serves_a_checkpoint_save_latest_l
     ("S3:/bucket/x", "write the URI as s3://bucket/x"),
     ("file:/data/exp", "write the URI as file:///data/exp"),
     ("gs:foo", "write the URI as gs://foo"),
-    ("az:/container/x", "az is not supported"),
+    ("hdfs:/x", "hdfs is not supported; use a path, file:///path"),
+    ("az:/container/x", "write the URI as az://container/x"),
 ])
 def test_a_path_starting_with_a_scheme_and_a_colon_is_refused_with_how_to_write_it(uri, expected, tmp_path,
                                                                                    monkeypatch):

@@ -237,6 +237,7 @@ def check_key(key: str) -> str:
 from components.core.store.file import FileStore  # noqa: E402
 from components.core.store.s3 import S3Store  # noqa: E402
 from components.core.store.gcs import GCSStore  # noqa: E402
+from components.core.store.azure import AzureStore  # noqa: E402
 
-__all__ = ["BACKENDS", "Backend", "FileStore", "GCSStore", "PreconditionFailed", "READ_BLOCK", "S3Store", "Segments", "Store",
+__all__ = ["BACKENDS", "Backend", "AzureStore", "FileStore", "GCSStore", "PreconditionFailed", "READ_BLOCK", "S3Store", "Segments", "Store",
            "StreamWriter", "byte_view", "check_key", "join_uri", "open_store", "parse_store_uri", "register_backend"]

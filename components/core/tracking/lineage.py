@@ -258,6 +258,10 @@ def log_dataset_input(config, run_id: str, splits: dict, version: str, uri: str)
     from components.core.tracking.client import call, client as tracking_client, tracking_uri
 
     train = splits["train"]
+    if uri.startswith("az://"):  # MLflow resolves Azure dataset sources by their wasbs:// name only
+        from components.core.store.azure import wasbs_uri
+
+        uri = wasbs_uri(uri)
     dataset = mlflow.data.from_numpy(np.asarray(train["x"]), targets=np.asarray(train["y"]), source=uri,
                                      name=config.data.dataset, digest=version)
     entity = DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", DATASET_CONTEXT)])
