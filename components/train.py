@@ -426,7 +426,7 @@ if __name__ == "__main__":
     code = main()
     # A permanently failed rank ends the usual way (the interpreter's teardown takes seconds): torchrun
     # stops its peers once it has ended, and rank 0 must first mark the run FAILED. A transient
-    # failure (a peer died) marks nothing, and the restart waits for every rank of the group to end.
-    if code in (ExitCode.OK, ExitCode.RETRY_ME):
+    # failure (a peer was killed: 137, or 138) marks nothing, and the restart waits for every rank of the group.
+    if code in (ExitCode.OK, ExitCode.KILLED, ExitCode.RETRY_ME):
         end_process(code)
     sys.exit(code)
