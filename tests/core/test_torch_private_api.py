@@ -42,3 +42,22 @@ def test_the_private_torch_names_relaunch_uses_have_the_shape_it_was_written_for
     assert _params(_get_fqns)[:2] == ["model", "name"]
     assert _params(_create_file_view) == ["file", "offset", "length"]
     assert hasattr(torch._C, "PyTorchFileReader")
+
+
+def test_the_stdlib_atexit_runner_that_end_process_calls_still_runs_the_registered_handlers(tmp_path):
+    """``atexit._run_exitfuncs`` (components/core/runtime/stepcli.py ``wind_down``): a step or a worker
+    that ends through ``end_process`` runs its atexit handlers (a pending async save's, MLflow's) and then
+    skips the interpreter's module teardown, which costs about a second of CPU with torch and MLflow
+    loaded (docs/benchmarks.md). A Python whose atexit lacks it, or whose runner no longer runs the
+    handlers, fails here by name."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / "ran"
+    code = ("import atexit, pathlib\n"
+            f"atexit.register(pathlib.Path({str(marker)!r}).write_text, 'yes')\n"
+            "from components.core.runtime.stepcli import end_process\n"
+            "end_process(0)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert marker.read_text() == "yes"
