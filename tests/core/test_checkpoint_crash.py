@@ -119,6 +119,7 @@ def test_a_crash_at_any_s3_operation_leaves_the_newest_committed_checkpoint(conf
     assert total >= 25
 
 
+@pytest.mark.emulator_soak
 @pytest.mark.slow
 @pytest.mark.parametrize("config", ["keep_last=1 keep_best=1", "keep_last=2 async"])
 def test_a_crash_at_any_gcs_operation_leaves_the_newest_committed_checkpoint(config, gcs_env, tmp_path):
@@ -126,6 +127,8 @@ def test_a_crash_at_any_gcs_operation_leaves_the_newest_committed_checkpoint(con
     assert total >= 25
 
 
+@pytest.mark.emulator_soak
+@pytest.mark.slow
 def test_a_crash_at_any_azure_operation_leaves_the_newest_committed_checkpoint(azure_env, tmp_path):
     total = _enumerate(lambda: azure_env.root("crash"), CONFIGS["keep_last=1 keep_best=1"], [10, 20, 30], tmp_path)
     assert total >= 25
@@ -200,6 +203,7 @@ def test_a_sigkilled_saving_process_on_s3_leaves_a_loadable_latest(s3_env, tmp_p
     assert n == 11
 
 
+@pytest.mark.emulator_soak
 @pytest.mark.slow
 def test_a_sigkilled_saving_process_on_gcs_leaves_a_loadable_latest(gcs_env, tmp_path):
     n = _kill_cases(lambda: gcs_env.root("kill"), tmp_path, kill_points=[1, 3, 5, 7, 9, 11, 14, 17],
@@ -207,6 +211,8 @@ def test_a_sigkilled_saving_process_on_gcs_leaves_a_loadable_latest(gcs_env, tmp
     assert n == 11
 
 
+@pytest.mark.emulator_soak
+@pytest.mark.slow
 def test_a_sigkilled_saving_process_on_azure_leaves_a_loadable_latest(azure_env, tmp_path):
     n = _kill_cases(lambda: azure_env.root("kill"), tmp_path, kill_points=[1, 3, 5, 7, 9, 11, 14, 17],
                     timed=[0.0, 0.05, 0.2])
