@@ -3,6 +3,8 @@ attempts, every step logged once and in order, read back from the run's own file
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from components.core.tracking.wandb_tracker import wandb_run_id
@@ -13,7 +15,9 @@ pytest.importorskip("wandb")
 pytestmark = pytest.mark.slow
 
 
-def test_a_training_killed_twice_keeps_one_wandb_run_with_every_step_once_in_order(tmp_path, tracking):
+def test_a_training_killed_twice_keeps_one_wandb_run_with_every_step_once_in_order(tmp_path, tracking, monkeypatch):
+    for name in [k for k in os.environ if k.startswith("WANDB_")]:  # an in-process wandb of an earlier test
+        monkeypatch.delenv(name)  # (its service address) must not reach these trainings
     wandb_dir = tmp_path / "wandb-dir"
     wandb_dir.mkdir()
     env = {"WANDB_DIR": str(wandb_dir), "WANDB_SILENT": "true"}
