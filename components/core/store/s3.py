@@ -42,7 +42,9 @@ MULTIPART_THRESHOLD = 64 * 1024 * 1024
 PART_SIZE = 32 * 1024 * 1024
 PARALLEL_PARTS = 4
 
-
+# Retry jitter from a generator of its own: drawing from the global `random` would shift a training's
+# RNG stream whenever a request is retried, and break exact resume.
+_JITTER = random.Random()
 
 
 def _env(*names: str) -> str | None:
@@ -197,7 +199,7 @@ class S3Store:
                 last = err
             if attempt == self.retries:
                 break
-            sleep = random.uniform(0, delay)  # full jitter
+            sleep = _JITTER.uniform(0, delay)  # full jitter
             with self._stats_lock:
                 self.stats["retries"] += 1
                 self.stats["retry_seconds"] += sleep
