@@ -22,7 +22,10 @@ from __future__ import annotations
 import bisect
 import collections
 import os
+import random
 import re
+import threading
+import time
 from typing import Any, Callable, ClassVar, Iterable, Protocol, TypeVar, runtime_checkable
 
 from components.core.contract.errors import BadInput
@@ -231,6 +234,45 @@ def check_key(key: str) -> str:
     if key.startswith("/") or any(part in ("..", ".") for part in key.split("/")):
         raise BadInput(f"store key {key!r} must be relative and must not contain '.' or '..' parts")
     return key
+
+
+
+class Requests:
+    """What the object stores (s3, gcs, azure) share: request counters, keys under the prefix, and bounded
+    retries whose full-jitter backoff draws from a generator of its own, never from the global ``random``
+    a training's RNG stream lives in (a retried request would shift it and break exact resume)."""
+
+    prefix: str
+
+    def _init_requests(self, retries: int | None, backoff: float | None) -> None:
+        self.stats: collections.Counter = collections.Counter()
+        self._stats_lock = threading.Lock()
+        self.retries = int(retries if retries is not None else os.environ.get("RELAUNCH_STORE_RETRIES", 8))
+        self.backoff = float(backoff if backoff is not None else os.environ.get("RELAUNCH_STORE_BACKOFF", 0.1))
+        self.max_backoff = 5.0
+        self._jitter = random.Random()
+
+    def _name(self, key: str) -> str:
+        check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _count(self, op: str, n: int = 1) -> None:
+        with self._stats_lock:
+            self.stats[op] += n
+            self.stats["requests"] += n
+
+    def _add_bytes(self, what: str, n: int) -> None:
+        with self._stats_lock:
+            self.stats[what] += n
+
+    def _back_off(self, delay: float) -> float:
+        """Sleep a full-jitter share of ``delay`` (counted in ``stats``); returns the next delay."""
+        sleep = self._jitter.uniform(0, delay)
+        with self._stats_lock:
+            self.stats["retries"] += 1
+            self.stats["retry_seconds"] += sleep
+        time.sleep(sleep)
+        return min(delay * 2, self.max_backoff)
 
 
 # -- the backends: one line each (importing the module registers its class)

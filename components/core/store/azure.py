@@ -19,20 +19,16 @@ Retry tuning as for S3: ``RELAUNCH_STORE_RETRIES``, ``RELAUNCH_STORE_BACKOFF``.
 from __future__ import annotations
 
 import base64
-import collections
 import concurrent.futures
 import contextlib
 import hashlib
 import os
-import random
 import re
-import threading
-import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, TypeVar
 
 from components.core.contract.errors import BadInput, TransientFailure
-from components.core.store import (READ_BLOCK, PreconditionFailed, Segments, StreamWriter, byte_view, check_key,
+from components.core.store import (READ_BLOCK, PreconditionFailed, Requests, Segments, StreamWriter, byte_view,
                                    join_uri, register_backend)
 
 T = TypeVar("T")
@@ -93,7 +89,7 @@ _CHECKED: set[tuple] = set()
 
 
 @register_backend
-class AzureStore:
+class AzureStore(Requests):
     """An Azure Blob container/prefix through ``azure-storage-blob``, with bounded retries."""
 
     scheme = "az"
@@ -140,11 +136,7 @@ class AzureStore:
 
         self.container_name, self.prefix = container, prefix.strip("/")
         self.uri = f"az://{container}/{self.prefix}".rstrip("/")
-        self.stats: collections.Counter = collections.Counter()
-        self._stats_lock = threading.Lock()
-        self.retries = int(retries if retries is not None else os.environ.get("RELAUNCH_STORE_RETRIES", 8))
-        self.backoff = float(backoff if backoff is not None else os.environ.get("RELAUNCH_STORE_BACKOFF", 0.1))
-        self.max_backoff = 5.0
+        self._init_requests(retries, backoff)
         s = azure_settings()
         options = {"retry_total": 0, "connection_timeout": 10, "read_timeout": 60,
                    "max_single_put_size": SINGLE_PUT_LIMIT, "max_block_size": BLOCK_SIZE}
@@ -159,21 +151,8 @@ class AzureStore:
         self.container = service.get_container_client(container)
 
     # -- plumbing
-    def _name(self, key: str) -> str:
-        check_key(key)
-        return f"{self.prefix}/{key}" if self.prefix else key
-
     def _blob(self, key: str) -> Any:
         return self.container.get_blob_client(self._name(key))
-
-    def _count(self, op: str, n: int = 1) -> None:
-        with self._stats_lock:
-            self.stats[op] += n
-            self.stats["requests"] += n
-
-    def _add_bytes(self, what: str, n: int) -> None:
-        with self._stats_lock:
-            self.stats[what] += n
 
     def _call(self, op: str, fn: Callable[[], T], *, key: str = "") -> T:
         """Run one request with bounded retries of transient failures; map permanent ones."""
@@ -194,12 +173,7 @@ class AzureStore:
                     self._raise_permanent(err, op, key)
             if attempt == self.retries:
                 break
-            sleep = random.uniform(0, delay)  # full jitter
-            with self._stats_lock:
-                self.stats["retries"] += 1
-                self.stats["retry_seconds"] += sleep
-            time.sleep(sleep)
-            delay = min(delay * 2, self.max_backoff)
+            delay = self._back_off(delay)
         raise TransientFailure(f"Azure {op} {self.uri_for(key)} failed {self.retries} times; last error: "
                                f"{type(last).__name__}: {str(last).splitlines()[0][:200] if str(last) else ''}")
 

@@ -25,19 +25,15 @@ opened. So :meth:`GCSStore.abort_incomplete_uploads` has nothing to find and ret
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import os
-import random
 import re
-import threading
-import time
 import urllib.parse
 from pathlib import Path
 from typing import Any, Callable, Iterable, TypeVar
 
 from components.core.contract.errors import BadInput, TransientFailure
-from components.core.store import (READ_BLOCK, PreconditionFailed, Segments, StreamWriter, byte_view, check_key,
+from components.core.store import (READ_BLOCK, PreconditionFailed, Requests, Segments, StreamWriter, byte_view,
                                    join_uri, register_backend)
 
 T = TypeVar("T")
@@ -83,7 +79,7 @@ def _settings() -> tuple[str, Any, str]:
 
 
 @register_backend
-class GCSStore:
+class GCSStore(Requests):
     """A GCS bucket/prefix, with generation preconditions and bounded retries of transient errors."""
 
     scheme = "gs"
@@ -133,12 +129,7 @@ class GCSStore:
 
         self.bucket_name, self.prefix = bucket, prefix.strip("/")
         self.uri = f"gs://{bucket}/{self.prefix}".rstrip("/")
-        self.stats: collections.Counter = collections.Counter()
-        self._stats_lock = threading.Lock()
-        self.retries = int(retries if retries is not None else os.environ.get("RELAUNCH_STORE_RETRIES", 8))
-        self.backoff = float(backoff if backoff is not None else os.environ.get("RELAUNCH_STORE_BACKOFF", 0.1))
-        self.max_backoff = 5.0
-        self._jitter = random.Random()
+        self._init_requests(retries, backoff)
         self.endpoint, credentials, project = _settings()
         self.client = storage.Client(project=project, credentials=credentials,
                                      client_options={"api_endpoint": self.endpoint})
@@ -150,19 +141,6 @@ class GCSStore:
         self.timeout = (10, 60)
 
     # -- plumbing
-    def _name(self, key: str) -> str:
-        check_key(key)
-        return f"{self.prefix}/{key}" if self.prefix else key
-
-    def _count(self, op: str, n: int = 1) -> None:
-        with self._stats_lock:
-            self.stats[op] += n
-            self.stats["requests"] += n
-
-    def _add_bytes(self, what: str, n: int) -> None:
-        with self._stats_lock:
-            self.stats[what] += n
-
     def _media_url(self, name: str) -> str:
         return (f"{self.endpoint}/download/storage/v1/b/{self.bucket_name}/o/"
                 f"{urllib.parse.quote(name, safe='')}?alt=media")
@@ -204,12 +182,7 @@ class GCSStore:
                 last = err
             if attempt == self.retries:
                 break
-            sleep = self._jitter.uniform(0, delay)  # full jitter, off the training's RNG stream
-            with self._stats_lock:
-                self.stats["retries"] += 1
-                self.stats["retry_seconds"] += sleep
-            time.sleep(sleep)
-            delay = min(delay * 2, self.max_backoff)
+            delay = self._back_off(delay)
         raise TransientFailure(f"GCS {op} {self.uri_for(key)} failed {self.retries} times; last error: "
                                f"{type(last).__name__}: {str(last)[:200]}")
 

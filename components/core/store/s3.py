@@ -19,21 +19,17 @@ multipart uploads, ListMultipartUploads, reads from the socket into our buffers)
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import contextlib
 import hashlib
 import os
-import random
-import threading
-import time
 import urllib.parse
 from pathlib import Path
 from typing import Any, Callable, Iterable, TypeVar
 
 from components.core.contract.classify import S3_CREDENTIAL_CODES, S3_TRANSIENT_CODES
 from components.core.contract.errors import BadInput, TransientFailure
-from components.core.store import (READ_BLOCK, PreconditionFailed, Segments, StreamWriter, byte_view, check_key,
+from components.core.store import (READ_BLOCK, PreconditionFailed, Requests, Segments, StreamWriter, byte_view,
                                    join_uri, register_backend)
 
 T = TypeVar("T")
@@ -41,10 +37,6 @@ T = TypeVar("T")
 MULTIPART_THRESHOLD = 64 * 1024 * 1024
 PART_SIZE = 32 * 1024 * 1024
 PARALLEL_PARTS = 4
-
-# Retry jitter from a generator of its own: drawing from the global `random` would shift a training's
-# RNG stream whenever a request is retried, and break exact resume.
-_JITTER = random.Random()
 
 
 def _env(*names: str) -> str | None:
@@ -83,7 +75,7 @@ store again (every step opens it a few times) costs no further request."""
 
 
 @register_backend
-class S3Store:
+class S3Store(Requests):
     """An S3-compatible bucket/prefix through ``minio``, with bounded retries of transient errors."""
 
     scheme = "s3"
@@ -136,11 +128,7 @@ class S3Store:
 
         self.bucket, self.prefix = bucket, prefix.strip("/")
         self.uri = f"s3://{bucket}/{self.prefix}".rstrip("/")
-        self.stats: collections.Counter = collections.Counter()
-        self._stats_lock = threading.Lock()
-        self.retries = int(retries if retries is not None else os.environ.get("RELAUNCH_STORE_RETRIES", 8))
-        self.backoff = float(backoff if backoff is not None else os.environ.get("RELAUNCH_STORE_BACKOFF", 0.1))
-        self.max_backoff = 5.0
+        self._init_requests(retries, backoff)
         s = _s3_settings()
         self.endpoint = s["endpoint"]
         http = urllib3.PoolManager(
@@ -153,19 +141,6 @@ class S3Store:
         self._minio = _MinioCalls(self.client)
 
     # -- plumbing
-    def _name(self, key: str) -> str:
-        check_key(key)
-        return f"{self.prefix}/{key}" if self.prefix else key
-
-    def _count(self, op: str, n: int = 1) -> None:
-        with self._stats_lock:
-            self.stats[op] += n
-            self.stats["requests"] += n
-
-    def _add_bytes(self, what: str, n: int) -> None:
-        with self._stats_lock:
-            self.stats[what] += n
-
     def _call(self, op: str, fn: Callable[[], T], *, key: str = "") -> T:
         """Run one request with bounded retries of transient failures; map permanent ones."""
         from minio.error import S3Error
@@ -199,12 +174,7 @@ class S3Store:
                 last = err
             if attempt == self.retries:
                 break
-            sleep = _JITTER.uniform(0, delay)  # full jitter
-            with self._stats_lock:
-                self.stats["retries"] += 1
-                self.stats["retry_seconds"] += sleep
-            time.sleep(sleep)
-            delay = min(delay * 2, self.max_backoff)
+            delay = self._back_off(delay)
         raise TransientFailure(f"S3 {op} {self.uri_for(key)} failed {self.retries} times; last error: "
                                f"{type(last).__name__}: {str(last)[:200]}")
 
