@@ -55,10 +55,11 @@ import torch  # noqa: E402
 
 from components.core.runtime import distributed as distr  # noqa: E402
 from components.core.runtime import logs  # noqa: E402
+from components.core.store import records  # noqa: E402
 from components.core.tracking import goodput  # noqa: E402
 from components.core.trainer import setup  # noqa: E402
 from components.core.contract.config import RelaunchConfig, config_from_cli  # noqa: E402
-from components.core.contract.errors import Diverged, Preempted, RelaunchError  # noqa: E402
+from components.core.contract.errors import Diverged, Preempted, RelaunchError, error_for  # noqa: E402
 from components.core.contract.events import Kind, emit  # noqa: E402
 from components.core.contract.exitcodes import RETRYABLE, ExitCode  # noqa: E402
 from components.core.tracking.goodput import TrainSummary  # noqa: E402
@@ -276,9 +277,24 @@ class Training:
             self.system_metrics.stop(SYSTEM_METRICS_SECONDS_TOLD_TO_GO if hurry else timeout, last_sample=not hurry)
 
     def _record_hang(self, message: str) -> None:
-        if self.env.is_main:
-            goodput.write_exit_record(self.store, self.attempt, ExitCode.RETRY_ME, message, self.env.elastic_run_id)
+        """Any rank: the hung rank's record is the attempt's cause, written before it exits, so the peers
+        that its exit breaks find it (see :meth:`_cause_of`) instead of recording a killed peer."""
+        if self.store is not None:
+            goodput.write_exit_record(self.store, self.attempt, ExitCode.RETRY_ME,
+                                      f"rank {self.env.rank} {message}", self.env.elastic_run_id)
+        if self.env.is_main and self.log:
             self.log.finish(ExitCode.RETRY_ME)
+
+    def _cause_of(self, err: RelaunchError) -> RelaunchError:
+        """A :class:`PeerFailure` is the consequence of another rank's ending: when that rank recorded its
+        ending in this attempt before it went (a watchdog's hang), that is the attempt's ending."""
+        if not isinstance(err, PeerFailure) or self.store is None or self.env is None:
+            return err
+        record = records.read_exit_record(self.store) or {}
+        if (record.get("attempt") == self.attempt and record.get("elastic_run_id") == self.env.elastic_run_id
+                and record.get("time", 0) >= _PROCESS_START and record.get("exit_code")):
+            return error_for(int(record["exit_code"]), str(record.get("reason", "")))
+        return err
 
     def _forward_backward(self, batch) -> tuple[float, float]:
         from components.core.trainer.parallel import total_grad_norm
@@ -342,6 +358,7 @@ class Training:
     def fail(self, err: RelaunchError) -> TrainSummary:
         """Record how the attempt ended, tell MLflow (FAILED when permanent, KILLED when preempted; a
         retryable failure leaves the run RUNNING for the next attempt), re-raise for the exit code."""
+        err = self._cause_of(err)
         main = self.env is not None and self.env.is_main and self.store is not None
         if main:  # first, before torchrun (told by a faster rank) stops us: the launcher reads this
             goodput.write_exit_record(self.store, self.attempt, err.exit_code, str(err), self.env.elastic_run_id)
