@@ -37,20 +37,6 @@ def test_goodput_report_splits_the_wall_time_into_productive_startup_stall_recom
     assert (report["last_steps"], report["exit_codes"]) == ([50, 100], [137, 0])
 
 
-def test_a_killed_attempt_that_wrote_no_end_is_tagged_with_exit_137_at_its_last_heartbeat():
-    tags = goodput.attempt_tags(_killed_then_finished())
-    assert tags["relaunch.restarts"] == "1" and tags["relaunch.attempts"] == "2"
-    assert (tags["relaunch.attempt.1.exit_code"], tags["relaunch.attempt.1.end_recorded"]) == ("137", "false")
-    assert tags["relaunch.attempt.1.end"] == "1970-01-01T00:00:12Z"  # its last heartbeat
-    assert (tags["relaunch.attempt.2.exit_code"], tags["relaunch.attempt.2.resumed_from_step"]) == ("0", "40")
-    assert tags["relaunch.attempt.2.last_step"] == "100"
-
-
-def test_the_running_attempt_gets_no_end_tags_of_its_own():
-    tags = goodput.attempt_tags(_killed_then_finished(), current=2)
-    assert "relaunch.attempt.1.exit_code" in tags and not any(k.startswith("relaunch.attempt.2.") for k in tags)
-
-
 def test_the_goodput_figure_is_one_png_with_the_breakdown_and_the_marked_loss_curve(tmp_path):
     report = goodput.goodput_report(_killed_then_finished())
     path = goodput.plot_goodput(report, [(s, 2.0 / s) for s in range(1, 101)], str(tmp_path / "goodput.png"))

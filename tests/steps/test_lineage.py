@@ -161,28 +161,3 @@ def test_a_task_outside_components_is_bundled_with_the_model(tmp_path, monkeypat
     assert models.code_paths("components.tasks.digits:make_task")[1:] == []
     assert models.code_paths("mytask:make_task")[1:] == [str(tmp_path / "mytask.py")]
     assert models.code_paths("mypkg.sub:make_task")[1:] == [str(tmp_path / "mypkg")]
-
-
-def test_each_nodes_local_rank_0_logs_system_metrics_under_its_node_id(pipeline, monkeypatch):
-    import time
-
-    from mlflow.entities import RunStatus
-
-    from components.core.runtime.distributed import DistEnv
-
-    config, _, _, _, client = pipeline
-    run = client.create_run(client.get_experiment_by_name(config.tracking.experiment).experiment_id)
-    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")
-    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_NODE_ID", "")  # the monitor sets it; undone after the test
-    assert lineage.start_system_metrics(config, run.info.run_id, DistEnv(local_rank=1, node_rank=3)) is None
-    starter = lineage.start_system_metrics(config, run.info.run_id, DistEnv(local_rank=0, node_rank=3))
-    started = {}
-    try:
-        deadline = time.monotonic() + 60  # a wait for the first sample, not a timing assertion
-        while time.monotonic() < deadline and not started:
-            started = {k for k in client.get_run(run.info.run_id).data.metrics if k.startswith("system/")}
-            time.sleep(0.2)
-    finally:
-        client.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.FINISHED))
-        starter.join(10)
-    assert "system/node-3/cpu_utilization_percentage" in started

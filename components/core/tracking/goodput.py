@@ -15,9 +15,6 @@ ratio (ETTR = productive time / wall time from the first start to the last end) 
 :func:`record_ending` writes ``runs/exit.json`` (how the latest attempt ended, under our control)
 and ``runs/summary.json`` (the training summary, :class:`TrainSummary`). Every ``runs/`` key and its
 JSON helpers live in :mod:`components.core.store.records`.
-
-:func:`attempt_tags` turns the records into the MLflow run's per-attempt tags, the killed attempts'
-included (a SIGKILLed process writes nothing: the next attempt tags it from its record).
 """
 
 from __future__ import annotations
@@ -181,26 +178,6 @@ def goodput_report(attempts: list[Attempt]) -> dict[str, Any]:
         "attempts": len(attempts), "resumed_from_steps": [a.resumed_from_step for a in attempts],
         "last_steps": [a.last_step for a in attempts], "exit_codes": [a.outcome for a in attempts],
     }
-
-
-def _iso(seconds: float | None) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds)) if seconds else ""
-
-
-def attempt_tags(attempts: list[Attempt], *, current: int | None = None) -> dict[str, str]:
-    """``relaunch.attempt.<n>.{start,end,exit_code,last_step,resumed_from_step}`` of every attempt but
-    ``current`` (still running), plus ``relaunch.restarts``. An attempt killed without a word ends at
-    its last heartbeat with exit code 137 and ``end_recorded=false``."""
-    tags: dict[str, str] = {"relaunch.restarts": str(max(0, len(attempts) - 1)), "relaunch.attempts": str(len(attempts))}
-    for a in attempts:
-        if a.attempt == current:
-            continue
-        prefix = f"relaunch.attempt.{a.attempt}."
-        tags.update({prefix + "start": _iso(a.start), prefix + "end": _iso(a.ended),
-                     prefix + "exit_code": str(a.outcome), prefix + "last_step": str(a.last_step),
-                     prefix + "resumed_from_step": str(a.resumed_from_step), prefix + "world_size": str(a.world_size),
-                     prefix + "end_recorded": str(a.end is not None).lower()})
-    return tags
 
 
 ENDINGS = {ExitCode.KILLED: "killed (SIGKILL, OOM)", ExitCode.PREEMPTED: "preempted (SIGTERM)",

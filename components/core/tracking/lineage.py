@@ -7,7 +7,6 @@
   version, source = the store URI);
 - each checkpoint evaluate or register uses as a LoggedModel (``step=``, linked to the run as an
   output, its metrics logged with its ``model_id``); the registered version is made from it;
-- system metrics per node (``system/node-<n>/...``) from every node's local rank 0;
 - the params that apply to the chosen launch backend, and the link that opens the run.
 
 Every call goes through the tracking module's error contract (credentials -> BadInput, anything
@@ -16,7 +15,6 @@ else -> TransientFailure); reading is idempotent, so a retried step finds what i
 
 from __future__ import annotations
 
-import atexit
 import getpass
 import os
 import subprocess
@@ -30,7 +28,6 @@ DESCRIPTION_TAG = "mlflow.note.content"  # the run's / experiment's description 
 CHECKPOINT_TAG = "relaunch.checkpoint_uri"
 MODEL_TYPE = "relaunch-checkpoint"
 OUTCOME = "**Outcome:"  # where finalize's part of the run description begins
-SYSTEM_METRICS_SECONDS = 5.0  # sampling interval; MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL wins
 DATASET_CONTEXT = "training"
 
 
@@ -337,72 +334,3 @@ def log_model_metrics(config, model_id: str, metrics: dict[str, float], step: in
     client = tracking_client(tracking_uri(config))
     call("log the model's metrics", client.log_batch, config.tracking.run_id,
           metrics=[Metric(prefix + k, float(v), now, step, **linked) for k, v in metrics.items()])
-
-
-# -------------------------------------------------------------------------------------------------
-# system metrics
-
-
-def start_system_metrics(config, run_id: str | None, env):
-    """On each node's local rank 0: MLflow's system-metrics monitor (CPU, memory, disk, network,
-    GPU when present) logging ``system/node-<node rank>/...`` into the run until the process
-    exits; None elsewhere. It is built and started on a daemon thread (building it asks the server
-    for the last logged step), so neither the mlflow import nor a tracking server that is away
-    delays training; a monitor that cannot start costs one line on stderr, never the training."""
-    import threading
-
-    if not run_id or env.local_rank != 0:
-        return None
-    node = f"node-{env.node_rank}"
-    started: dict = {}
-
-    def begin() -> None:
-        try:
-            from components.core.tracking.client import import_mlflow
-
-            import_mlflow("mlflow.system_metrics", "mlflow.system_metrics.system_metrics_monitor")  # one importer
-            import mlflow.system_metrics
-            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-            from components.core.tracking.client import tracking_uri
-
-            mlflow.system_metrics.set_system_metrics_node_id(node)
-            monitor = SystemMetricsMonitor(run_id, sampling_interval=SYSTEM_METRICS_SECONDS, node_id=node,
-                                           resume_logging=True, tracking_uri=tracking_uri(config))
-        except Exception as err:  # psutil missing, the server away: the training goes on without them
-            print(f"relaunch: no system metrics on {node}: {err}", file=sys.stderr)
-            return
-        started["monitor"] = monitor
-        monitor.start()
-
-    starter = threading.Thread(target=begin, name="relaunch-system-metrics", daemon=True)
-    starter.start()
-    atexit.register(stop_system_metrics, starter, started)
-    return starter
-
-
-def stop_system_metrics(starter, started: dict, timeout: float = 10.0) -> None:
-    """Stop the monitor, take one last sample (an attempt shorter than the sampling interval still
-    reports its node) and send what is unsent, waiting at most ``timeout`` seconds in all: a
-    process told to go (preemption's grace period) must not wait on a tracking server that is
-    away. A SIGKILLed attempt loses only the samples since the last send."""
-    import threading
-
-    deadline = time.monotonic() + timeout
-    starter.join(timeout)
-    monitor = started.get("monitor")
-    if monitor is None:
-        return
-
-    def finish() -> None:
-        monitor.finish()  # stops the sampling thread and sends what it buffered
-        try:
-            monitor.collect_metrics()
-            monitor.publish_metrics(monitor.aggregate_metrics())
-            monitor.mlflow_logger.flush()
-        except Exception as err:  # the server is away or the run ended: the last sample is not worth more
-            print(f"relaunch: last system-metrics sample not sent: {err}", file=sys.stderr)
-
-    stopper = threading.Thread(target=finish, name="relaunch-system-metrics-stop", daemon=True)
-    stopper.start()
-    stopper.join(max(0.0, deadline - time.monotonic()))
