@@ -46,8 +46,17 @@ _MAX_PARAM_VALUE = 6000
 
 
 def tracking_uri(config) -> str:
-    """``MLFLOW_TRACKING_URI`` from the environment when set, else ``config.tracking.uri``."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or config.tracking.uri
+    """``MLFLOW_TRACKING_URI`` from the environment when set, else ``config.tracking.uri``; the
+    variable is held to the checks ``--set tracking.uri`` passes through (BadInput, one line, when not)."""
+    from_env = os.environ.get("MLFLOW_TRACKING_URI")
+    if not from_env:
+        return config.tracking.uri
+    from components.core.contract.config import check_tracking_uri
+
+    try:
+        return check_tracking_uri(from_env)
+    except ValueError as err:
+        raise BadInput(f"MLFLOW_TRACKING_URI: {err} (or unset it to use tracking.uri)") from None
 
 
 _MLFLOW_IMPORT = threading.Lock()
