@@ -18,7 +18,6 @@ from __future__ import annotations
 import getpass
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
