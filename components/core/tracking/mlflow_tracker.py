@@ -4,9 +4,12 @@ pending-metrics record that carries unsent metric points across a crash.
 
 What the run holds, kept true across restarts, in a form a person reads on the run page:
 
-- ``checkpoint.latest`` and ``checkpoint.latest_step`` as tags, and the whole checkpoint history in
-  ONE artifact, ``relaunch/checkpoints.json`` (step, URI, the attempt that committed it, when, and
-  whether it is still there or retention deleted it), rewritten at each commit;
+- ``checkpoint.latest`` and ``checkpoint.latest_step`` as tags (at each commit), and the whole
+  checkpoint history in ONE artifact, ``relaunch/checkpoints.json`` (step, URI, the attempt that
+  committed it, when, and whether it is still there or retention deleted it), rewritten at the first
+  commit, then at most once per :data:`CHECKPOINT_HISTORY_SECONDS` and when the attempt closes (an
+  upload through MLflow's client costs several requests of CPU on the thread that shares the GIL
+  with the training; a killed attempt's last commits are written by the next attempt);
 - the attempts summarised in tags (``relaunch.attempts``, ``relaunch.restarts``,
   ``relaunch.last_exit_code``) and told in full in ``relaunch/attempts.json`` (start, end, exit code
   and its meaning, last step, resumed-from step), the killed ones included;
@@ -35,6 +38,7 @@ from components.core.tracking.trackers import AttemptEnd, AttemptStart, TrackerB
 
 DELETED_BY_RETENTION = "deleted by retention"
 FLUSH_SECONDS_BEFORE_PLOT = 30.0
+CHECKPOINT_HISTORY_SECONDS = 60.0  # relaunch/checkpoints.json is rewritten at most this often while training
 ARTIFACT_DIR = "relaunch"
 CHECKPOINTS_ARTIFACT = f"{ARTIFACT_DIR}/checkpoints.json"
 ATTEMPTS_ARTIFACT = f"{ARTIFACT_DIR}/attempts.json"
@@ -106,6 +110,8 @@ class MlflowTracker(TrackerBase):
         self._committed: dict[int, int] = {}  # step -> attempt: this attempt's commits
         self._health_shown = False  # health/* counters are logged once one is not zero
         self._artifacts: tempfile.TemporaryDirectory | None = None  # files the logger uploads; removed at close
+        self._history_written: float | None = None  # time.monotonic() of the last checkpoint-history upload
+        self._history_due = False  # a commit since then is not in relaunch/checkpoints.json yet
 
     def start(self, start: AttemptStart) -> None:
         """Open the logger (sending starts after the first step), requeue the points an earlier attempt
@@ -163,6 +169,12 @@ class MlflowTracker(TrackerBase):
         """Tag the latest checkpoint; rewrite ``relaunch/checkpoints.json`` (retention's deletions included)."""
         self._committed[step] = self.attempt
         self.logger.set_tags({"checkpoint.latest": uri, "checkpoint.latest_step": step})
+        self._history_due = True
+        if self._history_written is None or time.monotonic() - self._history_written >= CHECKPOINT_HISTORY_SECONDS:
+            self._write_history()
+
+    def _write_history(self) -> None:
+        self._history_written, self._history_due = time.monotonic(), False
         self.logger.submit(self._log_checkpoints)
 
     def _log_checkpoints(self, client, run_id: str) -> None:
@@ -252,6 +264,8 @@ class MlflowTracker(TrackerBase):
 
     def close(self, timeout: float) -> None:
         if self.logger is not None:
+            if self._history_due:
+                self._write_history()
             self.logger.close(timeout=timeout)
         if self._artifacts is not None:
             self._artifacts.cleanup()

@@ -2,9 +2,15 @@
 and never logs a step twice.
 
 Exactly-once metric points: a step recomputed after a crash is identical (exact resume), so the
-logger skips every (key, step) the server already holds. It asks the server for each key's highest
-logged step before it first sends that key, and again after any failed send (the failed request
-may have been applied), so neither a restart nor a retry duplicates a point.
+logger skips every (key, step) the server already holds. It asks the server for the highest logged
+step of the keys it has not sent yet (one ``runs/get`` over REST answers for all of them), and again
+after any failed send (the failed request may have been applied), so neither a restart nor a retry
+duplicates a point.
+
+To an http(s) server everything but artifact uploads and submitted calls goes through
+:mod:`components.core.tracking.rest` (MLflow's REST API over one kept-alive connection, MLflow's
+credentials): a tenth of the CPU of MLflow's client per request, on a thread that shares the GIL
+with the training.
 
 The run itself (find or create, end) is :mod:`components.core.tracking.client`'s.
 """
@@ -21,8 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from components.core.tracking.client import client as tracking_client
-from components.core.tracking.client import (describe, import_mlflow, is_auth_error, is_not_found, is_rejected,
-                                             log_new_params, set_run_status)
+from components.core.tracking.client import (TAGS_PER_REQUEST, describe, import_mlflow, is_auth_error, is_not_found,
+                                             is_rejected, log_new_params, set_run_status)
+from components.core.tracking.rest import RestSession
 
 _BATCH = 1000  # MLflow's log_batch limit on metrics (and tags) per request
 # MLflow's request-header providers try these imports on every request (Databricks and notebook
@@ -99,8 +106,10 @@ class RunLogger:
         self.max_buffered_points = max_buffered_points
         self.stats = LoggerStats()
         self._ops: collections.deque[_Op] = collections.deque()
-        self._metrics: list[tuple[str, float, int, int]] = []  # key, value, timestamp ms, step
-        self._steps: collections.deque = collections.deque()  # (step, timestamp ms, {key: value}), lock-free
+        self._metrics: list[tuple[int, float, dict]] = []  # (step, time.time(), {key: value}) not in an op yet
+        self._metric_points = 0  # the points in self._metrics
+        self._heads: dict[str, str] = {}  # key -> the start of its points' JSON
+        self._steps: collections.deque = collections.deque()  # (step, time.time(), {key: value}), lock-free
         self._tags: dict[str, str] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -112,7 +121,7 @@ class RunLogger:
         self._verified: set[str] = set()
         self._lost_since: float | None = None
         self.fatal: str | None = None  # set when retrying cannot help (credentials refused)
-        self._host_creds = None
+        self._rest: RestSession | None = None  # the REST path of an http(s) server (made on the sender thread)
         self.confirmed_step = -1  # every metric point up to this step has been accepted by the server
         self._go = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="relaunch-mlflow-logger", daemon=True)
@@ -130,7 +139,7 @@ class RunLogger:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Queue one step's metrics: one append on the caller's thread, expanded by the sender."""
         t0 = time.perf_counter()
-        self._steps.append((int(step), int(time.time() * 1000), metrics))
+        self._steps.append((step, time.time(), metrics))  # the sender makes them ints: less here
         self.stats.calls += 1
         self.stats.main_thread_seconds += time.perf_counter() - t0
 
@@ -197,12 +206,19 @@ class RunLogger:
         self._closed = True
         self._wake.set()
         self._thread.join(max(0.0, min(2.0, deadline - time.monotonic())))
+        if self._rest is not None and not self._thread.is_alive():
+            self._rest.close()
         return done
 
     def pending(self) -> int:
         """Queued operations and metric points not yet sent."""
         with self._lock:
             return len(self._ops) + len(self._metrics) + len(self._steps) + len(self._tags)
+
+    @property
+    def rest_requests(self) -> int:
+        """Requests made through the REST path so far (0 when the server is not http(s))."""
+        return self._rest.requests if self._rest is not None else 0
 
     @property
     def connected(self) -> bool:
@@ -213,15 +229,16 @@ class RunLogger:
     def _flush_metrics_into_ops(self) -> None:
         """Expand the queued steps into points (caller holds the lock); keeps the queue's order."""
         while self._steps:
-            step, stamp, metrics = self._steps.popleft()
-            self._metrics.extend((k, float(v), stamp, step) for k, v in metrics.items())
-        if len(self._metrics) > self.max_buffered_points:  # the server has been away for very long
-            drop = len(self._metrics) - self.max_buffered_points
-            del self._metrics[:drop]
-            self.stats.dropped_ops += drop
+            entry = self._steps.popleft()
+            self._metrics.append(entry)
+            self._metric_points += len(entry[2])
+        while self._metric_points > self.max_buffered_points and self._metrics:  # the server was away very long
+            dropped = len(self._metrics.pop(0)[2])
+            self._metric_points -= dropped
+            self.stats.dropped_ops += dropped
         if self._metrics or self._tags:
             self._ops.append(_Op("metrics", self._metrics, tags=self._tags or None))
-            self._metrics, self._tags = [], {}
+            self._metrics, self._metric_points, self._tags = [], 0, {}
 
     def _loop(self) -> None:
         backoff = 0.5
@@ -232,9 +249,7 @@ class RunLogger:
             remember_absent()
             self.get_client()  # its store and REST modules load on first use: once, not per step
             if self.uri.startswith(("http://", "https://")):
-                from mlflow.utils.credentials import get_default_host_creds
-
-                self._host_creds = get_default_host_creds(self.uri)
+                self._rest = RestSession(self.uri)
         except Exception as err:  # noqa: BLE001 - each send below fails and says why
             print(f"relaunch: importing mlflow: {describe(err)}", file=sys.stderr)
         self.stats.sender_setup_cpu_seconds = time.thread_time() - setup
@@ -314,67 +329,148 @@ class RunLogger:
         if op.kind == "metrics":
             self._send_metrics(client, op)
         elif op.kind == "tags":
+            if self._rest is not None:
+                items = list(op.payload.items())
+                for i in range(0, len(items), TAGS_PER_REQUEST):
+                    self._post_batch("", dict(items[i:i + TAGS_PER_REQUEST]))
+                return
             from mlflow.entities import RunTag
 
             client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in op.payload.items()])
         elif op.kind == "params":
-            log_new_params(client, self.run_id, op.payload)
+            if self._rest is not None:
+                self._rest_params(op.payload)
+            else:
+                log_new_params(client, self.run_id, op.payload)
         elif op.kind == "artifact":
             client.log_artifact(self.run_id, op.payload[0], op.payload[1])
         elif op.kind == "call":
             op.payload(client, self.run_id)
         elif op.kind == "status":
-            set_run_status(client, self.run_id, op.payload)
+            if self._rest is not None:
+                self._rest_status(op.payload)
+            else:
+                set_run_status(client, self.run_id, op.payload)
+
+    def _last_steps(self, client, keys: set[str]) -> None:
+        """The highest step the server holds of each of ``keys``. Over REST one ``runs/get`` answers
+        for every key (a run's latest metric is its highest step, in every MLflow store); a local
+        store is asked per key."""
+        if self._rest is not None:
+            data = self._rest.get("runs/get", run_id=self.run_id).get("run", {}).get("data", {})
+            held = {m["key"]: int(m.get("step", 0)) for m in data.get("metrics", [])}
+            for key in keys:
+                self._logged_max[key] = held.get(key, -1)
+        else:
+            for key in keys:
+                history = client.get_metric_history(self.run_id, key)
+                self._logged_max[key] = max((m.step for m in history), default=-1)
+        self._verified |= keys
 
     def _send_metrics(self, client, op: _Op) -> None:
-        from mlflow.entities import Metric
-
-        points: list[tuple[str, float, int, int]] = op.payload
-        newest = max((p[3] for p in points), default=-1)
-        for key in {p[0] for p in points} - self._verified:
-            history = client.get_metric_history(self.run_id, key)
-            self._logged_max[key] = max((m.step for m in history), default=-1)
-            self._verified.add(key)
-        logged = self._logged_max
-        # one pass: drop what the server has; one point per (key, step), the last one queued wins
-        fresh = {(p[0], p[3]): p for p in points if p[3] > logged.get(p[0], -1)}
-        self.stats.points_skipped_as_logged += len(points) - len(fresh)
-        ordered = list(fresh.values())
-        chunks = [ordered[i:i + _BATCH] for i in range(0, len(ordered), _BATCH)] or [[]]
-        if op.tags and len(chunks[-1]) + len(op.tags) > _BATCH:  # the server counts tags in the same limit
-            chunks.append([])
-        for n, chunk in enumerate(chunks):
-            tags = op.tags if n == len(chunks) - 1 else None
-            if self.uri.startswith(("http://", "https://")):
-                self._post_batch(chunk, tags)
+        """Send a metrics op: its steps (``(step, time.time(), {key: value})``), less what the server holds,
+        in requests of at most 1000 points (the op's tags ride in the last one)."""
+        entries: list[tuple[int, float, dict]] = op.payload
+        merged: dict[int, tuple[int, dict]] = {}  # one point per (key, step): the last one queued wins
+        for step, stamp, metrics in entries:
+            step, stamp = int(step), int(stamp * 1000)
+            if step in merged:
+                merged[step] = (stamp, {**merged[step][1], **metrics})
             else:
-                from mlflow.entities import RunTag
+                merged[step] = (stamp, metrics)
+        unverified = set().union(*(m for _, m in merged.values())) - self._verified if merged else set()
+        if unverified:
+            self._last_steps(client, unverified)
+        logged = self._logged_max
+        high = max(logged.values(), default=-1)  # steps above it: no key of theirs is on the server yet
+        chunks: list[tuple[list, dict[str, int], int]] = []  # (points, key -> its highest step there, count)
+        parts: list = []
+        highest: dict[str, int] = {}
+        count = 0
+        for step in sorted(merged):
+            stamp, metrics = merged[step]
+            if step <= high:
+                kept = {k: v for k, v in metrics.items() if step > logged.get(k, -1)}
+                self.stats.points_skipped_as_logged += len(metrics) - len(kept)
+                metrics = kept
+            items = list(metrics.items())
+            while items:
+                taken, items = items[:_BATCH - count], items[_BATCH - count:]
+                if self._rest is not None:
+                    parts.append(self._format(taken, stamp, step))
+                else:
+                    parts.extend((k, float(v), stamp, step) for k, v in taken)
+                count += len(taken)
+                highest.update(dict.fromkeys([k for k, _ in taken], step))  # steps ascend: the last is the highest
+                if count == _BATCH:
+                    chunks.append((parts, highest, count))
+                    parts, highest, count = [], {}, 0
+        if count or not chunks:
+            chunks.append((parts, highest, count))
+        if op.tags and chunks[-1][2] + len(op.tags) > _BATCH:  # the server counts tags in the same limit
+            chunks.append(([], {}, 0))
+        for n, (chunk, sent, count) in enumerate(chunks):
+            tags = op.tags if n == len(chunks) - 1 else None
+            if self._rest is not None:
+                self._post_batch(",".join(chunk), tags)
+            else:
+                from mlflow.entities import Metric, RunTag
 
                 client.log_batch(self.run_id, metrics=[Metric(k, v, t, s) for k, v, t, s in chunk],
                                  tags=[RunTag(k, v) for k, v in (tags or {}).items()])
-            for k, _, _, s in chunk:
-                if s > logged.get(k, -1):
-                    logged[k] = s
-            self.stats.points_sent += len(chunk)
-            op.payload = [p for c in chunks[n + 1:] for p in c]  # what is left, should the next chunk fail
-        self.confirmed_step = max(self.confirmed_step, newest)
+            self.stats.points_sent += count
+            for key, step in sent.items():  # a later chunk that fails is resent less what these hold
+                if step > logged.get(key, -1):
+                    logged[key] = step
+        self.confirmed_step = max(self.confirmed_step, max(merged, default=-1))
 
-    def _post_batch(self, chunk: list[tuple[str, float, int, int]], tags: dict[str, str] | None) -> None:
-        """``runs/log-batch`` as plain JSON: the client's entity -> protobuf -> JSON path costs ~30 us a
-        point, and this thread shares the GIL with the training loop (same endpoint, same auth)."""
-        from mlflow.utils.credentials import get_default_host_creds
-        from mlflow.utils.rest_utils import http_request, verify_rest_response
-
-        endpoint = "/api/2.0/mlflow/runs/log-batch"
-        heads = {k: '{"key":' + json.dumps(k) + ',"value":' for k in {p[0] for p in chunk}}
+    def _format(self, items: list, stamp: int, step: int) -> str:
+        """One step's points as the JSON of ``runs/log-batch``: most values are finite floats, whose
+        ``repr`` is their JSON; NaN and infinities are strings there."""
+        heads = self._heads
         finite = _FINITE
-        # most values are finite: repr() is their JSON; only NaN and infinities need _json_number
-        points = ",".join(f'{heads[k]}{repr(v) if -finite <= v <= finite else _json_number(v)},'
-                          f'"timestamp":{t},"step":{s}}}' for k, v, t, s in chunk)
+        tail = f',"timestamp":{stamp},"step":{step}}}'
+        parts = []
+        for key, value in items:
+            head = heads.get(key)
+            if head is None:
+                head = heads[key] = '{"key":' + json.dumps(key) + ',"value":'
+            parts.append(head + (repr(value) if type(value) is float and -finite <= value <= finite
+                                 else _json_number(float(value))) + tail)
+        return ",".join(parts)
+
+    def _post_batch(self, points: str, tags: dict[str, str] | None, params: dict[str, str] | None = None) -> None:
+        """``runs/log-batch`` with ``points`` (JSON objects, comma-separated) made here: the client's
+        entity -> protobuf -> JSON path costs ~30 us a point, and this thread shares the GIL with the
+        training loop."""
         tag_list = json.dumps([{"key": k, "value": v} for k, v in (tags or {}).items()])
-        body = f'{{"run_id":{json.dumps(self.run_id)},"metrics":[{points}],"tags":{tag_list}}}'
-        if self._host_creds is None:  # reading them parses ~/.mlflow/credentials: once per logger
-            self._host_creds = get_default_host_creds(self.uri)
-        response = http_request(self._host_creds, endpoint, "POST", data=body,
-                                extra_headers={"Content-Type": "application/json"})
-        verify_rest_response(response, endpoint)
+        extra = f',"params":{json.dumps([{"key": k, "value": v} for k, v in params.items()])}' if params else ""
+        self._rest.post("runs/log-batch", f'{{"run_id":{json.dumps(self.run_id)},"metrics":[{points}],'
+                                          f'"tags":{tag_list}{extra}}}')
+
+    def _rest_params(self, params: dict[str, str]) -> None:
+        """:func:`~components.core.tracking.client.log_new_params` over REST: the params the run does
+        not hold yet; one it holds with another value becomes the tag ``param.<key>.latest``."""
+        from components.core.tracking.client import PARAMS_PER_REQUEST
+
+        data = self._rest.get("runs/get", run_id=self.run_id).get("run", {}).get("data", {})
+        existing = {p["key"]: p.get("value", "") for p in data.get("params", [])}
+        new = [(k, v) for k, v in params.items() if k not in existing]
+        changed = {f"param.{k}.latest": v for k, v in params.items() if k in existing and existing[k] != v}
+        for i in range(0, len(new), PARAMS_PER_REQUEST):
+            self._post_batch("", None, dict(new[i:i + PARAMS_PER_REQUEST]))
+        items = list(changed.items())
+        for i in range(0, len(items), TAGS_PER_REQUEST):
+            self._post_batch("", dict(items[i:i + TAGS_PER_REQUEST]))
+
+    def _rest_status(self, status: str) -> None:
+        """:func:`~components.core.tracking.client.set_run_status` over REST (``runs/update``): RUNNING
+        reopens the run, a terminal status ends it now."""
+        from components.core.tracking.client import STATUSES
+
+        if status not in STATUSES:
+            raise ValueError(f"run status {status!r} is not one of {', '.join(STATUSES)}")
+        body: dict[str, Any] = {"run_id": self.run_id, "status": status}
+        if status != "RUNNING":
+            body["end_time"] = int(time.time() * 1000)
+        self._rest.post("runs/update", body)

@@ -1,0 +1,131 @@
+"""The run logger's REST path (components/core/tracking/rest.py): the credentials MLflow's client would
+send, its errors, its fallback to MLflow's client where it cannot reproduce the request, and the number
+of requests a training's points take, against a real ``mlflow server``."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+
+import pytest
+
+
+class _Recorder(http.server.BaseHTTPRequestHandler):
+    """Answers every request with ``{}`` and keeps its headers: what a client sent, nothing more."""
+
+    seen: list = []
+
+    def _answer(self):
+        length = int(self.headers.get("Content-Length") or 0)
+        self.rfile.read(length)
+        type(self).seen.append((self.command, self.path, dict(self.headers)))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture()
+def recorder():
+    _Recorder.seen = []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", _Recorder.seen
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("env", [
+    {"MLFLOW_TRACKING_USERNAME": "relaunch", "MLFLOW_TRACKING_PASSWORD": "s3cr:et"},
+    {"MLFLOW_TRACKING_TOKEN": "a-token"},
+    {"MLFLOW_TRACKING_USERNAME": "relaunch", "MLFLOW_TRACKING_PASSWORD": "pw", "MLFLOW_TRACKING_TOKEN": "a-token"},
+    {},
+], ids=["basic", "token", "basic-wins", "none"])
+def test_the_plain_path_authenticates_exactly_as_mlflows_client(recorder, monkeypatch, tmp_path, env):
+    from mlflow.utils.credentials import get_default_host_creds
+    from mlflow.utils.rest_utils import http_request
+
+    from components.core.tracking.rest import RestSession
+
+    uri, seen = recorder
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.mlflow/credentials of the machine's
+    for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN", "HTTP_PROXY",
+                 "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    session = RestSession(uri)
+    assert session.plain
+    session.post("runs/log-batch", {"run_id": "r"})
+    http_request(get_default_host_creds(uri), "/api/2.0/mlflow/runs/log-batch", "POST", json={"run_id": "r"})
+    (_, ours_path, ours), (_, theirs_path, theirs) = seen
+    assert ours_path == theirs_path == "/api/2.0/mlflow/runs/log-batch"
+    assert ours.get("Authorization") == theirs.get("Authorization")
+
+
+def test_a_proxy_in_the_environment_sends_through_mlflows_client_instead(monkeypatch):
+    from components.core.tracking.rest import RestSession
+
+    for name in ("NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy", "HTTPS_PROXY", "https_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTP_PROXY", "http://proxy.example:3128")
+    monkeypatch.setenv("http_proxy", "http://proxy.example:3128")
+    assert not RestSession("http://mlflow.example:5000").plain
+    monkeypatch.setenv("NO_PROXY", "mlflow.example")
+    monkeypatch.setenv("no_proxy", "mlflow.example")
+    assert RestSession("http://mlflow.example:5000").plain
+    monkeypatch.setenv("MLFLOW_TRACKING_AUTH", "some-plugin")  # an auth plugin: only MLflow's client runs it
+    assert not RestSession("http://mlflow.example:5000").plain
+
+
+@pytest.mark.slow
+def test_the_plain_path_raises_mlflows_errors_for_a_missing_run_and_an_oversized_batch(mlflow_server):
+    from components.core.tracking.client import ensure_run, is_not_found, is_rejected
+    from components.core.contract.config import RelaunchConfig
+    from components.core.tracking.rest import RestSession
+
+    session = RestSession(mlflow_server.uri)
+    assert session.plain
+    with pytest.raises(Exception) as missing:
+        session.get("runs/get", run_id="0" * 32)
+    assert is_not_found(missing.value)
+    run_id = ensure_run(RelaunchConfig.model_validate({"tracking": {"uri": mlflow_server.uri, "experiment": "rest"}}))
+    metrics = [{"key": "m", "value": 1.0, "timestamp": 1, "step": s} for s in range(1001)]
+    with pytest.raises(Exception) as oversized:
+        session.post("runs/log-batch", {"run_id": run_id, "metrics": metrics})
+    assert is_rejected(oversized.value)
+
+
+@pytest.mark.slow
+def test_a_trainings_points_take_one_request_per_thousand_and_params_and_status_go_over_rest(mlflow_server):
+    from mlflow.tracking import MlflowClient
+
+    from components.core.contract.config import RelaunchConfig
+    from components.core.tracking.client import ensure_run
+    from components.core.tracking.runlogger import RunLogger
+
+    run_id = ensure_run(RelaunchConfig.model_validate({"tracking": {"uri": mlflow_server.uri,
+                                                                    "experiment": "rest-requests"}}))
+    logger = RunLogger(mlflow_server.uri, run_id, defer_start=True)
+    for step in range(1, 400):  # 1995 points and a tag: two log-batch requests, after one runs/get
+        logger.log_metrics({f"m/{i}": float(step) for i in range(4)} | {"nan": float("nan")}, step)
+    logger.set_tags({"relaunch.test": "yes"})
+    assert logger.flush(60)
+    assert logger.rest_requests == 3 and logger.stats.points_sent == 1995
+    logger.log_params({"a": 1, "b": "x"})
+    logger.log_params({"a": 1, "b": "y"})
+    logger.set_status("FINISHED")
+    assert logger.close(60) and logger.stats.dropped_ops == 0
+    run = MlflowClient(mlflow_server.uri).get_run(run_id)
+    assert run.info.status == "FINISHED" and run.info.end_time
+    assert run.data.params == {"a": "1", "b": "x"} and run.data.tags["param.b.latest"] == "y"
+    assert run.data.tags["relaunch.test"] == "yes"
+    history = MlflowClient(mlflow_server.uri).get_metric_history(run_id, "nan")
+    assert len(history) == 399 and all(m.value != m.value for m in history)
