@@ -52,7 +52,7 @@ def test_the_plain_path_authenticates_exactly_as_mlflows_client(recorder, monkey
     from mlflow.utils.credentials import get_default_host_creds
     from mlflow.utils.rest_utils import http_request
 
-    from components.core.tracking.rest import RestSession
+    from components.core.tracking.rest import LOG_BATCH, RestSession
 
     uri, seen = recorder
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.mlflow/credentials of the machine's
@@ -63,7 +63,7 @@ def test_the_plain_path_authenticates_exactly_as_mlflows_client(recorder, monkey
         monkeypatch.setenv(name, value)
     session = RestSession(uri)
     assert session.plain
-    session.post("runs/log-batch", {"run_id": "r"})
+    session.post(LOG_BATCH, {"run_id": "r"})
     http_request(get_default_host_creds(uri), "/api/2.0/mlflow/runs/log-batch", "POST", json={"run_id": "r"})
     (_, ours_path, ours), (_, theirs_path, theirs) = seen
     assert ours_path == theirs_path == "/api/2.0/mlflow/runs/log-batch"
@@ -89,17 +89,17 @@ def test_a_proxy_in_the_environment_sends_through_mlflows_client_instead(monkeyp
 def test_the_plain_path_raises_mlflows_errors_for_a_missing_run_and_an_oversized_batch(mlflow_server):
     from components.core.tracking.client import ensure_run, is_not_found, is_rejected
     from components.core.contract.config import RelaunchConfig
-    from components.core.tracking.rest import RestSession
+    from components.core.tracking.rest import GET_RUN, LOG_BATCH, RestSession
 
     session = RestSession(mlflow_server.uri)
     assert session.plain
     with pytest.raises(Exception) as missing:
-        session.get("runs/get", run_id="0" * 32)
+        session.get(GET_RUN, run_id="0" * 32)
     assert is_not_found(missing.value)
     run_id = ensure_run(RelaunchConfig.model_validate({"tracking": {"uri": mlflow_server.uri, "experiment": "rest"}}))
     metrics = [{"key": "m", "value": 1.0, "timestamp": 1, "step": s} for s in range(1001)]
     with pytest.raises(Exception) as oversized:
-        session.post("runs/log-batch", {"run_id": run_id, "metrics": metrics})
+        session.post(LOG_BATCH, {"run_id": run_id, "metrics": metrics})
     assert is_rejected(oversized.value)
 
 
@@ -129,3 +129,24 @@ def test_a_trainings_points_take_one_request_per_thousand_and_params_and_status_
     assert run.data.tags["relaunch.test"] == "yes"
     history = MlflowClient(mlflow_server.uri).get_metric_history(run_id, "nan")
     assert len(history) == 399 and all(m.value != m.value for m in history)
+
+
+@pytest.mark.slow
+def test_a_step_that_straddles_the_thousand_point_limit_is_split_and_an_empty_call_sends_nothing(mlflow_server):
+    from mlflow.tracking import MlflowClient
+
+    from components.core.contract.config import RelaunchConfig
+    from components.core.tracking.client import ensure_run
+    from components.core.tracking.runlogger import RunLogger
+
+    run_id = ensure_run(RelaunchConfig.model_validate({"tracking": {"uri": mlflow_server.uri,
+                                                                    "experiment": "rest-split"}}))
+    logger = RunLogger(mlflow_server.uri, run_id, defer_start=True)
+    for step in range(1, 151):  # 7 keys: step 143 holds points 995..1001, across two requests
+        logger.log_metrics({f"k/{i}": float(step * 10 + i) for i in range(7)}, step)
+        logger.log_metrics({}, step)
+    assert logger.close(60) and logger.stats.points_sent == 1050 and logger.rest_requests == 3  # runs/get + 2
+    client = MlflowClient(mlflow_server.uri)
+    for i in range(7):
+        history = client.get_metric_history(run_id, f"k/{i}")
+        assert sorted((m.step, m.value) for m in history) == [(s, float(s * 10 + i)) for s in range(1, 151)]

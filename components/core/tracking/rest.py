@@ -25,7 +25,9 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-API = "/api/2.0/mlflow/"
+LOG_BATCH = "/api/2.0/mlflow/runs/log-batch"
+GET_RUN = "/api/2.0/mlflow/runs/get"
+UPDATE_RUN = "/api/2.0/mlflow/runs/update"
 IDLE_SECONDS = 1.0  # a connection idle longer is reopened: servers close idle keep-alive ones (uvicorn after 5 s)
 
 
@@ -112,13 +114,13 @@ class RestSession:
 
     # ---- the calls
 
-    def post(self, method: str, body: dict[str, Any] | str) -> dict[str, Any]:
-        """POST ``/api/2.0/mlflow/<method>`` with a JSON body (a dict, or a JSON string already made)."""
-        return self._request("POST", method, body if isinstance(body, str) else json.dumps(body))
+    def post(self, endpoint: str, body: dict[str, Any] | str) -> dict[str, Any]:
+        """POST ``endpoint`` (``/api/2.0/mlflow/...``) with a JSON body (a dict, or a JSON string already made)."""
+        return self._request("POST", endpoint, body if isinstance(body, str) else json.dumps(body))
 
-    def get(self, method: str, **query: str) -> dict[str, Any]:
-        """GET ``/api/2.0/mlflow/<method>?<query>``."""
-        return self._request("GET", method, None, query)
+    def get(self, endpoint: str, **query: str) -> dict[str, Any]:
+        """GET ``endpoint?<query>``."""
+        return self._request("GET", endpoint, None, query)
 
     def close(self) -> None:
         if self._conn is not None:
@@ -127,8 +129,7 @@ class RestSession:
 
     # ---- one request
 
-    def _request(self, verb: str, method: str, body: str | None, query: dict | None = None) -> dict[str, Any]:
-        endpoint = API + method
+    def _request(self, verb: str, endpoint: str, body: str | None, query: dict | None = None) -> dict[str, Any]:
         self.requests += 1
         if not self.plain:
             return self._through_mlflow(verb, endpoint, body, query)

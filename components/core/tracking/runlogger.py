@@ -29,7 +29,7 @@ from typing import Any
 from components.core.tracking.client import client as tracking_client
 from components.core.tracking.client import (TAGS_PER_REQUEST, describe, import_mlflow, is_auth_error, is_not_found,
                                              is_rejected, log_new_params, set_run_status)
-from components.core.tracking.rest import RestSession
+from components.core.tracking.rest import GET_RUN, LOG_BATCH, UPDATE_RUN, RestSession
 
 _BATCH = 1000  # MLflow's log_batch limit on metrics (and tags) per request
 # MLflow's request-header providers try these imports on every request (Databricks and notebook
@@ -357,7 +357,7 @@ class RunLogger:
         for every key (a run's latest metric is its highest step, in every MLflow store); a local
         store is asked per key."""
         if self._rest is not None:
-            data = self._rest.get("runs/get", run_id=self.run_id).get("run", {}).get("data", {})
+            data = self._rest.get(GET_RUN, run_id=self.run_id).get("run", {}).get("data", {})
             held = {m["key"]: int(m.get("step", 0)) for m in data.get("metrics", [])}
             for key in keys:
                 self._logged_max[key] = held.get(key, -1)
@@ -378,9 +378,11 @@ class RunLogger:
                 merged[step] = (stamp, {**merged[step][1], **metrics})
             else:
                 merged[step] = (stamp, metrics)
-        unverified = set().union(*(m for _, m in merged.values())) - self._verified if merged else set()
-        if unverified:
-            self._last_steps(client, unverified)
+        keys = set().union(*(m for _, m in merged.values())) if merged else set()
+        if keys - self._verified:
+            self._last_steps(client, keys - self._verified)
+        if keys - self._heads.keys():
+            self._heads.update({k: '{"key":' + json.dumps(k) + ',"value":' for k in keys - self._heads.keys()})
         logged = self._logged_max
         high = max(logged.values(), default=-1)  # steps above it: no key of theirs is on the server yet
         chunks: list[tuple[list, dict[str, int], int]] = []  # (points, key -> its highest step there, count)
@@ -393,11 +395,24 @@ class RunLogger:
                 kept = {k: v for k, v in metrics.items() if step > logged.get(k, -1)}
                 self.stats.points_skipped_as_logged += len(metrics) - len(kept)
                 metrics = kept
+            if not metrics:  # all held by the server already, or an empty call
+                continue
+            if count + len(metrics) <= _BATCH:  # the whole step fits in this request: the usual case
+                if self._rest is not None:
+                    parts.append(self._format(metrics, stamp, step))
+                else:
+                    parts.extend((k, float(v), stamp, step) for k, v in metrics.items())
+                count += len(metrics)
+                highest.update(dict.fromkeys(metrics, step))  # steps ascend: the last is the highest
+                if count == _BATCH:
+                    chunks.append((parts, highest, count))
+                    parts, highest, count = [], {}, 0
+                continue
             items = list(metrics.items())
             while items:
                 taken, items = items[:_BATCH - count], items[_BATCH - count:]
                 if self._rest is not None:
-                    parts.append(self._format(taken, stamp, step))
+                    parts.append(self._format(dict(taken), stamp, step))
                 else:
                     parts.extend((k, float(v), stamp, step) for k, v in taken)
                 count += len(taken)
@@ -424,20 +439,15 @@ class RunLogger:
                     logged[key] = step
         self.confirmed_step = max(self.confirmed_step, max(merged, default=-1))
 
-    def _format(self, items: list, stamp: int, step: int) -> str:
-        """One step's points as the JSON of ``runs/log-batch``: most values are finite floats, whose
-        ``repr`` is their JSON; NaN and infinities are strings there."""
-        heads = self._heads
-        finite = _FINITE
+    def _format(self, metrics: dict, stamp: int, step: int) -> str:
+        """One step's points as the JSON of ``runs/log-batch``. When every value is finite (their sum
+        is), ``repr`` of each float is its JSON; NaN and infinities are strings there."""
+        heads = self._heads  # every key's is made before (_send_metrics)
         tail = f',"timestamp":{stamp},"step":{step}}}'
-        parts = []
-        for key, value in items:
-            head = heads.get(key)
-            if head is None:
-                head = heads[key] = '{"key":' + json.dumps(key) + ',"value":'
-            parts.append(head + (repr(value) if type(value) is float and -finite <= value <= finite
-                                 else _json_number(float(value))) + tail)
-        return ",".join(parts)
+        values = list(map(float, metrics.values()))
+        if -_FINITE <= sum(values) <= _FINITE:
+            return ",".join([f"{heads[k]}{v!r}{tail}" for k, v in zip(metrics, values)])
+        return ",".join([f"{heads[k]}{_json_number(v)}{tail}" for k, v in zip(metrics, values)])
 
     def _post_batch(self, points: str, tags: dict[str, str] | None, params: dict[str, str] | None = None) -> None:
         """``runs/log-batch`` with ``points`` (JSON objects, comma-separated) made here: the client's
@@ -445,7 +455,7 @@ class RunLogger:
         training loop."""
         tag_list = json.dumps([{"key": k, "value": v} for k, v in (tags or {}).items()])
         extra = f',"params":{json.dumps([{"key": k, "value": v} for k, v in params.items()])}' if params else ""
-        self._rest.post("runs/log-batch", f'{{"run_id":{json.dumps(self.run_id)},"metrics":[{points}],'
+        self._rest.post(LOG_BATCH, f'{{"run_id":{json.dumps(self.run_id)},"metrics":[{points}],'
                                           f'"tags":{tag_list}{extra}}}')
 
     def _rest_params(self, params: dict[str, str]) -> None:
@@ -453,7 +463,7 @@ class RunLogger:
         not hold yet; one it holds with another value becomes the tag ``param.<key>.latest``."""
         from components.core.tracking.client import PARAMS_PER_REQUEST
 
-        data = self._rest.get("runs/get", run_id=self.run_id).get("run", {}).get("data", {})
+        data = self._rest.get(GET_RUN, run_id=self.run_id).get("run", {}).get("data", {})
         existing = {p["key"]: p.get("value", "") for p in data.get("params", [])}
         new = [(k, v) for k, v in params.items() if k not in existing]
         changed = {f"param.{k}.latest": v for k, v in params.items() if k in existing and existing[k] != v}
@@ -473,4 +483,4 @@ class RunLogger:
         body: dict[str, Any] = {"run_id": self.run_id, "status": status}
         if status != "RUNNING":
             body["end_time"] = int(time.time() * 1000)
-        self._rest.post("runs/update", body)
+        self._rest.post(UPDATE_RUN, body)
