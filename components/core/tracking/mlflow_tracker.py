@@ -205,6 +205,8 @@ class MlflowTracker(TrackerBase):
         when given (None leaves the run RUNNING for the next attempt)."""
         if self.logger is None:
             return
+        if self._history_due:  # before the run's status changes
+            self._write_history()
         if end.exit_code == 0:
             self.logger.set_tags({**attempt_summary_tags(goodput.load_attempts(self.store)),
                                   **self._goodput_tags(end.report)})
