@@ -227,7 +227,8 @@ class RunLogger:
     # ---- the sender thread
 
     def _flush_metrics_into_ops(self) -> None:
-        """Expand the queued steps into points (caller holds the lock); keeps the queue's order."""
+        """Move the queued steps into a metrics op (caller holds the lock); keeps the queue's order. The
+        sender formats them per step, never one tuple per point."""
         while self._steps:
             entry = self._steps.popleft()
             self._metrics.append(entry)
