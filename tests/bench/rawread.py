@@ -6,7 +6,9 @@ A reader reads ``pieces`` (path, offset, length), each front to back with ``os.p
 ``block`` bytes (the bench tries each of BLOCKS and keeps the best), ``threads`` pieces at a time, into one buffer allocated and page-faulted before the timed
 region. Run as ``python -m tests.bench.rawread SPEC.json`` it is one reader process of a group (the
 raw side of an N-rank restore): it prepares, prints ``ready``, waits for a line on stdin, reads, and
-prints ``{"start": ..., "end": ...}`` (time.monotonic, comparable across processes).
+prints ``{"start": ..., "end": ...}`` (time.monotonic, comparable across processes). With ``fresh``
+in the spec (a fraction), that fraction of its buffer is never touched before the read (see
+``part_fresh``): the measured row of what faulting fresh memory adds.
 """
 
 from __future__ import annotations
@@ -213,10 +215,21 @@ class S3Reader:
             conn.close()
 
 
+def part_fresh(nbytes: int, fresh: int) -> mmap.mmap:
+    """A buffer of ``nbytes`` whose first ``nbytes - fresh`` bytes are page-faulted and whose last
+    ``fresh`` bytes are anonymous memory never touched (each page faults when the read fills it)."""
+    buf = mmap.mmap(-1, max(1, nbytes))
+    done = max(0, nbytes - fresh)
+    if done:
+        ctypes.memset((ctypes.c_char * done).from_buffer(buf), 0x5A, done)
+    return buf
+
+
 def _child(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     pieces = [tuple(p) for p in spec["pieces"]]
-    buf = prefaulted(sum(p[2] for p in pieces))
+    nbytes = sum(p[2] for p in pieces)
+    buf = part_fresh(nbytes, int(spec["fresh"] * nbytes)) if spec.get("fresh") else prefaulted(nbytes)
     print("ready", flush=True)
     sys.stdin.readline()
     start = time.monotonic()

@@ -119,3 +119,26 @@ def _remote_root(request, backend: str, name: str) -> str:
     if backend == "azure":
         return request.getfixturevalue("azure_env").root(name)
     return s3_root(request.getfixturevalue("s3_env"), name)
+
+
+@pytest.mark.parametrize("global_shape,mesh_shape,placements", [
+    (shape, mesh, kinds) for shape in [(10, 3), (7,), (3, 5), (1, 4), (0, 2), (12, 9, 2)]
+    for mesh, kinds in [((2,), "S0"), ((3,), "S0"), ((4,), "S0"), ((5,), "S0"), ((2, 2), "S0,S1"), ((2, 3), "S0,S0"),
+                        ((3, 2), "R,S0")]
+    if len(shape) > 1 or "S1" not in kinds
+])
+def test_the_load_planners_shard_chunks_follow_dtensors_own_rule(global_shape, mesh_shape, placements):
+    """dcp_io.shard_chunk computes a plain-sharded DTensor's chunk itself (DTensor's own way builds a
+    torch.arange per shard); it must agree with DTensor for every rank, or resharding loads go wrong."""
+    import itertools
+
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset  # the reference
+
+    from components.core.checkpoint.dcp_io import shard_chunk
+
+    kinds = [Replicate() if p == "R" else Shard(int(p[1])) for p in placements.split(",")]
+    for coordinate in itertools.product(*(range(n) for n in mesh_shape)):
+        sizes, offsets = shard_chunk(global_shape, mesh_shape, list(coordinate), kinds)
+        want = _compute_local_shape_and_global_offset(global_shape, mesh_shape, list(coordinate), kinds)
+        assert (tuple(sizes), tuple(offsets)) == (tuple(want[0]), tuple(want[1])), coordinate

@@ -573,7 +573,12 @@ def safe_load_planner():
             why = None if self.allow_partial_load else dcp_mismatch(self.state_dict, self.metadata)
             if why:
                 raise BadInput(why)
-            return super().create_local_plan()
+            unasked = set(self.metadata.state_dict_metadata) - set(self.state_dict)
+            if self.allow_partial_load or any(not key.startswith("rng.") for key in unasked):
+                # partial loads and keys this state lacks (DCP then tries torch 2.3's key layout): DCP's
+                # way; the only stored keys a TrainingState leaves out are other ranks' RNG streams
+                return super().create_local_plan()
+            return fast_local_load_plan(self.state_dict, self.metadata)
 
         def load_bytes(self, read_item, value) -> None:
             try:
@@ -587,3 +592,52 @@ def safe_load_planner():
                 self.state_dict[read_item.dest_index.fqn] = obj
 
     return SafeLoadPlanner()
+
+
+def shard_chunk(global_shape: Any, mesh_shape: Any, coordinate: Any, placements: Any) -> tuple[list[int], list[int]] | None:
+    """(local sizes, global offsets) of this rank's chunk of a DTensor whose placements are all plain
+    ``Shard`` or ``Replicate``, by torch.chunk's rule (what DTensor shards by); None for any other
+    placement. DTensor's own ``compute_local_shape_and_global_offset`` (torch 2.13) builds a
+    ``torch.arange`` of every shard's length to find its offset: at 1 GiB, 34 MB of fresh memory per
+    large parameter, faulted page by page, six times per FSDP load (78 ms of a busy 2-rank load)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    sizes, offsets = list(global_shape), [0] * len(global_shape)
+    for i, placement in enumerate(placements):
+        if type(placement) is Replicate:
+            continue
+        if type(placement) is not Shard:
+            return None
+        dim, n, k, r = placement.dim, sizes[placement.dim], mesh_shape[i], coordinate[i]
+        full = -(-n // k)
+        lo = min(r * full, n)
+        sizes[dim], offsets[dim] = max(0, min(n, lo + full) - lo), offsets[dim] + lo
+        if not sizes[dim]:
+            offsets[dim] = global_shape[dim]  # an empty shard sits at the end of its dim, as in DTensor
+    return sizes, offsets
+
+
+def fast_local_load_plan(state_dict: dict[str, Any], metadata: Metadata) -> LoadPlan:
+    """DCP's ``create_default_local_load_plan`` (strict), except that the chunk of a plain-sharded
+    DTensor comes from :func:`shard_chunk` (checked against its local tensor's shape), not from
+    DTensor's own chunk list (see there)."""
+    from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+    from torch.distributed.tensor import DTensor
+
+    items: list[Any] = []
+    for fqn, obj in state_dict.items():
+        md = metadata.state_dict_metadata.get(fqn)
+        chunk = None
+        if isinstance(obj, DTensor) and isinstance(md, TensorStorageMetadata) and md.size == obj.size():
+            coordinate = obj.device_mesh.get_coordinate()
+            if coordinate is None:
+                continue  # not a rank of this DTensor's mesh: nothing to load (as DCP does)
+            chunk = shard_chunk(obj.shape, obj.device_mesh.shape, coordinate, obj.placements)
+        if chunk is None or tuple(chunk[0]) != tuple(obj.to_local().shape):
+            items += create_default_local_load_plan({fqn: obj}, metadata, True).items
+        else:
+            items += create_read_items_for_chunk_list(
+                fqn, md, [ChunkStorageMetadata(offsets=torch.Size(chunk[1]), sizes=torch.Size(chunk[0]))])
+    return LoadPlan(items)

@@ -35,7 +35,7 @@ class Locating:
             early = {p["step"] for p in pointers if isinstance(p.get("step"), int)} - set(skip) - passed
             for step in early:
                 reads.hold(step)
-            info = self._locate(skip=set(skip) | passed)
+            info = self._locate(skip=set(skip) | passed, pointers=pointers)
             for step in early:
                 if (info is None or step != info.step) and step not in reads.confirmed:
                     reads.release(step)
@@ -53,12 +53,12 @@ class Locating:
             passed.add(info.step)
         return None
 
-    def _locate(self, skip: set[int] | frozenset = frozenset()) -> CheckpointInfo | None:
-        """latest.json and inflight.json first (3 reads and one listing), the step directories
-        newest first only when both fail."""
+    def _locate(self, skip: set[int] | frozenset = frozenset(),
+                pointers: tuple[dict[str, Any], dict[str, Any]] | None = None) -> CheckpointInfo | None:
+        """latest.json and inflight.json first (3 reads and one listing; ``pointers``: the two as
+        the caller just read them), the step directories newest first only when both fail."""
         tried: set[int] = set(skip)
-        pointer = read_json(self.store, LATEST)
-        inflight = read_json(self.store, INFLIGHT)
+        pointer, inflight = pointers or (read_json(self.store, LATEST), read_json(self.store, INFLIGHT))
         p = pointer.get("step") if pointer else None
         q = inflight.get("step") if inflight else None
         if isinstance(q, int) and q not in tried and (not isinstance(p, int) or q > p):
@@ -113,7 +113,9 @@ class Locating:
 
     def _checked(self, step: int, store: Store | None = None) -> CheckpointInfo:
         store = store or self.store
-        return info_of(store, step, self._manifest(step, store))
+        manifest = self._manifest(step, store)
+        self._last_checked = (store.uri, step, manifest)
+        return info_of(store, step, manifest)
 
     def _checked_quiet(self, step: int) -> CheckpointInfo | None:
         try:

@@ -107,6 +107,7 @@ class CheckpointManager(Committing, Loading, Locating, Leasing):
         # damage found by this process: (store URI, step) -> (manifest sha256, reason); it holds even
         # where the store refused the quarantine marker (read-only credentials)
         self._damaged: dict[tuple[str, int], tuple[str, str]] = {}
+        self._last_checked: tuple[str, int, dict[str, Any]] | None = None  # (store, step, manifest) Locating checked last
         self._snapshots = Snapshotter()
         self._pending: SaveJob | None = None
         self._last_info: CheckpointInfo | None = None
