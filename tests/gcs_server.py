@@ -37,17 +37,9 @@ from pathlib import Path
 import pytest
 
 from components.core.runtime.net import free_port
-from tests.services import BIN, stop_pid, wait_until
+from tests.services import BIN, http_ok, stop_pid, wait_until
 
 BUCKET = "relaunch-ckpt"
-
-
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            return resp.status < 500
-    except Exception:
-        return False
 
 
 @dataclass
@@ -77,7 +69,7 @@ class GcsServer:
             [str(BIN / "gcp-storage-emulator"), "start", "--host", "127.0.0.1", "--port", str(self.port),
              "--in-memory", "--quiet"],
             stdout=self.log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-        wait_until(lambda: _http_ok(f"{self.emulator}/"), 30, "gcp-storage-emulator")
+        wait_until(lambda: http_ok(f"{self.emulator}/"), 30, "gcp-storage-emulator")
         self.edge = PreconditionEdge(self.port).start()
         return self
 

@@ -34,7 +34,7 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.2) -> N
     raise TimeoutError(f"{what} did not come up within {timeout:.0f}s")
 
 
-def _http_ok(url: str) -> bool:
+def http_ok(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as resp:
             return resp.status < 500
@@ -81,7 +81,7 @@ class S3Server:
             [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(self.port)],
             stdout=self.log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
         )
-        wait_until(lambda: _http_ok(f"{self.endpoint}/moto-api/"), 30, "moto S3 server")
+        wait_until(lambda: http_ok(f"{self.endpoint}/moto-api/"), 30, "moto S3 server")
         return self
 
     def create_bucket(self, name: str) -> None:
@@ -174,7 +174,7 @@ class MlflowServer:
             env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
         )
         try:
-            wait_until(lambda: _http_ok(f"{self.uri}/health"), timeout, "mlflow server", interval=0.5)
+            wait_until(lambda: http_ok(f"{self.uri}/health"), timeout, "mlflow server", interval=0.5)
         except TimeoutError:
             raise TimeoutError(f"mlflow server did not start; log:\n{self.log.read_text()[-3000:]}") from None
         return self

@@ -33,8 +33,6 @@ import time
 
 from components.core.contract.config import RelaunchConfig, config_from_cli, with_pipeline_parameters
 
-TRAININGS = "trainings"
-
 
 def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     p = sub.add_parser("run", help=help_text, description=help_text)
@@ -131,18 +129,19 @@ def _run(args: argparse.Namespace, config: RelaunchConfig, training: list[Relaun
 
 
 def _namespaced(config: RelaunchConfig, training: str) -> RelaunchConfig:
+    from components.core.store.trainings import training_uri
+
     out = config.model_copy(deep=True)
-    out.store.uri = f"{config.store.uri.rstrip('/')}/{TRAININGS}/{training}"
+    out.store.uri = training_uri(config.store.uri, training)
     return out
 
 
 def trainings(config: RelaunchConfig) -> list[str]:
     """The trainings of ``config.store.uri``, oldest first (their names sort by start time)."""
     from components.core.store import open_store
+    from components.core.store.trainings import training_names
 
-    store = open_store(config.store.uri)
-    return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in store.list(f"{TRAININGS}/", recursive=False)
-                  if e.endswith("/"))
+    return training_names(open_store(config.store.uri))
 
 
 def new_training(config: RelaunchConfig) -> RelaunchConfig:

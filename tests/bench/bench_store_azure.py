@@ -17,17 +17,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import shutil
 import sys
-import tempfile
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from components.core.checkpoint import CheckpointManager
+from tests.bench import on_emulator
 from tests.bench.bench_checkpoint import _interleaved, _restore_once, _row, _state, our_concurrency
 
 
@@ -68,10 +66,7 @@ def run(quick: bool) -> list[dict]:
     mib = int(os.environ.get("BENCH_AZURE_MIB") or (16 if quick else 64))
     _, in_flight = our_concurrency()
     server = AzuriteServer().start()
-    saved = os.environ.get("AZURE_STORAGE_CONNECTION_STRING")
-    os.environ.update(server.env())
-    work = Path(tempfile.mkdtemp(prefix="bench-azure-"))
-    try:
+    with on_emulator(server, server.env(), "bench-azure-") as work:
         container = server.client().get_container_client(server.create_container("bench"))
         state = _state(mib << 20)
         root = f"az://bench/run-{uuid.uuid4().hex[:6]}"
@@ -123,10 +118,3 @@ def run(quick: bool) -> list[dict]:
                          f"azure-storage-blob uploads of blobs of the same sizes, {in_flight} in flight, {r:.3f} s "
                          f"vs our synchronous save {o:.3f} s"))
         return rows
-    finally:
-        server.stop()
-        shutil.rmtree(work, ignore_errors=True)
-        if saved is None:
-            os.environ.pop("AZURE_STORAGE_CONNECTION_STRING", None)
-        else:
-            os.environ["AZURE_STORAGE_CONNECTION_STRING"] = saved

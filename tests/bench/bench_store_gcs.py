@@ -22,15 +22,14 @@ import concurrent.futures
 import http.client
 import os
 import shutil
-import tempfile
 import time
 import urllib.parse
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from components.core.checkpoint import CheckpointManager
+from tests.bench import on_emulator
 from tests.bench.bench_checkpoint import _interleaved, _state, our_concurrency
 
 BUCKET = "bench"
@@ -63,10 +62,7 @@ def run(quick: bool) -> list[dict[str, Any]]:
     _, in_flight = our_concurrency()
     server = GcsServer().start()
     server.create_bucket(BUCKET)
-    saved = os.environ.get("STORAGE_EMULATOR_HOST")
-    os.environ["STORAGE_EMULATOR_HOST"] = server.endpoint
-    work = Path(tempfile.mkdtemp(prefix="bench-gcs-"))
-    try:
+    with on_emulator(server, {"STORAGE_EMULATOR_HOST": server.endpoint}, "bench-gcs-") as work:
         from google.cloud import storage
 
         root = f"gs://{BUCKET}/run"
@@ -127,10 +123,3 @@ def run(quick: bool) -> list[dict[str, Any]]:
                                    f"{raw_side} {r:.3f} s ({nbytes / r / 2**20:.0f} MiB/s) vs ours {o:.3f} s "
                                    f"({nbytes / o / 2**20:.0f} MiB/s)"})
         return rows
-    finally:
-        server.stop()
-        shutil.rmtree(work, ignore_errors=True)
-        if saved is None:
-            os.environ.pop("STORAGE_EMULATOR_HOST", None)
-        else:
-            os.environ["STORAGE_EMULATOR_HOST"] = saved

@@ -5,35 +5,21 @@ emulator; and a missing container refused in one line, exit 2, before anything i
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
 import pytest
 
 from components.core.store import open_store
+from tests.cli import relaunch_run
 
-RELAUNCH = str(Path(sys.executable).parent / "relaunch")
-TINY = ["--set", "train.hidden_size=32", "--set", "train.checkpoint_every_steps=10", "--set", "launch.rdzv_port=0",
-        "--set", "train.max_steps=20"]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def _run(cwd: Path, azurite, *args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "MINIO_", "AZURE_"))}
-    env.update(azurite.env())
-    proc = subprocess.Popen([RELAUNCH, "run", *TINY, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=540)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"relaunch run did not finish; log under {cwd}/.relaunch/runs\n{out[-2000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return relaunch_run(cwd, "--set", "train.max_steps=20", *args, env=azurite.env(),
+                        without=("AWS_", "MINIO_", "AZURE_"), timeout=540)
 
 
 def test_relaunch_run_trains_and_commits_checkpoints_on_azurite_with_only_a_connection_string(tmp_path, azure_env):

@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,8 +15,8 @@ import psutil
 import pytest
 
 from components.core.contract.exitcodes import ExitCode
+from tests.cli import RELAUNCH
 
-RELAUNCH = str(Path(sys.executable).parent / "relaunch")
 SHORT = ["--set", "train.hidden_size=32", "--set", "train.max_steps=60", "--set", "train.step_sleep_seconds=0.2",
          "--set", "train.checkpoint_every_steps=10", "--set", "launch.rdzv_port=0"]
 """The training's configuration; the resume gives none of it (the defaults would train 76 steps)."""
@@ -58,15 +57,14 @@ def _alive(processes: list[psutil.Process]) -> list[str]:
     return left
 
 
-@pytest.fixture(scope="module")
-def interrupted(tmp_path_factory):
-    """A training stopped by SIGINT to the `relaunch run` process alone, then `relaunch run --resume`."""
-    cwd = tmp_path_factory.mktemp("interrupted")
+def _interrupt(cwd: Path, send) -> tuple[int, str, str, list[psutil.Process], list[str]]:
+    """A training of ``SHORT`` in ``cwd`` stopped, once it trains, by ``send(pid)`` (a signal to the CLI
+    or its group); its exit code and output, the processes the run had started, and those still alive."""
     proc = _start(cwd, *SHORT)
     try:
         _wait_for_training(proc, cwd)
         run_processes = psutil.Process(proc.pid).children(recursive=True)
-        os.kill(proc.pid, signal.SIGINT)
+        send(proc.pid)
         out, err = proc.communicate(timeout=RUN_TIMEOUT)
     finally:
         if proc.poll() is None:
@@ -77,9 +75,17 @@ def interrupted(tmp_path_factory):
             p.kill()
         except psutil.NoSuchProcess:
             pass
+    return proc.returncode, out, err, run_processes, left
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory):
+    """A training stopped by SIGINT to the `relaunch run` process alone, then `relaunch run --resume`."""
+    cwd = tmp_path_factory.mktemp("interrupted")
+    stopped = _interrupt(cwd, lambda pid: os.kill(pid, signal.SIGINT))
     resumed = _start(cwd, "--resume")
     r_out, r_err = resumed.communicate(timeout=RUN_TIMEOUT)
-    return proc.returncode, out, err, run_processes, left, (resumed.returncode, r_out, r_err, cwd)
+    return (*stopped, (resumed.returncode, r_out, r_err, cwd))
 
 
 def test_sigint_to_the_cli_alone_ends_with_one_line_and_exit_130_or_143(interrupted):
@@ -107,15 +113,14 @@ def test_resume_after_sigint_finishes_the_training_at_once(interrupted):
 def test_the_resumed_training_keeps_its_own_configuration_in_the_summary_and_mlflow(interrupted):
     from mlflow.tracking import MlflowClient
 
-    from components.core.contract.config import RelaunchConfig
     from components.core.store import open_store
     from components.core.store.records import read_summary
-    from pipelines.commands.run import trainings
+    from components.core.store.trainings import training_names, training_uri
 
     cwd = interrupted[-1][-1]
     root = str(cwd / ".relaunch" / "store")
-    (name,) = trainings(RelaunchConfig.model_validate({"store": {"uri": root}}))
-    summary = read_summary(open_store(f"{root}/trainings/{name}"))
+    (name,) = training_names(open_store(root))  # the resume continued it, no second training
+    summary = read_summary(open_store(training_uri(root, name)))
     assert (summary["last_step"], summary["total_steps"], summary["exit_code"]) == (60, 60, 0)
     client = MlflowClient(f"sqlite:///{cwd}/.relaunch/mlflow.db")
     (run,) = client.search_runs([client.get_experiment_by_name("relaunch").experiment_id])
@@ -126,21 +131,7 @@ def test_ctrl_c_in_a_terminal_signals_the_whole_foreground_group_and_still_ends_
     """A terminal's Ctrl-C sends SIGINT to the whole foreground process group (here: the group the
     CLI leads), the CLI, its warm servers and the launch step at once; torchrun agents are in their own
     sessions."""
-    proc = _start(tmp_path, *SHORT)
-    try:
-        _wait_for_training(proc, tmp_path)
-        run_processes = psutil.Process(proc.pid).children(recursive=True)
-        os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=RUN_TIMEOUT)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    left = _alive(run_processes)
-    for p in run_processes:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    assert proc.returncode in (ExitCode.INTERRUPTED, ExitCode.PREEMPTED), (out[-2000:], err[-3000:])
+    code, out, err, _, left = _interrupt(tmp_path, lambda pid: os.killpg(pid, signal.SIGINT))
+    assert code in (ExitCode.INTERRUPTED, ExitCode.PREEMPTED), (out[-2000:], err[-3000:])
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err[-3000:]
     assert left == []

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.pipelines.test_local_run import RELAUNCH, TINY, _kill_agents
+from tests.cli import relaunch_run
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "lineage-digits"
@@ -34,24 +33,15 @@ def finished(tmp_path_factory, mlflow_server):
     shutil.copy(ROOT / "components/tasks/digits.py", user_code / "mytask.py")
     # the user's folder first, then the project's own path (a worktree's code, not an installed copy)
     path = os.pathsep.join(p for p in (str(user_code), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1"}
-    env.pop("MLFLOW_TRACKING_URI", None)
+    env = {"PYTHONPATH": path, "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1"}
     # steps of 0.1 s: each attempt lasts a few seconds, long enough for every node's system metrics
-    args = [RELAUNCH, "run", *TINY, "--set", "train.max_steps=40", "--inject-failure", "kill-worker@step=25",
-            "--set", "train.step_sleep_seconds=0.1",
-            "--set", "train.task=mytask:make_task", "--set", f"tracking.uri={mlflow_server.uri}",
-            "--set", "tracking.experiment=lineage-e2e", "--set", f"registry.model_name={MODEL}",
-            "--set", "evaluate.gate_min=0.1"]
-    proc = subprocess.Popen(args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _kill_agents(cwd)
-        out, err = proc.communicate()
-        pytest.fail(f"relaunch run did not finish in 600 s; log under {cwd}/.relaunch/runs\n{out[-2000:]}")
-    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    done = relaunch_run(cwd, "--set", "train.max_steps=40", "--inject-failure", "kill-worker@step=25",
+                        "--set", "train.step_sleep_seconds=0.1",
+                        "--set", "train.task=mytask:make_task", "--set", f"tracking.uri={mlflow_server.uri}",
+                        "--set", "tracking.experiment=lineage-e2e", "--set", f"registry.model_name={MODEL}",
+                        "--set", "evaluate.gate_min=0.1", env=env, without=("MLFLOW_TRACKING_URI",), timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
     client = MlflowClient(mlflow_server.uri)
     experiment = client.get_experiment_by_name("lineage-e2e")
     (run,) = client.search_runs([experiment.experiment_id])

@@ -7,15 +7,10 @@ a last attempt killed with nothing after it, and permanent failures that must st
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
-import os
 import re
 import shlex
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,37 +21,11 @@ from components.core.contract.config import RelaunchConfig
 from components.core.contract.exitcodes import RETRYABLE, ExitCode
 from components.core.tracking.goodput import load_attempts
 from components.core.store import open_store
+from tests.cli import RUN_TIMEOUT, newest_training, relaunch_run
 
 ROOT = Path(__file__).resolve().parents[2]
-RELAUNCH = str(Path(sys.executable).parent / "relaunch")
-TINY = ["--set", "train.hidden_size=32", "--set", "train.checkpoint_every_steps=10", "--set", "launch.rdzv_port=0"]
-
-RUN_TIMEOUT = 420  # one `relaunch run` of a few dozen steps takes 1-3 min on 2 busy cores
-# the demo fixture runs three of them inside the first test that uses it
+# the demo fixture runs three `relaunch run`s inside the first test that uses it
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * RUN_TIMEOUT + 60)]
-
-
-def relaunch_run(cwd: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """``relaunch run`` as a user types it, in its own process group so a hang takes everything down."""
-    proc = subprocess.Popen([RELAUNCH, "run", *TINY, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, **(env or {})}, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=RUN_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _kill_agents(cwd)
-        out, err = proc.communicate()
-        pytest.fail(f"relaunch run did not finish in {RUN_TIMEOUT} s; log under {cwd}/.relaunch/runs\n{out[-2000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def _kill_agents(cwd: Path) -> None:
-    """torchrun agents live in their own sessions: find ours by working directory and stop them."""
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            with contextlib.suppress(OSError):
-                if os.readlink(f"/proc/{pid}/cwd") == str(cwd):
-                    os.kill(int(pid), signal.SIGKILL)
 
 
 def events(cwd: Path) -> list[dict]:
@@ -69,15 +38,6 @@ def summary_of(store_uri: str) -> dict:
     from components.core.store import open_store
 
     return read_summary(open_store(store_uri))
-
-
-def newest_training(root: str) -> str:
-    """The store URI of the newest training ``relaunch run`` started under the store ``root``."""
-    from pipelines.commands.run import trainings
-
-    names = trainings(RelaunchConfig.model_validate({"store": {"uri": root}}))
-    assert names, f"no training under {root}"
-    return f"{root.rstrip('/')}/trainings/{names[-1]}"
 
 
 def _readme() -> str:

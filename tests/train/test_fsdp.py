@@ -15,6 +15,7 @@ from tests.train.conftest import ROOT, final_params, run_torchrun, train_config
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.ci_lane  # bitwise FSDP resume: test_checkpoint_sharded's, through wrap_model; the trainer's: test_resume
 def test_an_fsdp_training_killed_mid_run_resumes_bitwise_equal_to_an_uninterrupted_one(tmp_path, tracking):
     plain = train_config(tmp_path / "plain", tracking, parallelism="fsdp")
     killed = train_config(tmp_path / "killed", tracking, parallelism="fsdp")

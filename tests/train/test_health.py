@@ -66,6 +66,7 @@ def test_a_hung_rank_is_detected_by_the_watchdog_which_dumps_stacks_and_exits_re
     assert CheckpointManager(store).latest().step == 10
 
 
+@pytest.mark.ci_lane  # the same injection through the whole pipeline: test_local_run's storage outage on S3
 def test_an_injected_storage_outage_is_absorbed_by_retries_and_training_finishes(tmp_path, tracking):
     config = train_config(tmp_path, tracking)
     config["launch"] = {"inject_failure": "storage-outage@step=15"}

@@ -41,7 +41,8 @@ def test_a_sigkilled_worker_is_restarted_and_ends_bitwise_equal_to_an_uninterrup
     assert 0 < float(runs[0].data.tags["goodput.ettr"]) <= 1 and runs[0].data.tags["relaunch.restarts"] == "1"
 
 
-@pytest.mark.parametrize("moment", ["training", "save"])
+# SIGTERM mid-training is also proven in make test by test_supervise's 143 and the pipeline's preempt line
+@pytest.mark.parametrize("moment", [pytest.param("training", marks=pytest.mark.ci_lane), "save"])
 def test_sigterm_commits_a_checkpoint_exits_143_and_the_rerun_loses_no_committed_step(tmp_path, tracking, moment):
     config = train_config(tmp_path, tracking, max_steps=100, step_sleep_seconds=0.03, checkpoint_every_steps=30,
                           checkpoint_at_epoch_end=False, hidden_size=2048 if moment == "save" else 32)

@@ -13,6 +13,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from components.core.contract import events
 from tests.train.conftest import ROOT, train_config
 
@@ -52,9 +54,18 @@ def _imported(lines: list[str]) -> set[str]:
     return found
 
 
-def test_a_worker_imports_no_mlflow_matplotlib_or_psutil_before_its_first_step(tmp_path, tracking):
-    config = _with_run(train_config(tmp_path, tracking, max_steps=12, checkpoint_every_steps=10))
-    lines = _worker(config, importtime=True)
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory, mlflow_server) -> tuple[dict, list[str]]:
+    """One world-of-one training the tests below only read: its config and its output lines, with the
+    interpreter's ``-X importtime`` lines among them; 6 s or more of steps, so that system metrics
+    are sampled at the default interval."""
+    config = _with_run(train_config(tmp_path_factory.mktemp("startup"), mlflow_server.uri, max_steps=40,
+                                    checkpoint_every_steps=20, step_sleep_seconds=0.15))
+    return config, _worker(config, importtime=True)
+
+
+def test_a_worker_imports_no_mlflow_matplotlib_or_psutil_before_its_first_step(worker):
+    _, lines = worker
     first = next((i for i, line in enumerate(lines)
                   if (e := events.read(line)) is not None and e.kind == events.Kind.FIRST_STEP), None)
     assert first is not None, "no first-step event:\n" + "\n".join(lines[-40:])
@@ -64,22 +75,20 @@ def test_a_worker_imports_no_mlflow_matplotlib_or_psutil_before_its_first_step(t
     assert {"mlflow", "psutil"} <= after  # the logger and the sampler did start, after it
 
 
-def test_the_first_step_event_carries_the_start_up_phases_in_order(tmp_path, tracking):
-    config = _with_run(train_config(tmp_path, tracking, max_steps=3, checkpoint_every_steps=None))
-    found = [e for e in map(events.read, _worker(config)) if e is not None and e.kind == events.Kind.FIRST_STEP]
+def test_the_first_step_event_carries_the_start_up_phases_in_order(worker):
+    _, lines = worker
+    found = [e for e in map(events.read, lines) if e is not None and e.kind == events.Kind.FIRST_STEP]
     assert len(found) == 1 and found[0]["step"] == 1 and found[0]["attempt"] == 1
     phases = found[0]["phases"]
     order = ["imports", "process_group", "data", "build", "resume", "first_step"]
     assert [phases[p] for p in order] == sorted(phases[p] for p in order) and phases["exec"] >= 0
 
 
-def test_system_metrics_are_sampled_through_a_short_training(tmp_path, tracking):
+def test_system_metrics_are_sampled_through_a_short_training(worker, mlflow_server):
     from mlflow.tracking import MlflowClient
 
-    config = _with_run(train_config(tmp_path, tracking, max_steps=40, checkpoint_every_steps=20,
-                                    step_sleep_seconds=0.15))  # 6 s or more: samples at the default interval
-    _worker(config)
-    client = MlflowClient(tracking)
+    config, _ = worker
+    client = MlflowClient(mlflow_server.uri)
     cpu = client.get_metric_history(config["tracking"]["run_id"], "system/node-0/cpu_utilization_percentage")
     assert len(cpu) > 1, [(m.step, m.value) for m in cpu]
     assert max(m.value for m in cpu) > 0

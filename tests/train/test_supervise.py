@@ -27,6 +27,7 @@ def test_a_diverged_training_exits_3_through_the_supervisor_although_torchrun_sa
     assert supervised.wait() == ExitCode.DIVERGED
 
 
+@pytest.mark.ci_lane  # a killed worker's 137 (warm): test_resume's SIGKILL test and the local run's demo
 def test_a_killed_worker_gives_a_retryable_code_through_the_supervisor(tmp_path):
     config = _config(tmp_path)
     config["launch"] = {"inject_failure": "kill-worker@step=5"}
