@@ -65,7 +65,7 @@ def test_a_checkpoint_reshards_fsdp_2_to_1_to_3_ranks_and_between_ddp_and_fsdp(t
         saved = out / f"step{step}.pt"
 
 
-@pytest.mark.parametrize("backend", ["s3", "azure"])
+@pytest.mark.parametrize("backend", ["s3", pytest.param("azure", marks=pytest.mark.ci_lane)])  # the same on S3 in make test
 def test_a_flipped_byte_in_one_ranks_shard_makes_every_rank_load_the_previous_checkpoint_and_each_rank_reads_its_share(
         tmp_path, backend, request):
     root = _remote_root(request, backend, "sharded")
@@ -89,7 +89,7 @@ def test_a_flipped_byte_in_one_ranks_shard_makes_every_rank_load_the_previous_ch
     assert_bitwise_equal(_state(tmp_path / "w" / "step2.pt"), _state(tmp_path / "f" / "loaded.pt"))
 
 
-@pytest.mark.parametrize("backend", ["s3", "azure"])
+@pytest.mark.parametrize("backend", ["s3", pytest.param("azure", marks=pytest.mark.ci_lane)])  # the same on S3 in make test
 def test_replicated_ddp_state_is_read_once_per_node_from_an_object_store(tmp_path, backend, request):
     root = _remote_root(request, backend, "replicated")
     _torchrun(4, "--root", root, "--out", str(tmp_path / "w"), "--parallelism", "ddp", "--steps", "1",
