@@ -64,6 +64,28 @@ def test_a_worker_imports_no_mlflow_matplotlib_or_psutil_before_its_first_step(t
     assert {"mlflow", "psutil"} <= after  # the logger and the sampler did start, after it
 
 
+def _modules(lines: list[str]) -> set[str]:
+    """Every module an ``-X importtime`` line among ``lines`` names."""
+    return {m.group(1) for line in lines if (m := re.match(r"import time:\s+\d+ \|\s+\d+ \|\s*(\S+)$", line))}
+
+
+def test_the_zygote_preloads_every_module_a_worker_imports_before_its_first_step(tmp_path, tracking):
+    """A warm worker imports nothing before its first step: whatever a cold one imports, the zygote's
+    preload (and its optimiser warm-up, which imports torch._dynamo) already did."""
+    config = _with_run(train_config(tmp_path, tracking, max_steps=12, checkpoint_every_steps=10))
+    lines = _worker(config, importtime=True)
+    first = next(i for i, line in enumerate(lines)
+                 if (e := events.read(line)) is not None and e.kind == events.Kind.FIRST_STEP)
+    probe = ("import json, sys; from components.core.runtime import zygote as z; "
+             "z.preload_modules([*z.PRELOAD, 'components.tasks.digits']); print(json.dumps(sorted(sys.modules)))")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OPENBLAS_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    preloaded = set(json.loads(out.stdout.splitlines()[-1]))
+    needed = _modules(lines[:first])
+    assert "torch._dynamo" in needed and "torch._dynamo" in preloaded
+    assert not needed - preloaded, f"a forked worker would still import: {sorted(needed - preloaded)}"
+
+
 def test_the_first_step_event_carries_the_start_up_phases_in_order(tmp_path, tracking):
     config = _with_run(train_config(tmp_path, tracking, max_steps=3, checkpoint_every_steps=None))
     found = [e for e in map(events.read, _worker(config)) if e is not None and e.kind == events.Kind.FIRST_STEP]
