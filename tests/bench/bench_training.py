@@ -2,9 +2,13 @@
 
 Side by side in one run: the same 2-process CPU training (torchrun, gloo, digits MLP, async
 checkpoints every few seconds) once undisturbed and once with one worker SIGKILLed every T seconds
-(torchrun restarts the group; the trainer resumes from the latest committed checkpoint). ETTR is
+(torchrun restarts the group; the trainer resumes from the latest committed checkpoint), each pair
+twice: cold (torchrun's workers are fresh interpreters) and warm (its workers are the zygote client,
+``--no-python python -I -S zygote_client.py``, and each worker a fork of a zygote the bench starts
+first, as a pod's supervisor does; the SIGKILL hits the forked worker itself). ETTR is
 the trainer's own goodput report (productive time / wall time, from its per-attempt records in the
-store); ``wall ratio`` is the undisturbed wall time over the disturbed one for the same work. MTTR is
+store), projected to a kill every 60 s twice: against the undisturbed run as measured (its first start
+included) and for a training long enough to amortise its first start; ``wall ratio`` is the undisturbed wall time over the disturbed one for the same work. MTTR is
 kill -> first completed step of the resumed attempt. The logging overhead is measured in-process:
 the same training step loop with and without ``RunLogger.log_metrics`` feeding a real ``mlflow
 server``, plus the logger's own main-thread time per call.
@@ -16,7 +20,9 @@ start + imports (-> its imports done), process-group init, task + data, model + 
 first broadcast; torch.optim imports torch._dynamo), lease + checkpoint load, first step (-> the first step of the
 resumed attempt done). The worker records its phases in its attempt record
 (:class:`components.core.tracking.goodput.Attempt`); the floor is a fresh interpreter importing
-torch and torch.distributed, timed in the same run. The ETTR rows carry the goodput categories;
+torch and torch.distributed, timed before and after each training (the load drifts). torchrun's
+``--monitor-interval`` is what the launch renders (``launch.monitor_interval_seconds``) unless
+``BENCH_MONITOR_INTERVAL`` says otherwise. The ETTR rows carry the goodput categories;
 both breakdowns are drawn into ``bench-results/training-breakdown.png`` (copied to
 ``docs/training-breakdown.png`` for docs/benchmarks.md).
 
@@ -31,6 +37,7 @@ kill against 60 s. ``BENCH_KILL_EVERY`` and ``BENCH_KILLS`` override T and the n
     make bench ARGS="training"              # full: the lead's quiet run
     make bench ARGS="--quick training"      # short: T = 8 s
     BENCH_KILL_EVERY=10 BENCH_KILLS=3 make bench ARGS="--quick training"
+    BENCH_MONITOR_INTERVAL=0.1 make bench ARGS="--quick training"
 """
 
 from __future__ import annotations
