@@ -26,6 +26,7 @@ import started a thread it refuses, and every worker starts cold (the client say
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import ctypes
 import gc
@@ -311,7 +312,29 @@ def become_worker(job: Job) -> None:
     sys.argv = [module, *job.argv[2:]]
     # runpy notes that the zygote imported the module before it runs as __main__: expected here
     warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package", category=RuntimeWarning)
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    atexit.register(_end_by_sigint)  # after the module's own handlers, before those of the preload
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except KeyboardInterrupt:
+        global _interrupted
+        _interrupted = True
+        raise
+
+
+_interrupted = False
+
+
+def _end_by_sigint() -> None:
+    """An uncaught KeyboardInterrupt ends an interpreter by SIGINT once its atexit handlers ran; an atexit
+    handler of torch._dynamo (which the preload's warm-up imports) makes it forget and exit 1 instead (a
+    cold process that imported torch._dynamo does the same). Registered before the worker's module runs,
+    this runs after the module's handlers and before torch's, and ends the worker as Python documents."""
+    if _interrupted:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
 
 
 def _text_stream(fd: int) -> io.TextIOWrapper:
