@@ -32,14 +32,16 @@ _PROCESS_START = time.time()  # before the heavy imports: start-up time is part 
 
 def _process_created() -> float:
     """When this process was created (Linux's /proc, 10 ms resolution), else its first line's time:
-    the interpreter's own start-up belongs to a restart's "process start" phase."""
+    the interpreter's own start-up belongs to a restart's "process start" phase. Its age comes from
+    the boot clock (/proc/uptime against the start tick); /proc/stat's ``btime`` is whole seconds, which
+    put every creation up to 1 s early."""
     try:
         with open("/proc/self/stat") as fh:
             ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as fh:
-            boot = next(int(line.split()[1]) for line in fh if line.startswith("btime "))
-        created = boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        with open("/proc/uptime") as fh:
+            age = float(fh.read().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
+        created = time.time() - max(0.0, age)
+    except (OSError, ValueError, IndexError):
         return _PROCESS_START
     return created if created <= _PROCESS_START else _PROCESS_START
 

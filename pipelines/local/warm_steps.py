@@ -278,7 +278,7 @@ def serve(control: socket.socket, imports: tuple[str, ...], zygote_socket: str |
     the children still running (:data:`STOP_GRACE_SECONDS`, then kill them) and report how each ended.
     With ``zygote_socket``, also fork a worker per zygote client there; in such a fork, returns its
     :class:`~components.core.runtime.zygote.Job`."""
-    from components.core.runtime.zygote import ForkServer, listen, single_threaded
+    from components.core.runtime.zygote import ForkServer, listen, single_threaded, warm_up
 
     running: dict[int, tuple[int, socket.socket, str | None]] = {}  # pidfd -> (pid, status socket, temp dir)
     workers = None
@@ -289,6 +289,8 @@ def serve(control: socket.socket, imports: tuple[str, ...], zygote_socket: str |
     for name in imports:
         with contextlib.suppress(Exception):
             importlib.import_module(name)
+    if zygote_socket:
+        warm_up()  # what the workers' first optimiser would import
     gc.enable()
     gc.freeze()  # the forks never scan (and so never copy) what was imported
     closing_since: float | None = None

@@ -2,9 +2,13 @@
 
 Side by side in one run: the same 2-process CPU training (torchrun, gloo, digits MLP, async
 checkpoints every few seconds) once undisturbed and once with one worker SIGKILLed every T seconds
-(torchrun restarts the group; the trainer resumes from the latest committed checkpoint). ETTR is
+(torchrun restarts the group; the trainer resumes from the latest committed checkpoint), each pair
+twice: cold (torchrun's workers are fresh interpreters) and warm (its workers are the zygote client,
+``--no-python python -I -S zygote_client.py``, and each worker a fork of a zygote the bench starts
+first, as a pod's supervisor does; the SIGKILL hits the forked worker itself). ETTR is
 the trainer's own goodput report (productive time / wall time, from its per-attempt records in the
-store); ``wall ratio`` is the undisturbed wall time over the disturbed one for the same work. MTTR is
+store), projected to a kill every 60 s twice: against the undisturbed run as measured (its first start
+included) and for a training long enough to amortise its first start; ``wall ratio`` is the undisturbed wall time over the disturbed one for the same work. MTTR is
 kill -> first completed step of the resumed attempt. The logging overhead is measured in-process:
 the same training step loop with and without ``RunLogger.log_metrics`` feeding a real ``mlflow
 server``, plus the logger's own main-thread time per call.
@@ -16,7 +20,9 @@ start + imports (-> its imports done), process-group init, task + data, model + 
 first broadcast; torch.optim imports torch._dynamo), lease + checkpoint load, first step (-> the first step of the
 resumed attempt done). The worker records its phases in its attempt record
 (:class:`components.core.tracking.goodput.Attempt`); the floor is a fresh interpreter importing
-torch and torch.distributed, timed in the same run. The ETTR rows carry the goodput categories;
+torch and torch.distributed, timed before and after each training (the load drifts). torchrun's
+``--monitor-interval`` is what the launch renders (``launch.monitor_interval_seconds``) unless
+``BENCH_MONITOR_INTERVAL`` says otherwise. The ETTR rows carry the goodput categories;
 both breakdowns are drawn into ``bench-results/training-breakdown.png`` (copied to
 ``docs/training-breakdown.png`` for docs/benchmarks.md).
 
@@ -31,6 +37,7 @@ kill against 60 s. ``BENCH_KILL_EVERY`` and ``BENCH_KILLS`` override T and the n
     make bench ARGS="training"              # full: the lead's quiet run
     make bench ARGS="--quick training"      # short: T = 8 s
     BENCH_KILL_EVERY=10 BENCH_KILLS=3 make bench ARGS="--quick training"
+    BENCH_MONITOR_INTERVAL=0.1 make bench ARGS="--quick training"
 """
 
 from __future__ import annotations
@@ -50,6 +57,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 RDZV_CONF = "join_timeout=30,last_call_timeout=1,close_timeout=2"
+MONITOR_INTERVAL = float(os.environ.get("BENCH_MONITOR_INTERVAL", 0) or 0) or None
+"""torchrun's --monitor-interval: what the launch renders (``launch.monitor_interval_seconds``) unless set."""
 FIGURE = Path("bench-results") / "training-breakdown.png"
 
 # issue 18's goals (measured side by side in one run on 2 cores)
@@ -62,8 +71,9 @@ PHASES = ("detection", "rendezvous", "process start + imports", "process-group i
           "model + optimiser", "lease + checkpoint load", "first step")
 
 
-def _children(pid: int) -> list[int]:
-    """torchrun's worker processes (its children running components.train)."""
+def _children(pid: int, marker: bytes | None = b"components.train") -> list[int]:
+    """The worker processes among ``pid``'s children: torchrun's children running components.train
+    (cold), or every child of the zygote (warm: its forks are the workers, torchrun's are their clients)."""
     out: list[int] = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
@@ -72,51 +82,79 @@ def _children(pid: int) -> list[int]:
             continue
         for child in children:
             try:
-                if b"components.train" in Path(f"/proc/{child}/cmdline").read_bytes():
+                if marker is None or marker in Path(f"/proc/{child}/cmdline").read_bytes():
                     out.append(child)
             except OSError:
                 continue
     return out
 
 
-def _torchrun(config: dict, log: Path, max_restarts: int) -> subprocess.Popen:
-    from tests.services import free_port
+def monitor_interval() -> float:
+    from components.core.contract.config import LaunchConfig
 
+    return MONITOR_INTERVAL or LaunchConfig().monitor_interval_seconds
+
+
+def _torchrun_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_TRACKING_URI", "RELAUNCH_"))}
     env.update({"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"})
+    return env
+
+
+def _torchrun(config: dict, log: Path, max_restarts: int, env: dict[str, str], worker: list[str]) -> subprocess.Popen:
+    """torchrun as the launch renders it, its workers ``python -u -m components.train`` (cold) or the
+    zygote client's ``--no-python python -I -S client.py -m components.train`` (warm, ``worker``)."""
+    from tests.services import free_port
+
     argv = [str(BIN / "torchrun"), "--nnodes=1", "--nproc-per-node=2", f"--max-restarts={max_restarts}",
-            "--monitor-interval=0.2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+            f"--monitor-interval={monitor_interval():g}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
             f"--rdzv-id={uuid.uuid4().hex[:8]}", f"--rdzv-conf={RDZV_CONF}", "--shutdown-timeout=10",
-            "-m", "components.train", "--config-json", json.dumps(config)]
+            *(("--no-python", *worker) if worker else ()), "-m", "components.train", "--config-json", json.dumps(config)]
     return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 
 
-def _training(config: dict, workdir: Path, *, kill_every: float | None, kills: int) -> dict:
+def _training(config: dict, workdir: Path, *, kill_every: float | None, kills: int, warm: bool = False) -> dict:
+    """One training to its end, SIGKILLing a random worker every ``kill_every`` s once the previous
+    restart completed a step. ``warm``: the workers are forks of a zygote the bench starts first, as a
+    pod's supervisor does (:func:`components.core.runtime.zygote.for_command`), and the kill hits the
+    forked worker itself (what the OOM killer would hit), not its client."""
+    from components.core.runtime.zygote import Zygote, client_command
     from components.core.store import open_store, records
     from components.core.tracking import goodput
 
     rng = random.Random(0)
     store_root = Path(config["store"]["uri"])
-    log = workdir / ("killed.log" if kill_every else "plain.log")
+    name = f"{'warm' if warm else 'cold'}-{'killed' if kill_every else 'plain'}"
+    log = workdir / f"{name}.log"
+    env = _torchrun_env()
     started = time.time()
-    proc = _torchrun(config, log, max_restarts=kills + 3)
-    kill_times: list[float] = []
-    gone_times: list[float] = []  # when the last worker of the killed group was gone
-    old: list[int] = []
-    while proc.poll() is None:
-        last = kill_times[-1] if kill_times else started
-        if old and not any(_alive(pid) for pid in old):
-            gone_times.append(time.time())
-            old = []
-        if kill_every and len(kill_times) < kills and time.time() - last >= kill_every and _recovered(store_root, last):
-            workers = _children(proc.pid)
-            if workers:
-                os.kill(rng.choice(workers), signal.SIGKILL)
-                kill_times.append(time.time())
-                old = workers
-        time.sleep(0.02)
-    wall = time.time() - started
+    zygote = None
+    if warm:
+        zygote = Zygote(str(workdir / f"{name}.sock"), ("components.tasks.digits",), log=(workdir / f"{name}.zygote.log").open("w"),
+                        env=env, cwd=str(ROOT))
+        env = {**env, **zygote.env}
+    try:
+        proc = _torchrun(config, log, kills + 3, env, client_command() if warm else [])
+        kill_times: list[float] = []
+        gone_times: list[float] = []  # when the last worker of the killed group was gone
+        old: list[int] = []
+        while proc.poll() is None:
+            last = kill_times[-1] if kill_times else started
+            if old and not any(_alive(pid) for pid in old):
+                gone_times.append(time.time())
+                old = []
+            if kill_every and len(kill_times) < kills and time.time() - last >= kill_every and _recovered(store_root, last):
+                workers = _children(zygote.process.pid, None) if zygote else _children(proc.pid)
+                if workers:
+                    os.kill(rng.choice(workers), signal.SIGKILL)
+                    kill_times.append(time.time())
+                    old = workers
+            time.sleep(0.02)
+        wall = time.time() - started
+    finally:
+        if zygote is not None:
+            zygote.close()
     if proc.returncode != 0:
         raise RuntimeError(f"training failed ({proc.returncode}); see {log}")
     store = open_store(config["store"]["uri"])
@@ -130,8 +168,10 @@ def _training(config: dict, workdir: Path, *, kill_every: float | None, kills: i
             gone = next((g for g in gone_times if g >= t), None)
             breakdowns.append(restart_phases(t, gone, after[0]))
     summary = records.read_summary(store) or {}
-    return {"wall": wall, "report": report, "kills": len(kill_times), "mttr": mttr, "attempts": len(attempts),
-            "phases": breakdowns, "tracking": summary.get("goodput", {}).get("tracking_overhead", {})}
+    cold_starts = log.read_text(errors="replace").count("starting the worker cold") if warm else 0
+    return {"name": name, "wall": wall, "report": report, "kills": len(kill_times), "mttr": mttr,
+            "attempts": len(attempts), "phases": breakdowns, "cold_starts": cold_starts,
+            "tracking": summary.get("goodput", {}).get("tracking_overhead", {})}
 
 
 def restart_phases(killed: float, gone: float | None, attempt) -> dict[str, float]:
@@ -244,9 +284,9 @@ def _logging_overhead(tracking_uri: str, steps: int) -> dict:
             "points_sent": logger.stats.points_sent}
 
 
-def plot_breakdown(killed: dict, plain: dict, floor: float, path: Path) -> Path:
-    """The figure: each restart's MTTR as stacked phases (with the floor and the goals), and the wall
-    time of both trainings in goodput categories."""
+def plot_breakdown(killed: list[dict], plain: list[dict], floor: float, path: Path) -> Path:
+    """The figure: each restart's MTTR as stacked phases, cold and warm (with the floor and the goals),
+    and the wall time of each training in goodput categories."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -254,9 +294,11 @@ def plot_breakdown(killed: dict, plain: dict, floor: float, path: Path) -> Path:
 
     from components.core.tracking.goodput import BREAKDOWN
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1.3, 1]})
+    bars = [(f"{run['name'].split('-')[0]}, kill {i + 1}", phases) for run in killed for i, phases in enumerate(run["phases"])]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 1.6 + 0.32 * max(len(bars), 4)),
+                                      gridspec_kw={"width_ratios": [1.3, 1]})
     colors = plt.get_cmap("tab10").colors
-    for i, phases in enumerate(killed["phases"]):
+    for i, (_, phases) in enumerate(bars):
         x = 0.0
         for j, name in enumerate(PHASES):
             left.barh([i], [phases[name]], left=x, color=colors[j], label=name if i == 0 else None)
@@ -265,28 +307,83 @@ def plot_breakdown(killed: dict, plain: dict, floor: float, path: Path) -> Path:
     left.axvline(GOAL_COLD_OVER_FLOOR * floor, color="tab:red", linestyle="--",
                  label=f"goal, cold: {GOAL_COLD_OVER_FLOOR:g} x floor")
     left.axvline(GOAL_MTTR_WARM, color="tab:green", linestyle="--", label=f"goal, warm: {GOAL_MTTR_WARM:g} s")
-    left.set_yticks(range(len(killed["phases"])), [f"kill {i + 1}" for i in range(len(killed["phases"]))])
+    left.set_yticks(range(len(bars)), [label for label, _ in bars])
     left.invert_yaxis()
     left.set_xlabel("seconds from SIGKILL to the first resumed step")
-    left.set_title("MTTR by phase (torchrun, cold processes)")
+    left.set_title("MTTR by phase: cold (fresh interpreters) and warm (zygote forks)")
     left.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3, fontsize=7, frameon=False)
-    for i, (name, run) in enumerate((("SIGKILLed", killed), ("undisturbed", plain))):
+    runs = [(f"{'SIGKILLed' if run['name'].endswith('killed') else 'undisturbed'}, {run['name'].split('-')[0]}", run)
+            for run in [*killed, *plain]]
+    for i, (_, run) in enumerate(runs):
         x = 0.0
         for j, category in enumerate(BREAKDOWN):
             value = float(run["report"].get(category, 0.0))
             right.barh([i], [value], left=x, color=colors[j], label=category.replace("_", " ") if i == 0 else None)
             x += value
         right.text(x, i, f"  ETTR {run['report'].get('ettr', 0.0):.3f}", va="center", fontsize=8)
-    right.set_yticks([0, 1], ["SIGKILLed", "undisturbed"])
+    right.set_yticks(range(len(runs)), [label for label, _ in runs])
     right.invert_yaxis()
     right.set_xlabel("wall seconds")
-    right.set_title(f"ETTR in goodput categories ({killed['kills']} kills)")
+    right.set_title(f"ETTR in goodput categories ({killed[0]['kills'] if killed else 0} kills each)")
     right.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3, fontsize=7, frameon=False)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90, bbox_inches="tight")
     plt.close(fig)
     return path
+
+
+def lost_per_kill(killed: dict, plain: dict) -> float:
+    """Wall seconds not productive per kill, beyond what the undisturbed training lost."""
+    return ((killed["report"]["wall"] - killed["report"]["productive"])
+            - (plain["report"]["wall"] - plain["report"]["productive"])) / max(1, killed["kills"])
+
+
+def long_run_ettr(killed: dict, plain: dict) -> float:
+    """ETTR of a training long enough that its first start is amortised, SIGKILLed every 60 s: the
+    lost time per kill over 60 s, plus the undisturbed run's steady-state loss."""
+    report = plain["report"]
+    steady = (report["wall"] - report["productive"] - report.get("startup", 0.0)) / report["wall"]
+    return max(0.0, 1 - lost_per_kill(killed, plain) / 60 - steady)
+
+
+def restart_rows(run: dict, plain: dict, floor: float, kill_every: float) -> list[dict]:
+    """The rows of one SIGKILLed training (cold or warm): ETTR, its projection to a kill every 60 s,
+    MTTR p50/p95 against its goal, and each phase's p50/p95."""
+    how = run["name"].split("-")[0]
+    lost = lost_per_kill(run, plain)
+    p95 = _percentile(run["mttr"], 0.95)
+    goal = GOAL_MTTR_WARM if how == "warm" else GOAL_COLD_OVER_FLOOR * floor
+    goal_text = f"<= {GOAL_MTTR_WARM:g}" if how == "warm" else f"<= {GOAL_COLD_OVER_FLOOR:g} x floor = {goal:.2f}"
+    at60 = "" if kill_every == 60 else " (at 60 s)"
+    rows = [
+        {"metric": f"ETTR, {how}, SIGKILL every {kill_every:.0f}s ({run['kills']} kills)", "value": run["report"]["ettr"],
+         "goal": f">= {GOAL_ETTR}{at60}", "detail": _categories(run["report"])},
+        {"metric": f"ETTR, {how}, projected to a SIGKILL every 60 s", "value": plain["report"]["ettr"] * max(0.0, 1 - lost / 60),
+         "goal": f">= {GOAL_ETTR}", "detail": f"undisturbed ETTR x (1 - {lost:.2f} s lost per kill / 60 s); the "
+                                          f"undisturbed run's first start ({plain['report'].get('startup', 0.0):.1f} s) "
+                                          f"in a {plain['report']['wall']:.0f} s training"},
+        {"metric": f"ETTR, {how}, a long training with a SIGKILL every 60 s", "value": long_run_ettr(run, plain),
+         "goal": f">= {GOAL_ETTR}", "detail": f"1 - {lost:.2f} s lost per kill / 60 s - the undisturbed run's steady "
+                                          "loss (checkpoint stalls, evaluation; its first start amortised)"},
+        {"metric": f"MTTR p50, {how} (kill -> first step after resume, s)", "value": _percentile(run["mttr"], 0.5),
+         "goal": "-", "detail": json.dumps([round(m, 2) for m in run["mttr"]])},
+        {"metric": f"MTTR p95, {how} (s)", "value": p95, "goal": goal_text,
+         "detail": f"{p95 / floor:.2f} x floor; {'met' if p95 <= goal else 'missed'}; torchrun --monitor-interval="
+                   f"{monitor_interval():g}, rdzv {RDZV_CONF}" + (f"; {run['cold_starts']} workers started cold" if how == "warm" else "")},
+    ]
+    for name in PHASES:
+        values = [b[name] for b in run["phases"]]
+        rows.append({"metric": f"MTTR phase, {how}: {name}, p50 (s)", "value": _percentile(values, 0.5), "goal": "-",
+                     "detail": f"p95 {_percentile(values, 0.95):.3f} s; each: {json.dumps([round(v, 3) for v in values])}"})
+    return rows
+
+
+def _categories(report: dict) -> str:
+    wall = report.get("wall") or 1.0
+    return json.dumps({k: f"{report.get(k, 0.0):.1f} s ({100 * report.get(k, 0.0) / wall:.1f}%)"
+                       for k in ("wall", "productive", "startup", "checkpoint_stall", "evaluation",
+                                 "recomputed", "restart_gaps")})
 
 
 def run(quick: bool) -> list[dict]:
@@ -308,59 +405,43 @@ def run(quick: bool) -> list[dict]:
                               "checkpoint_every_seconds": 2.0, "checkpoint_at_epoch_end": False,
                               "log_every_steps": 1}}
 
-        floors = import_floor(3)
-        plain = _training(config("plain"), workdir, kill_every=None, kills=0)
-        killed = _training(config("killed"), workdir, kill_every=kill_every, kills=kills)
-        floors += import_floor(2)  # before and after: load drift hits both
+        floors: list[float] = []
+        plain, killed = {}, []
+        for how in ("cold", "warm"):  # the floor before each training: a busy machine's load drifts
+            floors += import_floor(1)
+            plain[how] = _training(config(f"{how}-plain"), workdir, kill_every=None, kills=0, warm=how == "warm")
+            floors += import_floor(2)
+            killed.append(_training(config(f"{how}-killed"), workdir, kill_every=kill_every, kills=kills,
+                                    warm=how == "warm"))
+        floors += import_floor(1)
         logging = _logging_overhead(server.uri, 300 if quick else 2000)
     finally:
         server.stop()
     floor = statistics.median(floors)
-    figure = plot_breakdown(killed, plain, floor, FIGURE)
+    figure = plot_breakdown(killed, list(plain.values()), floor, FIGURE)
+    tracking = plain["cold"]["tracking"]
     wall_overhead = (logging["logged_step_seconds"] - logging["step_seconds"]) / logging["step_seconds"]
     cpu_overhead = (logging["main_thread_seconds_per_call"] + logging["sender_cpu_seconds_per_step"]) \
         / logging["step_seconds"]
-    at60 = "" if kill_every == 60 else " (at 60 s)"
-    lost_per_kill = ((killed["report"]["wall"] - killed["report"]["productive"])
-                     - (plain["report"]["wall"] - plain["report"]["productive"])) / max(1, killed["kills"])
-    projected = plain["report"]["ettr"] * max(0.0, 1 - lost_per_kill / 60)
-    p95 = _percentile(killed["mttr"], 0.95)
-
-    def categories(report: dict) -> str:
-        wall = report.get("wall") or 1.0
-        return json.dumps({k: f"{report.get(k, 0.0):.1f} s ({100 * report.get(k, 0.0) / wall:.1f}%)"
-                           for k in ("wall", "productive", "startup", "checkpoint_stall", "evaluation",
-                                     "recomputed", "restart_gaps")})
-
     rows = [
-        {"metric": f"ETTR, SIGKILL every {kill_every:.0f}s ({killed['kills']} kills)", "value": killed["report"]["ettr"],
-         "goal": f">= {GOAL_ETTR}{at60}", "detail": categories(killed["report"])},
-        {"metric": "ETTR projected to a SIGKILL every 60 s", "value": projected, "goal": f">= {GOAL_ETTR}",
-         "detail": f"undisturbed ETTR x (1 - {lost_per_kill:.2f} s lost per kill / 60 s)"},
-        {"metric": "ETTR, undisturbed", "value": plain["report"]["ettr"], "goal": "-", "detail": categories(plain["report"])},
-        {"metric": "wall ratio undisturbed / disturbed (same work)", "value": plain["wall"] / killed["wall"],
-         "goal": "-", "detail": f"{plain['wall']:.1f}s vs {killed['wall']:.1f}s, {steps} steps"},
         {"metric": "floor: fresh interpreter importing torch + torch.distributed (s)", "value": floor, "goal": "-",
          "detail": json.dumps([round(f, 2) for f in floors])},
-        {"metric": "MTTR p50, cold (kill -> first step after resume, s)", "value": _percentile(killed["mttr"], 0.5),
-         "goal": "-", "detail": json.dumps([round(m, 2) for m in killed["mttr"]])},
-        {"metric": "MTTR p95, cold (s)", "value": p95, "goal": f"<= {GOAL_COLD_OVER_FLOOR:g} x floor = "
-         f"{GOAL_COLD_OVER_FLOOR * floor:.2f}", "detail": f"{p95 / floor:.2f} x floor; torchrun "
-         "--monitor-interval=0.2, rdzv last_call_timeout=1 close_timeout=2"},
-        {"metric": "MTTR p95, warm (s)", "value": float("nan"), "goal": f"<= {GOAL_MTTR_WARM:g}",
-         "detail": "not measured here: torchrun starts fresh interpreters; the warm restart is the warm runtime's"},
     ]
-    for name in PHASES:
-        values = [b[name] for b in killed["phases"]]
-        rows.append({"metric": f"MTTR phase: {name}, p50 (s)", "value": _percentile(values, 0.5), "goal": "-",
-                     "detail": f"p95 {_percentile(values, 0.95):.3f} s; each: {json.dumps([round(v, 3) for v in values])}"})
+    for run_ in killed:
+        how = run_["name"].split("-")[0]
+        rows.append({"metric": f"ETTR, {how}, undisturbed", "value": plain[how]["report"]["ettr"], "goal": "-",
+                     "detail": _categories(plain[how]["report"])})
+        rows += restart_rows(run_, plain[how], floor, kill_every)
+        rows.append({"metric": f"wall ratio undisturbed / SIGKILLed, {how} (same work)",
+                     "value": plain[how]["wall"] / run_["wall"], "goal": "-",
+                     "detail": f"{plain[how]['wall']:.1f}s vs {run_['wall']:.1f}s, {steps} steps"})
     rows += [
         {"metric": "MLflow logging / step time, in the 2-process training (rank 0)",
-         "value": plain["tracking"].get("ratio", float("nan")), "goal": f"<= {GOAL_LOGGING}",
+         "value": tracking.get("ratio", float("nan")), "goal": f"<= {GOAL_LOGGING}",
          "detail": "caller {:.1f} us + sender CPU {:.1f} us per step; step {:.2f} ms without the demo sleep".format(
-             plain["tracking"].get("main_thread_seconds_per_step", 0) * 1e6,
-             plain["tracking"].get("sender_cpu_seconds_per_step", 0) * 1e6,
-             plain["tracking"].get("step_seconds", 0) * 1e3)},
+             tracking.get("main_thread_seconds_per_step", 0) * 1e6,
+             tracking.get("sender_cpu_seconds_per_step", 0) * 1e6,
+             tracking.get("step_seconds", 0) * 1e3)},
         {"metric": "MLflow logging CPU per step / step CPU, bare digits step in-process", "value": cpu_overhead,
          "goal": f"<= {GOAL_LOGGING}",
          "detail": f"main thread {logging['main_thread_seconds_per_call'] * 1e6:.1f} us/call + sender thread "
@@ -368,7 +449,7 @@ def run(quick: bool) -> list[dict]:
                    f"{logging['step_seconds'] * 1e3:.3f} ms; {logging['points_sent']} points sent"},
         {"metric": "step CPU logged / plain - 1 (A/B, same process)", "value": wall_overhead,
          "goal": "-", "detail": f"{logging['logged_step_seconds'] * 1e3:.3f} ms vs {logging['step_seconds'] * 1e3:.3f} ms"},
-        {"metric": "figure", "value": float(len(killed["phases"])), "goal": "-", "detail": str(figure)},
+        {"metric": "figure", "value": float(sum(len(r["phases"]) for r in killed)), "goal": "-", "detail": str(figure)},
     ]
     return rows
 

@@ -59,6 +59,8 @@ def test_a_forked_worker_runs_the_module_as_main_with_its_own_argv_env_cwd_sessi
     child = _report(proc)
     assert proc.wait(60) == 0
     assert child["warm"], "the worker was not forked from the zygote (it imported nothing of torch)"
+    # the preload's optimiser warm-up imported what a first optimiser would, and touched no CUDA
+    assert child["dynamo"] and not child["cuda"]
     assert child["argv"] == ["exit", "0"] and child["env"] == "given" and child["main"] == "__main__"
     assert child["cwd"] == str(tmp_path)
     assert child["sid"] == child["pid"] != proc.pid  # its own session, as torch elastic starts workers

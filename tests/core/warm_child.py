@@ -31,7 +31,9 @@ if __name__ == "__main__":
                       "fds": _fds(), "threads": threading.active_count(),
                       "os_threads": len(os.listdir("/proc/self/task")),
                       "sigterm": str(signal.getsignal(signal.SIGTERM)), "sigint": str(signal.getsignal(signal.SIGINT)),
-                      "nice": os.getpriority(os.PRIO_PROCESS, 0), "warm": "torch" in sys.modules}), flush=True)
+                      "nice": os.getpriority(os.PRIO_PROCESS, 0), "warm": "torch" in sys.modules,
+                      "dynamo": "torch._dynamo" in sys.modules,
+                      "cuda": "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized()}), flush=True)
     if how == "exit":
         sys.exit(int(sys.argv[2]))
     if how == "raise":

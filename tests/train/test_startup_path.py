@@ -75,6 +75,39 @@ def test_a_worker_imports_no_mlflow_matplotlib_or_psutil_before_its_first_step(w
     assert {"mlflow", "psutil"} <= after  # the logger and the sampler did start, after it
 
 
+def _modules(lines: list[str]) -> set[str]:
+    """Every module an ``-X importtime`` line among ``lines`` names."""
+    return {m.group(1) for line in lines if (m := re.match(r"import time:\s+\d+ \|\s+\d+ \|\s*(\S+)$", line))}
+
+
+def test_the_zygote_preloads_every_module_a_worker_imports_before_its_first_step(worker):
+    """A warm worker imports nothing before its first step: whatever a cold one imports, the zygote's
+    preload (and its optimiser warm-up, which imports torch._dynamo) already did."""
+    _, lines = worker
+    first = next(i for i, line in enumerate(lines)
+                 if (e := events.read(line)) is not None and e.kind == events.Kind.FIRST_STEP)
+    # what the preload lacks and imports (-X importtime also lists the optional imports that failed)
+    probe = ("import importlib, json, sys; from components.core.runtime import zygote as z; "
+             "z.preload_modules([*z.PRELOAD, 'components.tasks.digits']); have = set(sys.modules); "
+             "needed = json.loads(sys.stdin.read()); missing = []\n"
+             "for name in needed:\n"
+             "    try:\n"
+             "        importlib.import_module(name)\n"
+             "    except Exception:\n"
+             "        continue\n"
+             "    if name not in have:\n"
+             "        missing.append(name)\n"
+             "print(json.dumps({'dynamo': 'torch._dynamo' in have, 'missing': missing}))")
+    needed = sorted(_modules(lines[:first]))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OPENBLAS_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, input=json.dumps(needed),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = json.loads(out.stdout.splitlines()[-1])
+    assert "torch._dynamo" in needed and found["dynamo"]
+    assert not found["missing"], f"a forked worker would still import: {found['missing']}"
+
+
 def test_the_first_step_event_carries_the_start_up_phases_in_order(worker):
     _, lines = worker
     found = [e for e in map(events.read, lines) if e is not None and e.kind == events.Kind.FIRST_STEP]

@@ -26,8 +26,11 @@ import started a thread it refuses, and every worker starts cold (the client say
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import ctypes
+import gc
+import importlib
 import io
 import json
 import os
@@ -48,8 +51,15 @@ from typing import Callable
 from components.core.runtime.zygote_client import HEADER, ZYGOTE_ENV
 
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.run", "torch.distributed.checkpoint",
-           "torch.distributed.checkpoint.state_dict", "components.train")
-"""What a worker (and a torchrun agent) imports before its first step; a task module is added per job."""
+           "torch.distributed.checkpoint.state_dict", "components.train", "components.core.checkpoint.manager",
+           "components.core.checkpoint.start", "components.core.checkpoint.load", "components.core.trainer.parallel",
+           "components.core.trainer.state", "components.core.tracking.client", "components.core.tracking.runlogger",
+           "components.core.tracking.mlflow_tracker", "components.core.tracking.tensorboard_tracker",
+           "components.core.tracking.wandb_tracker", "components.core.checkpoint.dcp_io",
+           "components.core.checkpoint.safe_pickle", "components.core.runtime.stepcli", "components.launchers", "numpy.ma",
+           "xxhash", "torch.utils.serialization")
+"""What a worker imports before its first step (measured: the modules new in a forked worker at its
+``first-step`` event), MLflow excepted, which loads after it; a task module is added per job."""
 ZYGOTE_DIR = "/tmp/relaunch-zygote"
 """Where :func:`run` puts the socket and a copy of the client in a pod (one training container per pod)."""
 CLIENT_PATH = f"{ZYGOTE_DIR}/client.py"
@@ -72,11 +82,46 @@ def os_threads() -> int:
 
 
 def single_threaded() -> str | None:
-    """None when this process has exactly one thread, else what is running."""
+    """None when this process has exactly one thread and no CUDA context, else what is wrong."""
     if threading.active_count() != 1 or os_threads() != 1:
         names = [t.name for t in threading.enumerate()]
         return f"the zygote has {os_threads()} OS threads (Python threads: {names}); it forks only single-threaded"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():  # a flag: asking makes no CUDA call
+        return "the zygote initialised CUDA, whose context does not survive fork; it forks only before CUDA"
     return None
+
+
+def preload_modules(names: tuple[str, ...] | list[str]) -> None:
+    """Import ``names`` (one that fails is skipped: the worker then imports, or fails on, it itself, as cold),
+    then :func:`warm_up`, then freeze what was imported out of the garbage collector's reach, so that the
+    forks never scan, and so never copy, those pages."""
+    gc.disable()  # imports allocate millions of objects that live as long as the process: ~20% faster
+    try:
+        for name in names:
+            try:
+                importlib.import_module(name)
+            except Exception as err:  # noqa: BLE001
+                print(f"relaunch zygote: could not preload {name}: {type(err).__name__}: {err}", file=sys.stderr,
+                      flush=True)
+        warm_up()
+    finally:
+        gc.enable()
+    gc.freeze()
+
+
+def warm_up() -> None:
+    """What a worker's first optimiser would do lazily, done once before the forks: every
+    ``torch.optim.Optimizer`` imports ``torch._dynamo`` on its first ``add_param_group`` (1.4-2.4 s on the
+    busy 2-core machine, most of a warm restart). A throwaway optimiser over an empty CPU tensor does it
+    through public API; it runs no kernel (no OpenMP pool) and touches no CUDA."""
+    torch = sys.modules.get("torch")
+    if torch is None or "torch.optim" not in sys.modules:
+        return
+    param = torch.nn.Parameter(torch.empty(0))
+    optimizer = torch.optim.SGD([param], lr=0.0)
+    optimizer.step()  # the step's wrapper caches its dynamo-disabled twin too
+    del optimizer, param
 
 
 @dataclass
@@ -267,7 +312,29 @@ def become_worker(job: Job) -> None:
     sys.argv = [module, *job.argv[2:]]
     # runpy notes that the zygote imported the module before it runs as __main__: expected here
     warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package", category=RuntimeWarning)
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    atexit.register(_end_by_sigint)  # after the module's own handlers, before those of the preload
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except KeyboardInterrupt:
+        global _interrupted
+        _interrupted = True
+        raise
+
+
+_interrupted = False
+
+
+def _end_by_sigint() -> None:
+    """An uncaught KeyboardInterrupt ends an interpreter by SIGINT once its atexit handlers ran; an atexit
+    handler of torch._dynamo (which the preload's warm-up imports) makes it forget and exit 1 instead (a
+    cold process that imported torch._dynamo does the same). Registered before the worker's module runs,
+    this runs after the module's handlers and before torch's, and ends the worker as Python documents."""
+    if _interrupted:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
 
 
 def _text_stream(fd: int) -> io.TextIOWrapper:
@@ -276,16 +343,12 @@ def _text_stream(fd: int) -> io.TextIOWrapper:
                             line_buffering=True, write_through=True)
 
 
-def _serve_main(socket_path: str, preload: list[str], lifeline: int) -> None:
+def _serve_main(socket_path: str, modules: list[str], lifeline: int) -> None:
     listener = listen(socket_path)  # before the imports: a client that connects early waits in the backlog, not cold
     for sig in (signal.SIGINT, signal.SIGTERM):  # the starter ends the zygote (lifeline); its workers get the signals
         signal.signal(sig, signal.SIG_IGN)
     os.environ.setdefault("MPLBACKEND", "Agg")
-    for name in preload:
-        try:
-            __import__(name)
-        except Exception as err:  # noqa: BLE001 - the worker then imports (or fails on) it itself, as cold
-            print(f"relaunch zygote: could not preload {name}: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+    preload_modules(modules)
     problem = single_threaded()
     if problem:
         print(f"relaunch zygote: {problem}: every worker will start cold", file=sys.stderr, flush=True)
