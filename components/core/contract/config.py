@@ -266,7 +266,7 @@ class LaunchConfig(_Model):
     max_restarts: int = Field(3, ge=0, description="torchrun/elastic restarts of the worker group.")
     min_nodes: int | None = Field(None, ge=1, description="Elastic minimum; defaults to nodes.")
     rdzv_port: int = Field(0, ge=0, le=65535, description="Local c10d rendezvous port; 0 picks a free one.")
-    monitor_interval_seconds: float = Field(0.5, gt=0, description="torchrun's worker-health poll interval.")
+    monitor_interval_seconds: float = Field(0.2, gt=0, description="torchrun's worker-health poll interval (a dead worker is noticed within it: part of every restart's time).")
     timeout_seconds: float = Field(3600.0, gt=0, description="Give up (retryable) after this long.")
     inject_failure: str | None = Field(None, description="kill-worker@step=N, preempt@step=N or storage-outage@step=N.")
     kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
