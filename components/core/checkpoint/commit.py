@@ -21,7 +21,7 @@ from components.core.checkpoint.layout import (FORMAT_VERSION, INFLIGHT, LATEST,
                                                write_conditional)
 from components.core.checkpoint.readers import deletion_done
 from components.core.checkpoint.retention import apply_retention
-from components.core.checkpoint.snapshot import copy_deferred, state_bytes
+from components.core.checkpoint.snapshot import copy_deferred, optimizers_of, state_bytes
 from components.core.checkpoint.verify import CHUNK_BYTES, DIGEST
 from components.core.contract.classify import CarriedError, dcp_original
 from components.core.contract.errors import BadInput, CorruptCheckpoint
@@ -51,7 +51,7 @@ class SaveJob:
 class Committing:
     """Save and commit: :meth:`CheckpointManager.save` guards, then calls :meth:`_save`."""
 
-    def _save(self, step: int, state: Any, metrics: dict | None, epoch: int, defer_copy: bool) -> None:
+    def _save(self, step: int, state: Any, metrics: dict | None, epoch: int, defer_copy: bool | None) -> None:
         """The body of :meth:`CheckpointManager.save` (guarded by it)."""
         t0 = time.perf_counter()
         try:
@@ -68,7 +68,11 @@ class Committing:
             if epoch == 0 and hasattr(state, "epoch"):
                 epoch = int(state.epoch)
             job = SaveJob(step, int(epoch), None, {k: float(v) for k, v in (metrics or {}).items()}, t0)
-            job.snapshot = self._snapshots.take(state, job.copies if self.async_save and defer_copy else None)
+            guarded = optimizers_of(state) if self.async_save and defer_copy is None else []
+            deferred = self.async_save and (defer_copy or bool(guarded))
+            job.snapshot = self._snapshots.take(state, job.copies if deferred else None, optimizer_owned=bool(guarded))
+            for optimizer in guarded:
+                self._wait_before_step(optimizer)
             import torch
 
             if torch.cuda.is_available():

@@ -2,10 +2,14 @@
 
     with CheckpointManager("s3://bucket/exp/run", keep_last=3, keep_best=1, best_metric="val_loss") as mgr:
         info = mgr.load(state)                 # newest committed checkpoint, resharded to this world
-        mgr.save(step, state, metrics={...})   # every rank; returns once the state is snapshotted to CPU
+        mgr.save(step, state, metrics={...})   # every rank; see below for when it returns
         mgr.wait()                             # the pending save is committed (or its error is raised)
 
-    A trainer may overlap the copy of the parameters and optimizer state with the next step:
+    By default an async save copies the small state (counters, RNG, scheduler, buffers) in ``save()``
+    and the parameters and state of ``state.optimizer`` on its background thread, overlapped with the
+    next forward and backward, which only read them; that optimizer's next ``step()`` waits for the
+    copy (a step pre-hook). Change nothing else of them in place before that step, or save with
+    ``defer_copy=False`` (everything copied in ``save()``). A trainer may defer every parameter:
         mgr.save(step, state, defer_copy=True) # returns once the copy is started
         forward_backward()                     # only reads what the background thread copies
         mgr.wait_for_snapshot()                # before optimizer.step(), scheduler.step(), scaler.update()
@@ -109,6 +113,7 @@ class CheckpointManager(Committing, Loading, Locating, Leasing):
         self._damaged: dict[tuple[str, int], tuple[str, str]] = {}
         self._last_checked: tuple[str, int, dict[str, Any]] | None = None  # (store, step, manifest) Locating checked last
         self._snapshots = Snapshotter()
+        self._step_hooks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its hook's handle
         self._pending: SaveJob | None = None
         self._last_info: CheckpointInfo | None = None
         self._closed = False
@@ -147,19 +152,39 @@ class CheckpointManager(Committing, Loading, Locating, Leasing):
 
     # ------------------------------------------------------------------ public API
     def save(self, step: int, state: Any, metrics: dict | None = None, epoch: int = 0, *,
-             defer_copy: bool = False) -> None:
+             defer_copy: bool | None = None) -> None:
         """Snapshot ``state`` to CPU and persist it as checkpoint ``step`` (every rank calls it).
 
-        Returns once the snapshot is taken (async) or the checkpoint is committed (sync). With
-        ``defer_copy`` (async only) it returns sooner: the small state (counters, RNG, scheduler,
-        scaler, buffers) is copied here, and the model parameters and optimizer state are copied by
-        the background thread while the caller runs the next forward and backward, which only read
-        them; the caller must then call :meth:`wait_for_snapshot` before changing them in place.
+        Returns once the snapshot is taken (async) or the checkpoint is committed (sync). An async
+        save copies the small state (counters, RNG, scheduler, scaler, buffers) here; the rest:
+
+        - ``defer_copy=None`` (default): the parameters that the state's optimizers update, and their
+          state, are copied by the background thread while the caller runs the next forward and
+          backward, which only read them; each of those optimizers' next ``step()`` waits for the copy
+          (a step pre-hook). Anything else that changes them in place before that step must call
+          :meth:`wait_for_snapshot` first. A state without an optimizer is copied here.
+        - ``defer_copy=True``: every model parameter and the optimizer state are copied in the
+          background; the caller calls :meth:`wait_for_snapshot` before changing them in place.
+        - ``defer_copy=False``: everything is copied here.
+
         Raises the error of the previous background save, if it failed, and BadInput when another
         writer holds the store's lease.
         """
         self._guard()
         self._save(step, state, metrics, epoch, defer_copy)
+
+    def _wait_before_step(self, optimizer: Any) -> None:
+        """Make ``optimizer.step()`` wait for this manager's deferred copy (once per optimizer)."""
+        if optimizer in self._step_hooks:
+            return
+        manager = weakref.ref(self)
+
+        def wait_for_snapshot(*_: Any) -> None:
+            owner = manager()
+            if owner is not None:
+                owner.wait_for_snapshot()
+
+        self._step_hooks[optimizer] = optimizer.register_step_pre_hook(wait_for_snapshot)
 
     def wait_for_snapshot(self) -> float:
         """Block until the pending save has copied the state it saves; return the seconds blocked.
@@ -287,6 +312,9 @@ class CheckpointManager(Committing, Loading, Locating, Leasing):
         try:
             self.wait()
         finally:
+            for handle in list(self._step_hooks.values()):
+                handle.remove()
+            self._step_hooks.clear()
             self._stop_leases()
             if self._own_cache is not None:
                 shutil.rmtree(self._own_cache, ignore_errors=True)
