@@ -150,3 +150,70 @@ def test_a_step_that_straddles_the_thousand_point_limit_is_split_and_an_empty_ca
     for i in range(7):
         history = client.get_metric_history(run_id, f"k/{i}")
         assert sorted((m.step, m.value) for m in history) == [(s, float(s * 10 + i)) for s in range(1, 151)]
+
+
+class _Flaky(_Recorder):
+    """Answers 503 while ``down`` is set (a tracking server behind a load balancer, restarting)."""
+
+    down = threading.Event()
+    bodies: list = []
+
+    def _answer(self):
+        if type(self).down.is_set():
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        length = int(self.headers.get("Content-Length") or 0)
+        type(self).bodies.append((self.path, self.rfile.read(length)))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    do_GET = do_POST = _answer
+
+
+def test_a_long_outage_keeps_only_the_newest_points_within_the_cap_and_every_param_and_tag(tmp_path):
+    import json
+    import time
+
+    from components.core.tracking.runlogger import RunLogger
+
+    _Flaky.down.set()
+    _Flaky.bodies = []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Flaky)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        logger = RunLogger(f"http://127.0.0.1:{server.server_address[1]}", "run-1", flush_seconds=0.05,
+                           max_buffered_points=100)
+        logger.log_params({"first": 0})
+        while not logger.stats.failed_sends:  # contact is lost: what follows is buffered
+            time.sleep(0.01)
+        for step in range(1000):
+            logger.log_metrics({"loss": float(step)}, step)
+            if step % 50 == 0:
+                logger.set_tags({f"t{step}": step})
+                logger.log_params({f"p{step}": step})  # each one closes a metrics op of its own
+                time.sleep(0.02)
+        failed = logger.stats.failed_sends
+        while logger.stats.failed_sends < failed + 2:  # two more retries with everything buffered
+            time.sleep(0.05)
+        _Flaky.down.clear()
+        assert logger.close(60)
+    finally:
+        server.shutdown()
+        server.server_close()
+    points = [m for path, body in _Flaky.bodies if path.endswith("runs/log-batch")
+              for m in json.loads(body).get("metrics", [])]
+    params = {p["key"] for path, body in _Flaky.bodies if path.endswith("runs/log-batch")
+              for p in json.loads(body).get("params", [])}
+    tags = {t["key"]: t["value"] for path, body in _Flaky.bodies if path.endswith("runs/log-batch")
+            for t in json.loads(body).get("tags", [])}
+    assert sorted(int(p["step"]) for p in points) == list(range(900, 1000))
+    assert logger.stats.dropped_points == 900
+    assert {"first"} | {f"p{s}" for s in range(0, 1000, 50)} <= params
+    assert {f"t{s}" for s in range(0, 1000, 50)} <= tags.keys()
+    assert tags["relaunch.tracking.dropped_points"] == "900"

@@ -66,6 +66,7 @@ class _Op:
     payload: Any
     attempts: int = 0
     tags: dict[str, str] | None = None  # a metrics op carries the tags set meanwhile: one request for both
+    points: int = 0  # a metrics op's points, counted when it was made
 
 
 @dataclass
@@ -84,6 +85,7 @@ class LoggerStats:
     sender_setup_cpu_seconds: float = 0.0  # once per logger: importing mlflow, making the client (not per step)
     coalesced_calls: int = 0  # submitted calls dropped because the same call was already queued
     dropped_ops: int = field(default=0)
+    dropped_points: int = 0  # metric points dropped, oldest first, to keep the buffer within max_buffered_points
 
 
 class RunLogger:
@@ -108,6 +110,7 @@ class RunLogger:
         self._ops: collections.deque[_Op] = collections.deque()
         self._metrics: list[tuple[int, float, dict]] = []  # (step, time.time(), {key: value}) not in an op yet
         self._metric_points = 0  # the points in self._metrics
+        self._op_points = 0  # the points in metrics ops not sent yet
         self._heads: dict[str, str] = {}  # key -> the start of its points' JSON
         self._steps: collections.deque = collections.deque()  # (step, time.time(), {key: value}), lock-free
         self._tags: dict[str, str] = {}
@@ -233,13 +236,45 @@ class RunLogger:
             entry = self._steps.popleft()
             self._metrics.append(entry)
             self._metric_points += len(entry[2])
-        while self._metric_points > self.max_buffered_points and self._metrics:  # the server was away very long
-            dropped = len(self._metrics.pop(0)[2])
-            self._metric_points -= dropped
-            self.stats.dropped_ops += dropped
+        self._keep_within_cap()
         if self._metrics or self._tags:
-            self._ops.append(_Op("metrics", self._metrics, tags=self._tags or None))
+            self._ops.append(_Op("metrics", self._metrics, tags=self._tags or None, points=self._metric_points))
+            self._op_points += self._metric_points
             self._metrics, self._metric_points, self._tags = [], 0, {}
+
+    def _keep_within_cap(self) -> None:
+        """The server was away long: drop the oldest metric points until every buffered one (queued
+        ops and new steps) fits max_buffered_points. The head op may be in flight: it stays."""
+        excess = self._metric_points + self._op_points - self.max_buffered_points
+        if excess > 0 and not self.stats.dropped_points:
+            print(f"relaunch: the tracking buffer holds {self.max_buffered_points} metric points: dropping the "
+                  "oldest until the server is back (counted in the run's tag relaunch.tracking.dropped_points)",
+                  file=sys.stderr)
+        for op in list(self._ops)[1:]:
+            if excess <= 0:
+                break
+            if op.kind != "metrics":
+                continue
+            while excess > 0 and op.payload:
+                points = len(op.payload.pop(0)[2])
+                op.points -= points
+                self._op_points -= points
+                self.stats.dropped_points += points
+                excess -= points
+            if not op.payload:
+                self._ops.remove(op)
+                if op.tags:  # the tags it carried still go out
+                    self._ops.append(_Op("tags", op.tags))
+        while excess > 0 and self._metrics:
+            points = len(self._metrics.pop(0)[2])
+            self._metric_points -= points
+            self.stats.dropped_points += points
+            excess -= points
+
+    def _sent(self, op: _Op) -> None:
+        """``op`` leaves the queue, sent or refused (caller holds the lock)."""
+        self._ops.popleft()
+        self._op_points -= op.points
 
     def _loop(self) -> None:
         backoff = 0.5
@@ -281,12 +316,14 @@ class RunLogger:
                               file=sys.stderr)
                         self.stats.dropped_ops += 1
                         with self._lock:
-                            self._ops.popleft()
+                            self._sent(op)
                         continue
                     self._lost(err)
                     op.attempts += 1
                     if self._closed:
                         return
+                    with self._lock:  # what the training logs meanwhile stays within the cap
+                        self._flush_metrics_into_ops()
                     time.sleep(backoff)
                     backoff = min(backoff * 2, 5.0)
                     continue
@@ -295,7 +332,7 @@ class RunLogger:
                 self.stats.sender_cpu_seconds += spent
                 self.stats.sender_cpu_by_kind[op.kind] = self.stats.sender_cpu_by_kind.get(op.kind, 0.0) + spent
                 with self._lock:
-                    self._ops.popleft()
+                    self._sent(op)
                 self._regained()
             if self._closed:
                 return
@@ -317,7 +354,8 @@ class RunLogger:
         print(f"relaunch: tracking server back after {gone:.1f}s; flushing the buffer", file=sys.stderr)
         self._ops.appendleft(_Op("tags", {"relaunch.tracking.lost_contact": "true",
                                           "relaunch.tracking.lost_contact_seconds": f"{self.stats.lost_contact_seconds:.1f}",
-                                          "relaunch.tracking.lost_contact_events": str(self.stats.lost_contact_events)}))
+                                          "relaunch.tracking.lost_contact_events": str(self.stats.lost_contact_events),
+                                          "relaunch.tracking.dropped_points": str(self.stats.dropped_points)}))
 
     def get_client(self):
         """This logger's MlflowClient (made on first use)."""
