@@ -176,11 +176,11 @@ class Lease:
         if elastic and current.get("elastic_run_id") == elastic \
                 and int(current.get("restart_count", 0) or 0) < _restart_count():
             return None  # a previous attempt of this elastic job: torchelastic stopped its workers
-        if not holder_alive(current):
-            return None
         if current.get("owner") == self.owner and current.get("pid") == os.getpid() \
                 and current.get("host") == socket.gethostname() and current.get("pid_namespace") == _pid_namespace():
             return None  # another manager of this training in this very process: it is fenced from now on
+        if not holder_alive(current):  # (after the check above: it may run a full garbage collection)
+            return None
         until = _dt.datetime.fromtimestamp(float(current.get("expires_at", 0)), _dt.timezone.utc)
         return (f"store {self.store.uri} is being written by {current.get('owner')!r} (host "
                 f"{current.get('host')}, pid {current.get('pid')}) until {until.isoformat(timespec='seconds')}; "
