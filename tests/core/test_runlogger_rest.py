@@ -11,14 +11,21 @@ import pytest
 
 
 class _Recorder(http.server.BaseHTTPRequestHandler):
-    """Answers every request with ``{}`` and keeps its headers: what a client sent, nothing more."""
+    """Answers every request with ``{}`` and keeps its headers and body: what a client sent, nothing
+    more; while ``down`` is set it answers 503 instead (a tracking server behind a load balancer,
+    restarting) and keeps nothing."""
 
     seen: list = []
+    down = threading.Event()
 
     def _answer(self):
-        length = int(self.headers.get("Content-Length") or 0)
-        self.rfile.read(length)
-        type(self).seen.append((self.command, self.path, dict(self.headers)))
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if type(self).down.is_set():
+            self.send_response(503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        type(self).seen.append((self.command, self.path, dict(self.headers), body))
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", "2")
@@ -65,7 +72,7 @@ def test_the_plain_path_authenticates_exactly_as_mlflows_client(recorder, monkey
     assert session.plain
     session.post(LOG_BATCH, {"run_id": "r"})
     http_request(get_default_host_creds(uri), "/api/2.0/mlflow/runs/log-batch", "POST", json={"run_id": "r"})
-    (_, ours_path, ours), (_, theirs_path, theirs) = seen
+    (_, ours_path, ours, _), (_, theirs_path, theirs, _) = seen
     assert ours_path == theirs_path == "/api/2.0/mlflow/runs/log-batch"
     assert ours.get("Authorization") == theirs.get("Authorization")
 
@@ -152,43 +159,16 @@ def test_a_step_that_straddles_the_thousand_point_limit_is_split_and_an_empty_ca
         assert sorted((m.step, m.value) for m in history) == [(s, float(s * 10 + i)) for s in range(1, 151)]
 
 
-class _Flaky(_Recorder):
-    """Answers 503 while ``down`` is set (a tracking server behind a load balancer, restarting)."""
-
-    down = threading.Event()
-    bodies: list = []
-
-    def _answer(self):
-        if type(self).down.is_set():
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            self.send_response(503)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-            return
-        length = int(self.headers.get("Content-Length") or 0)
-        type(self).bodies.append((self.path, self.rfile.read(length)))
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", "2")
-        self.end_headers()
-        self.wfile.write(b"{}")
-
-    do_GET = do_POST = _answer
-
-
-def test_a_long_outage_keeps_only_the_newest_points_within_the_cap_and_every_param_and_tag(tmp_path):
+def test_a_long_outage_keeps_only_the_newest_points_within_the_cap_and_every_param_and_tag(recorder):
     import json
     import time
 
     from components.core.tracking.runlogger import RunLogger
 
-    _Flaky.down.set()
-    _Flaky.bodies = []
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Flaky)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    uri, seen = recorder
+    _Recorder.down.set()
     try:
-        logger = RunLogger(f"http://127.0.0.1:{server.server_address[1]}", "run-1", flush_seconds=0.05,
-                           max_buffered_points=100)
+        logger = RunLogger(uri, "run-1", flush_seconds=0.05, max_buffered_points=100)
         logger.log_params({"first": 0})
         while not logger.stats.failed_sends:  # contact is lost: what follows is buffered
             time.sleep(0.01)
@@ -201,17 +181,13 @@ def test_a_long_outage_keeps_only_the_newest_points_within_the_cap_and_every_par
         failed = logger.stats.failed_sends
         while logger.stats.failed_sends < failed + 2:  # two more retries with everything buffered
             time.sleep(0.05)
-        _Flaky.down.clear()
-        assert logger.close(60)
     finally:
-        server.shutdown()
-        server.server_close()
-    points = [m for path, body in _Flaky.bodies if path.endswith("runs/log-batch")
-              for m in json.loads(body).get("metrics", [])]
-    params = {p["key"] for path, body in _Flaky.bodies if path.endswith("runs/log-batch")
-              for p in json.loads(body).get("params", [])}
-    tags = {t["key"]: t["value"] for path, body in _Flaky.bodies if path.endswith("runs/log-batch")
-            for t in json.loads(body).get("tags", [])}
+        _Recorder.down.clear()
+    assert logger.close(60)
+    batches = [json.loads(body) for _, path, _, body in seen if path.endswith("runs/log-batch")]
+    points = [m for batch in batches for m in batch.get("metrics", [])]
+    params = {p["key"] for batch in batches for p in batch.get("params", [])}
+    tags = {t["key"]: t["value"] for batch in batches for t in batch.get("tags", [])}
     assert sorted(int(p["step"]) for p in points) == list(range(900, 1000))
     assert logger.stats.dropped_points == 900
     assert {"first"} | {f"p{s}" for s in range(0, 1000, 50)} <= params
