@@ -229,9 +229,8 @@ class Training:
     def loop(self) -> None:
         self.preempt.install()
         watchdog = Watchdog(self.t.hang_timeout_seconds, on_hang=self._record_hang).start()
-        if self.log:
+        if self.log:  # written with the first step's record: a store write (fsync) must not delay that step
             self.log.record.loop_start = time.time()
-            self.log.write()
         cadence = self.checkpoints.cadence
         cadence.restart_clock()
         perm_epoch, perm = -1, None

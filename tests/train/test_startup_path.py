@@ -20,6 +20,8 @@ from tests.train.conftest import ROOT, train_config
 
 # What the first step of a restarted worker does not need: each loads after it, off the training thread.
 DEFERRED = ("mlflow", "matplotlib", "psutil", "pandas", "sqlalchemy")
+# Modules a cold worker avoids altogether before its first step (np.unique imports numpy.ma).
+AVOIDED = ("numpy.ma",)
 
 
 def _worker(config: dict, *, importtime: bool = False, env: dict | None = None) -> list[str]:
@@ -88,6 +90,7 @@ def test_a_worker_imports_no_mlflow_matplotlib_or_psutil_before_its_first_step(w
     before, after = _imported(lines[:first]), _imported(lines[first:])
     assert "torch" in before
     assert not before & set(DEFERRED), f"imported before the first step: {sorted(before & set(DEFERRED))}"
+    assert not _modules(lines[:first]) & set(AVOIDED)
     assert {"mlflow", "psutil"} <= after  # the logger and the sampler did start, after it
 
 
@@ -138,6 +141,16 @@ def test_the_first_step_event_carries_the_start_up_phases_in_order(worker):
     phases = found[0]["phases"]
     order = ["imports", "process_group", "data", "build", "resume", "first_step"]
     assert [phases[p] for p in order] == sorted(phases[p] for p in order) and phases["exec"] >= 0
+
+
+def test_the_attempt_record_keeps_the_loop_start_it_writes_with_the_first_step(worker):
+    from components.core.store import open_store
+    from components.core.tracking import goodput
+
+    config, _ = worker
+    [attempt] = goodput.load_attempts(open_store(config["store"]["uri"]))
+    assert attempt.start <= attempt.loop_start <= attempt.first_step_time
+    assert attempt.phases["resume"] <= attempt.loop_start - attempt.start
 
 
 def test_system_metrics_are_sampled_through_a_short_training(worker, mlflow_server):
