@@ -48,7 +48,7 @@ def digits_splits(val_fraction: float, test_fraction: float, seed: int) -> Split
     y = y.astype(np.int64)
     rng = np.random.default_rng(seed)
     parts: dict[str, list[np.ndarray]] = {"train": [], "val": [], "test": []}
-    for label in np.unique(y):
+    for label in np.flatnonzero(np.bincount(y)):  # np.unique's, without its import of numpy.ma (~20 ms a worker)
         idx = rng.permutation(np.flatnonzero(y == label))
         n_test, n_val = round(len(idx) * test_fraction), round(len(idx) * val_fraction)
         parts["test"].append(idx[:n_test])

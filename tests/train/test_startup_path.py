@@ -20,6 +20,8 @@ from tests.train.conftest import ROOT, train_config
 
 # What the first step of a restarted worker does not need: each loads after it, off the training thread.
 DEFERRED = ("mlflow", "matplotlib", "psutil", "pandas", "sqlalchemy")
+# Modules a cold worker avoids altogether before its first step (np.unique imports numpy.ma).
+AVOIDED = ("numpy.ma",)
 
 
 def _worker(config: dict, *, importtime: bool = False, env: dict | None = None) -> list[str]:
@@ -54,24 +56,41 @@ def _imported(lines: list[str]) -> set[str]:
     return found
 
 
+# A ``sitecustomize`` the worker's interpreter imports at start-up: a line for each garbage collection,
+# saying whether torch was imported by then (whatever ran before train.py's first line does not count).
+GC_HOOK = """import gc, sys
+gc.callbacks.append(lambda phase, info: phase == "start" and print(
+    f"gc-collection: generation {info['generation']}, torch imported: {'torch' in sys.modules}", flush=True))
+"""
+
+
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory, mlflow_server) -> tuple[dict, list[str]]:
     """One world-of-one training the tests below only read: its config and its output lines, with the
-    interpreter's ``-X importtime`` lines among them; 6 s or more of steps, so that system metrics
-    are sampled at the default interval."""
+    interpreter's ``-X importtime`` lines and a line for each garbage collection among them; 6 s or
+    more of steps, so that system metrics are sampled at the default interval."""
+    hook = tmp_path_factory.mktemp("gc-hook")
+    (hook / "sitecustomize.py").write_text(GC_HOOK)
     config = _with_run(train_config(tmp_path_factory.mktemp("startup"), mlflow_server.uri, max_steps=40,
                                     checkpoint_every_steps=20, step_sleep_seconds=0.15))
-    return config, _worker(config, importtime=True)
+    return config, _worker(config, importtime=True, env={"PYTHONPATH": f"{hook}{os.pathsep}{ROOT}"})
+
+
+def _first_step(lines: list[str]) -> int:
+    """The index of the first-step event among ``lines``."""
+    first = next((i for i, line in enumerate(lines)
+                  if (e := events.read(line)) is not None and e.kind == events.Kind.FIRST_STEP), None)
+    assert first is not None, "no first-step event:\n" + "\n".join(lines[-40:])
+    return first
 
 
 def test_a_worker_imports_no_mlflow_matplotlib_or_psutil_before_its_first_step(worker):
     _, lines = worker
-    first = next((i for i, line in enumerate(lines)
-                  if (e := events.read(line)) is not None and e.kind == events.Kind.FIRST_STEP), None)
-    assert first is not None, "no first-step event:\n" + "\n".join(lines[-40:])
+    first = _first_step(lines)
     before, after = _imported(lines[:first]), _imported(lines[first:])
     assert "torch" in before
     assert not before & set(DEFERRED), f"imported before the first step: {sorted(before & set(DEFERRED))}"
+    assert not _modules(lines[:first]) & set(AVOIDED)
     assert {"mlflow", "psutil"} <= after  # the logger and the sampler did start, after it
 
 
@@ -84,8 +103,7 @@ def test_the_zygote_preloads_every_module_a_worker_imports_before_its_first_step
     """A warm worker imports nothing before its first step: whatever a cold one imports, the zygote's
     preload (and its optimiser warm-up, which imports torch._dynamo) already did."""
     _, lines = worker
-    first = next(i for i, line in enumerate(lines)
-                 if (e := events.read(line)) is not None and e.kind == events.Kind.FIRST_STEP)
+    first = _first_step(lines)
     # what the preload lacks and imports (-X importtime also lists the optional imports that failed)
     probe = ("import importlib, json, sys; from components.core.runtime import zygote as z; "
              "z.preload_modules([*z.PRELOAD, 'components.tasks.digits']); have = set(sys.modules); "
@@ -108,6 +126,14 @@ def test_the_zygote_preloads_every_module_a_worker_imports_before_its_first_step
     assert not found["missing"], f"a forked worker would still import: {found['missing']}"
 
 
+def test_a_cold_worker_collects_no_garbage_from_importing_torch_to_its_first_step_and_does_after(worker):
+    _, lines = worker
+    first = _first_step(lines)
+    collections = [(i, line) for i, line in enumerate(lines) if line.startswith("gc-collection:")]
+    assert not [line for i, line in collections if i < first and line.endswith("torch imported: True")]
+    assert [line for i, line in collections if i > first], "the collector did not run again after the first step"
+
+
 def test_the_first_step_event_carries_the_start_up_phases_in_order(worker):
     _, lines = worker
     found = [e for e in map(events.read, lines) if e is not None and e.kind == events.Kind.FIRST_STEP]
@@ -115,6 +141,16 @@ def test_the_first_step_event_carries_the_start_up_phases_in_order(worker):
     phases = found[0]["phases"]
     order = ["imports", "process_group", "data", "build", "resume", "first_step"]
     assert [phases[p] for p in order] == sorted(phases[p] for p in order) and phases["exec"] >= 0
+
+
+def test_the_attempt_record_keeps_the_loop_start_it_writes_with_the_first_step(worker):
+    from components.core.store import open_store
+    from components.core.tracking import goodput
+
+    config, _ = worker
+    [attempt] = goodput.load_attempts(open_store(config["store"]["uri"]))
+    assert attempt.start <= attempt.loop_start <= attempt.first_step_time
+    assert attempt.phases["resume"] <= attempt.loop_start - attempt.start
 
 
 def test_system_metrics_are_sampled_through_a_short_training(worker, mlflow_server):
