@@ -94,3 +94,27 @@ def test_a_shard_altered_in_place_after_latest_is_caught_by_load(tmp_path):
         reader.load(make_state(seed=3), step=2)
     assert reader.load(make_state(seed=3)).step == 1  # and locate falls back
     reader.close()
+
+
+def test_a_load_checks_the_manifest_once_and_agrees_once_on_what_to_read(tmp_path, monkeypatch):
+    root = str(tmp_path / "store")
+    state = make_state(width=16)
+    _save(root, state, step=3)
+    mgr = CheckpointManager(root)
+    reads: list[str] = []
+    listings: list[str] = []
+    agreements: list[object] = []
+    read_bytes, sizes, agree = mgr.store.read_bytes, mgr.store.sizes, mgr._agree
+    monkeypatch.setattr(mgr.store, "read_bytes", lambda key: reads.append(key) or read_bytes(key))
+    monkeypatch.setattr(mgr.store, "sizes", lambda prefix: listings.append(prefix) or sizes(prefix))
+    monkeypatch.setattr(mgr, "_agree", lambda outcome, **kw: agreements.append(outcome) or agree(outcome, **kw))
+    fresh = make_state(seed=5, width=16)
+    assert mgr.load(fresh).step == 3
+    mgr.close()
+    assert all(torch.equal(a, b) for a, b in zip(fresh.model.parameters(), state.model.parameters()))
+    # the manifest, its quarantine marker and the step's listing once each: the read lease's marker is
+    # read before the located step is checked, so the check under the lease is that same check
+    assert sum(k.endswith("/MANIFEST.json") for k in reads) == 1, reads
+    assert listings == [step_key(3)], listings
+    assert sum(k.endswith("/.metadata") for k in reads) == 1, reads
+    assert len(agreements) == 1  # the checkpoint, its manifest and its .metadata in one agreement
