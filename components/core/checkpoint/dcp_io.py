@@ -450,7 +450,8 @@ class StoreReader(StorageReader):
             for p in file_parts:
                 chunks = self.digests.covering(name, *(p.extent or (p.start, p.end)))
                 lo, hi = chunks[0][0], chunks[-1][0] + chunks[-1][1]
-                if current and lo <= chunk_end and p.start >= data_end and max(hi, chunk_end) - first <= REQUEST_BYTES + REQUEST_SLACK:
+                fits = max(hi, chunk_end) - first <= REQUEST_BYTES + REQUEST_SLACK
+                if current and lo <= chunk_end and p.start >= data_end and fits:
                     current += [bytearray(p.start - data_end), p.buf]
                     chunk_end = max(chunk_end, hi)
                 else:
