@@ -94,3 +94,47 @@ def test_a_shard_altered_in_place_after_latest_is_caught_by_load(tmp_path):
         reader.load(make_state(seed=3), step=2)
     assert reader.load(make_state(seed=3)).step == 1  # and locate falls back
     reader.close()
+
+
+def test_a_load_checks_the_manifest_once_and_agrees_once_on_what_to_read(tmp_path, monkeypatch):
+    root = str(tmp_path / "store")
+    state = make_state(width=16)
+    _save(root, state, step=3)
+    mgr = CheckpointManager(root)
+    reads: list[str] = []
+    listings: list[str] = []
+    agreements: list[object] = []
+    read_bytes, sizes, agree = mgr.store.read_bytes, mgr.store.sizes, mgr._agree
+    monkeypatch.setattr(mgr.store, "read_bytes", lambda key: reads.append(key) or read_bytes(key))
+    monkeypatch.setattr(mgr.store, "sizes", lambda prefix: listings.append(prefix) or sizes(prefix))
+    monkeypatch.setattr(mgr, "_agree", lambda outcome, **kw: agreements.append(outcome) or agree(outcome, **kw))
+    fresh = make_state(seed=5, width=16)
+    assert mgr.load(fresh).step == 3
+    mgr.close()
+    assert all(torch.equal(a, b) for a, b in zip(fresh.model.parameters(), state.model.parameters()))
+    # the manifest, its quarantine marker and the step's listing once each: the read lease's marker is
+    # read before the located step is checked, so the check under the lease is that same check
+    assert sum(k.endswith("/MANIFEST.json") for k in reads) == 1, reads
+    assert listings == [step_key(3)], listings
+    assert sum(k.endswith("/.metadata") for k in reads) == 1, reads
+    assert len(agreements) == 1  # the checkpoint, its manifest and its .metadata in one agreement
+
+
+@pytest.mark.parametrize("slack, requests", [(8000, 1), (0, 2)], ids=["within the slack: one", "no slack: two"])
+def test_a_file_read_whole_a_little_past_the_request_cap_is_one_request(tmp_path, monkeypatch, slack, requests):
+    import components.core.checkpoint.dcp_io as dcp_io
+
+    root = str(tmp_path / "store")
+    source = {f"w{i}": torch.randn(1000) for i in range(4)}  # 16000 tensor bytes plus archive records
+    _save(root, {"m": source})
+    monkeypatch.setattr(dcp_io, "REQUEST_BYTES", 16000)
+    monkeypatch.setattr(dcp_io, "REQUEST_SLACK", slack)
+    store = open_store(root)
+    ranges: list[tuple[str, int]] = []
+    read_into = store.read_into
+    monkeypatch.setattr(store, "read_into", lambda key, offset, buffer, **kw: ranges.append((key, offset))
+                        or read_into(key, offset, buffer, **kw))
+    target = {"m": {k: torch.zeros_like(v) for k, v in source.items()}}
+    CheckpointManager(store).load(target)
+    assert all(torch.equal(target["m"][k], v) for k, v in source.items())
+    assert len([key for key, _ in ranges if key.endswith(".distcp")]) == requests, ranges

@@ -46,6 +46,10 @@ from components.core.store import Store
 
 DCP_SUFFIX = ".distcp"
 PACK_BYTES = 1 << 20  # shared items smaller than this are broadcast packed together
+# How far a merged read may run past REQUEST_BYTES: a file the writer filled with FILE_BYTES of tensor bytes
+# is that plus its archive records (~1.2 KB per tensor), so a file read whole is one request (one GET)
+# instead of a full one and a few-KB tail (on moto, each ranged GET of part of an object reads all of it).
+REQUEST_SLACK = REQUEST_BYTES // 16
 
 
 def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -433,7 +437,7 @@ class StoreReader(StorageReader):
 
     def _read_all(self, parts: list[_Part]) -> None:
         """Each file's parts, by offset, merged into ranged reads of whole chunks (at most
-        REQUEST_BYTES, or one part) whose bytes between and around the parts go to scratch."""
+        REQUEST_BYTES + REQUEST_SLACK, or one part) whose bytes between and around the parts go to scratch."""
         by_file: dict[str, list[_Part]] = {}
         for p in parts:
             if (p.extent or (p.start, p.end))[1] > (p.extent or (p.start, p.end))[0]:
@@ -446,7 +450,8 @@ class StoreReader(StorageReader):
             for p in file_parts:
                 chunks = self.digests.covering(name, *(p.extent or (p.start, p.end)))
                 lo, hi = chunks[0][0], chunks[-1][0] + chunks[-1][1]
-                if current and lo <= chunk_end and p.start >= data_end and max(hi, chunk_end) - first <= REQUEST_BYTES:
+                fits = max(hi, chunk_end) - first <= REQUEST_BYTES + REQUEST_SLACK
+                if current and lo <= chunk_end and p.start >= data_end and fits:
                     current += [bytearray(p.start - data_end), p.buf]
                     chunk_end = max(chunk_end, hi)
                 else:

@@ -15,6 +15,7 @@ from components.core.checkpoint import quarantine
 from components.core.checkpoint.layout import (INFLIGHT, LATEST, MANIFEST_DIGEST, PINS, CheckpointInfo,
                                                checkpoint_steps, info_of, now, parse_manifest, parse_pin, pin_key,
                                                read_json, read_manifest_bytes, step_key)
+from components.core.checkpoint.readers import deletion_in_progress
 from components.core.checkpoint.verify import check_files, deep_verify
 from components.core.contract.errors import BadInput, CorruptCheckpoint
 from components.core.store import Store
@@ -35,6 +36,9 @@ class Locating:
             early = {p["step"] for p in pointers if isinstance(p.get("step"), int)} - set(skip) - passed
             for step in early:
                 reads.hold(step)
+            # the deletion markers of the leased steps, read before _locate checks their manifests: the
+            # handshake's order (lease, marker, check), so that the one _locate picks needs no second check
+            clear = {step for step in early if step in reads.held and not deletion_in_progress(self.store, step)}
             info = self._locate(skip=set(skip) | passed, pointers=pointers)
             for step in early:
                 if (info is None or step != info.step) and step not in reads.confirmed:
@@ -47,6 +51,10 @@ class Locating:
                     passed.clear()
                     continue
                 return None
+            last = self._last_checked
+            if info.step in clear and last is not None and last[:2] == (self.store.uri, info.step):
+                reads.confirmed.add(info.step)
+                return info
             leased = self._read_lease(self.store, info.step, lambda: self._checked(info.step), wait=False)
             if leased is not None:
                 return leased
@@ -75,6 +83,7 @@ class Locating:
             # the step was written again after a damaged one and the crash came before the pointer
             if manifest is not None and (manifest["_sha256"] == pointer.get("manifest_sha256")
                                          or MANIFEST_DIGEST in manifest):
+                self._last_checked = (self.store.uri, p, manifest)
                 return info_of(self.store, p, manifest)
         for step in reversed(checkpoint_steps(self.store)):
             if step in tried:
