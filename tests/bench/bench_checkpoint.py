@@ -28,19 +28,15 @@ Ours is a fresh ``CheckpointManager`` loading the latest checkpoint into an exis
 manifest, metadata, planning, reads, and every chunk digest checked. A restore ratio above 1.0
 means the baseline is not the limit: the row says so (a bug of the baseline until explained).
 
-Save stall: the seconds the training thread is blocked by a save, divided by a synchronous save of
-the same state (``torch.save`` to a local file, then upload to the store: what the goals are stated
-against) and, as measured rows, by our own synchronous save (``async_save=False``), three ways:
-
-- the default async save of a state with an optimizer (its parameters are the state's tensors; its
-  ``step()`` changes nothing, so timing it times the save's step pre-hook alone): ``save()``, then a
-  simulated forward and backward that reads every parameter 3 times, then ``optimizer.step()``;
-- ``save(defer_copy=True)``: ``save()``, the same forward and backward, ``wait_for_snapshot()``;
-- ``save(defer_copy=False)``: ``save()`` alone, which copies every byte; its floor is a plain copy of
-  the same bytes into pre-faulted buffers (the fastest of torch's threaded ``copy_``, one memcpy per
-  tensor, and 4 MiB slices over a thread per core): the limit row.
-
-All are interleaved, best of 3, after a warm-up save of each manager (its buffers allocated and faulted).
+Save stall: the seconds ``save()`` blocks the training thread (default async save, copy in save())
+and, with ``save(defer_copy=True)``, ``save()`` plus ``wait_for_snapshot()`` after a simulated
+forward and backward that reads every parameter 3 times, both divided by a synchronous save of the
+same state (``torch.save`` to a local file, then upload to the store: what the goal is stated
+against); both are also shown divided by our own synchronous save (``async_save=False``). The
+stall's own floor is a plain copy of the same bytes into pre-faulted buffers (the fastest of
+torch's threaded ``copy_``, one memcpy per tensor, and 4 MiB slices over a thread per core): the
+limit row. All are interleaved, best of 3,
+after a warm-up save of each manager (its buffers allocated and faulted).
 
 FSDP2 (torchrun, gloo, tests/core/fsdp_worker.py): the state saved by 2 ranks, restored by 2 and 4;
 the load's time is the slowest rank's, from after its imports; bytes read by each rank from the
@@ -143,47 +139,26 @@ def _restore_once(root: str, target: Any, cache: Path) -> float:
 
 
 # ---------------------------------------------------------------------------- save stall
-class _NoUpdate(torch.optim.Optimizer):
-    """An optimizer whose step changes nothing: timing its ``step()`` times the save's hook alone."""
-
-    def __init__(self, params: list) -> None:
-        super().__init__(params, {})
-
-    def step(self, closure: Any = None) -> None:
-        return None
-
-
 def _stall_rows(state: dict, work: Path) -> list[dict]:
-    model = torch.nn.Module()  # parameters sharing the state's memory, for the deferred copies
+    model = torch.nn.Module()  # parameters sharing the state's memory, for the deferred copy
     for name, tensor in state["model"].items():
         layer, _, attr = name.partition(".")
         child = torch.nn.Module()
         child.register_parameter(attr, torch.nn.Parameter(tensor, requires_grad=False))
         model.add_module(layer, child)
     params = list(model.parameters())
-    optimizer = _NoUpdate(params)
-    trained = {"model": model, "optimizer": optimizer}
     store = open_store(str(work / "stall-store"))
     asyncs = CheckpointManager(store, keep_last=1, owner="bench", cache_dir=work / "c1")
     deferred = CheckpointManager(str(work / "stall-deferred"), keep_last=1, owner="bench", cache_dir=work / "c2")
     sync = CheckpointManager(str(work / "stall-sync"), keep_last=1, owner="bench", async_save=False,
                              cache_dir=work / "c3")
-    in_save = CheckpointManager(str(work / "stall-in-save"), keep_last=1, owner="bench", cache_dir=work / "c4")
-    steps = {"async": 1, "deferred": 1, "sync": 1, "in-save": 1}
-    asyncs.save(1, trained)
+    steps = {"async": 1, "deferred": 1, "sync": 1}
+    asyncs.save(1, state)
     deferred.save(1, {"model": model}, defer_copy=True)
     sync.save(1, state)
-    in_save.save(1, state, defer_copy=False)
-    for mgr in (asyncs, deferred, in_save):
+    for mgr in (asyncs, deferred):
         mgr.wait()
     step_seconds: list[float] = []
-
-    def forward_backward() -> None:
-        t1 = time.perf_counter()
-        for _ in range(3):  # forward, input gradient, weight gradient: each reads every parameter
-            for p in params:
-                p.sum()
-        step_seconds.append(time.perf_counter() - t1)
 
     def torch_save_upload() -> float:
         local = work / "seed.pt"
@@ -198,32 +173,24 @@ def _stall_rows(state: dict, work: Path) -> list[dict]:
     def default_async() -> float:
         steps["async"] += 1
         t0 = time.perf_counter()
-        asyncs.save(steps["async"], trained)
-        in_call = time.perf_counter() - t0
-        forward_backward()
-        t1 = time.perf_counter()
-        optimizer.step()  # waits for the background copy (the save's step pre-hook)
-        blocked = time.perf_counter() - t1
+        asyncs.save(steps["async"], state)
+        seconds = time.perf_counter() - t0
         asyncs.wait()
-        return in_call + blocked
+        return seconds
 
     def deferred_copy() -> float:
         steps["deferred"] += 1
         t0 = time.perf_counter()
         deferred.save(steps["deferred"], {"model": model}, defer_copy=True)
-        in_call = time.perf_counter() - t0
-        forward_backward()
+        in_save = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        for _ in range(3):  # forward, input gradient, weight gradient: each reads every parameter
+            for p in params:
+                p.sum()
+        step_seconds.append(time.perf_counter() - t1)
         blocked = deferred.wait_for_snapshot()
         deferred.wait()
-        return in_call + blocked
-
-    def copy_in_save() -> float:
-        steps["in-save"] += 1
-        t0 = time.perf_counter()
-        in_save.save(steps["in-save"], state, defer_copy=False)
-        seconds = time.perf_counter() - t0
-        in_save.wait()
-        return seconds
+        return in_save + blocked
 
     def our_sync() -> float:
         steps["sync"] += 1
@@ -257,33 +224,30 @@ def _stall_rows(state: dict, work: Path) -> list[dict]:
         return min(threaded, single, time.perf_counter() - t0)
 
     times = _interleaved({"torch.save": torch_save_upload, "async": default_async, "deferred": deferred_copy,
-                          "in-save": copy_in_save, "sync": our_sync, "copy": copy_limit})
+                          "sync": our_sync, "copy": copy_limit})
     pool.shutdown()
-    for mgr in (asyncs, deferred, sync, in_save):
+    for mgr in (asyncs, deferred, sync):
         mgr.close()
     best = {k: min(v) for k, v in times.items()}
     mib = sum(t.numel() * t.element_size() for t in state["model"].values()) / 2**20
     base = (f"torch.save + upload {best['torch.save']:.3f} s, our synchronous save {best['sync']:.3f} s, "
             f"{mib:.0f} MiB")
-    behind = f"behind a {min(step_seconds) * 1e3:.0f} ms simulated forward/backward"
     return [
         _row("stall", "default async save: stall / synchronous save (torch.save + upload)",
-             best["async"] / best["torch.save"],
-             f"save() + optimizer.step()'s wait {best['async'] * 1e3:.2f} ms {behind}; {base}"),
+             best["async"] / best["torch.save"], f"save() blocked {best['async'] * 1e3:.1f} ms; {base}"),
         _row(None, "default async save: stall / our synchronous save", best["async"] / best["sync"],
-             f"save() + optimizer.step()'s wait {best['async'] * 1e3:.2f} ms; {base}"),
-        _row("deferred", "deferred copy: stall / synchronous save (torch.save + upload)",
-             best["deferred"] / best["torch.save"],
-             f"save() + wait_for_snapshot() {best['deferred'] * 1e3:.2f} ms {behind}; {base}"),
-        _row(None, "deferred copy: stall / our synchronous save", best["deferred"] / best["sync"],
-             f"save() + wait_for_snapshot() {best['deferred'] * 1e3:.2f} ms; {base}"),
-        _row(None, "copy in save() (defer_copy=False): stall / synchronous save (torch.save + upload)",
-             best["in-save"] / best["torch.save"], f"save() blocked {best['in-save'] * 1e3:.1f} ms; {base}"),
-        _row("limit", "copy in save(): copy limit / stall (the stall's floor, same bytes)",
-             best["copy"] / best["in-save"],
+             f"save() blocked {best['async'] * 1e3:.1f} ms; {base}"),
+        _row("limit", "default async save: copy limit / stall (the stall's floor, same bytes)",
+             best["copy"] / best["async"],
              f"a plain copy of the same bytes into pre-faulted buffers {best['copy'] * 1e3:.1f} ms "
              f"({mib * 2**20 / best['copy'] / 1e9:.1f} GB/s; the fastest of torch's threaded copy_, one memcpy per "
-             f"tensor, 4 MiB slices over {os.cpu_count()} threads) vs save() {best['in-save'] * 1e3:.1f} ms"),
+             f"tensor, 4 MiB slices over {os.cpu_count()} threads) vs save() {best['async'] * 1e3:.1f} ms"),
+        _row("deferred", "deferred copy: stall / synchronous save (torch.save + upload)",
+             best["deferred"] / best["torch.save"],
+             f"save() + wait_for_snapshot() {best['deferred'] * 1e3:.2f} ms behind a "
+             f"{min(step_seconds) * 1e3:.0f} ms simulated forward/backward; {base}"),
+        _row(None, "deferred copy: stall / our synchronous save", best["deferred"] / best["sync"],
+             f"save() + wait_for_snapshot() {best['deferred'] * 1e3:.2f} ms; {base}"),
     ]
 
 

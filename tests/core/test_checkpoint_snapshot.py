@@ -1,7 +1,6 @@
-"""An async save copies the parameters and optimizer state in the background while the next step's
-forward and backward run; the optimizer's step (by default) or ``wait_for_snapshot()`` (with
-``defer_copy=True``) holds back what changes them, and the committed checkpoint holds the state of
-the step it was saved at."""
+"""An async save with ``defer_copy`` copies the parameters and optimizer state in the background while
+the next step's forward and backward run; the optimizer's step, or ``wait_for_snapshot()``, holds back
+what changes them, and the committed checkpoint holds the state of the step it was saved at."""
 
 from __future__ import annotations
 
@@ -109,59 +108,18 @@ def test_a_deferred_copy_is_finished_before_the_next_save_or_a_load(tmp_path):
     mgr.close()
 
 
-def test_by_default_the_optimizers_next_step_waits_for_the_background_copy(tmp_path):
+def test_with_a_deferred_copy_the_optimizers_next_step_waits_for_it_by_itself(tmp_path):
     width = 2048  # ~100 MB of parameters and moments: the copy still runs when save() returns
     state = _state(seed=6, width=width)
     _step(state, width)
     saved = [t.clone() for t in _tensors(state)]
     mgr = CheckpointManager(str(tmp_path / "store"), owner="snapshot-test")
-    mgr.save(1, state)  # no defer_copy, no wait_for_snapshot(): the step below must wait by itself
+    mgr.save(1, state, defer_copy=True)  # no wait_for_snapshot() below: the step must wait by itself
     _step(state, width)
     mgr.close()
 
     assert not any(torch.equal(a, b) for a, b in zip(saved, _tensors(state)))
     _assert_step_1_holds(str(tmp_path / "store"), saved, width)
-
-
-def test_by_default_what_no_optimizer_changes_is_copied_in_save_itself(tmp_path):
-    width = 1024
-    state = _state(seed=7, width=width)
-    frozen = state.model[1]
-    state.optimizer = torch.optim.AdamW(state.model[0].parameters(), lr=0.01)  # the second layer is frozen
-    _step(state, width)
-    saved = [t.clone() for t in _tensors(state)]
-    root = str(tmp_path / "store")
-    mgr = CheckpointManager(root, owner="snapshot-test")
-    mgr.save(1, state)
-    with torch.no_grad():
-        frozen.weight.add_(1.0)  # no optimizer step in between: nothing waits for a copy of it
-    mgr.close()
-
-    fresh = _state(seed=99, width=width)
-    fresh.optimizer = torch.optim.AdamW(fresh.model[0].parameters(), lr=0.01)
-    _step(fresh, width)
-    with CheckpointManager(root, owner="snapshot-test") as reader:
-        reader.load(fresh)
-    for before, got in zip(saved, _tensors(fresh), strict=True):
-        assert torch.equal(before, got)
-
-    from components.core.checkpoint.snapshot import Snapshotter
-
-    later: list = []
-    Snapshotter().take(state, later, optimizer_owned=True)
-    owned = {t.data_ptr() for t in state.model[0].parameters()}
-    owned |= {v.data_ptr() for st in state.optimizer.state.values() for v in st.values()}
-    assert {live.data_ptr() for _, live in later} == owned  # the frozen layer is not left for later
-
-    plain = {"weights": torch.randn(4 << 20)}  # a state without an optimizer
-    before = plain["weights"].clone()
-    with CheckpointManager(str(tmp_path / "plain"), owner="snapshot-test") as mgr:
-        mgr.save(1, plain)
-        plain["weights"].add_(1.0)
-    loaded = {"weights": torch.zeros(4 << 20)}
-    with CheckpointManager(str(tmp_path / "plain"), owner="snapshot-test") as reader:
-        reader.load(loaded)
-    assert torch.equal(loaded["weights"], before)
 
 
 def test_a_second_save_reuses_the_staging_buffers_and_holds_the_second_state_bitwise(tmp_path):
@@ -171,7 +129,7 @@ def test_a_second_save_reuses_the_staging_buffers_and_holds_the_second_state_bit
     state = _state(seed=4, width=width)
     _step(state, width)
     root = str(tmp_path / "store")
-    mgr = CheckpointManager(root, owner="snapshot-test", keep_last=0)  # the default: async, the optimizer's step waits
+    mgr = CheckpointManager(root, owner="snapshot-test", keep_last=0)  # the default: async, copy in save()
     mgr.save(1, state)
     first = [t.clone() for t in _tensors(state)]
     mgr.wait()

@@ -51,7 +51,7 @@ class SaveJob:
 class Committing:
     """Save and commit: :meth:`CheckpointManager.save` guards, then calls :meth:`_save`."""
 
-    def _save(self, step: int, state: Any, metrics: dict | None, epoch: int, defer_copy: bool | None) -> None:
+    def _save(self, step: int, state: Any, metrics: dict | None, epoch: int, defer_copy: bool) -> None:
         """The body of :meth:`CheckpointManager.save` (guarded by it)."""
         t0 = time.perf_counter()
         try:
@@ -68,10 +68,9 @@ class Committing:
             if epoch == 0 and hasattr(state, "epoch"):
                 epoch = int(state.epoch)
             job = SaveJob(step, int(epoch), None, {k: float(v) for k, v in (metrics or {}).items()}, t0)
-            guarded = optimizers_of(state) if self.async_save and defer_copy is None else []
-            deferred = self.async_save and (defer_copy or bool(guarded))
-            job.snapshot = self._snapshots.take(state, job.copies if deferred else None, optimizer_owned=bool(guarded))
-            for optimizer in guarded:
+            deferred = self.async_save and defer_copy
+            job.snapshot = self._snapshots.take(state, job.copies if deferred else None)
+            for optimizer in optimizers_of(state) if deferred else []:
                 self._wait_before_step(optimizer)
             import torch
 

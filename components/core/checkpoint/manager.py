@@ -2,17 +2,14 @@
 
     with CheckpointManager("s3://bucket/exp/run", keep_last=3, keep_best=1, best_metric="val_loss") as mgr:
         info = mgr.load(state)                 # newest committed checkpoint, resharded to this world
-        mgr.save(step, state, metrics={...})   # every rank; see below for when it returns
+        mgr.save(step, state, metrics={...})   # every rank; returns once the state is snapshotted to CPU
         mgr.wait()                             # the pending save is committed (or its error is raised)
 
-    By default an async save copies the small state (counters, RNG, scheduler, buffers) in ``save()``
-    and the parameters and state of ``state.optimizer`` on its background thread, overlapped with the
-    next forward and backward, which only read them; that optimizer's next ``step()`` waits for the
-    copy (a step pre-hook). Change nothing else of them in place before that step, or save with
-    ``defer_copy=False`` (everything copied in ``save()``). A trainer may defer every parameter:
+    A trainer may overlap the copy of the parameters and optimizer state with the next step:
         mgr.save(step, state, defer_copy=True) # returns once the copy is started
         forward_backward()                     # only reads what the background thread copies
-        mgr.wait_for_snapshot()                # before optimizer.step(), scheduler.step(), scaler.update()
+        mgr.wait_for_snapshot()                # before anything else changes them in place; state.optimizer's
+                                               # step() waits by itself (a step pre-hook)
 
 Every rank writes its own DCP shards straight into the store and reads only the items its load plan
 names (``dcp_io``); the manifest, the commit point, carries a digest of every chunk, checked as the
@@ -152,23 +149,17 @@ class CheckpointManager(Committing, Loading, Locating, Leasing):
 
     # ------------------------------------------------------------------ public API
     def save(self, step: int, state: Any, metrics: dict | None = None, epoch: int = 0, *,
-             defer_copy: bool | None = None) -> None:
+             defer_copy: bool = False) -> None:
         """Snapshot ``state`` to CPU and persist it as checkpoint ``step`` (every rank calls it).
 
-        Returns once the snapshot is taken (async) or the checkpoint is committed (sync). An async
-        save copies the small state (counters, RNG, scheduler, scaler, buffers) here; the rest:
-
-        - ``defer_copy=None`` (default): the parameters that the state's optimizers update, and their
-          state, are copied by the background thread while the caller runs the next forward and
-          backward, which only read them; each of those optimizers' next ``step()`` waits for the copy
-          (a step pre-hook). Anything else that changes them in place before that step must call
-          :meth:`wait_for_snapshot` first. A state without an optimizer is copied here.
-        - ``defer_copy=True``: every model parameter and the optimizer state are copied in the
-          background; the caller calls :meth:`wait_for_snapshot` before changing them in place.
-        - ``defer_copy=False``: everything is copied here.
-
-        Raises the error of the previous background save, if it failed, and BadInput when another
-        writer holds the store's lease.
+        Returns once the snapshot is taken (async) or the checkpoint is committed (sync): training may
+        change the state the moment it returns. With ``defer_copy`` (async only) it returns sooner: the
+        small state (counters, RNG, scheduler, scaler, buffers) is copied here, and the model parameters
+        and optimizer state are copied by the background thread while the caller runs the next forward
+        and backward, which only read them. The next ``step()`` of the state's optimizers waits for that
+        copy by itself (a step pre-hook); anything else that changes them in place must call
+        :meth:`wait_for_snapshot` first. Raises the error of the previous background save, if it
+        failed, and BadInput when another writer holds the store's lease.
         """
         self._guard()
         self._save(step, state, metrics, epoch, defer_copy)
@@ -191,9 +182,9 @@ class CheckpointManager(Committing, Loading, Locating, Leasing):
 
         ``save(..., defer_copy=True)`` copies the model parameters and optimizer state on its
         background thread, overlapped with the next step's forward and backward (which only read
-        them). Call this right before anything changes them in place: ``optimizer.step()``,
-        ``scheduler.step()``, ``scaler.update()``. save(), wait(), load() and close() wait for the
-        copy themselves. With no deferred copy pending it returns 0.0 at once.
+        them). Call this right before anything changes them in place; the step of an optimizer the
+        saved state names calls it itself (a step pre-hook), and save(), wait(), load() and close()
+        wait for the copy too. With no deferred copy pending it returns 0.0 at once.
         """
         job = self._pending
         if job is None or job.copied.is_set():

@@ -1,11 +1,10 @@
 """The CPU snapshot a save takes of the training state, in buffers reused from save to save.
 
-A synchronous snapshot copies every tensor in ``save()``. A deferred one copies only the small state
-there and leaves the tensors that only ``optimizer.step()`` changes in place to the save's background
-thread (:func:`copy_deferred`), overlapped with the next forward and backward: with
-``save(defer_copy=True)`` the model parameters and optimizer state (the caller waits before its
-step); by default (``defer_copy=None``, async saves) the parameters the state's optimizers update and
-their state, whose next ``step()`` waits for the copy itself (:func:`optimizers_of`).
+A synchronous snapshot copies every tensor in ``save()``. A deferred one (``save(defer_copy=True)``)
+copies only the small state there and leaves the model parameters and optimizer state, which only
+``optimizer.step()`` changes in place, to the save's background thread (:func:`copy_deferred`),
+overlapped with the next forward and backward; the optimizers' next step waits for it
+(:func:`optimizers_of` names them to the manager, which hooks their step).
 
 The buffers are allocated (and page-faulted) by the first save and reused by every later one, as
 DCP's stager keeps its CPU state dict. The copy in ``save()`` is cut into chunks that the training
@@ -162,24 +161,20 @@ def optimizers_of(state: Any) -> list[torch.optim.Optimizer]:
     return [part for part in _parts(state) if isinstance(part, torch.optim.Optimizer)]
 
 
-def _storages(state: Any, optimizer_owned: bool = False) -> set[int]:
+def _storages(state: Any) -> set[int]:
     """The storages of the model parameters and optimizer state that ``state`` names: the tensors
     that only ``optimizer.step()`` (or a load) changes in place, so a snapshot may copy them while
     the next step's forward and backward read them. Every other tensor of the state (buffers such
-    as BatchNorm statistics, which the forward updates; RNG states; extras) is copied in save().
-    ``optimizer_owned``: only the parameters in an optimizer's param groups and that optimizer's
-    state (a frozen parameter is copied in save(): nothing makes its changes wait)."""
+    as BatchNorm statistics, which the forward updates; RNG states; extras) is copied in save()."""
     import torch
     from torch.distributed.tensor import DTensor
 
     tensors: list[Any] = []
     for part in _parts(state):
-        if isinstance(part, torch.nn.Module) and not optimizer_owned:
+        if isinstance(part, torch.nn.Module):
             tensors += list(part.parameters())
         elif isinstance(part, torch.optim.Optimizer):
             tensors += [v for st in part.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-            if optimizer_owned:
-                tensors += [p for group in part.param_groups for p in group["params"]]
     out = set()
     for t in tensors:
         local = t._local_tensor if isinstance(t, DTensor) else t
@@ -202,13 +197,12 @@ class Snapshotter:
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
 
-    def take(self, state: Any, deferred: list | None = None, optimizer_owned: bool = False) -> Any:
+    def take(self, state: Any, deferred: list | None = None) -> Any:
         """A CPU copy of ``state.state_dict()`` that training can no longer change.
 
         With ``deferred`` (an async save), the copies of the model parameters and optimizer state
-        (``optimizer_owned``: only the parameters an optimizer updates, and its state) are appended
-        to it as (buffer, live tensor) for the background thread instead of made here; everything
-        else (counters, RNG states, scheduler and scaler state, buffers) is copied now.
+        are appended to it as (buffer, live tensor) for the background thread instead of made here;
+        everything else (counters, RNG states, scheduler and scaler state, buffers) is copied now.
         """
         import torch
 
@@ -217,7 +211,7 @@ class Snapshotter:
         else:
             sd = {k: (v.state_dict() if hasattr(v, "state_dict") and not isinstance(v, torch.Tensor) else v)
                   for k, v in dict(state).items()}
-        later = _storages(state, optimizer_owned) if deferred is not None else set()
+        later = _storages(state) if deferred is not None else set()
         host: list[tuple[Any, Any]] = []
         snapshot = self._copy(sd, "", torch.cuda.is_available(), later, deferred, host)
         _parallel_copy(host)
