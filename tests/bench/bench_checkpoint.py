@@ -34,8 +34,8 @@ forward and backward that reads every parameter 3 times, both divided by a synch
 same state (``torch.save`` to a local file, then upload to the store: what the goal is stated
 against); both are also shown divided by our own synchronous save (``async_save=False``). The
 stall's own floor is a plain copy of the same bytes into pre-faulted buffers (the fastest of
-torch's threaded ``copy_``, one memcpy per tensor, and 4 MiB slices over a thread per core): the
-limit row. All are interleaved, best of 3,
+torch's threaded ``copy_``, one memcpy per tensor, 4 MiB slices over a thread per core, and one
+piece per core of each tensor): the limit row. All are interleaved, best of 3,
 after a warm-up save of each manager (its buffers allocated and faulted).
 
 FSDP2 (torchrun, gloo, tests/core/fsdp_worker.py): the state saved by 2 ranks, restored by 2 and 4;
@@ -199,8 +199,8 @@ def _stall_rows(state: dict, work: Path) -> list[dict]:
         return time.perf_counter() - t0
 
     # the floor of a copy in save(): the same bytes into pre-faulted buffers, by torch's own threaded
-    # copy, by one memcpy per tensor (numpy), and by 4 MiB slices over a thread per core, whichever
-    # is fastest in each round
+    # copy, by one memcpy per tensor (numpy), by 4 MiB slices over a thread per core, and by each tensor
+    # cut into one piece per core (no per-slice hand-over), whichever is fastest in each round
     import numpy as np
 
     sources = list(state["model"].values())
@@ -208,7 +208,10 @@ def _stall_rows(state: dict, work: Path) -> list[dict]:
 
     slices = [(d.numpy()[at:at + (1 << 20)], src.numpy()[at:at + (1 << 20)])  # 4 MiB of float32
               for d, src in zip(dests, sources) for at in range(0, d.numel(), 1 << 20)]
-    pool = concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1)
+    cores = os.cpu_count() or 1
+    pieces = [(d.numpy()[at:at + -(-d.numel() // cores)], src.numpy()[at:at + -(-d.numel() // cores)])
+              for d, src in zip(dests, sources) for at in range(0, d.numel(), -(-d.numel() // cores))]
+    pool = concurrent.futures.ThreadPoolExecutor(cores)
 
     def copy_limit() -> float:
         t0 = time.perf_counter()
@@ -221,7 +224,10 @@ def _stall_rows(state: dict, work: Path) -> list[dict]:
         single = time.perf_counter() - t0
         t0 = time.perf_counter()
         list(pool.map(lambda pair: np.copyto(*pair), slices))
-        return min(threaded, single, time.perf_counter() - t0)
+        sliced = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        list(pool.map(lambda pair: np.copyto(*pair), pieces))
+        return min(threaded, single, sliced, time.perf_counter() - t0)
 
     times = _interleaved({"torch.save": torch_save_upload, "async": default_async, "deferred": deferred_copy,
                           "sync": our_sync, "copy": copy_limit})
@@ -241,7 +247,8 @@ def _stall_rows(state: dict, work: Path) -> list[dict]:
              best["copy"] / best["async"],
              f"a plain copy of the same bytes into pre-faulted buffers {best['copy'] * 1e3:.1f} ms "
              f"({mib * 2**20 / best['copy'] / 1e9:.1f} GB/s; the fastest of torch's threaded copy_, one memcpy per "
-             f"tensor, 4 MiB slices over {os.cpu_count()} threads) vs save() {best['async'] * 1e3:.1f} ms"),
+             f"tensor, 4 MiB slices and one piece per core of each tensor over {cores} threads) vs save() "
+             f"{best['async'] * 1e3:.1f} ms"),
         _row("deferred", "deferred copy: stall / synchronous save (torch.save + upload)",
              best["deferred"] / best["torch.save"],
              f"save() + wait_for_snapshot() {best['deferred'] * 1e3:.2f} ms behind a "
