@@ -175,7 +175,7 @@ def test_a_long_outage_keeps_only_the_newest_points_within_the_cap_and_every_par
         for step in range(1000):
             logger.log_metrics({"loss": float(step)}, step)
             if step % 50 == 0:
-                logger.set_tags({f"t{step}": step})
+                logger.set_tags({f"t{step}": step, "last": step})
                 logger.log_params({f"p{step}": step})  # each one closes a metrics op of its own
                 time.sleep(0.02)
         failed = logger.stats.failed_sends
@@ -193,3 +193,4 @@ def test_a_long_outage_keeps_only_the_newest_points_within_the_cap_and_every_par
     assert {"first"} | {f"p{s}" for s in range(0, 1000, 50)} <= params
     assert {f"t{s}" for s in range(0, 1000, 50)} <= tags.keys()
     assert tags["relaunch.tracking.dropped_points"] == "900"
+    assert tags["last"] == "950"  # the tags of a dropped batch went out in its place: the later value won

@@ -250,26 +250,30 @@ class RunLogger:
             print(f"relaunch: the tracking buffer holds {self.max_buffered_points} metric points: dropping the "
                   "oldest until the server is back (counted in the run's tag relaunch.tracking.dropped_points)",
                   file=sys.stderr)
-        for op in list(self._ops)[1:]:
+        for at, op in enumerate(list(self._ops)):
             if excess <= 0:
                 break
-            if op.kind != "metrics":
+            if at == 0 or op.kind != "metrics":
                 continue
-            while excess > 0 and op.payload:
-                points = len(op.payload.pop(0)[2])
-                op.points -= points
-                self._op_points -= points
-                self.stats.dropped_points += points
-                excess -= points
-            if not op.payload:
-                self._ops.remove(op)
-                if op.tags:  # the tags it carried still go out
-                    self._ops.append(_Op("tags", op.tags))
-        while excess > 0 and self._metrics:
-            points = len(self._metrics.pop(0)[2])
-            self._metric_points -= points
-            self.stats.dropped_points += points
-            excess -= points
+            dropped = self._drop_oldest(op.payload, excess)
+            op.points -= dropped
+            self._op_points -= dropped
+            excess -= dropped
+            if not op.payload:  # its tags still go out, in its place (a later value of a tag wins)
+                self._ops[at] = _Op("tags", op.tags) if op.tags else None
+        if None in self._ops:
+            self._ops = collections.deque(op for op in self._ops if op is not None)
+        self._metric_points -= self._drop_oldest(self._metrics, excess)
+
+    def _drop_oldest(self, entries: list[tuple[int, float, dict]], points: int) -> int:
+        """Drop the oldest ``entries`` (steps) until at least ``points`` points are gone; the count."""
+        dropped = count = 0
+        while dropped < points and count < len(entries):
+            dropped += len(entries[count][2])
+            count += 1
+        del entries[:count]
+        self.stats.dropped_points += dropped
+        return dropped
 
     def _sent(self, op: _Op) -> None:
         """``op`` leaves the queue, sent or refused (caller holds the lock)."""
