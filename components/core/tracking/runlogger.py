@@ -246,10 +246,9 @@ class RunLogger:
         """The server was away long: drop the oldest metric points until every buffered one (queued
         ops and new steps) fits max_buffered_points. The head op may be in flight: it stays."""
         excess = self._metric_points + self._op_points - self.max_buffered_points
-        if excess > 0 and not self.stats.dropped_points:
-            print(f"relaunch: the tracking buffer holds {self.max_buffered_points} metric points: dropping the "
-                  "oldest until the server is back (counted in the run's tag relaunch.tracking.dropped_points)",
-                  file=sys.stderr)
+        if excess <= 0:
+            return
+        dropped_before = self.stats.dropped_points
         for at, op in enumerate(list(self._ops)):
             if excess <= 0:
                 break
@@ -264,6 +263,10 @@ class RunLogger:
         if None in self._ops:
             self._ops = collections.deque(op for op in self._ops if op is not None)
         self._metric_points -= self._drop_oldest(self._metrics, excess)
+        if not dropped_before and self.stats.dropped_points:
+            print(f"relaunch: the tracking buffer holds {self.max_buffered_points} metric points: dropping the "
+                  "oldest until the server is back (counted in the run's tag relaunch.tracking.dropped_points)",
+                  file=sys.stderr)
 
     def _drop_oldest(self, entries: list[tuple[int, float, dict]], points: int) -> int:
         """Drop the oldest ``entries`` (steps) until at least ``points`` points are gone; the count."""
