@@ -138,3 +138,48 @@ def test_a_file_read_whole_a_little_past_the_request_cap_is_one_request(tmp_path
     CheckpointManager(store).load(target)
     assert all(torch.equal(target["m"][k], v) for k, v in source.items())
     assert len([key for key, _ in ranges if key.endswith(".distcp")]) == requests, ranges
+
+
+def test_a_load_asks_the_store_in_five_rounds_before_its_first_data_byte(tmp_path, monkeypatch):
+    """On S3, GCS or Azure each request costs milliseconds: requests that do not depend on each other
+    go together. The pointers (latest.json, inflight.json); the read lease; its deletion marker; the
+    manifest; then its quarantine marker, the step's listing and .metadata: 5 rounds, not 8."""
+    root = str(tmp_path / "store")
+    state = make_state(width=16)
+    _save(root, state, step=3)
+    store = open_store(root)
+    requests: list[tuple[float, float, str]] = []
+
+    def slowed(name):
+        call = getattr(store, name)
+
+        def request(key, *args, **kw):
+            started = time.monotonic()
+            time.sleep(0.2)  # a remote store's latency, far above any thread's start-up
+            try:
+                return call(key, *args, **kw)
+            finally:
+                requests.append((started, time.monotonic(), f"{name} {key}"))
+        return request
+
+    for name in ("read_bytes", "write_bytes", "sizes", "list", "exists", "etag"):
+        monkeypatch.setattr(store, name, slowed(name))
+    first_data: list[float] = []
+    read_into = store.read_into
+    monkeypatch.setattr(store, "read_into", lambda *a, **kw: first_data.append(time.monotonic()) or read_into(*a, **kw))
+    mgr = CheckpointManager(store)
+    fresh = make_state(seed=5, width=16)
+    assert mgr.load(fresh).step == 3
+    assert all(torch.equal(a, b) for a, b in zip(fresh.model.parameters(), state.model.parameters()))
+    before = sorted(r for r in requests if not first_data or r[1] <= min(first_data))
+    rounds: list[list[tuple[float, float, str]]] = []
+    for request in before:  # a request that starts after every request of the current round has ended opens the next
+        if rounds and request[0] < max(end for _, end, _ in rounds[-1]):
+            rounds[-1].append(request)
+        else:
+            rounds.append([request])
+    mgr.close()
+    named = [[what.split(" ", 1)[0] + " " + what.rsplit("/", 1)[-1] for _, _, what in r] for r in rounds]
+    assert len(rounds) == 5, named
+    assert sorted(named[0]) == ["read_bytes inflight.json", "read_bytes latest.json"], named
+    assert sorted(w.split(" ")[0] for w in named[-1]) == ["read_bytes", "read_bytes", "sizes"], named

@@ -6,13 +6,14 @@ No tensor I/O here.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import datetime as _dt
 import hashlib
 import json
 import platform
 import re
-from typing import Any
+from typing import Any, Callable
 
 from components.core.contract.errors import BadInput, CorruptCheckpoint
 from components.core.store import Store
@@ -190,6 +191,23 @@ def read_json(store: Store, key: str) -> dict[str, Any] | None:
     except (ValueError, UnicodeDecodeError):
         return None
     return value if isinstance(value, dict) else None
+
+
+def at_once(*calls: Callable[[], Any]) -> list[Any]:
+    """Run independent store requests together: one round trip instead of one each (on S3, GCS or
+    Azure a request costs milliseconds; on a filesystem microseconds, and the threads ~0.1 ms). Each
+    result is the call's value, or the Exception it raised, for the caller to raise in its order."""
+    def outcome(call: Callable[[], Any]) -> Any:
+        try:
+            return call()
+        except Exception as err:  # noqa: BLE001 - handed back to the caller, who raises it
+            return err
+
+    if len(calls) < 2:
+        return [outcome(call) for call in calls]
+    with concurrent.futures.ThreadPoolExecutor(len(calls) - 1) as pool:
+        others = [pool.submit(outcome, call) for call in calls[1:]]
+        return [outcome(calls[0])] + [future.result() for future in others]
 
 
 def write_conditional(store: Store, key: str, data: bytes, *, if_match: str | None) -> str | None:

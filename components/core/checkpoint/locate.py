@@ -12,7 +12,8 @@ import json
 from typing import Any
 
 from components.core.checkpoint import quarantine
-from components.core.checkpoint.layout import (INFLIGHT, LATEST, MANIFEST_DIGEST, PINS, CheckpointInfo,
+from components.core.checkpoint.layout import (INFLIGHT, LATEST, MANIFEST_DIGEST, METADATA, PINS, CheckpointInfo,
+                                               at_once,
                                                checkpoint_steps, info_of, now, parse_manifest, parse_pin, pin_key,
                                                read_json, read_manifest_bytes, step_key)
 from components.core.checkpoint.readers import deletion_in_progress
@@ -32,7 +33,8 @@ class Locating:
         for attempt in range(10):
             # lease the steps latest.json and inflight.json name before _locate checks them: a writer
             # faster than this reader would otherwise delete each one before its check is done
-            pointers = (read_json(self.store, LATEST) or {}, read_json(self.store, INFLIGHT) or {})
+            pointers = tuple(found or {} for found in at_once(lambda: read_json(self.store, LATEST),
+                                                              lambda: read_json(self.store, INFLIGHT)))
             early = {p["step"] for p in pointers if isinstance(p.get("step"), int)} - set(skip) - passed
             for step in early:
                 reads.hold(step)
@@ -108,16 +110,29 @@ class Locating:
         known = self._damaged.get((store.uri, step))
         if known is not None and known[0] == sha:
             raise CorruptCheckpoint(f"{uri} is damaged: {known[1]}")
-        record = quarantine.find(store, step, sha)
+        try:
+            manifest, error = parse_manifest(store, step, raw), None
+        except (CorruptCheckpoint, BadInput) as err:
+            manifest, error = None, err
+        # its quarantine marker, the listing of its files and, for a load, its .metadata: one round trip
+        calls = [lambda: quarantine.find(store, step, sha)]
+        if manifest is not None:
+            calls.append(lambda: check_files(store, step, manifest))
+            if self._loading and manifest["format_version"] >= 2:
+                calls.append(lambda: store.read_bytes(f"{step_key(step)}/{METADATA}"))
+        record, *rest = at_once(*calls)
+        if isinstance(record, Exception):
+            raise record
         if record is not None:
             raise CorruptCheckpoint(f"{uri} is quarantined as damaged since {record.get('found_at', '?')} "
                                     f"({record.get('reason', '?')})")
-        try:
-            manifest = parse_manifest(store, step, raw)
-            check_files(store, step, manifest)
-        except CorruptCheckpoint as err:
-            self._found_damaged(store, step, sha, str(err))
-            raise
+        error = error or (rest[0] if rest and isinstance(rest[0], Exception) else None)
+        if isinstance(error, CorruptCheckpoint):
+            self._found_damaged(store, step, sha, str(error))
+        if error is not None:
+            raise error
+        if len(rest) > 1:
+            self._metadata_read = (store.uri, step, sha, rest[1])
         return manifest
 
     def _checked(self, step: int, store: Store | None = None) -> CheckpointInfo:

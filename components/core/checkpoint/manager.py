@@ -109,6 +109,8 @@ class CheckpointManager(Committing, Loading, Locating, Leasing):
         # where the store refused the quarantine marker (read-only credentials)
         self._damaged: dict[tuple[str, int], tuple[str, str]] = {}
         self._last_checked: tuple[str, int, dict[str, Any]] | None = None  # (store, step, manifest) Locating checked last
+        self._loading = False  # Loading._find is locating: the manifest check reads .metadata too
+        self._metadata_read: tuple[str, int, str, Any] | None = None  # (store, step, manifest sha256, bytes or error)
         self._snapshots = Snapshotter()
         self._step_hooks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its hook's handle
         self._pending: SaveJob | None = None
