@@ -54,6 +54,7 @@ import importlib
 import json
 import os
 import pkgutil
+import re
 import shutil
 import subprocess
 import sys
@@ -114,8 +115,13 @@ def _state(total_bytes: int) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def _files(root: str, key: str) -> list[Path]:
-    """Every file of a checkpoint's folder on a filesystem store, in name order."""
-    return sorted(p for p in open_store(root).path(key).rglob("*") if p.is_file())
+    """Every file of a checkpoint's folder on a filesystem store, in the order they were written
+    (names with their numbers compared as numbers: ``__0_2`` before ``__0_10``, as our reader reads
+    them; in plain name order a cold read jumped between files laid out apart on the disk)."""
+    def natural(path: Path) -> list:
+        return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", str(path))]
+
+    return sorted((p for p in open_store(root).path(key).rglob("*") if p.is_file()), key=natural)
 
 
 def _interleaved(sides: dict[str, Callable[[], float]], rounds: int = ROUNDS) -> dict[str, list[float]]:

@@ -123,14 +123,18 @@ def shares(files: list[tuple[str, int]], parts: int) -> list[list[Piece]]:
     return out
 
 
-def split(pieces: list[Piece], threads: int, most: int = 64 << 20) -> list[Piece]:
+def split(pieces: list[Piece], threads: int, most: int = 64 << 20, slack: int = (64 << 20) // 16) -> list[Piece]:
     """``pieces`` cut so that each is at most ``most`` bytes (our reader's largest single read) and
-    ``threads`` threads all have one to read (one file alone is read by every thread, as ours may)."""
+    ``threads`` threads all have one to read (one file alone is read by every thread, as ours may).
+    A piece at most ``slack`` past the cap stays whole, as our reader reads a file whole that is a
+    little more than its request cap (a 64 MiB file of tensors plus its archive records)."""
     total = sum(p[2] for p in pieces)
     cap = max(BLOCK, min(most, -(-total // max(1, threads))))
     cap = -(-cap // BLOCK) * BLOCK
-    return [(path, offset + at, min(cap, length - at)) for path, offset, length in pieces
-            for at in range(0, length, cap)]
+    whole = cap + slack if cap >= most else cap
+    return [(path, offset + at, min(cap, length - at)) if length > whole else (path, offset, length)
+            for path, offset, length in pieces
+            for at in (range(0, length, cap) if length > whole else (0,))]
 
 
 def read_pieces(pieces: list[Piece], threads: int, buf: bytearray, block: int = BLOCK) -> None:

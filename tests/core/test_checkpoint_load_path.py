@@ -140,38 +140,46 @@ def test_a_file_read_whole_a_little_past_the_request_cap_is_one_request(tmp_path
     assert len([key for key, _ in ranges if key.endswith(".distcp")]) == requests, ranges
 
 
-def test_a_load_asks_the_store_in_five_rounds_before_its_first_data_byte(tmp_path, monkeypatch):
+class _Remote:
+    """A filesystem store seen through a latency, as the checkpoint code sees S3, GCS or Azure (not a
+    FileStore, so it takes the object-store path): every request but the data reads sleeps 0.2 s."""
+
+    SLOW = ("read_bytes", "write_bytes", "write_if_absent", "sizes", "list", "exists", "etag", "delete")
+
+    def __init__(self, inner):
+        self._inner, self.requests, self.data_reads = inner, [], []
+
+    def __getattr__(self, name):
+        attr = getattr(self._inner, name)
+        if name == "read_into":
+            return lambda *a, **kw: self.data_reads.append(time.monotonic()) or attr(*a, **kw)
+        if name not in self.SLOW:
+            return attr
+
+        def request(key, *args, **kw):
+            started = time.monotonic()
+            time.sleep(0.2)  # far above any thread's start-up, so requests made together overlap
+            try:
+                return attr(key, *args, **kw)
+            finally:
+                self.requests.append((started, time.monotonic(), f"{name} {key}"))
+        return request
+
+
+def test_a_load_asks_the_store_in_five_rounds_before_its_first_data_byte(tmp_path):
     """On S3, GCS or Azure each request costs milliseconds: requests that do not depend on each other
     go together. The pointers (latest.json, inflight.json); the read lease; its deletion marker; the
     manifest; then its quarantine marker, the step's listing and .metadata: 5 rounds, not 8."""
     root = str(tmp_path / "store")
     state = make_state(width=16)
     _save(root, state, step=3)
-    store = open_store(root)
-    requests: list[tuple[float, float, str]] = []
-
-    def slowed(name):
-        call = getattr(store, name)
-
-        def request(key, *args, **kw):
-            started = time.monotonic()
-            time.sleep(0.2)  # a remote store's latency, far above any thread's start-up
-            try:
-                return call(key, *args, **kw)
-            finally:
-                requests.append((started, time.monotonic(), f"{name} {key}"))
-        return request
-
-    for name in ("read_bytes", "write_bytes", "sizes", "list", "exists", "etag"):
-        monkeypatch.setattr(store, name, slowed(name))
-    first_data: list[float] = []
-    read_into = store.read_into
-    monkeypatch.setattr(store, "read_into", lambda *a, **kw: first_data.append(time.monotonic()) or read_into(*a, **kw))
+    store = _Remote(open_store(root))
     mgr = CheckpointManager(store)
     fresh = make_state(seed=5, width=16)
     assert mgr.load(fresh).step == 3
     assert all(torch.equal(a, b) for a, b in zip(fresh.model.parameters(), state.model.parameters()))
-    before = sorted(r for r in requests if not first_data or r[1] <= min(first_data))
+    assert store.data_reads, "the load read its data through the store"
+    before = sorted(r for r in store.requests if r[1] <= min(store.data_reads))
     rounds: list[list[tuple[float, float, str]]] = []
     for request in before:  # a request that starts after every request of the current round has ended opens the next
         if rounds and request[0] < max(end for _, end, _ in rounds[-1]):

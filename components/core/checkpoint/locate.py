@@ -33,8 +33,10 @@ class Locating:
         for attempt in range(10):
             # lease the steps latest.json and inflight.json name before _locate checks them: a writer
             # faster than this reader would otherwise delete each one before its check is done
-            pointers = tuple(found or {} for found in at_once(lambda: read_json(self.store, LATEST),
-                                                              lambda: read_json(self.store, INFLIGHT)))
+            found = at_once(self.store, lambda: read_json(self.store, LATEST), lambda: read_json(self.store, INFLIGHT))
+            for error in (f for f in found if isinstance(f, Exception)):
+                raise error
+            pointers = (found[0] or {}, found[1] or {})
             early = {p["step"] for p in pointers if isinstance(p.get("step"), int)} - set(skip) - passed
             for step in early:
                 reads.hold(step)
@@ -120,7 +122,7 @@ class Locating:
             calls.append(lambda: check_files(store, step, manifest))
             if self._loading and manifest["format_version"] >= 2:
                 calls.append(lambda: store.read_bytes(f"{step_key(step)}/{METADATA}"))
-        record, *rest = at_once(*calls)
+        record, *rest = at_once(store, *calls)
         if isinstance(record, Exception):
             raise record
         if record is not None:
