@@ -8,7 +8,7 @@ with as many downloads in flight as our reader has GETs in flight; ours is a fre
 ``CheckpointManager`` loading the latest checkpoint into an existing state (locate, manifest,
 metadata, planning, reads, every chunk digest checked). Save ratio = (raw time) / (our time): raw
 uploads blobs of the same sizes with the same concurrency; ours is a synchronous ``save()`` (the
-state's bytes, digests, metadata, manifest, latest pointer). Interleaved, best of 3 each. Azurite
+state's bytes, digests, metadata, manifest, latest pointer). Interleaved, best of 5 each. Azurite
 (Node, in memory) is the bottleneck of both sides here: the ratios say what relaunch adds on top of
 the SDK, not what Azure itself would give.
 """

@@ -13,7 +13,7 @@ server is gcp-storage-emulator behind tests/gcs_server.py's edge, reached by ``S
   ``google-cloud-storage`` client (``upload_from_string``, the same number in flight); ours is a
   synchronous ``CheckpointManager.save`` (data files, metadata, manifest, latest.json, lease).
 
-Interleaved raw, ours, raw, ours, raw, ours; the best of 3 each.
+Interleaved raw, ours, raw, ours, ...; the best of 5 each.
 """
 
 from __future__ import annotations

@@ -167,14 +167,15 @@ def read_pieces(pieces: list[Piece], threads: int, buf: bytearray, block: int = 
 
 
 class S3Reader:
-    """GETs whole objects from an S3 endpoint with plain ``http.client``, ``in_flight`` at a time,
+    """GETs whole objects from an S3 endpoint with plain ``http.client``, ``in_flight`` at a time
+    (``ranged``: each as the range of all its bytes, as our reader asks),
     each on its own kept-alive connection made before the timed region, straight from the socket into
     one pre-faulted buffer. ``objects`` are (request path, size): presigned paths (query-string
     authentication, signed before the timed region by an independent client such as boto3)."""
 
-    def __init__(self, endpoint: str, objects: list[tuple[str, int]], in_flight: int):
+    def __init__(self, endpoint: str, objects: list[tuple[str, int]], in_flight: int, ranged: bool = False):
         host = endpoint.split("://", 1)[-1].rstrip("/")
-        self.objects, self.in_flight = objects, max(1, in_flight)
+        self.objects, self.in_flight, self.ranged = objects, max(1, in_flight), ranged
         self.buffer = prefaulted(sum(size for _, size in objects))
         self._conns = [http.client.HTTPConnection(host, timeout=120) for _ in range(self.in_flight)]
         for conn in self._conns:
@@ -195,9 +196,9 @@ class S3Reader:
             with self._lock:
                 conn = self._free.pop()
             try:
-                conn.request("GET", name)
+                conn.request("GET", name, headers={"Range": f"bytes=0-{size - 1}"} if self.ranged and size else {})
                 resp = conn.getresponse()
-                if resp.status != 200:
+                if resp.status not in (200, 206):
                     raise OSError(f"GET {name.split('?')[0]}: HTTP {resp.status} {resp.read(300)!r}")
                 done = 0
                 while done < size:

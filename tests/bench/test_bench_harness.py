@@ -68,7 +68,8 @@ def test_our_reader_concurrency_is_found_where_the_checkpoint_package_defines_it
     assert threads >= 1 and in_flight >= 1
 
 
-def test_the_s3_baseline_reads_the_bytes_of_the_objects_our_store_wrote(s3_env):
+@pytest.mark.parametrize("ranged", [False, True], ids=["whole GETs", "ranged GETs"])
+def test_the_s3_baseline_reads_the_bytes_of_the_objects_our_store_wrote(s3_env, ranged):
     from components.core.store import open_store
     from tests.bench.bench_checkpoint import _presigned
 
@@ -78,7 +79,8 @@ def test_the_s3_baseline_reads_the_bytes_of_the_objects_our_store_wrote(s3_env):
     for key, data in blobs.items():
         store.write_bytes(key, data)
     objects = [(f"run/{key}", len(data)) for key, data in blobs.items()]
-    reader = rawread.S3Reader(s3_env.endpoint, _presigned(s3_env, "bench-harness", objects), in_flight=2)
+    reader = rawread.S3Reader(s3_env.endpoint, _presigned(s3_env, "bench-harness", objects), in_flight=2,
+                               ranged=ranged)
     try:
         reader.read()
         reader.read()  # the kept-alive connections serve a second round

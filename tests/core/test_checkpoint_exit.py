@@ -82,3 +82,5 @@ def test_a_pending_save_that_fails_at_exit_ends_the_process_non_zero_with_one_li
     assert len(lines) == 1 and "did not complete" in lines[0] and "went away" in lines[0], result.stderr[-3000:]
     store = open_store(root)
     assert not store.exists("checkpoints/step-000000000001/MANIFEST.json")
+    assert not store.exists(LEASE)  # the next attempt need not wait for a lease of a process that is gone
+    assert store.list(READERS + "/") == []

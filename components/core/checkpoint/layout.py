@@ -6,13 +6,13 @@ No tensor I/O here.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import datetime as _dt
 import hashlib
 import json
 import platform
 import re
+import threading
 from typing import Any, Callable
 
 from components.core.contract.errors import BadInput, CorruptCheckpoint
@@ -197,18 +197,30 @@ def at_once(store: Store, *calls: Callable[[], Any]) -> list[Any]:
     """Independent requests to ``store`` made together: one round trip instead of one each on an
     object store (milliseconds a request); one after another on a filesystem, whose requests take
     microseconds and where the threads cost more (~0.45 ms a call here). Each result is the call's
-    value, or the Exception it raised, for the caller to raise in its order."""
-    def outcome(call: Callable[[], Any]) -> Any:
+    value, or the Exception it raised, for the caller to raise in its order.
+
+    Plain threads, not an executor: a commit may run from the interpreter's exit hook (a save still
+    pending at exit), where an executor refuses new work."""
+    results: list[Any] = [None] * len(calls)
+
+    def run(i: int) -> None:
         try:
-            return call()
+            results[i] = calls[i]()
         except Exception as err:  # noqa: BLE001 - handed back to the caller, who raises it
-            return err
+            results[i] = err
 
     if len(calls) < 2 or isinstance(store, FileStore):
-        return [outcome(call) for call in calls]
-    with concurrent.futures.ThreadPoolExecutor(len(calls) - 1) as pool:
-        others = [pool.submit(outcome, call) for call in calls[1:]]
-        return [outcome(calls[0])] + [future.result() for future in others]
+        for i in range(len(calls)):
+            run(i)
+        return results
+    threads = [threading.Thread(target=run, args=(i,), name="relaunch-request", daemon=True)
+               for i in range(1, len(calls))]
+    for thread in threads:
+        thread.start()
+    run(0)
+    for thread in threads:
+        thread.join()
+    return results
 
 
 def write_conditional(store: Store, key: str, data: bytes, *, if_match: str | None) -> str | None:
