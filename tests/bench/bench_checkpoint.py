@@ -39,7 +39,8 @@ against); both are also shown divided by our own synchronous save (``async_save=
 stall's own floor is a plain copy of the same bytes into pre-faulted buffers (the fastest of
 torch's threaded ``copy_``, one memcpy per tensor, 4 MiB slices over a thread per core (handed
 out by an executor, or taken in turn off a shared counter by threads started before the timed
-region), and one piece per core of each tensor): the limit row. All are interleaved, best of 5,
+region, into the bench's buffers and into the very staging buffers ``save()`` copies into), and one
+piece per core of each tensor): the limit row. All are interleaved, best of 5,
 after a warm-up save of each manager (its buffers allocated and faulted).
 
 FSDP2 (torchrun, gloo, tests/core/fsdp_worker.py): the state saved by 2 ranks, restored by 2 and 4;
@@ -226,6 +227,11 @@ def _stall_rows(state: dict, work: Path) -> list[dict]:
     pieces = [(d.numpy()[at:at + -(-d.numel() // cores)], src.numpy()[at:at + -(-d.numel() // cores)])
               for d, src in zip(dests, sources) for at in range(0, d.numel(), -(-d.numel() // cores))]
     pool = concurrent.futures.ThreadPoolExecutor(cores)
+    # the same slices into the very buffers save() copies into (the manager's staging buffers, kept
+    # from save to save): two buffers allocated alike copy 3-5 % apart here, by where their pages lie
+    staged = asyncs._snapshots._buffers
+    into_staged = [(staged[f".model.{name}"].numpy()[at:at + (1 << 20)], src.numpy()[at:at + (1 << 20)])
+                   for name, src in state["model"].items() for at in range(0, src.numel(), 1 << 20)]
 
     def copy_limit() -> float:
         t0 = time.perf_counter()
@@ -242,9 +248,9 @@ def _stall_rows(state: dict, work: Path) -> list[dict]:
         t0 = time.perf_counter()
         list(pool.map(lambda pair: np.copyto(*pair), pieces))
         per_core = time.perf_counter() - t0
-        return min(threaded, single, sliced, per_core, stolen_slices())
+        return min(threaded, single, sliced, per_core, stolen_slices(slices), stolen_slices(into_staged))
 
-    def stolen_slices() -> float:
+    def stolen_slices(work_slices: list) -> float:
         """The 4 MiB slices taken in turn (a shared counter, no executor's hand-over per slice) by
         this thread and one started before the timed region per other core."""
         turns = itertools.count()  # next() on it is atomic under the GIL
@@ -252,9 +258,9 @@ def _stall_rows(state: dict, work: Path) -> list[dict]:
 
         def work() -> None:
             for i in turns:
-                if i >= len(slices):
+                if i >= len(work_slices):
                     return
-                np.copyto(*slices[i])
+                np.copyto(*work_slices[i])
 
         helpers = [threading.Thread(target=lambda: go.wait() and work()) for _ in range(cores - 1)]
         for thread in helpers:
@@ -284,7 +290,7 @@ def _stall_rows(state: dict, work: Path) -> list[dict]:
              best["copy"] / best["async"],
              f"a plain copy of the same bytes into pre-faulted buffers {best['copy'] * 1e3:.1f} ms "
              f"({mib * 2**20 / best['copy'] / 1e9:.1f} GB/s; the fastest of torch's threaded copy_, one memcpy per "
-             f"tensor, 4 MiB slices handed out or taken in turn, and one piece per core of each tensor, over {cores} threads) vs save() "
+             f"tensor, 4 MiB slices handed out or taken in turn (also into save()'s own buffers), and one piece per core of each tensor, over {cores} threads) vs save() "
              f"{best['async'] * 1e3:.1f} ms"),
         _row("deferred", "deferred copy: stall / synchronous save (torch.save + upload)",
              best["deferred"] / best["torch.save"],
