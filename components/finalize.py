@@ -37,6 +37,7 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", state: str = "SUCCEED
     if not run_id:
         return FinalizeOutputs(run_id="", status="none")
     status = "FINISHED" if state == "SUCCEEDED" else "FAILED"
+    _deliver_pending_metrics(config, run_id)
     try:
         record_attempts(config, run_id)
     except (RelaunchError, OSError) as err:  # the store or the server is away: the run still gets its status
@@ -51,6 +52,19 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", state: str = "SUCCEED
         except (RelaunchError, OSError) as err:  # costs only a repeated evaluate/register on --resume
             print(f"finalize: {PIPELINE_FINISHED_KEY} not written: {err}", file=sys.stderr)
     return FinalizeOutputs(run_id=run_id, status=status)
+
+
+def _deliver_pending_metrics(config: RelaunchConfig, run_id: str) -> None:
+    """The metric points the training kept while the tracking server was away, sent now that it may be back."""
+    from components.core.store import open_store
+    from components.core.tracking.mlflow_tracker import deliver_pending_metrics
+
+    try:
+        store = open_store(config.store.uri)
+    except (RelaunchError, OSError) as err:  # the store is away: they stay for the next --resume
+        print(f"finalize: pending metric points not sent: {err}", file=sys.stderr)
+        return
+    deliver_pending_metrics(config, store, run_id, who="finalize")
 
 
 if __name__ == "__main__":

@@ -43,17 +43,22 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", **overrides: Any) -> 
     """
     from components.core.tracking import lineage
     from components.core.store.datasets import dataset_uri, write_dataset
-    from components.core.store.records import remember_run
-    from components.core.store import open_store
-    from components.core.tracking.client import ensure_run, tracking_uri
+    from components.core.store.records import refuse_another_identity, remember_run
+    from components.core.store import open_store, probe_writable
+    from components.core.tracking.client import ensure_run, reopen_run, tracking_uri
     from components.tasks.base import load_task
 
     config = with_pipeline_parameters(config, overrides)
     task = load_task(config.train.task, config)
     store = open_store(config.store.uri)
+    probe_writable(store)  # the first write of a pipeline: a full or read-only store ends it here, exit 2
+    _refuse_a_second_pipeline(store, pipeline_run_id)
+    refuse_another_identity(store, json.loads(config.to_json()))
     splits = task.build_splits()
     version = write_dataset(store, splits)
     run_id = ensure_run(lineage.with_run_name(config, version), pipeline_run_id=pipeline_run_id or None)
+    if config.tracking.run_id or pipeline_run_id:  # an existing run: a resume, a retried pipeline
+        reopen_run(config, run_id)
     # what `relaunch run --resume` continues; the first one stays
     remember_run(store, run_id, tracking_uri=tracking_uri(config), experiment=config.tracking.experiment)
     resolved = config.model_copy(deep=True)
@@ -63,30 +68,58 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", **overrides: Any) -> 
     uri = dataset_uri(store, version)
     lineage.log_dataset_input(resolved, run_id, splits, version, uri)
     experiment_id = lineage.describe_run(resolved, run_id, version, uri)
+    from components.core.tracking.mlflow_tracker import deliver_pending_metrics
+
+    deliver_pending_metrics(resolved, store, run_id, who="prepare")  # a resume: what an outage left unsent
     return PrepareOutputs(config_json=resolved.to_json(), run_id=run_id, dataset_version=version, dataset_uri=uri,
                           experiment_id=experiment_id)
 
 
-def check_inputs(config: RelaunchConfig) -> None:
-    """Refuse, before anything starts, what the pipeline would fail on later; reads, never writes.
+def _refuse_a_second_pipeline(store, pipeline_run_id: str) -> None:
+    """Refuse, before this pipeline writes anything, a training whose checkpoint write lease a live
+    writer of another pipeline holds (on a cluster: the same ``store.uri`` submitted twice). A holder
+    of this training's own (a retry of this pipeline run, an orphan of its earlier attempt) is left to
+    the lease, which waits for it."""
+    from components.core.checkpoint.layout import LEASE, read_json
+    from components.core.checkpoint.lease import holder_alive
+    from components.core.store.records import stored_run_id
 
-    Checks the task imports, the store answers (bucket, credentials), the tracking URI is usable, and
-    ``train.resume_from`` names a committed checkpoint (the configuration model checked the syntax of
-    every URI when it was loaded).
+    record = read_json(store, LEASE)
+    if not record or not holder_alive(record, collect=False):
+        return
+    ours = {os.environ.get("RELAUNCH_OWNER"), pipeline_run_id or None, f"run:{stored_run_id(store)}"}
+    if record.get("owner") in ours:
+        return
+    raise BadInput(f"store.uri {store.uri} is being trained by {record.get('owner')!r} (host {record.get('host')}, "
+                   f"pid {record.get('pid')}); one pipeline of a training at a time: wait for it to end or stop it, "
+                   f"or point store.uri at a new folder to start another training")
+
+
+def check_inputs(config: RelaunchConfig) -> None:
+    """Refuse, before anything starts, what the pipeline would fail on later; writes nothing but a
+    probe key it deletes.
+
+    Checks the task imports, the store answers (bucket, credentials) and honours conditional writes,
+    the tracking URI is usable, and ``train.resume_from`` names a committed checkpoint (the
+    configuration model checked the syntax of every URI when it was loaded).
 
     Raises:
         BadInput: one line naming the field and what is wrong.
+        TransientFailure: the tracking server answers /health but not its API (a line per try before).
     """
-    from components.core.store import open_store
+    from components.core.store import open_store, probe_writable
+    from components.core.store.conditional_probe import require_conditional_writes
     from components.tasks.base import load_task
 
     task = load_task(config.train.task, config)
     _check_world_sizes(config)
+    _check_tracking(config)  # first: a tracking URI that is wrong must leave the store untouched too
     try:
-        open_store(config.store.uri, retries=2, backoff=0.1)
+        store = open_store(config.store.uri, retries=2, backoff=0.1)
+        probe_writable(store)  # full or read-only (StoreUnwritable): one line, before anything is written
+        require_conditional_writes(store)
     except TransientFailure as err:
         raise BadInput(f"store.uri: {config.store.uri!r} cannot be reached ({err}); check AWS_ENDPOINT_URL") from None
-    _check_tracking(config)
     if config.train.resume_from:
         from components.core.tracking.models import verify_checkpoint_uri
 
@@ -109,13 +142,14 @@ def _check_tracking(config: RelaunchConfig) -> None:
     import urllib.request
     from pathlib import Path
 
-    from components.core.tracking.client import tracking_uri
+    from components.core.tracking.client import check_api, tracking_uri
 
     uri = tracking_uri(config)
     if uri.startswith(("http://", "https://")):
         try:
             with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=5):
-                return
+                pass
+            check_api(uri, config.tracking.experiment)  # /health may answer 200 while the API answers 500
         except urllib.error.HTTPError as err:
             if err.code in (401, 403):
                 raise BadInput(f"tracking.uri: {uri} refused the credentials (HTTP {err.code}); "

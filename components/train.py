@@ -59,8 +59,11 @@ _PROCESS_CREATED = _process_created()
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
+import json  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 from dataclasses import asdict  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -70,9 +73,11 @@ from components.core.store import records  # noqa: E402
 from components.core.tracking import goodput  # noqa: E402
 from components.core.trainer import setup  # noqa: E402
 from components.core.contract.config import RelaunchConfig, config_from_cli  # noqa: E402
-from components.core.contract.errors import Diverged, Preempted, RelaunchError, error_for  # noqa: E402
+from components.core.contract.errors import Diverged, Preempted, RelaunchError, StoreUnwritable, error_for  # noqa: E402
+from components.core.contract.classify import as_error, is_store_unwritable  # noqa: E402
+from components.core.contract.entry import report  # noqa: E402
 from components.core.contract.events import Kind, emit  # noqa: E402
-from components.core.contract.exitcodes import RETRYABLE, ExitCode  # noqa: E402
+from components.core.contract.exitcodes import PERMANENT, RETRYABLE, ExitCode  # noqa: E402
 from components.core.tracking.goodput import TrainSummary  # noqa: E402
 from components.core.trainer.health import PreemptionFlag, SpikeDetector, Watchdog, is_finite  # noqa: E402
 from components.core.trainer.injection import Injection, wrap_store  # noqa: E402
@@ -138,6 +143,27 @@ def waiting_on_peers(world_size: int):
         raise
 
 
+def local_exit_record(elastic_run_id: str) -> Path:
+    """Where a node records how an attempt ended when the store cannot take ``runs/exit.json`` (full,
+    read-only): a file of this node, read by the next attempt that the same torchrun starts here
+    (torchrun restarts a worker group whatever its exit code)."""
+    return Path(tempfile.gettempdir()) / f"relaunch-exit-{elastic_run_id}.json"
+
+
+def refuse_restart_recorded_locally(env: distr.DistEnv) -> None:
+    """The store's :func:`goodput.refuse_permanent_restart` for an ending only this node could record:
+    the restarted attempt ends at once with the same code and line (what the launcher shows is the
+    cause, not the refusal)."""
+    if env.restart_count == 0 or not env.elastic_run_id:
+        return
+    try:
+        record = json.loads(local_exit_record(env.elastic_run_id).read_text())
+    except (OSError, ValueError):
+        return
+    if record.get("exit_code") in PERMANENT:
+        raise error_for(record["exit_code"], str(record.get("reason", "")), record.get("kind", ""))
+
+
 # ------------------------------------------------------------------------------------ the training
 
 
@@ -180,10 +206,11 @@ class Training:
     # ---- set-up: build everything, then act (each part kept as soon as it exists: fail() cleans up)
 
     def setup(self) -> None:
-        from components.core.store import open_store
+        from components.core.store import UNWRITABLE_ADVICE, HintWrites, open_store, probe_writable
 
         self.env = env = distr.read_env()
         setup.check_world_size(self.config, env.world_size)
+        refuse_restart_recorded_locally(env)  # every rank of the node, before any of them waits on another
         distr.init(env, self.t.process_group_timeout_seconds)
         self.phases = {"imports": _IMPORTED - _PROCESS_START, "process_group": time.time() - _PROCESS_START}
         self.device = distr.device(env)
@@ -198,13 +225,25 @@ class Training:
         self.total_steps = self.data.total_steps
         self.parts = setup.build_model(self.config, self.task, self.device, self.total_steps, self.spikes)
         self.phases["build"] = time.time() - _PROCESS_START
+        refusal = None
         if env.is_main:
-            record = goodput.claim_attempt(self.store, _PROCESS_START, env.world_size, created=_PROCESS_CREATED)
-            self.log = goodput.AttemptLog(self.store, record)
-            self.attempt = record.attempt
-            self.run_id = resolve_run_id(self.config, self.store)
-        self.attempt, self.run_id = distr.broadcast_object((self.attempt, self.run_id))
-        self.tracker = TrainingTracker(self.config, self.store, enabled=env.is_main, run_id=self.run_id,
+            # the first writes of the training: a store that cannot take them is refused here, on every
+            # rank alike (the answer rides on the broadcast below), before anything is written
+            try:
+                probe_writable(raw_store)
+                record = goodput.claim_attempt(self.store, _PROCESS_START, env.world_size, created=_PROCESS_CREATED)
+                self.log = goodput.AttemptLog(HintWrites(self.store), record)
+                self.attempt = record.attempt
+                self.run_id = resolve_run_id(self.config, self.store)
+            except Exception as err:  # noqa: BLE001 - classified: anything but an unwritable store is raised
+                if not is_store_unwritable(err):
+                    raise
+                refusal = str(err) if isinstance(err, StoreUnwritable) else (
+                    f"store {raw_store.uri} cannot be written: {as_error(err)}; {UNWRITABLE_ADVICE}")
+        self.attempt, self.run_id, refusal = distr.broadcast_object((self.attempt, self.run_id, refusal))
+        if refusal is not None:
+            raise StoreUnwritable(refusal)
+        self.tracker = TrainingTracker(self.config, HintWrites(self.store), enabled=env.is_main, run_id=self.run_id,
                                        attempt=self.attempt)
         manager = setup.open_checkpoints(self.config, self.store, self.run_id, self.parts.module)
         self.checkpoints = TrainerCheckpoints(
@@ -365,7 +404,7 @@ class Training:
     # ---- endings
 
     def finish(self) -> TrainSummary:
-        self.checkpoints.save(self.step, wait=True)
+        self.checkpoints.save(self.step, wait=True, final=True)
         self.preempt.uninstall()
         self.final_metrics = self.checkpoints.evaluate()
         self.checkpoints.close()
@@ -384,7 +423,9 @@ class Training:
         err = self._cause_of(err)
         main = self.env is not None and self.env.is_main and self.store is not None
         if main:  # first, before torchrun (told by a faster rank) stops us: the launcher reads this
-            goodput.write_exit_record(self.store, self.attempt, err.exit_code, str(err), self.env.elastic_run_id)
+            self._record_exit(err)
+        elif isinstance(err, StoreUnwritable) and self.env is not None and self.env.local_rank == 0:
+            self._record_exit_locally(err)  # this node's next attempt must not start again
         told_to_go = self.preempt.raised and not isinstance(err, Preempted)
         self.preempt.uninstall()  # a C-level wait in the checkpoint's close must stay killable
         status = "KILLED" if isinstance(err, Preempted) else None if err.exit_code in RETRYABLE else "FAILED"
@@ -406,6 +447,23 @@ class Training:
                 self.preempt.uninstall()
         raise err
 
+    def _record_exit(self, err: RelaunchError) -> None:
+        """Rank 0: ``runs/exit.json``; where the store cannot take it, this node's file (and the exit
+        event and the line on stderr say how the attempt ended to the launcher)."""
+        try:
+            goodput.write_exit_record(self.store, self.attempt, err.exit_code, str(err), self.env.elastic_run_id)
+        except Exception as write_err:  # noqa: BLE001 - classified: only an unwritable store is expected
+            if not is_store_unwritable(write_err):
+                raise
+            self._record_exit_locally(err)
+
+    def _record_exit_locally(self, err: RelaunchError) -> None:
+        if not self.env.elastic_run_id:
+            return
+        with contextlib.suppress(OSError):
+            local_exit_record(self.env.elastic_run_id).write_text(json.dumps(
+                {"exit_code": int(err.exit_code), "kind": type(err).kind, "reason": str(err), "time": time.time()}))
+
     def _summary(self, code: int, reason: str, report: dict | None = None) -> TrainSummary:
         summary = goodput.summarize(
             self.store if self.env.is_main else None, code, reason, run_id=self.run_id, attempt=self.attempt,
@@ -413,7 +471,11 @@ class Training:
             total_steps=self.total_steps, train_seconds=self.train_seconds, report=report,
             final_metrics=self.final_metrics)
         if self.env.is_main:
-            goodput.record_ending(self.store, summary, self.env.elastic_run_id)
+            try:
+                goodput.record_ending(self.store, summary, self.env.elastic_run_id)
+            except Exception as err:  # noqa: BLE001 - classified: a store that cannot be written keeps no records
+                if not is_store_unwritable(err):
+                    raise
             emit(Kind.SUMMARY, **asdict(summary))
         return summary
 
@@ -432,10 +494,10 @@ def run(config: RelaunchConfig) -> TrainSummary:
     except Exception as err:
         if isinstance(err, torch.distributed.DistError):  # another rank died, outside waiting_on_peers
             return training.fail(PeerFailure(err))
-        # a bug: record it as exit 1 (permanent), then let the traceback show
-        bug = RelaunchError(f"unhandled {type(err).__name__}: {err}")
+        # recorded with the contract's code for it (a bug 1, a server's 503 138, ...), then the entry
+        # wrapper ends the process with the same code and line as any other entry point
         try:
-            training.fail(bug)
+            training.fail(as_error(err))
         except RelaunchError:
             pass
         raise
@@ -455,11 +517,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(config_from_cli(args.config, args.config_json, args.overrides))
         return int(ExitCode.OK)
-    except RelaunchError as err:
-        print(f"train[rank {rank}]: error: {err}", file=sys.stderr, flush=True)
+    except Exception as err:  # noqa: BLE001 - the one entry wrapper's code and line
+        failure = report(f"train[rank {rank}]", err)
         if rank == "0":
-            emit(Kind.EXIT, exit_code=int(err.exit_code), reason=str(err))
-        return int(err.exit_code)
+            emit(Kind.EXIT, exit_code=failure.exit_code, reason=failure.message)
+        return failure.exit_code
 
 
 if __name__ == "__main__":

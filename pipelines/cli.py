@@ -2,6 +2,7 @@
 
     relaunch run [--config FILE] [--set key=value ...] [--inject-failure kill-worker@step=N]
     relaunch checkpoints list|latest|verify --store URI [--json]
+    relaunch trainings [--store URI] [--json]
     relaunch compile --target kfp|argo|argo-template|argo-cron -o FILE
     relaunch submit --target kfp|argo        relaunch schedule --target kfp|argo --cron EXPR
     relaunch render pytorchjob|trainjob|trainingruntime|slurm -o FILE
@@ -17,11 +18,12 @@ import argparse
 import importlib
 import sys
 
-from components.core.contract.errors import exit_on_error
+from components.core.contract.entry import exit_on_error
 
 COMMANDS: dict[str, str] = {
     "run": "run the whole pipeline on this machine (kfp.local)",
     "checkpoints": "list, locate and verify committed checkpoints in a store",
+    "trainings": "list the trainings of a store with their state (running, interrupted, trained, finished)",
     "compile": "compile the pipeline for Kubeflow Pipelines or Argo Workflows",
     "submit": "submit one pipeline run to a cluster",
     "schedule": "create a recurring run on a cluster",

@@ -2,8 +2,9 @@
 
 A lightweight component's body is only ``from pipelines.kfp_entry import call`` and
 ``return call("<step>", config_json, **inputs)``; this turns the JSON configuration into the model,
-runs the step, and returns its outputs as the tuple KFP expects (fields in declaration order). A
-:class:`RelaunchError` becomes one line on stderr and the process exits with its code (KFP's
+runs the step, and returns its outputs as the tuple KFP expects (fields in declaration order). Any
+error becomes one line on stderr and the process exits with its contract code (the one entry wrapper,
+:mod:`components.core.contract.entry`, as ``python -m components.<step>`` does) (KFP's
 executor does not catch ``SystemExit``, and ``sh -c`` passes the code on), so the local
 runner (and a reader of the pod's log) can tell a permanent failure from a retryable one. When
 ``RELAUNCH_EVENTS`` names a file (``relaunch run`` sets it), the ``step-start`` and ``step-end``
@@ -23,7 +24,6 @@ import importlib
 import logging
 import os
 import sys
-import traceback
 from typing import Any
 
 from components import STEP_MODULES
@@ -61,7 +61,6 @@ def call(step: str, config_json: str, **inputs: Any) -> tuple:
     """Run step ``step`` on the configuration ``config_json``; exit with the contract's code on error."""
     from components.core.runtime import warm
     from components.core.contract.config import RelaunchConfig
-    from components.core.contract.errors import RelaunchError
 
     global _ends_without_teardown
     if _in_kfp_executor() and not _ends_without_teardown and not warm.forked:  # a warm fork ends so itself
@@ -72,13 +71,11 @@ def call(step: str, config_json: str, **inputs: Any) -> tuple:
         config = RelaunchConfig.from_json(config_json)
         logs.configure(config, role=step)
         outputs = importlib.import_module(STEP_MODULES[step]).run(config, **inputs)
-    except RelaunchError as err:
-        _fail(step, int(err.exit_code), str(err))
-    except Exception as err:  # not the contract's: keep the traceback in the step's log, exit as classified
-        from components.core.contract.classify import classify
+    except Exception as err:  # noqa: BLE001 - the one entry wrapper's code and line, as `python -m` ends
+        from components.core.contract.entry import report
 
-        traceback.print_exc()
-        _fail(step, classify(err), f"{type(err).__name__}: {err}")
+        failure = report(step, err)
+        _fail(step, failure.exit_code, failure.message)
     values = dataclasses.asdict(outputs)
     events.write(Kind.STEP_END, step=step, exit_code=0, outputs=values)
     return tuple(values.values())
@@ -87,5 +84,4 @@ def call(step: str, config_json: str, **inputs: Any) -> tuple:
 def _fail(step: str, code: int, message: str) -> None:
     _failed_with.append(code)
     events.write(Kind.STEP_END, step=step, exit_code=int(code), message=message)
-    print(f"{step}: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(code)

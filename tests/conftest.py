@@ -72,7 +72,7 @@ def mlflow_server(postgres):
     server.stop()
 
 
-from tests.gcs_server import gcs_env, gcs_server  # noqa: E402,F401 - the GCS emulator fixtures
+from tests.gcs_server import gcs_env, gcs_server, ignoring_gcs_server  # noqa: E402,F401 - the GCS servers
 @pytest.fixture(scope="session")
 def azurite():
     """One Azurite blob server per session (tests/azure_server.py; skipped without npm unless CI)."""

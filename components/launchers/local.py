@@ -34,11 +34,12 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from components.core.contract import events
 from components.core.contract.config import RelaunchConfig
 from components.core.contract.events import Kind
-from components.core.contract.exitcodes import ExitCode
+from components.core.contract.exitcodes import ExitCode, is_retryable
 from components.core.runtime import warm as runtime_warm
 from components.core.runtime.net import free_port
 from components.core.runtime.zygote import Zygote, client_command
@@ -49,6 +50,9 @@ from components.launchers.torchrun import exit_code
 
 _TORCHRUN_EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
 AGENT_GRACE_SECONDS = 30.0  # once one agent ended badly, how long the others get to notice
+AGENT_STOP_SECONDS = 15.0  # a hung or timed-out group: from SIGTERM to SIGKILL
+PERMANENT_EXIT_GRACE_SECONDS = 0.0  # rank 0 said so after its records: a torchrun restart (~1 s away) cannot help
+STOP_MARGIN_SECONDS = 5.0  # beyond the preemption grace: how long preempted agents get to end
 
 
 COLD_ENV = "RELAUNCH_COLD"
@@ -80,8 +84,11 @@ def launch(config: RelaunchConfig, *, pipeline_run_id: str, resume_from: str | N
         agents = [_start(cmd, node, zygote_envs[node] if warm else {}) for node, cmd in enumerate(commands)]
         for node, agent in enumerate(agents):
             threading.Thread(target=watch.follow, args=(agent, node), daemon=True, name=f"agent-{node}-reader").start()
-        codes, timed_out = _wait(agents, config.launch.timeout_seconds)
-    watch.close()
+        try:
+            codes, timed_out = _wait(agents, config.launch.timeout_seconds,
+                                     config.train.preempt_grace_seconds + STOP_MARGIN_SECONDS, watch.ended_for_good)
+        finally:  # stopped too: the agents' last lines (the preempted attempt's summary) still go out
+            watch.close()
     duration = time.time() - started
     if timed_out:
         return LaunchResult(ExitCode.RETRY_ME, f"training did not finish within launch.timeout_seconds="
@@ -118,22 +125,31 @@ def _start(cmd: list[str], node: int, zygote_env: dict[str, str]) -> subprocess.
                             start_new_session=True)
 
 
-def _wait(agents: list[subprocess.Popen], timeout: float) -> tuple[list[int], bool]:
-    """Wait for every agent; once one fails, the others get a grace period, then are stopped."""
+def _wait(agents: list[subprocess.Popen], timeout: float, stop_grace: float = AGENT_STOP_SECONDS,
+          ended_for_good: Callable[[], bool] = lambda: False) -> tuple[list[int], bool]:
+    """Wait for every agent; once one fails, the others get a grace period, then are stopped; once
+    ``ended_for_good`` (rank 0 said it ended with a permanent code, which torchrun would restart
+    anyway), they are stopped after a short grace. When this step is stopped itself, its agents get
+    SIGTERM, then SIGKILL after ``stop_grace`` (the preemption grace and a margin: their preemption
+    checkpoint commits)."""
     deadline = time.monotonic() + timeout
     failed_at: float | None = None
+    given_up_at: float | None = None
     previous = signal.signal(signal.SIGTERM, _raise_preempted) if threading.current_thread() is threading.main_thread() else None
     try:
         while any(a.poll() is None for a in agents):
             now = time.monotonic()
             if failed_at is None and any(a.poll() not in (None, 0) for a in agents):
                 failed_at = now
-            if now > deadline or (failed_at is not None and now - failed_at > AGENT_GRACE_SECONDS):
-                _stop(agents)
+            if given_up_at is None and ended_for_good():
+                given_up_at = now
+            if now > deadline or (failed_at is not None and now - failed_at > AGENT_GRACE_SECONDS) \
+                    or (given_up_at is not None and now - given_up_at > PERMANENT_EXIT_GRACE_SECONDS):
+                _stop(agents, AGENT_STOP_SECONDS)
                 return [a.wait() for a in agents], now > deadline
             time.sleep(0.2)
     except BaseException:  # SIGTERM/Ctrl-C of the launch step: take the agents down with us
-        _stop(agents)
+        _stop(agents, stop_grace)
         raise
     finally:
         if previous is not None:
@@ -147,8 +163,8 @@ def _raise_preempted(signum, frame) -> None:
     raise Preempted("the launch step was sent SIGTERM; stopped the training (its last checkpoint stands)")
 
 
-def _stop(agents: list[subprocess.Popen]) -> None:
-    for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
+def _stop(agents: list[subprocess.Popen], grace: float) -> None:
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
         for a in agents:
             if a.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -180,6 +196,13 @@ class _Watch:
     _attempts: set = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _readers: list[threading.Thread] = field(default_factory=list)
+
+    def ended_for_good(self) -> bool:
+        """Rank 0 of the latest attempt said it ended with a permanent code (bad input, an unwritable
+        store, a divergence, a bug): restarting the group cannot help."""
+        with self._lock:
+            code = self.rank0_exit.get("exit_code") if self.rank0_exit is not None else None
+        return isinstance(code, int) and code != ExitCode.OK and not is_retryable(code)
 
     def follow(self, proc: subprocess.Popen, node: int) -> None:
         self._readers.append(threading.current_thread())

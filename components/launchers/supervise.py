@@ -17,7 +17,8 @@ import sys
 import time
 
 from components.core.contract.config import RelaunchConfig
-from components.core.contract.errors import BadInput, exit_on_error
+from components.core.contract.entry import exit_on_error
+from components.core.contract.errors import BadInput
 from components.core.runtime import logs
 from components.launchers.torchrun import exit_code
 

@@ -48,7 +48,7 @@ def exit_code(config: RelaunchConfig, returncode: int, started_at: float, *, rep
 def main(argv: list[str] | None = None) -> int:
     """``--map-exit RC``: exit with the contract's code for a torchrun that ended with RC (Slurm script)."""
     from components.core.contract.config import config_from_cli
-    from components.core.contract.errors import exit_on_error
+    from components.core.contract.entry import exit_on_error
 
     parser = argparse.ArgumentParser(prog="python -m components.launchers.torchrun", description=main.__doc__)
     parser.add_argument("--config", help="YAML configuration file")

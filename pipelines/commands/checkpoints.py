@@ -8,13 +8,17 @@
     relaunch checkpoints verify --store /shared/exp --deep             # read and check every byte
     relaunch checkpoints export --store /shared/exp --to model.safetensors --format safetensors
     relaunch checkpoints import ./dcp-folder --store /shared/exp --step 5000 # adopt a dcp.save folder
+    relaunch checkpoints import ./model-and-optimizer --store /shared/imported --step 500 --config my.yaml
 
 list, latest and verify never take the write lease and never delete or overwrite a checkpoint; what
 they write is a read lease on the step they read (checkpoints/readers/, removed when they end: retention
 leaves that step alone meanwhile) and the quarantine marker of a damaged checkpoint they find
 (checkpoints/quarantine/, created only if absent; docs/checkpoint-format.md, "Quarantine"). export
 writes only its --to file; import writes one checkpoint under the write lease, or, on bad input,
-nothing (docs/checkpoint-format.md, "Other tools"). Exit 2 on bad input (malformed URI, missing
+nothing (docs/checkpoint-format.md, "Other tools"). A stock ``{"model", "optimizer"}`` without a
+training's progress is imported as the training of ``--config``/``--set`` (default: the built-in
+defaults) would have it at ``--step``: its progress, schedule and counters added, so ``--set
+train.resume_from=<its URI>`` resumes from it; one that does not fit that training's model is refused. Exit 2 on bad input (malformed URI, missing
 bucket or directory, no checkpoint to verify, a checkpoint that does not verify or is quarantined, a
 checkpoint of a newer format version, a folder that is not a DCP checkpoint, an unknown --training).
 
@@ -44,6 +48,11 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--uris", action="store_true", help="list: print only the checkpoint URIs, one a line")
     p.add_argument("--to", help="export: the file to write")
+    p.add_argument("--config", help="import: the YAML configuration of the training that is to resume from the "
+                                    "folder (default: the built-in defaults); a stock {\"model\", \"optimizer\"} "
+                                    "gets that training's progress, schedule and counters at --step")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="import: override one field of that configuration, as relaunch run --set (repeatable)")
     p.add_argument("--format", choices=["torch", "safetensors"], default="torch",
                    help="export: one torch.save file of the whole state (default), or the model's weights "
                         "as safetensors")
@@ -148,11 +157,27 @@ def _interop(args: argparse.Namespace) -> int:
             done = {"step": info.step, "uri": info.uri, "to": str(args.to), "format": args.format}
             text = f"exported checkpoint {info.uri} to {args.to} ({args.format})"
         else:
-            info = import_checkpoint(mgr, args.source, step=args.step)
+            info = import_checkpoint(mgr, args.source, step=args.step, adopt=_adopt(args))
             done = {"step": info.step, "uri": info.uri, "source": str(args.source)}
-            text = f"imported {args.source} as checkpoint {info.uri}"
+            text = (f"imported {args.source} as checkpoint {info.uri}; a training resumes from it with "
+                    f"--set train.resume_from={info.uri}")
     print(json.dumps(done, sort_keys=True) if args.json else text)
     return 0
+
+
+def _adopt(args: argparse.Namespace):
+    """import: what makes a stock ``{"model", "optimizer"}`` the state a training of ``--config``/``--set``
+    resumes from (:func:`components.core.trainer.adopt.training_state`)."""
+    from components.core.contract.config import load_config
+
+    config = load_config(args.config, args.overrides)
+
+    def adopt(state: dict, step: int, source: str):
+        from components.core.trainer.adopt import training_state
+
+        return training_state(state, config, step, source)
+
+    return adopt
 
 
 def _damaged_row(mgr, record: dict, pins: dict) -> dict:

@@ -1,4 +1,4 @@
-"""``relaunch run [--config FILE] [--set key=value ...] [--inject-failure SPEC] [--resume]``: the whole
+"""``relaunch run [--config FILE] [--set key=value ...] [--inject-failure SPEC] [--resume [--new-run]]``: the whole
 pipeline on this machine (kfp.local), with the embedded defaults unless the configuration points elsewhere.
 
     relaunch run                                      # a new training: 2 torchrun "nodes" on CPU, ./.relaunch/
@@ -19,6 +19,14 @@ that training already reached its end and its pipeline finished, it says so in o
 without starting anything; when the training reached its end but evaluate or register failed, it runs
 the pipeline again, which launches nothing and evaluates and registers the last checkpoint.
 
+One pipeline of a training at a time: each ``relaunch run`` holds its training's pipeline lock
+(:mod:`components.core.store.pipeline_lock`) from before it writes anything until its pipeline ends;
+a ``--resume`` of a training that a live ``relaunch run`` runs is refused in one line naming its pid
+and host, exit 2, nothing written. A training whose MLflow run is gone (a lost tracking database)
+is refused in one line that prints the command continuing it: ``relaunch run --resume --new-run``,
+a new MLflow run tagged with the old run's id (``relaunch.previous_run_id``) and the checkpoint it
+continues from.
+
 The configuration, its URIs and the task are checked first: bad input fails (exit 2) before anything
 starts. The exit code is the failing step's, per the exit-code contract.
 """
@@ -32,6 +40,7 @@ import sys
 import time
 
 from components.core.contract.config import RelaunchConfig, config_from_cli, with_pipeline_parameters
+from components.core.contract.errors import BadInput
 
 
 def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
@@ -44,6 +53,10 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue the newest training of the store, with its own stored configuration, instead "
                         "of starting a new one (a --set that changes what the training is is refused)")
+    p.add_argument("--new-run", action="store_true",
+                   help="with --resume: continue the training in a new MLflow run (when its own run is gone: a "
+                        "lost tracking database); the new run records the old run's id and the checkpoint it "
+                        "resumes from")
     p.add_argument("--state-dir", default=".relaunch", help="where kfp.local outputs and run logs go")
     p.add_argument("--cold", action="store_true",
                    help="start every step, torchrun agent and worker as a fresh interpreter, as a cluster does "
@@ -69,8 +82,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def interrupted(config: RelaunchConfig | None, stop) -> tuple[int, str]:
-    """The exit code and the one line of a run stopped by signal: 143 when the training committed a
-    checkpoint at the step it stopped at after the signal (its preemption checkpoint), else 130."""
+    """The exit code and the one line of a run stopped by signal, once every process of the run ended
+    (so the training's records are final): 143 when the training committed a checkpoint at the step it
+    stopped at after the signal (its preemption checkpoint), else 130. The training's MLflow run is
+    marked KILLED with the line as its reason (``relaunch.end_reason``) until a resume reopens it."""
     from components.core.contract.errors import RelaunchError
     from components.core.contract.exitcodes import ExitCode
     from components.core.store import open_store
@@ -82,37 +97,96 @@ def interrupted(config: RelaunchConfig | None, stop) -> tuple[int, str]:
     resume = "`relaunch run --resume` continues it"
     ended: dict = {}
     summary: dict = {}
+    store = None
     with contextlib.suppress(RelaunchError, OSError, ValueError):  # the store is away: the plain line
         store = open_store(config.store.uri)
         ended, summary = read_exit_record(store) or {}, read_summary(store) or {}
     after = float(ended.get("time") or 0) >= stop.at
     if after and ended.get("exit_code") == ExitCode.PREEMPTED and summary.get("exit_code") == ExitCode.PREEMPTED \
             and summary.get("last_committed_step", -1) == summary.get("last_step") >= 0:
-        return ExitCode.PREEMPTED, (f"relaunch: stopped by {name}; checkpoint at step {summary['last_step']} "
-                                    f"committed; every process of the run ended; {resume}")
-    committed = summary.get("last_committed_step", -1)
-    last = f" from its checkpoint at step {committed}" if committed is not None and committed >= 0 else ""
-    return ExitCode.INTERRUPTED, f"relaunch: stopped by {name}; every process of the run ended; {resume}{last}"
+        code, line = ExitCode.PREEMPTED, (f"relaunch: stopped by {name}; checkpoint at step {summary['last_step']} "
+                                          f"committed; every process of the run ended; {resume}")
+    else:
+        committed = summary.get("last_committed_step", -1)
+        last = f" from its checkpoint at step {committed}" if committed is not None and committed >= 0 else ""
+        code, line = ExitCode.INTERRUPTED, f"relaunch: stopped by {name}; every process of the run ended; {resume}{last}"
+    if store is not None:
+        _mark_interrupted(config, store, summary, line.removeprefix("relaunch: "))
+    return code, line
+
+
+MARK_SECONDS = 20.0
+"""How long an interrupted run waits for the tracking server to take the KILLED status."""
+
+
+def _mark_interrupted(config: RelaunchConfig, store, summary: dict, reason: str) -> None:
+    """Mark the training's MLflow run KILLED with ``reason`` (unless its pipeline had finished), within
+    :data:`MARK_SECONDS`; a server that does not answer in time leaves it as it was."""
+    import threading
+
+    from components.core.contract.errors import RelaunchError
+    from components.core.store.records import pipeline_finished, stored_run_id
+
+    with contextlib.suppress(RelaunchError, OSError, ValueError):
+        run_id = config.tracking.run_id or summary.get("run_id") or stored_run_id(store)
+        if not run_id or pipeline_finished(store, run_id):
+            return
+
+        def mark() -> None:
+            from components.core.tracking.client import mark_run_finished
+
+            with contextlib.suppress(Exception):  # the line is printed whatever the server says
+                mark_run_finished(config, run_id, "KILLED", f"interrupted: {reason}")
+
+        marking = threading.Thread(target=mark, name="relaunch-mark-interrupted", daemon=True)
+        marking.start()
+        marking.join(MARK_SECONDS)
 
 
 def _run(args: argparse.Namespace, config: RelaunchConfig, training: list[RelaunchConfig]) -> int:
     from rich.console import Console
 
     from components.prepare import check_inputs
+    from pipelines.local.interrupt import Interrupted
 
     if args.inject_failure:  # typed, like the pipeline parameter of the same name
         config = with_pipeline_parameters(config, {"inject_failure": args.inject_failure})
+    if args.new_run and not args.resume:
+        raise BadInput("--new-run goes with --resume (a new training always gets a new MLflow run)")
     check_inputs(config)
+    state_dir = _state_dir(args.state_dir)
     console = Console(file=sys.stdout)
-    if args.resume:
-        config, done, resuming = resume_training(config)
-        console.print(done or resuming, highlight=False, soft_wrap=True)
-        if done:
+    with contextlib.ExitStack() as held:  # the training's pipeline lock, released when its pipeline ends
+        try:
+            result = _run_pipeline(args, config, training, held, console, state_dir)
+        except Interrupted:
+            # kept until this process exits (then its pid is gone: stale): run() still stops what the
+            # pipeline started and marks its MLflow run, and no resume may start beside that
+            held.pop_all()
+            raise
+        if result is None:
             return 0
+    if result.exit_code:
+        print(f"relaunch: error: {result.failed_step} failed (exit {result.exit_code}): {result.message}",
+              file=sys.stderr)
+    return result.exit_code
+
+
+def _run_pipeline(args: argparse.Namespace, config: RelaunchConfig, training: list[RelaunchConfig],
+                  held: contextlib.ExitStack, console, state_dir: str):
+    """Choose the training (its pipeline lock into ``held``), say so, run its pipeline; its result, or
+    None when a resume had nothing to do."""
+    if args.resume:
+        config, done, resuming = resume_training(config, held)
+        if done:
+            console.print(done, highlight=False, soft_wrap=True)
+            return None
+        config = training_run(config, new_run=args.new_run)
+        console.print(resuming, highlight=False, soft_wrap=True)
         if args.inject_failure:  # a demo of the resumed training, not a change of what it is
             config = with_pipeline_parameters(config, {"inject_failure": args.inject_failure})
     else:
-        config = new_training(config)
+        config = new_training(config, held)
         remember_config(config)
         console.print(f"relaunch: a new training in {config.store.uri} (`relaunch run --resume` continues it)",
                       highlight=False, soft_wrap=True)
@@ -120,12 +194,19 @@ def _run(args: argparse.Namespace, config: RelaunchConfig, training: list[Relaun
     training.append(config)
     from pipelines.local.runner import render_summary, run_pipeline
 
-    result = run_pipeline(config, console=console, state_dir=args.state_dir, cold=args.cold)
+    result = run_pipeline(config, console=console, state_dir=state_dir, cold=args.cold)
     render_summary(config, result, console)
-    if result.exit_code:
-        print(f"relaunch: error: {result.failed_step} failed (exit {result.exit_code}): {result.message}",
-              file=sys.stderr)
-    return result.exit_code
+    return result
+
+
+def _state_dir(path: str) -> str:
+    """``--state-dir`` with a leading ``~`` expanded (never a folder named ``~``)."""
+    from components.core.contract.config import expand_home
+
+    try:
+        return expand_home(path)
+    except ValueError as err:
+        raise BadInput(f"--state-dir {err}") from None
 
 
 def _namespaced(config: RelaunchConfig, training: str) -> RelaunchConfig:
@@ -144,16 +225,40 @@ def trainings(config: RelaunchConfig) -> list[str]:
     return training_names(open_store(config.store.uri))
 
 
-def new_training(config: RelaunchConfig) -> RelaunchConfig:
+def new_training(config: RelaunchConfig, held: contextlib.ExitStack | None = None) -> RelaunchConfig:
     """The configuration of a new training: its own namespace under ``trainings/``, named by its UTC
-    start time (a suffix when two start in the same second); nothing is written until prepare runs."""
+    start time (a suffix when two start in the same second). With ``held``, its pipeline lock is taken
+    into it: the first thing written (two runs started in the same second get two names); without,
+    nothing is written until prepare runs."""
+    from components.core.store.pipeline_lock import TrainingInUse
+
     existing = set(trainings(config))
     name = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     candidate, n = name, 1
-    while candidate in existing:
+    while True:
+        if candidate not in existing:
+            namespaced = _namespaced(config, candidate)
+            if held is None:
+                return namespaced
+            try:
+                held.enter_context(_pipeline_lock(namespaced, candidate))
+                return namespaced
+            except TrainingInUse:
+                pass  # another new training took this name a moment ago
         n += 1
         candidate = f"{name}-{n}"
-    return _namespaced(config, candidate)
+
+
+def _pipeline_lock(config: RelaunchConfig, training: str):
+    """The pipeline lock of ``training`` (``config`` in its namespace), taken.
+
+    Raises:
+        TrainingInUse: a live ``relaunch run`` holds it (one line naming its pid and host, exit 2).
+    """
+    from components.core.store import open_store
+    from components.core.store.pipeline_lock import PipelineLock
+
+    return PipelineLock(open_store(config.store.uri), training).take()
 
 
 def remember_config(config: RelaunchConfig) -> None:
@@ -208,14 +313,17 @@ def _merge(base: dict, top: dict) -> dict:
     return out
 
 
-def resume_training(config: RelaunchConfig) -> tuple[RelaunchConfig, str, str]:
+def resume_training(config: RelaunchConfig,
+                    held: contextlib.ExitStack | None = None) -> tuple[RelaunchConfig, str, str]:
     """The configuration that continues the newest training (its stored configuration, its namespace,
     its MLflow run: :func:`stored_configuration`); a line to print instead when there is nothing to do:
     its training reached its end and its pipeline finished ("" otherwise); and the line that says what
-    the resume will do.
+    the resume will do. With ``held``, the training's pipeline lock is taken into it before anything
+    is decided (without: the choice alone, nothing written).
 
     Raises:
         BadInput: the store holds no training to resume, or the command line changes what it is.
+        TrainingInUse: a live ``relaunch run`` runs a pipeline of it (the line names its pid and host).
     """
     from components.core.contract.errors import BadInput
     from components.core.store.records import pipeline_finished, read_summary, stored_run_id
@@ -227,6 +335,8 @@ def resume_training(config: RelaunchConfig) -> tuple[RelaunchConfig, str, str]:
         raise BadInput(f"--resume: {config.store.uri} holds no training to resume; `relaunch run` starts one")
     store = open_store(_namespaced(config, names[-1]).store.uri)
     resumed = stored_configuration(config, names[-1], store)
+    if held is not None:
+        held.enter_context(_pipeline_lock(resumed, names[-1]))
     summary = read_summary(store)
     ended = reached_its_end(summary)
     if ended and pipeline_finished(store, summary.get("run_id")):
@@ -245,3 +355,67 @@ def resume_training(config: RelaunchConfig) -> tuple[RelaunchConfig, str, str]:
     unknown = "" if read_training_config(store) is not None else \
         " (it stored no configuration, from before relaunch kept one: continuing with the command line's)"
     return resumed, "", f"relaunch: resuming the training in {resumed.store.uri}{unknown}"
+
+
+def training_run(config: RelaunchConfig, *, new_run: bool = False) -> RelaunchConfig:
+    """``config`` (a resumed training's) checked against its MLflow run: unchanged when the run exists
+    (or none was opened yet); with ``new_run``, in a new MLflow run when its own is gone
+    (:func:`continue_in_a_new_run`).
+
+    Raises:
+        BadInput: its MLflow run does not exist at the tracking URI (the line prints the command that
+            continues the training: this one with ``--new-run``), or ``new_run`` when it does or when
+            the training has none yet.
+    """
+    from components.core.store import open_store
+    from components.core.tracking.client import run_exists, tracking_uri
+
+    run_id, training = config.tracking.run_id, config.store.uri.rstrip("/").rsplit("/", 1)[-1]
+    if not run_id:
+        if new_run:
+            raise BadInput("--new-run: the training has no MLflow run yet (its first pipeline opens one); "
+                           "drop --new-run")
+        return config
+    if run_exists(config, run_id):
+        if new_run:
+            raise BadInput(f"--new-run: the training's MLflow run {run_id} exists at {tracking_uri(config)}; "
+                           f"drop --new-run to continue in it")
+        return config
+    if not new_run:
+        raise BadInput(f"--resume: the MLflow run {run_id} of the training {training} does not exist at "
+                       f"{tracking_uri(config)} (its tracking database was lost or the run deleted); its "
+                       f"checkpoints are intact: `{_new_run_command()}` continues it in a new MLflow run "
+                       f"that records the old one")
+    out = config.model_copy(deep=True)
+    out.tracking.run_id = continue_in_a_new_run(config, open_store(config.store.uri), training)
+    return out
+
+
+def _new_run_command() -> str:
+    """This very command line with ``--new-run`` added: the way out printed for a lost MLflow run."""
+    import shlex
+
+    argv = [a for a in sys.argv[1:] if a != "--new-run"]
+    return shlex.join(["relaunch", *argv, "--new-run"])
+
+
+def continue_in_a_new_run(config: RelaunchConfig, store, training: str) -> str:
+    """Open a new MLflow run for the training in ``store`` whose own run is gone, tagged with the old
+    run's id and the checkpoint the training continues from, and store it as the training's run
+    (``runs/mlflow-run.json``, the old id kept in its record); its id."""
+    from components.core.checkpoint.layout import LATEST, read_json
+    from components.core.store.records import replace_run
+    from components.core.tracking.client import ensure_run, tracking_uri
+
+    old = config.tracking.run_id
+    fresh = config.model_copy(deep=True)
+    fresh.tracking.run_id = None
+    latest = read_json(store, LATEST) or {}
+    run_id = ensure_run(fresh, tags={"relaunch.previous_run_id": old, "relaunch.training": training,
+                                     "relaunch.store_uri": config.store.uri,
+                                     "relaunch.resumed_from_checkpoint":
+                                         store.uri_for(latest["path"]) if latest.get("path") else ""})
+    replace_run(store, run_id, tracking_uri=tracking_uri(config), experiment=config.tracking.experiment)
+    print(f"relaunch: the MLflow run {old} is gone; the training continues in the new MLflow run {run_id} "
+          f"(tag relaunch.previous_run_id={old})", file=sys.stderr, flush=True)
+    return run_id

@@ -10,14 +10,14 @@ import json
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from rich.markup import escape
 
 from components import EVALUATE, FINALIZE, LAUNCH, LOCATE, PREPARE, REGISTER, STEP_TABLE
 from components.core.contract.config import RelaunchConfig
 from components.core.contract.events import Event, Kind, read_file
-from components.core.contract.exitcodes import MEANING, ExitCode, is_retryable
+from components.core.contract.exitcodes import MEANING, ExitCode, is_retryable, unrecorded_end
 
 STEPS = tuple(STEP_TABLE)  # the five steps and the exit task
 
@@ -45,8 +45,14 @@ def step_outputs(step: str, values: dict[str, Any]) -> Any:
 class RunView:
     """Tails the event file: prints a line per step and draws the training's progress bar."""
 
-    def __init__(self, console, events: Path, log: Path):
+    def __init__(self, console, events: Path, log: Path,
+                 committed_steps: Callable[[int], set[int] | None] | None = None):
+        """``committed_steps``: ``attempt -> the steps it committed`` as the store records them (None
+        when unknown); without it, or when it knows nothing, an attempt's summary event says up to which
+        step its checkpoints committed."""
         self.console, self.events, self.log = console, events, log
+        self._committed_steps = committed_steps
+        self.interrupted = False  # the run was stopped (Ctrl-C): an attempt that ends now is not retried
         self.steps = {s: StepRecord() for s in STEPS}
         self.resumed: list[dict[str, Any]] = []  # each training attempt's resumed event
         self.saved: list[dict[str, Any]] = []  # each checkpoint's saving event
@@ -100,6 +106,7 @@ class RunView:
             self._print(f"  [yellow]↻[/] {ev['step']:<26} retry {ev['attempt']}/{ev['limit']} in {ev['delay']:.0f}s "
                         f"(exit {code}: {MEANING.get(code, 'unknown')})")
         elif kind == Kind.SUMMARY:
+            self.ended[int(ev.get("attempt", 0) or 0)] = {"time": ev.time, **ev.fields}  # what its saves became
             self._print_saves()
             self._attempt_end(ev)
         elif kind == Kind.RESUMED:
@@ -113,6 +120,10 @@ class RunView:
             self._unprinted_saves.append(ev)
         elif kind == Kind.PROGRESS:
             self._progress_update(ev)
+        elif kind == Kind.WAITING:  # a path or a bracket in the line: never markup
+            self._print(f"    [yellow]…[/] {escape(str(ev.get('line', '')))}")
+        elif kind in (Kind.TRACKING, Kind.STORE):  # a server's own words or a path in the line: never markup
+            self._print(f"    [yellow]![/] {escape(str(ev.get('line', '')))}")
 
     def _attempt_end(self, ev: Event) -> None:
         """``attempt 1: preempted by SIGTERM at step 31: checkpoint at step 31 committed -> exit 143, retrying``."""
@@ -122,7 +133,7 @@ class RunView:
             self._print(f"    [green]■[/] attempt {attempt} finished at step {ev.get('last_step', '?')} -> exit 0")
             return
         reason = str(ev.get("reason") or MEANING.get(code, "unknown code"))
-        after = "retrying" if is_retryable(code) else "not retried"
+        after = "stopped with the run" if self.interrupted else "retrying" if is_retryable(code) else "not retried"
         # the reason is the training's own text (a path, a bracket): never markup
         self._print(f"    [red]■[/] attempt {attempt}: {escape(reason)} -> exit {code}, {after}")
 
@@ -131,16 +142,42 @@ class RunView:
         earlier = [n for n in range(max(self.ended, default=0) + 1, attempt)
                    if n not in self.ended and any(r.get("attempt") == n for r in self.resumed)]
         for n in earlier:
-            self.ended[n] = {"exit_code": int(ExitCode.KILLED)}
-            self._print(f"    [red]■[/] attempt {n}: rank 0 ended without a word ({MEANING[ExitCode.KILLED]})"
-                        f" -> exit {int(ExitCode.KILLED)}, retrying")
+            code = unrecorded_end(None)
+            self.ended[n] = {"exit_code": code}
+            self._print(f"    [red]■[/] attempt {n}: rank 0 ended without a word ({MEANING[code]}) -> exit {code}, retrying")
 
     def _print_saves(self) -> None:
-        """One line for the checkpoints an attempt saved, once it ended (or the next one started)."""
+        """One line for the checkpoints an attempt saved, once it ended (or the next one started): the
+        steps whose checkpoint committed, and apart those whose save only started."""
         saves, self._unprinted_saves = self._unprinted_saves, []
-        if saves:
-            steps = ", ".join(str(e.get("step", "?")) for e in saves)
-            self._print(f"    [blue]↓[/] attempt {saves[0].get('attempt', '?')} saved checkpoints at step{'s' if len(saves) > 1 else ''} {steps}")
+        if not saves:
+            return
+        attempt = saves[0].get("attempt", "?")
+        committed = self._committed(attempt)
+        steps = [int(e.get("step", -1)) for e in saves]
+        done = [s for s in steps if committed is not None and s in committed]
+        started = [s for s in steps if s not in done]
+        parts = []
+        if done:
+            parts.append(f"saved checkpoints at {_steps(done)}")
+        if started:
+            unknown = committed is None
+            parts.append(f"{'started' if done else 'started checkpoints at'} {_steps(started)}"
+                         + (" (not known to have committed)" if unknown else ", not committed"))
+        self._print(f"    [blue]↓[/] attempt {attempt} {'; '.join(parts)}")
+
+    def _committed(self, attempt) -> set[int] | None:
+        """The steps ``attempt`` committed: the store's record of it, else its summary event's last
+        committed step (saves are sequential: each waits for the one before to commit); None if unknown."""
+        if self._committed_steps is not None and isinstance(attempt, int):
+            found = self._committed_steps(attempt)
+            if found is not None:
+                return found
+        ended = self.ended.get(attempt) if isinstance(attempt, int) else None
+        if ended is None or "last_committed_step" not in ended:
+            return None
+        last = int(ended.get("last_committed_step") if ended.get("last_committed_step") is not None else -1)
+        return {int(e.get("step", -1)) for e in self.saved if e.get("attempt") == attempt and int(e.get("step", -1)) <= last}
 
     def _step_end(self, rec: StepRecord, step: str, ev: Event) -> None:
         rec.seconds = ev.time - rec.started
@@ -177,6 +214,10 @@ class RunView:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+
+
+def _steps(steps: list[int]) -> str:
+    return f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}"
 
 
 def _detail(step: str, rec: StepRecord) -> str:

@@ -2,8 +2,8 @@
 ends every process the run started (steps, warm servers, torchrun agents in their own sessions,
 workers) and leaves one line, never a traceback.
 
-    with interruptible():          # SIGINT/SIGTERM raise Interrupted; this process reaps orphans
-        try:
+    with interruptible():          # SIGINT/SIGTERM raise Interrupted; this process reaps orphans;
+        try:                       # a guardian kills everything the run started if it dies (SIGKILL)
             ...                    # start the pipeline
         except Interrupted:
             stop_descendants(30)   # SIGTERM (a preemption checkpoint), then SIGKILL what is left
@@ -18,6 +18,7 @@ import ctypes
 import os
 import signal
 import time
+from typing import Iterable
 
 PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 STOP_MARGIN_SECONDS = 10.0
@@ -39,20 +40,32 @@ def interruptible():
     """While inside: SIGINT and SIGTERM raise :class:`Interrupted` (once; a second signal during the
     clean-up is ignored), and this process is the child subreaper of everything it starts (Linux
     ``PR_SET_CHILD_SUBREAPER``), so a process whose parent died (a torchrun agent of a killed launch
-    step) stays a descendant that :func:`stop_descendants` finds, instead of training on under PID 1."""
+    step) stays a descendant that :func:`stop_descendants` finds, instead of training on under PID 1.
+    A guardian (:mod:`pipelines.local.guardian`) kills every process of the run the moment this one
+    dies without the chance to do it itself (SIGKILL, OOM)."""
+    from pipelines.local.guardian import guard
 
     def handle(signum, _frame):
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
         raise Interrupted(signum)
 
+    global _guardian_pid
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    guardian = guard()
+    _guardian_pid = guardian.process.pid if guardian else None
     try:
         yield
     finally:
+        if guardian is not None:
+            guardian.close()
+            _guardian_pid = None
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+_guardian_pid: int | None = None  # the guardian of the run inside interruptible(): never stopped with the rest
 
 
 def _prctl(option: int, value: int) -> None:
@@ -61,30 +74,33 @@ def _prctl(option: int, value: int) -> None:
         libc.prctl(option, value, 0, 0, 0)
 
 
-def stop_descendants(grace_seconds: float) -> int:
-    """Stop every process this one started, however deep (steps, warm servers, torchrun agents in
-    their own sessions, workers): SIGTERM, which lets the training commit a preemption checkpoint,
-    then SIGKILL to whatever is left after ``grace_seconds``. A process that appears meanwhile (a
-    worker group restarting) is sent SIGTERM too. Returns how many processes were stopped."""
+def stop_descendants(grace_seconds: float, spare: Iterable[int] = ()) -> int:
+    """Stop every process this one started, however deep (steps, torchrun agents in their own
+    sessions, workers): SIGTERM, which lets the training commit a preemption checkpoint, then SIGKILL
+    to whatever is left after ``grace_seconds``. A process that appears meanwhile (a worker group
+    restarting) is sent SIGTERM too. The processes in ``spare`` (the warm servers, which end when
+    closed and must outlive their steps) and the run's guardian are left alone, their children are not.
+    Returns how many processes were stopped; when it returns, every process but the spared has ended."""
     import psutil
 
     me = psutil.Process()
+    spared = {*spare, *([_guardian_pid] if _guardian_pid else [])}
     signalled: dict[int, psutil.Process] = {}
     deadline = time.monotonic() + grace_seconds
     while True:
-        for child in _descendants(me):
+        for child in _descendants(me, spared):
             if child.pid not in signalled:
                 signalled[child.pid] = child
                 with contextlib.suppress(psutil.Error):
                     child.send_signal(signal.SIGTERM)
         _reap()
         alive = [p for p in signalled.values() if _running(p)]
-        if not alive and not _descendants(me):
+        if not alive and not _descendants(me, spared):
             return len(signalled)
         if time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    for child in [*alive, *_descendants(me)]:
+    for child in [*alive, *_descendants(me, spared)]:
         with contextlib.suppress(psutil.Error):
             child.kill()
     psutil.wait_procs(alive, timeout=5)
@@ -92,11 +108,11 @@ def stop_descendants(grace_seconds: float) -> int:
     return len(signalled)
 
 
-def _descendants(me) -> list:
+def _descendants(me, spared: set[int]) -> list:
     import psutil
 
     with contextlib.suppress(psutil.Error):
-        return [p for p in me.children(recursive=True) if _running(p)]
+        return [p for p in me.children(recursive=True) if p.pid not in spared and _running(p)]
     return []
 
 

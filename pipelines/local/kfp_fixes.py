@@ -9,7 +9,9 @@
    at once on a code that :func:`components.core.contract.exitcodes.is_retryable` refuses.
 3. Each task's command runs through the warm step server when ``relaunch run`` started one
    (:func:`use_warm_steps`), else as kfp.local's fresh subprocess; either way its exit code is kept
-   for fix 2 (kfp.local itself only keeps success or failure).
+   for fix 2 (kfp.local itself only keeps success or failure). Unlike kfp.local's, the fresh subprocess
+   is not waited for when the run is interrupted (its ``with Popen`` waited for the step to finish
+   before ``relaunch run`` could stop it), and its output after that goes on to the run's log.
 
 The retry loop reports ``attempt-end`` and ``retry`` events (:mod:`components.core.contract.events`) to the
 run's event file (``RELAUNCH_EVENTS``) that :mod:`pipelines.local.console` tails.
@@ -28,12 +30,29 @@ from components.core.contract.exitcodes import ExitCode, is_retryable, normalize
 
 _last_code = threading.local()
 _warm_steps = None  # the running pipelines.local.warm_steps.WarmSteps, when relaunch run started one
+_run_log = None  # the run's pipeline.log: where a step's output goes once the run was interrupted
 
 
-def use_warm_steps(warm_steps) -> None:
-    """Run each task's command through ``warm_steps`` (None: every task a fresh subprocess again)."""
-    global _warm_steps
-    _warm_steps = warm_steps
+def use_warm_steps(warm_steps, run_log=None) -> None:
+    """Run each task's command through ``warm_steps`` (None: every task a fresh subprocess again);
+    ``run_log``: the run's log, for what a step prints after the run was interrupted."""
+    global _warm_steps, _run_log
+    _warm_steps, _run_log = warm_steps, run_log
+
+
+def run_cold(full_command: list[str], env_vars: dict[str, str] | None = None) -> int:
+    """What kfp.local's ``run_local_subprocess`` does (the step as a fresh subprocess, its output echoed),
+    except that an interruption is not held up until the step ends."""
+    import os
+    import subprocess
+
+    from pipelines.local.warm_steps import relay_output
+
+    process = subprocess.Popen(full_command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                               env={**os.environ, **env_vars} if env_vars else None)
+    relay_output(process.stdout, _run_log)
+    print("\n")
+    return process.wait()
 
 
 def install_local_fixes() -> None:
@@ -44,12 +63,12 @@ def install_local_fixes() -> None:
 
     if getattr(task_executor, "_relaunch_fixed", False):
         return
-    run_subprocess, execute = sth.run_local_subprocess, task_executor.execute_single_task
+    execute = task_executor.execute_single_task
     resolve = edo.ConditionEvaluator._resolve_pipeline_channel
 
     def recording_subprocess(full_command, env_vars=None):
         code = _warm_steps.run(full_command, env_vars) if _warm_steps is not None else None
-        _last_code.value = run_subprocess(full_command, env_vars) if code is None else code
+        _last_code.value = run_cold(full_command, env_vars) if code is None else code
         return _last_code.value
 
     def resolve_channel(channel_ref: str, io_store):

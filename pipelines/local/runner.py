@@ -64,9 +64,6 @@ def run_pipeline(config: RelaunchConfig, *, console=None, state_dir: str | Path 
                                              extra_imports=(config.train.task.split(":")[0],))
     try:
         return _run_on_kfp_local(config, console, Path(state_dir), run_dir, warm_steps)
-    except Interrupted:
-        stop_descendants(config.train.preempt_grace_seconds + STOP_MARGIN_SECONDS)
-        raise
     finally:
         if warm_steps is not None:
             warm_steps.close()
@@ -85,11 +82,11 @@ def _run_on_kfp_local(config: RelaunchConfig, console, state_dir: Path, run_dir:
     install_local_fixes()
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(state_dir / "kfp-local"),
                raise_on_error=True)
-    view = RunView(console, events, run_dir / "pipeline.log")
+    view = RunView(console, events, run_dir / "pipeline.log", committed_steps=_committed_steps(config))
     started = time.time()
     previous = os.environ.get("RELAUNCH_EVENTS")
     os.environ["RELAUNCH_EVENTS"] = str(events.resolve())
-    use_warm_steps(warm_steps)
+    use_warm_steps(warm_steps, run_dir / "pipeline.log")
     view.start()
     pipeline_error = ""
     try:
@@ -97,6 +94,11 @@ def _run_on_kfp_local(config: RelaunchConfig, console, state_dir: Path, run_dir:
             build_pipeline(config)(config_json=config.to_json())
     except RuntimeError as err:  # kfp.local's "pipeline finished with status FAILURE"; the step said why
         pipeline_error = str(err)
+    except Interrupted:  # the training commits its preemption checkpoint and ends before the view's last lines
+        view.interrupted = True
+        stop_descendants(config.train.preempt_grace_seconds + STOP_MARGIN_SECONDS,
+                         spare=warm_steps.pids if warm_steps is not None else ())
+        raise
     finally:
         use_warm_steps(None)
         if previous is None:
@@ -112,3 +114,22 @@ def _run_on_kfp_local(config: RelaunchConfig, console, state_dir: Path, run_dir:
     code = 0 if failed is None else int(view.steps[failed].exit_code or ExitCode.BUG)
     return RunResult(exit_code=code, seconds=time.time() - started, steps=view.steps, run_dir=run_dir,
                      resumed=view.resumed, failed_step=failed)
+
+
+def _committed_steps(config: RelaunchConfig):
+    """``attempt -> the steps it committed`` as the store's attempt record says (None when unreadable)."""
+    def committed(attempt: int) -> set[int] | None:
+        from components.core.store import open_store
+        from components.core.store.records import attempt_key, read_json
+
+        try:
+            record = read_json(open_store(config.store.uri), attempt_key(attempt))
+        except Exception:  # noqa: BLE001 - the store is away: the view falls back to the attempt's summary
+            return None
+        if not isinstance(record, dict):
+            return None
+        steps = {int(step) for step in record.get("commits") or {}}
+        last = int(record.get("last_committed_step", -1) if record.get("last_committed_step") is not None else -1)
+        return steps | ({last} if last >= 0 else set())
+
+    return committed

@@ -2,8 +2,9 @@
 (torch with DCP) and the steps once, then fork each kfp.local step from themselves instead of kfp.local
 starting a fresh interpreter that imports them again (seconds per step on a small machine). A server
 forks only while it is single-threaded (it refuses otherwise, and the step runs cold), ignores Ctrl-C
-(the steps get it; the server reaps them and reports how they ended, 130 for an interrupted one), and
-when the run closes it, waits for the steps still running before it exits.
+and SIGTERM (the steps get them; the server reaps them and reports how they ended, 130 for an
+interrupted one), and when the run closes it, waits for the steps still running before it exits. If the
+run dies, its guardian (:mod:`pipelines.local.guardian`) kills the servers, and their children with them.
 
 kfp.local still runs the pipeline: its orchestrator resolves the inputs, builds each task's command
 and reads the outputs. :func:`pipelines.local.kfp_fixes.install_local_fixes` routes the command of a
@@ -205,6 +206,7 @@ class WarmSteps:
     def __init__(self, *, log_path: Path, extra_imports: tuple[str, ...] = ()):
         self._dir = tempfile.TemporaryDirectory(prefix="relaunch-warm-")
         self.zygote_socket = os.path.join(self._dir.name, "zygote.sock")
+        self._log_path = log_path
         with open(log_path, "a") as log:
             self._servers = {kind: WarmServer(kind, log, extra_imports,
                                               zygote_socket=self.zygote_socket if kind == "full" else None)
@@ -226,16 +228,40 @@ class WarmSteps:
         if step is None:
             os.close(read_end)
             return None
-        with open(read_end, encoding="utf-8", errors="replace") as output:
-            for line in output:
-                print(line, end="")
+        relay_output(open(read_end, encoding="utf-8", errors="replace"), self._log_path)
         print("\n")
         return step.wait()
+
+    @property
+    def pids(self) -> list[int]:
+        """The servers' pids: the run stops their steps, never them (they end when closed)."""
+        return [server.process.pid for server in self._servers.values()]
 
     def close(self) -> None:
         for server in self._servers.values():
             server.close()
         self._dir.cleanup()
+
+
+def relay_output(output, log_path: Path | None) -> None:
+    """Print each line of a step's ``output`` (a text stream) until it ends, then close it. When the run
+    is interrupted meanwhile, the step is stopping itself (its training commits a preemption checkpoint
+    and reports it): a closed pipe would break its output midway (EPIPE), so a thread copies the rest
+    to the run's log (``log_path``; nowhere when None) while the exception goes on."""
+    try:
+        for line in output:
+            print(line, end="")
+    except BaseException:
+        threading.Thread(target=_drain, args=(output, log_path), daemon=True, name="relaunch-drain").start()
+        raise
+    output.close()
+
+
+def _drain(output, log_path: Path | None) -> None:
+    with output, open(log_path or os.devnull, "a") as log:
+        for line in output:
+            log.write(line)
+            log.flush()
 
 
 def _receive(control: socket.socket) -> tuple[dict, list[int]] | None:
@@ -358,8 +384,12 @@ def _fork(request: dict, output_fds: list[int]) -> tuple[int, str | None]:
 
 def main(argv: list[str]) -> None:
     control = socket.socket(fileno=int(argv[0]))
-    # Ctrl-C of the run reaches the whole process group: the steps stop, the server reaps and reports them
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C of the run reaches the whole process group, and the run sends its processes SIGTERM: the
+    # steps and workers stop (a preemption checkpoint), the server reaps and reports them. The server
+    # itself ends when its control socket closes; dying first would SIGKILL its children (PDEATHSIG)
+    # before they commit. If the run dies, its guardian ends the server (pipelines/local/guardian.py).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     job = serve(control, (*SERVER_IMPORTS[argv[1]], *argv[3:]), None if argv[2] == "-" else argv[2])
     if job is not None:  # a zygote client's worker, forked: it ends as a cold interpreter does
         from components.core.runtime.zygote import become_worker

@@ -3,7 +3,7 @@
     python -m tests.bench store_gcs [--quick] [--size-mib N]
 
 Size: ``--size-mib`` / ``BENCH_CHECKPOINT_MIB`` (default 256; 32 with --quick), one process. The
-server is gcp-storage-emulator behind tests/gcs_server.py's edge, reached by ``STORAGE_EMULATOR_HOST``.
+server is fake-gcs-server (tests/gcs_server.py), reached by ``STORAGE_EMULATOR_HOST``.
 
 - restore ratio = (raw time) / (our time): raw is plain ``http.client`` ranged GETs (no google or
   relaunch code) of every object of the checkpoint, as many in flight as our reader's GETs, each read
@@ -98,7 +98,7 @@ def run(quick: bool) -> list[dict[str, Any]]:
 
         def raw_restore() -> float:
             t0 = time.perf_counter()
-            _raw_read(server.edge.port, objects, buffers, in_flight)
+            _raw_read(server.port, objects, buffers, in_flight)
             return time.perf_counter() - t0
 
         def ours_restore() -> float:

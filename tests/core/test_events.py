@@ -26,7 +26,14 @@ FIELDS = {Kind.STEP_START: {"step": "prepare", "warm": False},
           Kind.PROGRESS: {"attempt": 1, "step": 5, "total_steps": 40, "loss": 1.25, "epoch": 0},
           Kind.SAVING: {"attempt": 1, "step": 10},
           Kind.SUMMARY: {"exit_code": 0, "reason": "finished", "attempt": 1},
-          Kind.EXIT: {"exit_code": 2, "reason": "train.global_batch_size=64 is not divisible"}}
+          Kind.EXIT: {"exit_code": 2, "reason": "train.global_batch_size=64 is not divisible"},
+          Kind.WAITING: {"line": "waiting for the write lease: store /s is being written by 'run:r1' (host h, "
+                                 "pid 7) until 2026-12-04T20:00:00+00:00; it expires in 5s unless renewed, waiting "
+                                 "at most 300s more"},
+          Kind.TRACKING: {"line": "relaunch: tracking server http://127.0.0.1:5000 back after 12.5s; sending the "
+                                  "760 metric points buffered meanwhile"},
+          Kind.STORE: {"line": "checkpoint of step 38 not saved: store /s cannot be written (No space left on "
+                               "device); step 20, the last committed checkpoint, is intact"}}
 
 
 def test_every_kind_is_in_the_table():

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from components.core.contract.errors import BadInput, TransientFailure
-from components.core.store import PreconditionFailed, open_store
+from components.core.contract.errors import BadInput, StoreUnwritable, TransientFailure
+from components.core.store import PreconditionFailed, open_store, probe_writable
 from components.core.store import azure as azure_backend
 from tests.azure_server import ACCOUNT, ACCOUNT_KEY
 from tests.core.faults import FaultProxy, ScriptedProxy
@@ -162,7 +162,7 @@ def test_an_account_name_with_its_key_works_too(azurite, monkeypatch):
     assert store.write_if_absent("x", b"1") and store.read_bytes("x") == b"1"
 
 
-def test_a_sas_token_works_and_one_without_write_permission_is_bad_input(azurite, monkeypatch):
+def test_a_sas_token_works_and_one_without_write_permission_cannot_write_exit_2(azurite, monkeypatch):
     from azure.storage.blob import ContainerSasPermissions, generate_container_sas
 
     _no_azure_env(monkeypatch)
@@ -182,8 +182,11 @@ def test_a_sas_token_works_and_one_without_write_permission_is_bad_input(azurite
     monkeypatch.setenv("AZURE_STORAGE_SAS_TOKEN", sas(ContainerSasPermissions(read=True, list=True)))
     read_only = azure_backend.AzureStore("relaunch-ckpt", store.prefix)
     assert read_only.read_bytes("x") == b"1"
-    with pytest.raises(BadInput, match="Azure refused"):
+    with pytest.raises(StoreUnwritable, match="Azure refused") as refused:
         read_only.write_bytes("x", b"2")
+    assert refused.value.exit_code == 2 and "cannot be written" in str(refused.value)
+    with pytest.raises(StoreUnwritable, match="Azure refused"):
+        probe_writable(read_only)  # what a training's start and prepare ask first
 
 
 def test_an_unreachable_endpoint_is_a_transient_failure_after_bounded_retries(azurite, monkeypatch):

@@ -1,7 +1,6 @@
-"""The gs:// store against a real GCS emulator (gcp-storage-emulator, started by the tests and reached
-through STORAGE_EMULATOR_HOST only), with tests/gcs_server.py's edge supplying the generation
-preconditions the emulator ignores, and tests/core/faults.py's proxies dropping connections and
-answering 503 in front of it."""
+"""The gs:// store against a GCS emulator (fake-gcs-server, started by the tests and reached through
+STORAGE_EMULATOR_HOST only; tests/gcs_server.py says what it emulates), with tests/core/faults.py's
+proxies dropping connections and answering 503 in front of it."""
 
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ from components.core.contract.errors import BadInput, TransientFailure
 from components.core.store import GCSStore, PreconditionFailed, open_store
 from components.core.store import gcs as gcs_backend
 from tests.core.faults import FaultProxy, ScriptedProxy
-from tests.gcs_server import BUCKET
 
 
 @pytest.fixture
@@ -37,12 +35,25 @@ def test_bytes_round_trip_and_a_missing_key_is_file_not_found(store):
         store.read_into("a/c.txt", 0, bytearray(4))
 
 
-def test_write_if_absent_creates_once_by_a_generation_precondition(store, gcs_env):
-    refused = gcs_env.edge.refused
+def test_write_if_absent_creates_once_by_a_generation_precondition(store):
     assert store.write_if_absent("lock", b"one") is True
     assert store.write_if_absent("lock", b"two") is False
     assert store.read_bytes("lock") == b"one"
-    assert gcs_env.edge.refused == refused + 1
+
+
+def test_a_create_if_absent_of_an_existing_key_is_refused_by_the_server_as_precondition_failed(store):
+    store.write_bytes("taken", b"first")
+    with pytest.raises(PreconditionFailed, match="exists or changed"):
+        store.write_bytes("taken", b"second", if_match="0")  # ifGenerationMatch=0: create only
+    assert store.read_bytes("taken") == b"first" and store.stats["put"] == 2
+
+
+def test_a_conditional_write_above_one_chunk_is_still_one_request_the_server_evaluates(store, small_chunks):
+    # fake-gcs-server 1.54 ignores ifGenerationMatch on resumable sessions: a conditional write never opens one
+    big = os.urandom(256 * 1024 * 2)
+    assert store.write_if_absent("big-lock", big) is True
+    assert store.write_if_absent("big-lock", os.urandom(len(big))) is False
+    assert store.read_bytes("big-lock") == big and store.stats["resumable_start"] == 0
 
 
 def test_a_conditional_replace_fails_when_the_generation_changed(store):
@@ -60,16 +71,6 @@ def test_a_conditional_replace_of_a_key_deleted_since_it_was_read_fails(store):
     with pytest.raises(PreconditionFailed):
         store.write_bytes("p.json", b"2", if_match=etag)
     assert not store.exists("p.json")
-
-
-def test_the_emulator_alone_ignores_generation_preconditions_which_is_why_the_edge_exists(gcs_server,
-                                                                                          monkeypatch):
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server.emulator)
-    gcs_server.create_bucket()
-    direct = open_store(f"gs://{BUCKET}/no-edge-{os.getpid()}")
-    assert direct.write_if_absent("k", b"one") is True
-    assert direct.write_if_absent("k", b"two") is True, (
-        "gcp-storage-emulator now honours ifGenerationMatch: tests/gcs_server.py's PreconditionEdge can go")
 
 
 def test_listing_is_relative_sorted_and_non_recursive_shows_directories(store):
@@ -167,8 +168,10 @@ def test_an_unreachable_endpoint_is_a_transient_failure_after_bounded_retries(mo
     assert err.value.exit_code == 138
 
 
-def test_every_operation_survives_resets_and_503s(gcs_env, monkeypatch, small_chunks):
-    proxy = FaultProxy(gcs_env.edge.port, p_reset=0.1, p_reset_after=0.05, p_slowdown=0.1, seed=7).start()
+def test_every_operation_survives_resets_and_503s(gcs_env, monkeypatch):
+    # objects below one chunk: a resumable chunk's retry asks the session where it stands, which
+    # fake-gcs-server does not emulate (test_a_resumable_chunk_whose_answer_was_lost_... covers it)
+    proxy = FaultProxy(gcs_env.port, p_reset=0.1, p_reset_after=0.05, p_slowdown=0.1, seed=7).start()
     try:
         root = gcs_env.root("flaky")
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.endpoint)
@@ -192,7 +195,7 @@ def test_every_operation_survives_resets_and_503s(gcs_env, monkeypatch, small_ch
 
 
 def test_a_create_whose_answer_was_lost_is_read_back_and_counts_as_created(gcs_env, monkeypatch):
-    proxy = ScriptedProxy(gcs_env.edge.port, [("ifgenerationmatch=0", "reset_after", 1)]).start()
+    proxy = ScriptedProxy(gcs_env.port, [("ifgenerationmatch=0", "reset_after", 1)]).start()
     try:
         root = gcs_env.root("lost")
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.endpoint)
@@ -204,11 +207,18 @@ def test_a_create_whose_answer_was_lost_is_read_back_and_counts_as_created(gcs_e
         proxy.stop()
 
 
-def test_a_resumable_chunk_whose_answer_was_lost_resumes_where_the_server_stands(gcs_env, monkeypatch,
+@pytest.mark.parametrize("server", [
+    pytest.param("gcs_server", marks=pytest.mark.xfail(
+        strict=True, raises=TransientFailure, reason="fake-gcs-server 1.54 finalizes a resumable session at a status "
+        "query (fsouza/fake-gcs-server#1362, #2354): the store refuses that answer; GCS answers 308 with Range")),
+    "ignoring_gcs_server",  # gcp-storage-emulator answers status queries as GCS does
+])
+def test_a_resumable_chunk_whose_answer_was_lost_resumes_where_the_server_stands(server, request, monkeypatch,
                                                                                   small_chunks):
-    proxy = ScriptedProxy(gcs_env.edge.port, [("content-range: bytes 262144-", "reset_after", 1)]).start()
+    server = request.getfixturevalue(server)
+    proxy = ScriptedProxy(server.port, [("content-range: bytes 262144-", "reset_after", 1)]).start()
     try:
-        root = gcs_env.root("resume")
+        root = server.root("resume")
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.endpoint)
         store = open_store(root, backoff=0.01)
         data = os.urandom(256 * 1024 * 3)
@@ -243,7 +253,7 @@ def test_a_403_from_gcs_is_bad_input_at_once_in_one_line(gcs_env, monkeypatch):
 
     body = b'{"error": {"code": 403, "message": "caller does not have storage.buckets.get access"}}'
     monkeypatch.setitem(faults._ANSWERS, "forbidden", (b"403 Forbidden", body))
-    proxy = ScriptedProxy(gcs_env.edge.port, [("get ", "forbidden", None)]).start()
+    proxy = ScriptedProxy(gcs_env.port, [("get ", "forbidden", None)]).start()
     try:
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.endpoint)
         with pytest.raises(BadInput, match="GCS refused bucket_get") as err:

@@ -159,10 +159,10 @@ def _uri(mgr, step: int) -> str:
 
 class _BlipProxy:
     """An HTTP proxy in front of the real ``mlflow server``: once a request matching ``arm_on``
-    (method, path part) has been forwarded, the next GET whose path contains one of ``fail_paths``
-    is answered 503 (one transient blip); everything else is forwarded."""
+    (method, path part) has been forwarded, the next ``times`` GETs whose path contains one of
+    ``fail_paths`` are answered 503 (a transient blip); everything else is forwarded."""
 
-    def __init__(self, upstream: str, arm_on: tuple[str, str], fail_paths: tuple[str, ...]):
+    def __init__(self, upstream: str, arm_on: tuple[str, str], fail_paths: tuple[str, ...], times: int = 1):
         import http.client
         import threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -177,8 +177,8 @@ class _BlipProxy:
             def _forward(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 if proxy.armed and self.command == "GET" and any(p in self.path for p in fail_paths):
-                    proxy.armed = False
                     proxy.refused.append(self.path)
+                    proxy.armed = len(proxy.refused) < times
                     self.send_response(503)
                     self.send_header("Content-Length", "0")
                     self.end_headers()
@@ -238,10 +238,12 @@ def test_a_champion_that_cannot_be_read_is_a_retryable_failure_not_no_champion(t
     from components import evaluate
 
     assert evaluate.run(config).checkpoint_uri == _uri(mgr, 11)  # its LoggedModel, made directly
-    # after challenger is set, the champion's read answers 503 once (before the fix that read was
-    # the alias lookup, now it is the registered model's)
+    # after challenger is set, the champion's read answers 503 on every try of the call (before the
+    # fix that read was the alias lookup, now it is the registered model's)
+    from components.core.tracking.client import TRIES
+
     proxy = _BlipProxy(mlflow_server.uri, arm_on=("POST", "registered-models/alias"),
-                       fail_paths=("registered-models/alias", "registered-models/get"))
+                       fail_paths=("registered-models/alias", "registered-models/get"), times=TRIES)
     try:
         flaky = config.model_copy(update={"tracking": config.tracking.model_copy(update={"uri": proxy.uri})})
         with pytest.raises(TransientFailure) as raised:

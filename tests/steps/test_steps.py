@@ -38,6 +38,17 @@ def test_prepare_reuses_the_dataset_version_and_the_run_of_the_same_pipeline_run
     assert resolved.data.version == first.dataset_version and resolved.tracking.run_id == first.run_id
 
 
+def test_prepare_of_a_resume_reopens_a_run_an_interrupted_pipeline_marked_killed(config):
+    from components.core.tracking.client import END_REASON_TAG, client, mark_run_finished, tracking_uri
+
+    first = prepare.run(config)
+    mark_run_finished(config, first.run_id, "KILLED", "interrupted: stopped by Ctrl-C at step 31")
+    resumed = config.model_copy(update={"tracking": config.tracking.model_copy(update={"run_id": first.run_id})})
+    assert prepare.run(resumed).run_id == first.run_id
+    run = client(tracking_uri(config)).get_run(first.run_id)
+    assert run.info.status == "RUNNING" and END_REASON_TAG not in run.data.tags
+
+
 def _save(config: RelaunchConfig, step: int, hidden: int | None = None) -> CheckpointManager:
     cfg = config if hidden is None else config.model_copy(update={"train": config.train.model_copy(update={"hidden_size": hidden})})
     mgr = CheckpointManager(cfg.store.uri, async_save=False)

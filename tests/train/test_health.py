@@ -47,6 +47,14 @@ def test_training_continues_while_mlflow_is_down_and_its_metrics_arrive_after_it
         server.start()
         assert run.wait() == 0, run.output()[-3000:]
         assert "lost contact with the tracking server" in run.output()
+        # what the trainer had not sent when it stopped waiting for the server is in the store: the
+        # pipeline's finalize (or prepare of a --resume) sends it, as here
+        from components.core.contract.config import RelaunchConfig
+        from components.core.tracking.mlflow_tracker import deliver_pending_metrics
+
+        store = open_store(config["store"]["uri"])
+        assert deliver_pending_metrics(RelaunchConfig.model_validate(config), store, records.stored_run_id(store),
+                                       who="test")
 
         [mlrun] = mlflow_runs(server.uri, config["tracking"]["experiment"])
         assert mlrun.info.status == "FINISHED"

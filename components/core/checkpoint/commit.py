@@ -16,15 +16,16 @@ from typing import TYPE_CHECKING, Any
 
 from components.core.checkpoint import load as reading
 from components.core.checkpoint import quarantine
-from components.core.checkpoint.layout import (FORMAT_VERSION, INFLIGHT, LATEST, MANIFEST, CheckpointInfo, info_of,
-                                               now, read_manifest_bytes, sealed_manifest_body, step_key, versions,
-                                               write_conditional)
+from components.core.checkpoint.layout import (FORMAT_VERSION, INFLIGHT, LATEST, LEASE, MANIFEST, CheckpointInfo,
+                                               info_of, now, read_json, read_manifest_bytes, sealed_manifest_body,
+                                               step_key, versions, write_conditional)
+from components.core.checkpoint.lease import LeaseLost
 from components.core.checkpoint.readers import deletion_done
 from components.core.checkpoint.retention import apply_retention
 from components.core.checkpoint.snapshot import copy_deferred, optimizers_of, state_bytes
 from components.core.checkpoint.verify import CHUNK_BYTES, DIGEST
-from components.core.contract.classify import CarriedError, dcp_original
-from components.core.contract.errors import BadInput, CorruptCheckpoint
+from components.core.contract.classify import CarriedError, dcp_original, is_store_unwritable
+from components.core.contract.errors import BadInput, CorruptCheckpoint, RelaunchError
 from components.core.store import PreconditionFailed
 
 if TYPE_CHECKING:
@@ -97,8 +98,37 @@ class Committing:
             self.last_save_seconds = time.perf_counter() - job.started
         except BaseException as err:  # noqa: BLE001 - surfaces at the next save()/wait()
             job.error = err
+            if self.rank == 0:  # every rank has the error now (the save's steps agree on it)
+                self._discard_failed(job.step, err)
         finally:
             job.snapshot = None
+
+    def _discard_failed(self, step: int, err: BaseException) -> None:
+        """Rank 0, after the save of ``step`` failed: remove what it wrote (on a full store that space
+        is what the next save needs), unless it got as far as its manifest (committed: locate finds it
+        through inflight.json) or the failure says another writer is here (a lost lease, a foreign
+        pointer). Best effort: what stays (a read-only store) is debris retention removes later."""
+        if isinstance(err, BadInput):
+            return
+        key = step_key(step)
+        try:
+            if self.store.exists(f"{key}/{MANIFEST}") or not self._holds_lease():
+                return
+            self.store.delete_many(self.store.list(key + "/"))
+        except (OSError, RelaunchError):
+            pass
+
+    def _holds_lease(self) -> bool:
+        """Whether this writer still holds the write lease: renewed, or, where the store cannot take
+        the renewal (full), still the lease record of this writer."""
+        try:
+            self.lease.fence()
+            return True
+        except LeaseLost:
+            return False
+        except (OSError, RelaunchError):
+            record = read_json(self.store, LEASE) or {}
+            return self.lease.held and record.get("token") == self.lease.token
 
     def _persist(self, job: SaveJob) -> CheckpointInfo:
         import torch.distributed as dist
@@ -167,11 +197,17 @@ class Committing:
         manifest["_sha256"] = hashlib.sha256(body).hexdigest()
         self._manifests[job.step] = manifest
         self._advance_latest(job.step, manifest["_sha256"])
-        for deleted in apply_retention(self.store, keep_last=self.keep_last, keep_best=self.keep_best,
-                                       best_metric=self.best_metric, mode=self.mode, in_flight=job.step,
-                                       manifest=self._manifest, claim=self._claim,
-                                       done=lambda s: deletion_done(self.store, s)):
-            self._manifests.pop(deleted, None)
+        try:
+            for deleted in apply_retention(self.store, keep_last=self.keep_last, keep_best=self.keep_best,
+                                           best_metric=self.best_metric, mode=self.mode, in_flight=job.step,
+                                           manifest=self._manifest, claim=self._claim,
+                                           done=lambda s: deletion_done(self.store, s)):
+                self._manifests.pop(deleted, None)
+        except Exception as err:  # noqa: BLE001 - classified: anything but an unwritable store is raised
+            if not is_store_unwritable(err):
+                raise
+            # the step is committed; retention, which must mark a step before deleting it, deletes
+            # nothing until the store takes writes again (the next commit's retention catches up)
         return info_of(self.store, job.step, manifest)
 
     def _advance_latest(self, step: int, sha: str) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from components.core.checkpoint.layout import MANIFEST, METADATA, checkpoint_steps, step_key
 from components.core.contract.errors import BadInput, CorruptCheckpoint
@@ -150,20 +150,26 @@ def _umask() -> int:
 
 
 def import_checkpoint(mgr: "CheckpointManager", source: str | os.PathLike, *,
-                      step: int | None = None) -> "CheckpointInfo":
+                      step: int | None = None,
+                      adopt: Callable[[dict[str, Any], int, str], Any] | None = None) -> "CheckpointInfo":
     """Adopt the stock DCP checkpoint folder ``source`` as committed checkpoint ``step`` of ``mgr``'s
     store (default: one after the newest step directory in the store, or 0).
 
     The folder is read whole first, safely (``.metadata`` through the restricted unpickler, values
     with ``torch.load(weights_only=True)``); then it is saved like a training's checkpoint (format 3,
     every chunk digested, the manifest written last, ``latest.json`` advanced) under the manager's
-    write lease. Its structure (``planner_data``) is kept, so ``dcp_to_torch_save`` of the adopted
-    checkpoint gives what it gave of the folder. The manager's retention runs after the commit.
+    write lease. A folder with a ``model`` but no training ``progress`` (a stock ``{"model",
+    "optimizer"}``) is saved as ``adopt(state, step, source)`` makes it, when given
+    (:func:`components.core.trainer.adopt.training_state`: with the progress, schedule and counters a
+    training resumes from). Any other folder keeps its structure (``planner_data``), so
+    ``dcp_to_torch_save`` of the adopted checkpoint gives what it gave of the folder.
+    The manager's retention runs after the commit.
 
     Raises:
         BadInput: ``source`` is not a readable, safe DCP checkpoint folder; ``step`` is committed
             already or older than the latest committed checkpoint (``latest.json`` only moves
-            forward); another writer holds the lease. Nothing in the store is changed.
+            forward); ``adopt`` refused it; another writer holds the lease. Nothing in the store is
+            changed.
     """
     src = Path(source)
     if not src.is_dir():
@@ -182,6 +188,8 @@ def import_checkpoint(mgr: "CheckpointManager", source: str | os.PathLike, *,
         raise BadInput(f"--step {step} is older than the latest committed checkpoint ({latest.step}) of "
                        f"{mgr.store.uri}; import at a later step (latest.json only moves forward)")
     state = _read_folder(src)
+    if adopt is not None and "progress" not in state and "model" in state:
+        state = adopt(state, step, str(source))
     mgr.save(step, state)
     info = mgr.wait()
     assert info is not None

@@ -36,8 +36,27 @@ import weakref
 from components.core.checkpoint.layout import LEASE, now, read_json, write_conditional
 from components.core.contract.errors import BadInput, RelaunchError
 from components.core.store import PreconditionFailed, Store
+from components.core.store.holder import on_this_host, pid_namespace, process_running
+from components.core.store.conditional_probe import require_conditional_writes
 
 _LIVE: "weakref.WeakValueDictionary[str, Lease]" = weakref.WeakValueDictionary()  # token -> held lease
+
+
+WAIT_LINE_SECONDS = 5.0
+"""While :meth:`Lease.take` waits for a live holder: a line when it starts waiting, then one this often."""
+
+
+def _say_waiting(current: dict, refusal: str, deadline: float, *, first: bool) -> None:
+    """One line on what the lease waits for and for how long at most: on stderr, and as a ``waiting``
+    event for ``relaunch run``'s console (the event file it names, when it names one)."""
+    from components.core.contract import events
+
+    left = max(0.0, deadline - time.monotonic())
+    expires = max(0.0, float(current.get("expires_at", 0) or 0) - time.time())
+    line = (f"{'waiting' if first else 'still waiting'} for the write lease: {refusal.split(';')[0]}; it expires in "
+            f"{expires:.0f}s unless renewed, waiting at most {left:.0f}s more")
+    print(f"relaunch: {line}", file=sys.stderr, flush=True)
+    events.write(events.Kind.WAITING, line=line)
 
 
 class LeaseLost(BadInput):
@@ -53,23 +72,6 @@ def default_owner() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def _pid_namespace() -> str:
-    try:
-        return str(os.stat("/proc/self/ns/pid").st_ino)
-    except OSError:
-        return ""
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def holder_alive(record: dict | None, *, collect: bool = True) -> bool:
     """Whether the writer of lease ``record`` may still be writing: its lease has not expired and,
     when it ran on this host (same pid namespace), its process is still there (in this very process:
@@ -78,11 +80,10 @@ def holder_alive(record: dict | None, *, collect: bool = True) -> bool:
     if not record or float(record.get("expires_at", 0) or 0) < time.time():
         return False
     pid = record.get("pid")
-    if record.get("host") != socket.gethostname() or record.get("pid_namespace") != _pid_namespace() \
-            or not isinstance(pid, int):
+    if not on_this_host(record):
         return True
     if pid != os.getpid():
-        return _pid_alive(pid)
+        return process_running(pid)
     if collect and record.get("token") in _LIVE:
         gc.collect()  # a manager dropped after a failure may only be unreachable, not yet freed
     return record.get("token") in _LIVE
@@ -121,7 +122,7 @@ class Lease:
 
     def _body(self) -> bytes:
         return json.dumps({"owner": self.owner, "token": self.token, "host": socket.gethostname(),
-                           "pid": os.getpid(), "pid_namespace": _pid_namespace(),
+                           "pid": os.getpid(), "pid_namespace": pid_namespace(),
                            "elastic_run_id": os.environ.get("TORCHELASTIC_RUN_ID", ""),
                            "restart_count": _restart_count(), "acquired_at": self._acquired_at or now(),
                            "expires_at": time.time() + self.seconds}).encode()
@@ -138,9 +139,10 @@ class Lease:
             if self.etag is not None:
                 self.renew()
                 return
+            require_conditional_writes(self.store)
             self._acquired_at = now()
             deadline = time.monotonic() + self.wait_seconds
-            told = False
+            told = 0.0  # time.monotonic() of the last line said about the wait (0: none yet)
             while True:
                 if self.store.write_if_absent(LEASE, self._body()):
                     self._held_as(self.store.etag(LEASE))
@@ -158,10 +160,9 @@ class Lease:
                         continue  # someone else moved first: judge the new lease
                 if current.get("owner") != self.owner or time.monotonic() >= deadline:
                     raise BadInput(refusal)
-                if not told:
-                    print(f"relaunch: {refusal.split(';')[0]}; waiting up to {self.wait_seconds:g}s for it to "
-                          f"stop", file=sys.stderr, flush=True)
-                    told = True
+                if time.monotonic() - told >= WAIT_LINE_SECONDS:
+                    _say_waiting(current, refusal, deadline, first=not told)
+                    told = time.monotonic()
                 time.sleep(min(1.0, max(0.05, self.seconds / 10)))
 
     def _held_as(self, etag: str | None) -> None:
@@ -176,8 +177,7 @@ class Lease:
         if elastic and current.get("elastic_run_id") == elastic \
                 and int(current.get("restart_count", 0) or 0) < _restart_count():
             return None  # a previous attempt of this elastic job: torchelastic stopped its workers
-        if current.get("owner") == self.owner and current.get("pid") == os.getpid() \
-                and current.get("host") == socket.gethostname() and current.get("pid_namespace") == _pid_namespace():
+        if current.get("owner") == self.owner and current.get("pid") == os.getpid() and on_this_host(current):
             return None  # another manager of this training in this very process: it is fenced from now on
         if not holder_alive(current):  # (after the check above: it may run a full garbage collection)
             return None

@@ -25,6 +25,7 @@ from typing import Callable, TypeVar
 
 from components.core.checkpoint.layout import LEASE, PINS, PREFIX, now, parse_pin, read_json
 from components.core.checkpoint.lease import holder_alive
+from components.core.contract.classify import is_store_unwritable
 from components.core.contract.errors import BadInput, CorruptCheckpoint, RelaunchError
 from components.core.store import PreconditionFailed, Store
 
@@ -78,10 +79,12 @@ class ReadLeases:
                 key = f"{readers_dir(step)}/{uuid.uuid4().hex}.json"
                 try:
                     _write(self.store, key, self._body(step))
-                except (PermissionError, BadInput) as err:
-                    if isinstance(err, PreconditionFailed):
+                except (OSError, RelaunchError) as err:
+                    if isinstance(err, PreconditionFailed) or not (
+                            isinstance(err, (PermissionError, BadInput)) or is_store_unwritable(err)):
                         raise
-                    self.read_only = True  # read-only credentials: read as before, unprotected
+                    # read-only credentials, a read-only or full store: read as before, unprotected
+                    self.read_only = True
                     print(f"relaunch: cannot write a read lease in {self.store.uri} ({str(err).splitlines()[0][:120]}); "
                           f"reading without one: a writer's retention may delete what is read", file=sys.stderr,
                           flush=True)

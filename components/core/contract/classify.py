@@ -13,7 +13,8 @@ source gave it, never its message (a URL's port or a run id can hold "401"; a pr
   to UNAUTHENTICATED/PERMISSION_DENIED itself); requests' ``HTTPError`` by its status;
 - torch.distributed: ``DistError`` (backend, network, store) and the elastic rendezvous errors;
 - the Kubernetes API: an ``ApiException`` by its HTTP status;
-- Python: Ctrl-C, ``ConnectionError`` and ``TimeoutError``.
+- Python: Ctrl-C, ``ConnectionError`` and ``TimeoutError``; an ``OSError`` of a full or read-only
+  store (ENOSPC, EDQUOT, EROFS) is :class:`~components.core.contract.errors.StoreUnwritable` (2).
 
 Anything else is a bug (1). A library's types are looked up only when that library is already
 imported (an exception of it cannot exist otherwise), so classifying costs no import.
@@ -24,12 +25,13 @@ Pods and containers end with statuses, not exceptions: :func:`classify_pod` read
 
 from __future__ import annotations
 
+import errno
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from components.core.contract.errors import CorruptCheckpoint, RelaunchError, error_for
-from components.core.contract.exitcodes import PERMANENT, ExitCode, normalize
+from components.core.contract.errors import CorruptCheckpoint, RelaunchError, StoreUnwritable, error_for
+from components.core.contract.exitcodes import PERMANENT, ExitCode, normalize, unrecorded_end
 
 S3_CREDENTIAL_CODES = frozenset({"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken",
                                  "ExpiredToken", "AllAccessDisabled", "AccountProblem"})
@@ -51,6 +53,9 @@ manifest): bad input; any other status is worth retrying."""
 POD_PREEMPTION_REASONS = frozenset({"Evicted", "Preempting", "NodeLost", "NodeShutdown", "Shutdown", "Terminated",
                                     "DeletionByTaintManager", "DeletionByPodGC", "UnexpectedAdmissionError"})
 """A pod's ``status.reason`` when it was taken away with its node: preempted (143), retryable."""
+UNWRITABLE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+"""``OSError`` codes of a store that cannot take a write (full, over quota, read-only): the contract's
+:class:`~components.core.contract.errors.StoreUnwritable` (2)."""
 
 
 def classify(exc: BaseException) -> ExitCode:
@@ -76,7 +81,16 @@ def as_error(exc: BaseException, what: str = "") -> RelaunchError:
     code = classify(exc)
     text = str(exc).splitlines()[0][:300] if str(exc) else ""
     message = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    if _unwritable(exc) is not None:
+        return StoreUnwritable(f"could not {what}: {message}" if what else message)
     return error_for(code, f"could not {what}: {message}" if what else message)
+
+
+def is_store_unwritable(exc: BaseException) -> bool:
+    """Whether ``exc`` says that the store cannot be written (full, over quota, read-only): a
+    :class:`StoreUnwritable`, an ``OSError`` of :data:`UNWRITABLE_ERRNOS`, or a DCP failure or a
+    carried error of either; by type and code only."""
+    return isinstance(as_error(exc), StoreUnwritable)
 
 
 @dataclass(frozen=True)
@@ -149,6 +163,10 @@ def dcp_original(exc: BaseException) -> BaseException:
     return min(originals, key=rank) if originals else exc
 
 
+def _unwritable(exc: BaseException) -> ExitCode | None:
+    return ExitCode.BAD_INPUT if isinstance(exc, OSError) and exc.errno in UNWRITABLE_ERRNOS else None
+
+
 def _dcp(exc: BaseException) -> ExitCode | None:
     if not _is_dcp_failure(exc):
         return None
@@ -209,8 +227,8 @@ def _python(exc: BaseException) -> ExitCode | None:
     return None
 
 
-ADAPTERS: tuple[Callable[[BaseException], ExitCode | None], ...] = (_contract, _dcp, _s3, _mlflow, _distributed, _kubernetes,
-                                                                    _python)
+ADAPTERS: tuple[Callable[[BaseException], ExitCode | None], ...] = (_contract, _dcp, _unwritable, _s3, _mlflow,
+                                                                    _distributed, _kubernetes, _python)
 """Tried in order; the first that knows the failure's type answers."""
 
 
@@ -269,9 +287,8 @@ def torchrun_exit(returncode: int, record: dict | None, started_at: float) -> in
     code = normalize(returncode)
     if code != ExitCode.BUG:
         return int(code)
-    if record is not None and record.get("time", 0) >= started_at and record.get("exit_code"):
-        return int(record["exit_code"])
-    return int(ExitCode.KILLED)
+    fresh = record is not None and record.get("time", 0) >= started_at and record.get("exit_code")
+    return unrecorded_end(int(record["exit_code"]) if fresh else None)
 
 
 def dcp_mismatch(flat_state: dict[str, Any], metadata: Any) -> str | None:

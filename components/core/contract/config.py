@@ -10,6 +10,7 @@ the environment (or Kubernetes Secrets mapped into it).
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -24,6 +25,22 @@ MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<version>\d+)|@(?P<alia
 """A registered model version: ``models:/name/version`` or ``models:/name@alias``."""
 FAILURE_SPEC = re.compile(r"^(?P<kind>kill-worker|preempt|storage-outage)@step=(?P<step>\d+)$")
 """``launch.inject_failure``: ``kill-worker@step=N``, ``preempt@step=N`` or ``storage-outage@step=N``."""
+
+
+def expand_home(path: str) -> str:
+    """``path`` with a leading ``~`` or ``~user`` expanded to that home directory (as a shell would:
+    a quoted ``--set store.uri=~/x`` must not become a folder named ``~``); other paths unchanged.
+
+    Raises:
+        ValueError: the ``~`` cannot be expanded (no such user, or no HOME).
+    """
+    if not path.startswith("~"):
+        return path
+    expanded = os.path.expanduser(path)
+    if expanded.startswith("~"):
+        raise ValueError(f"{path!r}: cannot expand {path.split('/', 1)[0]!r} (no such user, or HOME unset); "
+                         f"write the absolute path")
+    return expanded
 
 
 def parse_store_uri(uri: str) -> tuple[str, str, str]:
@@ -49,6 +66,9 @@ def check_tracking_uri(uri: str) -> str:
     ``sqlite:x.db`` -> ``sqlite:///x.db``, ``http:/host`` -> ``http://host``, ``HTTP://`` -> lowercase,
     no credentials in it (they come from MLFLOW_TRACKING_USERNAME/PASSWORD)."""
     usage = "use sqlite:///path.db, postgresql+psycopg2://..., or http://host:port"
+    for scheme in ("sqlite:///", "file://"):  # a path after the scheme: ~ expanded, as in store.uri
+        if uri.startswith(scheme + "~"):
+            uri = scheme + expand_home(uri[len(scheme):])
     match = _URI_PREFIX.match(uri)
     if match is None:
         raise ValueError(f"unsupported tracking URI {uri!r} (a path is not one); {usage}")
@@ -76,7 +96,9 @@ def check_artifact_location(uri: str) -> str:
     """``uri`` if it is a path or ``<scheme>://...`` (``mlflow-artifacts:/path`` too), else ValueError:
     ``s3:/bucket/x`` would be taken as a local folder of that name."""
     match = _URI_PREFIX.match(uri)
-    if match is None or match[1] == "mlflow-artifacts":
+    if match is None:
+        return expand_home(uri)
+    if match[1] == "mlflow-artifacts":
         return uri
     scheme, rest = match[1], match[2]
     if scheme != scheme.lower():
@@ -119,6 +141,7 @@ class StoreConfig(_Model):
     @field_validator("uri")
     @classmethod
     def _uri_scheme(cls, v: str) -> str:
+        v = expand_home(v)
         parse_store_uri(v)
         return v
 
@@ -158,6 +181,11 @@ class TrackingConfig(_Model):
     def _artifact_uri(cls, v: str | None) -> str | None:
         return v if v is None else check_artifact_location(v)
 
+    @field_validator("tensorboard_dir")
+    @classmethod
+    def _tensorboard_dir(cls, v: str | None) -> str | None:
+        return v if v is None else expand_home(v)
+
 
 class DataConfig(_Model):
     dataset: str = Field("digits", description="Dataset the task builds; the default task uses scikit-learn's bundled digits.")
@@ -185,6 +213,7 @@ class TrainConfig(_Model):
     checkpoint_every_seconds: float | None = Field(None, gt=0, description="Save at most every T seconds.")
     checkpoint_at_epoch_end: bool = Field(True, description="Save when an epoch ends.")
     async_save: bool = Field(True, description="Persist checkpoints in the background.")
+    store_unwritable_saves: int = Field(3, ge=1, description="Failed saves in a row, the store full or read-only, after which the training stops (exit 2); it goes on past fewer.")
     keep_last: int = Field(3, ge=1, description="Committed checkpoints kept by recency.")
     keep_best: int = Field(1, ge=0, description="Committed checkpoints kept by best_metric.")
     best_metric: str = Field("val_loss", description="Metric that ranks checkpoints for keep_best.")
@@ -500,7 +529,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """
     data: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
+        try:
+            p = Path(expand_home(str(path)))
+        except ValueError as err:
+            raise BadInput(f"config file {err}") from None
         try:
             loaded = yaml.safe_load(p.read_text())
         except FileNotFoundError:

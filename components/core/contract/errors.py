@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import functools
-import sys
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 from components.core.contract.exitcodes import ExitCode
 
@@ -62,6 +60,14 @@ class CorruptCheckpoint(RelaunchError):
     kind = "corrupt-checkpoint"
 
 
+class StoreUnwritable(RelaunchError):
+    """The store cannot be written and stays so (full: ENOSPC, EDQUOT; read-only: EROFS, or an object
+    store's quota or 403 on a write): an environment to fix, not a crash; permanent, never retried."""
+
+    exit_code = ExitCode.BAD_INPUT
+    kind = "store-unwritable"
+
+
 _KINDS[RelaunchError.kind] = RelaunchError
 _BY_CODE: dict[int, type[RelaunchError]] = {ExitCode.BAD_INPUT: BadInput, ExitCode.RETRY_ME: TransientFailure,
                                              ExitCode.DIVERGED: Diverged, ExitCode.PREEMPTED: Preempted}
@@ -79,19 +85,3 @@ def error_for(code: int, message: str, kind: str = "") -> RelaunchError:
         err.exit_code = int(code)
     return err
 
-
-def exit_on_error(prog: str) -> Callable[[Callable[..., int]], Callable[..., int]]:
-    """Decorate a CLI ``main``: a :class:`RelaunchError` becomes one line on stderr and its exit code."""
-
-    def decorate(main: Callable[..., int]) -> Callable[..., int]:
-        @functools.wraps(main)
-        def wrapper(*args, **kwargs) -> int:
-            try:
-                return main(*args, **kwargs)
-            except RelaunchError as err:
-                print(f"{prog}: error: {err}", file=sys.stderr)
-                return int(err.exit_code)
-
-        return wrapper
-
-    return decorate

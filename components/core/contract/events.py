@@ -4,11 +4,13 @@
 Who writes what, and where it goes:
 
 - the pipeline's steps (:mod:`pipelines.kfp_entry`, :mod:`pipelines.local.kfp_fixes`): ``step-start``,
-  ``step-end``, ``attempt-end``, ``retry``, appended to the run's event file (``$RELAUNCH_EVENTS``,
-  one JSON object a line, which ``relaunch run`` sets and :mod:`pipelines.local.console` tails);
+  ``step-end``, ``attempt-end``, ``retry`` (and ``tracking``, from a step's calls to MLflow), appended
+  to the run's event file (``$RELAUNCH_EVENTS``, one JSON object a line, which ``relaunch run`` sets
+  and :mod:`pipelines.local.console` tails);
 - the training's rank 0 (:mod:`components.train` and its helpers): ``resumed``, ``first-step``,
-  ``progress``, ``saving``, ``summary``, ``exit``, printed on stdout as ``RELAUNCH_EVENT {json}``; the local
-  launcher reads its workers' output with :func:`read` and passes every event on to the event file.
+  ``progress``, ``saving``, ``summary``, ``exit``, ``tracking``, ``store``, printed on stdout as
+  ``RELAUNCH_EVENT {json}``; the local launcher reads its workers' output with :func:`read` and
+  passes every event on to the event file.
 
 Each event is ``{"kind": ..., "time": <epoch seconds>, **fields}``; the same JSON in both places.
 """
@@ -43,6 +45,9 @@ class Kind(str, enum.Enum):
     SAVING = "saving"  # attempt, step: a checkpoint of that step is being written
     SUMMARY = "summary"  # the attempt's TrainSummary
     EXIT = "exit"  # exit_code, reason: how rank 0 ended, printed even when the store is away
+    WAITING = "waiting"  # line: what a process waits for and for how long at most (a live writer's lease)
+    TRACKING = "tracking"  # line: the tracking server lost, back (with the points buffered), or a failed try
+    STORE = "store"  # line: a checkpoint not saved because the store cannot be written, or writable again
 
 
 @dataclass(frozen=True)
@@ -77,7 +82,8 @@ def write(kind: Kind, to: str | os.PathLike | TextIO | None = None, **fields: An
         if to is None:
             return event
     if hasattr(to, "write"):
-        print(MARKER + event.to_json(), file=to, flush=True)
+        to.write(MARKER + event.to_json() + "\n")  # one write: a line another thread cannot split
+        to.flush()
     else:
         with open(to, "a") as fh:
             fh.write(event.to_json() + "\n")

@@ -32,7 +32,8 @@ class ExitCode(enum.IntEnum):
 MEANING: dict[int, str] = {
     ExitCode.OK: "success",
     ExitCode.BUG: "unhandled error (a bug)",
-    ExitCode.BAD_INPUT: "bad input: configuration, URI, credentials, foreign checkpoint",
+    ExitCode.BAD_INPUT: ("bad input: configuration, URI, credentials, foreign checkpoint; a store that cannot be "
+                         "written (full, read-only)"),
     ExitCode.DIVERGED: "training diverged (NaN/inf loss)",
     ExitCode.CANNOT_EXECUTE: "command cannot execute",
     ExitCode.COMMAND_NOT_FOUND: "command not found",
@@ -60,6 +61,13 @@ def is_retryable(code: int) -> bool:
     Unknown codes are treated as permanent: retrying what we do not understand hides bugs.
     """
     return normalize(code) in RETRYABLE
+
+
+def unrecorded_end(recorded: int | None) -> int:
+    """The code of an attempt or worker by what it recorded: ``recorded`` when it wrote one, else 137. A
+    process that ended without writing how it ended died without control (SIGKILL, OOM, a lost node):
+    the one rule the launchers, the goodput report and the console read an ending by."""
+    return int(recorded) if recorded is not None else int(ExitCode.KILLED)
 
 
 def normalize(code: int) -> int:

@@ -3,7 +3,8 @@
 
 It parses, calls the step's ``run(config, **inputs)``, and writes each output field to
 ``DIR/<field>`` (strings as they are, anything else as JSON) for Argo output parameters, plus the
-whole outputs object as one JSON line on stdout. Errors follow the exit-code contract.
+whole outputs object as one JSON line on stdout. Any error ends as the exit-code contract says, through
+the one entry wrapper (:mod:`components.core.contract.entry`), as on KFP and in the training worker.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from pathlib import Path
 from typing import Any, Callable, NoReturn
 
 from components.core.contract.config import config_from_cli
-from components.core.contract.errors import BadInput, exit_on_error
+from components.core.contract.entry import exit_on_error
+from components.core.contract.errors import BadInput
 from components.core.runtime import logs
 
 

@@ -34,6 +34,17 @@ _PR_SET_PDEATHSIG = 1
 _DEFAULT_HANDLERS = {signal.SIGINT: signal.default_int_handler, signal.SIGPIPE: signal.SIG_IGN}
 
 
+def die_with_parent(parent: int) -> None:
+    """In a child forked by ``parent``: die by SIGKILL when ``parent`` dies (Linux ``PR_SET_PDEATHSIG``,
+    through libc's public ``prctl``), and now if it already died between the fork and this call (the
+    signal is only armed for a parent still there). The parent must be single-threaded, or the thread that
+    forked must live as long as it: the signal follows the forking *thread*."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the run's guardian remains
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 class SignalledByPid:
     """``send_signal``, ``terminate`` and ``kill`` of a ``Popen``-like child with ``pid`` and ``poll``."""
 
@@ -70,11 +81,13 @@ def fork_module(module: str, argv: list[str], *, env: dict[str, str], stdout_fd:
     for stream in (sys.stdout, sys.stderr):
         if stream is not None:
             stream.flush()
+    parent = os.getpid()
     pid = os.fork()
     if pid:
         return pid
     code = 1
     try:
+        die_with_parent(parent)  # nothing of a run outlives its server
         _become_child(env, stdout_fd, stderr_fd, new_session, cwd, close_fds)
         code = _run_main(module, argv)
     except BaseException:  # noqa: BLE001 - setting the child up failed: say why, exit 1
@@ -95,8 +108,6 @@ def _become_child(env: dict[str, str], stdout_fd: int | None, stderr_fd: int | N
     for fd in set(close_fds) - {0, 1, 2}:
         os.close(fd)
     os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # fork keeps every descriptor, CLOEXEC or not: none of the server's
-    with contextlib.suppress(OSError, AttributeError):  # die with the server: nothing of a run outlives it
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     signal.set_wakeup_fd(-1)
     for sig in signal.valid_signals():
         if sig in (signal.SIGKILL, signal.SIGSTOP):

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
-import ctypes
 import gc
 import importlib
 import io
@@ -48,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from components.core.runtime.warm import die_with_parent
 from components.core.runtime.zygote_client import HEADER, ZYGOTE_ENV
 
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.run", "torch.distributed.checkpoint",
@@ -67,7 +67,6 @@ CLIENT_SOURCE = Path(__file__).with_name("zygote_client.py")
 SINGLE_THREAD_ENV = {"OPENBLAS_NUM_THREADS": "1", "JE_ARROW_MALLOC_CONF": "background_thread:false"}
 """Threads an import starts unless told not to, which a process that forks must not have: numpy's OpenBLAS
 pool, and pyarrow's jemalloc background thread (MLflow imports pyarrow)."""
-_PR_SET_PDEATHSIG = 1
 MODULE = "components.core.runtime.zygote"
 
 
@@ -131,6 +130,8 @@ class Job:
     argv: list[str]
     env: dict[str, str]
     cwd: str
+    parent: int = 0
+    """The zygote's pid: the child dies with it."""
 
 
 def _receive(conn: socket.socket) -> tuple[dict, list[int]] | None:
@@ -219,10 +220,11 @@ class ForkServer:
         if refused is None:
             for stream in (sys.stdout, sys.stderr):
                 stream.flush()
+            parent = os.getpid()
             pid = os.fork()
             if pid == 0:
                 _become(fds, [self.listener, conn, *(c for _, c in self.running.values()), *self._others()])
-                return Job(request["argv"], request["env"], request["cwd"])
+                return Job(request["argv"], request["env"], request["cwd"], parent)
         for fd in fds:
             os.close(fd)
         if refused is not None:
@@ -289,8 +291,7 @@ def become_worker(job: Job) -> None:
     """Turn this forked child into ``python -u -m MODULE ARGS`` and run it; the interpreter then exits as
     a cold one does (atexit handlers, non-daemon threads, uncaught exceptions, SystemExit, SIGINT)."""
     os.setsid()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    die_with_parent(job.parent or os.getppid())
     signal.set_wakeup_fd(-1)
     for sig in signal.valid_signals():
         if sig not in (signal.SIGKILL, signal.SIGSTOP):

@@ -21,14 +21,16 @@ from __future__ import annotations
 
 import bisect
 import collections
+import errno
 import os
 import random
 import re
+import secrets
 import threading
 import time
 from typing import Any, Callable, ClassVar, Iterable, Protocol, TypeVar, runtime_checkable
 
-from components.core.contract.errors import BadInput
+from components.core.contract.errors import BadInput, StoreUnwritable
 
 # A ranged read fills its buffers in blocks of this size and reports each (``sink``): small enough
 # that a check of the block (a digest) finds it still in the CPU's cache, which made the digest
@@ -169,6 +171,71 @@ def _refuse_malformed_scheme(uri: str, scheme: str, rest: str) -> None:
     raise ValueError(f"store URI {uri!r} is not a path; {fix} ({local})")
 
 
+WRITE_OPS = frozenset({"put", "multipart_create", "multipart_part", "multipart_complete", "resumable_start",
+                       "resumable_chunk", "stage_block", "commit_block_list"})
+"""The object stores' requests that write (the ``op`` of their request counters): a refusal of one of
+these (403, a quota) means the store cannot be written, :class:`StoreUnwritable`."""
+
+UNWRITABLE_ADVICE = "free space in it (or make it writable), or point store.uri at a store that can be written"
+"""What to do about a store that cannot be written: the end of every line that says so."""
+
+
+def refused_write(service: str, op: str, uri: str, code: Any) -> StoreUnwritable:
+    """The error of an object store's write refused for good (``code``: its error code or HTTP status)."""
+    return StoreUnwritable(f"{service} refused {op} on {uri}: {code}: the store cannot be written (read-only "
+                           f"credentials, a bucket policy or a quota); {UNWRITABLE_ADVICE}")
+
+
+def probe_writable(store: "Store") -> None:
+    """Write and delete one small key at the store's root: a store that cannot be written (full,
+    read-only, a directory without write permission, an object store that refuses the write) is
+    refused here, in one line, before anything else is written.
+
+    Raises:
+        StoreUnwritable: the write was refused (exit 2).
+    """
+    key = f".relaunch-write-probe-{secrets.token_hex(6)}.tmp"
+    try:
+        store.write_bytes(key, b"relaunch write probe\n")
+    except OSError as err:
+        if not isinstance(err, PermissionError) and err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+            raise
+        why = {errno.ENOSPC: "it is full", errno.EDQUOT: "its quota is used up", errno.EROFS: "it is read-only"}.get(
+            err.errno, "permission denied")
+        raise StoreUnwritable(f"store {store.uri} cannot be written ({why}: {err.strerror or err}); "
+                              f"{UNWRITABLE_ADVICE}") from None
+    try:
+        store.delete(key)
+    except (OSError, BadInput):
+        pass  # a store that takes writes but not deletions: retention will say so
+
+
+class HintWrites:
+    """``store`` for records that are hints, brought up to date by their next write (an attempt's
+    heartbeat record, the metric points buffered at a checkpoint): a write refused because the store
+    cannot be written (full, read-only) is skipped and counted in ``skipped``, so that such a store
+    does not end the training on the one rank that keeps these records; the checkpoints, which every
+    rank saves together, decide what a store that stays unwritable means. Anything else is ``store``'s."""
+
+    def __init__(self, store: "Store"):
+        self._store = store
+        self.skipped = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def write_bytes(self, key: str, data: bytes, *, if_match: str | None = None) -> str | None:
+        from components.core.contract.classify import is_store_unwritable
+
+        try:
+            return self._store.write_bytes(key, data, if_match=if_match)
+        except (OSError, StoreUnwritable) as err:
+            if not is_store_unwritable(err):
+                raise
+            self.skipped += 1
+            return None
+
+
 def open_store(uri: str, *, retries: int | None = None, backoff: float | None = None) -> Store:
     """Open the store at ``uri``: a path, ``file:///path``, ``s3://bucket/prefix`` or a URI of
     another registered backend.
@@ -282,4 +349,5 @@ from components.core.store.gcs import GCSStore  # noqa: E402
 from components.core.store.azure import AzureStore  # noqa: E402
 
 __all__ = ["BACKENDS", "Backend", "AzureStore", "FileStore", "GCSStore", "PreconditionFailed", "READ_BLOCK", "S3Store", "Segments", "Store",
-           "StreamWriter", "byte_view", "check_key", "join_uri", "open_store", "parse_store_uri", "register_backend"]
+           "StreamWriter", "HintWrites", "UNWRITABLE_ADVICE", "WRITE_OPS", "byte_view", "check_key", "join_uri", "open_store",
+           "parse_store_uri", "probe_writable", "refused_write", "register_backend"]

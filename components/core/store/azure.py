@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, TypeVar
 
 from components.core.contract.errors import BadInput, TransientFailure
-from components.core.store import (READ_BLOCK, PreconditionFailed, Requests, Segments, StreamWriter, byte_view,
-                                   join_uri, register_backend)
+from components.core.store import (READ_BLOCK, WRITE_OPS, PreconditionFailed, Requests, Segments, StreamWriter,
+                                   byte_view, join_uri, refused_write, register_backend)
 
 T = TypeVar("T")
 
@@ -186,6 +186,8 @@ class AzureStore(Requests):
         if code == "ContainerNotFound":
             raise BadInput(f"container {self.container_name!r} does not exist at {self.endpoint}; "
                            f"create it or fix the store URI") from None
+        if op in WRITE_OPS and status == 403:
+            raise refused_write("Azure", op, self.uri_for(key), code or status) from None
         if isinstance(err, ClientAuthenticationError) or code in _CREDENTIAL_CODES or status in (401, 403):
             raise BadInput(f"Azure refused {op} on {self.uri_for(key)}: {code or status} (check "
                            f"AZURE_STORAGE_CONNECTION_STRING / AZURE_STORAGE_KEY / the SAS)") from None

@@ -145,7 +145,11 @@ class FileStore:
 
     def _atomic_write(self, target: Path, writer: Callable[[Any], None]) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = _new_tmp(target)
+        try:
+            fd, tmp = _new_tmp(target)
+        except OSError:
+            self._prune(target.parent)  # a full store: no empty folders left behind either
+            raise
         try:
             with os.fdopen(fd, "wb") as fh:
                 writer(fh)
@@ -155,6 +159,7 @@ class FileStore:
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
+            self._prune(target.parent)
             raise
         _fsync_dir(target.parent)
 

@@ -3,8 +3,10 @@ client (and its ``google-auth`` session for ranged reads and resumable uploads).
 
 Conditional writes use generation preconditions: ``ifGenerationMatch=0`` creates only
 (``write_if_absent``), the generation read before (``etag``) replaces only that version
-(``write_bytes(if_match=...)``); a refused one is :class:`PreconditionFailed`. Ranged reads go from the
-socket into the caller's buffers. Objects above one chunk go up as resumable uploads, one chunk at a
+(``write_bytes(if_match=...)``); a refused one is :class:`PreconditionFailed`. An object that goes up
+in one request goes as a multipart upload (GCS evaluates preconditions on every upload,
+fake-gcs-server, the emulator of the tests, on multipart ones only). Ranged reads go from the socket
+into the caller's buffers. Objects above one chunk go up as resumable uploads, one chunk at a
 time, each chunk retried on its own (the server says how much it has; the upload resumes there).
 Transient failures (connection errors, timeouts, 429, 5xx) are retried with exponential backoff and
 full jitter, a bounded number of times, before :class:`TransientFailure` (exit 138); refused
@@ -26,15 +28,17 @@ opened. So :meth:`GCSStore.abort_incomplete_uploads` has nothing to find and ret
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
+import secrets
 import urllib.parse
 from pathlib import Path
 from typing import Any, Callable, Iterable, TypeVar
 
 from components.core.contract.errors import BadInput, TransientFailure
-from components.core.store import (READ_BLOCK, PreconditionFailed, Requests, Segments, StreamWriter, byte_view,
-                                   join_uri, register_backend)
+from components.core.store import (READ_BLOCK, WRITE_OPS, PreconditionFailed, Requests, Segments, StreamWriter,
+                                   byte_view, join_uri, refused_write, register_backend)
 
 T = TypeVar("T")
 
@@ -167,6 +171,8 @@ class GCSStore(Requests):
             except gx.RequestRangeNotSatisfiable:
                 raise EOFError(f"{self.uri_for(key)} is shorter than the range asked for") from None
             except (gx.Unauthorized, gx.Forbidden, ga.RefreshError, ga.DefaultCredentialsError) as err:
+                if op in WRITE_OPS and isinstance(err, gx.Forbidden):
+                    raise refused_write("GCS", op, self.uri_for(key), 403) from None
                 raise BadInput(f"GCS refused {op} on {self.uri_for(key)}: {type(err).__name__} (check "
                                f"GOOGLE_APPLICATION_CREDENTIALS or the workload identity, and the bucket's "
                                f"IAM policy)") from None
@@ -258,21 +264,28 @@ class GCSStore(Requests):
         return self._call("list", listing, key=prefix, missing="bucket")
 
     def _upload(self, key: str, data: bytes, generation: int | None) -> tuple[str, int]:
-        """One upload request (retried); returns (the new generation, attempts made).
+        """One multipart upload request (retried): the object's name and its bytes in one body;
+        returns (the new generation, attempts made).
 
-        A plain media upload of the JSON API, not the client's ``upload_from_string``: that one
-        draws its multipart boundary from the global ``random`` module, which would shift the
-        training's python RNG stream (and break an exact resume) at every checkpoint."""
-        query = {"uploadType": "media", "name": self._name(key)}
+        Multipart, not media: fake-gcs-server evaluates ``ifGenerationMatch`` on multipart uploads
+        only. Our own request, not the client's ``upload_from_string``: that one draws its multipart
+        boundary from the global ``random`` module, which would shift the training's python RNG
+        stream (and break an exact resume) at every checkpoint."""
+        query = {"uploadType": "multipart"}
         if generation is not None:
             query["ifGenerationMatch"] = str(generation)
         url = self._upload_url(query)
+        boundary = secrets.token_hex(16)
+        body = b"".join([f"--{boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n".encode(),
+                         json.dumps({"name": self._name(key)}).encode(),
+                         f"\r\n--{boundary}\r\nContent-Type: application/octet-stream\r\n\r\n".encode(), data,
+                         f"\r\n--{boundary}--\r\n".encode()])
         attempts = [0]
 
         def put() -> str:
             attempts[0] += 1
-            resp = self.session.post(url, data=data, headers={"Content-Type": "application/octet-stream"},
-                                     timeout=self.timeout)
+            resp = self.session.post(url, data=body, timeout=self.timeout,
+                                     headers={"Content-Type": f"multipart/related; boundary={boundary}"})
             _raise_for(resp)
             return str(resp.json()["generation"])
 
@@ -450,11 +463,20 @@ class _ResumableWriter:
         self.buf = bytearray()
 
     def _persisted(self, total: int | None) -> int | None:
-        """Bytes the session holds (None: it is finalized)."""
+        """Bytes the session holds (None: it is finalized, which only the last chunk can have done).
+
+        Raises:
+            TransientFailure: the server finalized the object before its last chunk (fake-gcs-server
+                answers a status query so, fsouza/fake-gcs-server#1362; GCS never does).
+        """
         size = "*" if total is None else str(total)
         resp = self.store.session.put(self.session_url, headers={"Content-Range": f"bytes */{size}"},
                                       timeout=self.store.timeout)
         if resp.status_code in (200, 201):
+            if total is None:
+                raise TransientFailure(f"GCS upload of {self.store.uri_for(self.key)}: the server finalized it at "
+                                       f"a status query, before its last chunk (an emulator without resumable "
+                                       f"status queries?)")
             return None
         if resp.status_code != 308:
             _raise_for(resp)

@@ -9,9 +9,12 @@ the helpers below. All keys are relative to the store root.
     runs/attempts/attempt-<nnnn>.json one record per attempt (:mod:`components.core.tracking.goodput`)
     runs/exit.json                   how the latest attempt ended under our control (:func:`write_exit_record`)
     runs/summary.json                the training summary (:func:`write_summary`, :func:`read_summary`)
-    runs/metrics-pending.json        metric points the tracking server had not confirmed at a checkpoint
+    runs/metrics-pending.json        metric points (and outage tags) the tracking server had not confirmed
+                                     at a checkpoint or when an attempt ended; sent by prepare and finalize
     runs/injected/<kind>-step-<n>    a fault of ``launch.inject_failure`` that already fired
     runs/pipeline-finished.json      a pipeline of this training went through to its end (finalize)
+    runs/pipeline-lock.json          the process running a pipeline of this training now
+                                     (:mod:`components.core.store.pipeline_lock`)
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import json
 import re
 import time
 from typing import Any
+
+from components.core.contract.errors import BadInput
 
 RUNS_PREFIX = "runs/"
 CONFIG_KEY = RUNS_PREFIX + "config.json"
@@ -30,6 +35,7 @@ SUMMARY_KEY = RUNS_PREFIX + "summary.json"
 PENDING_METRICS_KEY = RUNS_PREFIX + "metrics-pending.json"
 INJECTED_PREFIX = RUNS_PREFIX + "injected/"
 PIPELINE_FINISHED_KEY = RUNS_PREFIX + "pipeline-finished.json"
+PIPELINE_LOCK_KEY = RUNS_PREFIX + "pipeline-lock.json"
 
 
 def attempt_key(n: int) -> str:
@@ -132,6 +138,32 @@ def identity_changes(stored: dict[str, Any], asked: dict[str, Any]) -> list[tupl
     return changes
 
 
+def refuse_another_identity(store, config: dict[str, Any]) -> None:
+    """Refuse ``config`` (a whole configuration as a dict) when the training in ``store`` stored one
+    that differs in a :data:`TRAINING_IDENTITY` key; store it as the training's own when it stored
+    none. What a pipeline's prepare step does on a cluster, where the pipeline trains into
+    ``store.uri`` itself and nothing else compares a resubmitted configuration with the stored one.
+    Keys the stored configuration lacks (one written before they existed) are not compared.
+
+    Raises:
+        BadInput: one line naming the differing keys, both values of the first, and the way out.
+    """
+    stored = read_training_config(store)
+    if stored is None:
+        write_training_config(store, config)
+        return
+    asked = _without_credentials(config)
+    changes = [(key, old, new) for key, old, new in identity_changes(stored, asked)
+               if _sets(stored, key) and not (key == "data.version" and old is None)]  # None: prepare resolves it
+    if changes:
+        key, old, new = changes[0]
+        more = f" (and {', '.join(k for k, _, _ in changes[1:])})" if len(changes) > 1 else ""
+        raise BadInput(f"store.uri {store.uri} holds a training whose {key} is {json.dumps(old)}; this pipeline "
+                       f"has {json.dumps(new)}{more}: a training keeps its configuration. Submit it with the "
+                       f"stored values (runs/config.json), or point store.uri at a new folder to start a new "
+                       f"training")
+
+
 def _sets(data: dict[str, Any], key: str) -> bool:
     *sections, name = key.split(".")
     node: Any = data
@@ -156,6 +188,15 @@ def remember_run(store, run_id: str, *, tracking_uri: str, experiment: str) -> s
     if write_json_if_absent(store, RUN_KEY, record):
         return run_id
     return stored_run_id(store) or run_id
+
+
+def replace_run(store, run_id: str, *, tracking_uri: str, experiment: str) -> None:
+    """Store ``run_id`` as the training's MLflow run in place of the stored one (which is gone: a lost
+    tracking database); the ids it replaces stay in the record, under ``previous_run_ids``."""
+    old = read_json(store, RUN_KEY) or {}
+    previous = [*old.get("previous_run_ids", []), *([old["run_id"]] if old.get("run_id") else [])]
+    write_json(store, RUN_KEY, {"run_id": run_id, "tracking_uri": tracking_uri, "experiment": experiment,
+                                "previous_run_ids": previous})
 
 
 # ---- how attempts end
@@ -184,14 +225,23 @@ def read_summary(store) -> dict[str, Any] | None:
 
 # ---- metric points not yet confirmed by the tracking server
 
-def write_pending_metrics(store, through_step: int, points: list[list]) -> None:
-    """``points`` ([step, metrics] pairs) the tracking server had not confirmed at ``through_step``."""
-    write_json(store, PENDING_METRICS_KEY, {"through_step": through_step, "points": points})
+def write_pending_metrics(store, through_step: int, points: list[list], tags: dict[str, str] | None = None,
+                          status: str | None = None) -> None:
+    """``points`` ([step, metrics] pairs) the tracking server had not confirmed at ``through_step``, and
+    the ``tags`` (those of an outage) and run ``status`` it may not hold yet."""
+    write_json(store, PENDING_METRICS_KEY, {"through_step": through_step, "points": points, "tags": tags or {},
+                                            "status": status})
 
 
 def read_pending_metrics(store) -> list[list]:
     """The pending [step, metrics] pairs an earlier attempt left ([] when none)."""
-    return (read_json(store, PENDING_METRICS_KEY) or {}).get("points", [])
+    return read_pending(store)["points"]
+
+
+def read_pending(store) -> dict[str, Any]:
+    """The whole pending record: ``points``, ``tags`` and ``status`` (None), empty when there is none."""
+    record = read_json(store, PENDING_METRICS_KEY) or {}
+    return {"points": record.get("points", []), "tags": record.get("tags", {}), "status": record.get("status")}
 
 
 # ---- the pipeline's end

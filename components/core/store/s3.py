@@ -29,10 +29,15 @@ from typing import Any, Callable, Iterable, TypeVar
 
 from components.core.contract.classify import S3_CREDENTIAL_CODES, S3_TRANSIENT_CODES
 from components.core.contract.errors import BadInput, TransientFailure
-from components.core.store import (READ_BLOCK, PreconditionFailed, Requests, Segments, StreamWriter, byte_view,
-                                   join_uri, register_backend)
+from components.core.store import (READ_BLOCK, WRITE_OPS, PreconditionFailed, Requests, Segments, StreamWriter,
+                                   byte_view, join_uri, refused_write, register_backend)
 
 T = TypeVar("T")
+
+S3_REFUSED_WRITE_CODES = frozenset({"AccessDenied", "QuotaExceeded", "XMinioStorageFull",
+                                    "XMinioAdminBucketQuotaExceeded", "XMinioBucketQuotaExceeded"})
+"""S3 error codes of a write refused for good (read-only credentials or policy, a full disk or bucket
+quota): the store cannot be written (:class:`~components.core.contract.errors.StoreUnwritable`)."""
 
 MULTIPART_THRESHOLD = 64 * 1024 * 1024
 PART_SIZE = 32 * 1024 * 1024
@@ -158,6 +163,8 @@ class S3Store(Requests):
                 if err.code == "NoSuchBucket":
                     raise BadInput(f"bucket {self.bucket!r} does not exist at {self.endpoint}; create it "
                                    f"or fix the store URI") from None
+                if op in WRITE_OPS and err.code in S3_REFUSED_WRITE_CODES:
+                    raise refused_write("S3", op, self.uri_for(key), err.code) from None
                 if err.code in S3_CREDENTIAL_CODES:
                     raise BadInput(f"S3 refused {op} on {self.uri_for(key)}: {err.code} (check "
                                    f"AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY and the bucket policy)") from None

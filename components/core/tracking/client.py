@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 import threading
+import time
 from typing import Any
 
 from components.core.contract import classify as classifier
@@ -43,6 +45,12 @@ PARAMS_PER_REQUEST = 100  # MLflow's log_batch limit on params per request
 TAGS_PER_REQUEST = 100  # and on tags
 _MAX_TAG_VALUE = 5000
 _MAX_PARAM_VALUE = 6000
+TRIES = 4
+"""How many times one call to the tracking server is tried before its step gives up (exit 138)."""
+RETRY_DELAYS = (1.0, 2.0, 4.0)
+"""Seconds before the second, third and fourth try: a server answering 500 costs a step ~7 s, not minutes."""
+REQUEST_TIMEOUT_SECONDS = 10
+"""One request's timeout (``MLFLOW_HTTP_REQUEST_TIMEOUT`` when it is set)."""
 
 
 def tracking_uri(config) -> str:
@@ -72,8 +80,27 @@ def import_mlflow(*modules: str) -> None:
             importlib.import_module(name)
 
 
+def bound_requests() -> None:
+    """MLflow's own retries off (7 of them with backoff: 4 minutes of silence per call against a server
+    answering 500) and a request timeout, unless the environment sets them: the retries are ours,
+    bounded and one line each (:func:`call`, the run logger's)."""
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(REQUEST_TIMEOUT_SECONDS))
+
+
+def say(line: str) -> None:
+    """One line about the tracking server: on stderr, and as a ``tracking`` event for ``relaunch run``'s
+    console (the run's event file, when ``RELAUNCH_EVENTS`` names one)."""
+    from components.core.contract.events import Kind, write
+
+    print(line, file=sys.stderr, flush=True)
+    write(Kind.TRACKING, line=line)
+
+
 def client(uri: str):
-    """An ``MlflowClient`` for ``uri`` (never the fluent API: it would export the URI process-wide)."""
+    """An ``MlflowClient`` for ``uri`` (never the fluent API: it would export the URI process-wide),
+    its requests bounded (:func:`bound_requests`)."""
+    bound_requests()
     import_mlflow()
     from mlflow.tracking import MlflowClient
 
@@ -85,7 +112,16 @@ def client(uri: str):
 
 
 def describe(err: Exception) -> str:
-    """The first line of an error, short enough for one log line."""
+    """The first line of an error, short enough for one log line; a request that urllib3 gave up on (what
+    MLflow's client raises for a 5xx or no answer) as its URL and urllib3's reason."""
+    from urllib3.exceptions import MaxRetryError
+
+    cause: BaseException | None = err
+    while cause is not None and not isinstance(cause, MaxRetryError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is not None and cause.pool is not None:
+        pool = cause.pool
+        return f"{pool.scheme}://{pool.host}:{pool.port}{(cause.url or '').split('?')[0]}: {cause.reason}"[:300]
     return str(err).splitlines()[0][:300] if str(err) else type(err).__name__
 
 
@@ -113,13 +149,76 @@ def is_rejected(err: Exception) -> bool:
 
 
 def call(what: str, fn, *args, **kwargs):
-    """One client call, with the contract's errors: credentials -> BadInput, anything else -> TransientFailure."""
+    """One client call, with the contract's errors: credentials -> BadInput, anything else -> TransientFailure.
+
+    What retrying may help (no answer, a 5xx, a database error) is tried :data:`TRIES` times, with one
+    line per failed try (:func:`say`), within a bounded time; a refusal is raised at once."""
+    for attempt in range(1, TRIES + 1):
+        try:
+            return fn(*args, **kwargs)
+        except BadInput:
+            raise
+        except Exception as err:  # mlflow raises MlflowException, requests/sqlalchemy their own
+            error = contract_error(err, what)
+            if isinstance(error, BadInput):
+                raise error from None
+            if attempt == TRIES:
+                raise TransientFailure(f"{error} ({TRIES} tries)") from None
+            delay = RETRY_DELAYS[min(attempt, len(RETRY_DELAYS)) - 1]
+            say(f"relaunch: tracking: could not {what} (try {attempt}/{TRIES}): {describe(err)}; "
+                f"trying again in {delay:g}s")
+            time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+def unless_missing(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, or None when the server answers that what it asked for does not exist."""
     try:
         return fn(*args, **kwargs)
-    except BadInput:
+    except Exception as err:
+        if is_not_found(err):
+            return None
         raise
-    except Exception as err:  # mlflow raises MlflowException, requests/sqlalchemy their own
-        raise contract_error(err, what) from None
+
+
+def check_api(uri: str, experiment: str) -> None:
+    """Whether the MLflow server at ``uri`` answers a real API request (a server's ``/health`` may answer
+    200 while its API answers 500): ``experiments/get-by-name``, through :func:`call`'s bounded tries,
+    one line per failed try. Plain ``urllib`` with the environment's credentials: importing MLflow
+    would cost the command line a second and a half.
+
+    Raises:
+        TransientFailure: the API did not answer, or answered 5xx, on every try.
+    """
+    import base64
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    query = urllib.parse.urlencode({"experiment_name": experiment})
+    request = urllib.request.Request(f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/get-by-name?{query}")
+    if os.environ.get("MLFLOW_TRACKING_TOKEN"):
+        request.add_header("Authorization", f"Bearer {os.environ['MLFLOW_TRACKING_TOKEN']}")
+    elif os.environ.get("MLFLOW_TRACKING_USERNAME") and os.environ.get("MLFLOW_TRACKING_PASSWORD"):
+        basic = f"{os.environ['MLFLOW_TRACKING_USERNAME']}:{os.environ['MLFLOW_TRACKING_PASSWORD']}"
+        request.add_header("Authorization", f"Basic {base64.standard_b64encode(basic.encode()).decode()}")
+    timeout = float(os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT") or REQUEST_TIMEOUT_SECONDS)
+
+    def ask() -> None:
+        try:
+            with urllib.request.urlopen(request, timeout=timeout):
+                return
+        except urllib.error.HTTPError as err:
+            if err.code < 500:  # the API answered (404: no such experiment yet); credentials are the steps' to check
+                return
+            body = " ".join(err.read(300).decode("utf-8", "replace").split())
+            raise TransientFailure(f"HTTP {err.code}" + (f": {body}" if body else "")) from None
+
+    try:
+        call(f"get an answer from the MLflow API at {uri}", ask)
+    except TransientFailure as err:
+        raise TransientFailure(f"{err}; its /health answers, so the server runs but what it stores into (its "
+                               "database) fails: see the server's log, then run again") from None
 
 
 def contract_error(err: Exception, what: str) -> BadInput | TransientFailure:
@@ -162,8 +261,12 @@ def log_new_params(mlflow_client, run_id: str, params: dict[str, Any]) -> None:
 
 def find_run(mlflow_client, experiment_id: str, pipeline_run_id: str) -> str | None:
     """The run of ``experiment_id`` tagged ``relaunch.pipeline_run_id=<id>``, or None."""
-    found = call("search runs", mlflow_client.search_runs, [experiment_id],
-                 filter_string=f"tags.`{PIPELINE_RUN_TAG}` = '{pipeline_run_id}'", max_results=1)
+    return call("search runs", _search_run, mlflow_client, experiment_id, pipeline_run_id)
+
+
+def _search_run(mlflow_client, experiment_id: str, pipeline_run_id: str) -> str | None:
+    found = mlflow_client.search_runs([experiment_id], filter_string=f"tags.`{PIPELINE_RUN_TAG}` = '{pipeline_run_id}'",
+                                      max_results=1)
     return found[0].info.run_id if found else None
 
 
@@ -224,7 +327,22 @@ def _experiment_id(mlflow_client, config) -> str:
         return found.experiment_id
 
 
-def ensure_run(config, pipeline_run_id: str | None = None) -> str:
+def run_exists(config, run_id: str) -> bool:
+    """Whether MLflow run ``run_id`` exists at the configuration's tracking URI (a sqlite database
+    that does not exist holds none, and asking does not create it).
+
+    Raises:
+        BadInput: the server refuses the credentials.
+        TransientFailure: the tracking server cannot be reached.
+    """
+    uri = tracking_uri(config)
+    if uri.startswith("sqlite:///") and not os.path.exists(uri.removeprefix("sqlite:///")):
+        return False
+    mlflow_client = client(uri)
+    return call(f"read run {run_id}", unless_missing, mlflow_client.get_run, run_id) is not None
+
+
+def ensure_run(config, pipeline_run_id: str | None = None, tags: dict[str, str] | None = None) -> str:
     """Find or create the MLflow run of this training; returns its run id.
 
     ``config.tracking.run_id`` wins when set (it must exist). Else, with ``pipeline_run_id``, the run
@@ -233,19 +351,17 @@ def ensure_run(config, pipeline_run_id: str | None = None) -> str:
     integration), the experiment is the injected run's and a created run is nested under the
     pipeline's run (see :func:`kfp_parent`): never a second top-level run beside KFP's.
 
+    ``tags`` are set on a run this call creates.
+
     Raises:
         BadInput: ``tracking.run_id`` does not exist, or the server refuses the credentials.
         TransientFailure: the tracking server cannot be reached.
     """
     mlflow_client = client(tracking_uri(config))
     if config.tracking.run_id:
-        try:
-            mlflow_client.get_run(config.tracking.run_id)
-        except Exception as err:
-            if is_not_found(err):
-                raise BadInput(f"tracking.run_id: run {config.tracking.run_id!r} does not exist at "
-                               f"{tracking_uri(config)}; unset it to create one") from None
-            raise contract_error(err, f"read run {config.tracking.run_id}") from None
+        if not run_exists(config, config.tracking.run_id):
+            raise BadInput(f"tracking.run_id: run {config.tracking.run_id!r} does not exist at "
+                           f"{tracking_uri(config)}; unset it to create one")
         return config.tracking.run_id
     kfp = kfp_parent(mlflow_client)
     experiment_id = kfp[0] if kfp else _experiment_id(mlflow_client, config)
@@ -253,14 +369,35 @@ def ensure_run(config, pipeline_run_id: str | None = None) -> str:
         found = find_run(mlflow_client, experiment_id, pipeline_run_id)
         if found:
             return found
-    tags = {"relaunch.pipeline": config.name}
+    tags = {**(tags or {}), "relaunch.pipeline": config.name}
     if kfp:
         tags[PARENT_RUN_TAG] = kfp[1]
         tags[KFP_TASK_RUN_TAG] = injected_run_id()
     if pipeline_run_id:
         tags[PIPELINE_RUN_TAG] = pipeline_run_id
-    run = call("create a run", mlflow_client.create_run, experiment_id, run_name=config.tracking.run_name, tags=tags)
-    return run.info.run_id
+
+    def find_or_create() -> str:  # a retried create must not make a second run: a failed try may have made one
+        found = pipeline_run_id and _search_run(mlflow_client, experiment_id, pipeline_run_id)
+        if found:
+            return found
+        return mlflow_client.create_run(experiment_id, run_name=config.tracking.run_name, tags=tags).info.run_id
+
+    return call("create a run", find_or_create)
+
+
+def reopen_run(config, run_id: str) -> None:
+    """A run an earlier pipeline of the training ended (KILLED by a Ctrl-C, FAILED) is RUNNING again,
+    without that ending's reason tag: what the run says is true while the training continues.
+
+    Raises:
+        TransientFailure: the tracking server cannot be reached.
+    """
+    mlflow_client = client(tracking_uri(config))
+    run = call("read the run", mlflow_client.get_run, run_id)
+    if END_REASON_TAG in run.data.tags:
+        call("untag the run", mlflow_client.delete_tag, run_id, END_REASON_TAG)
+    if run.info.status != "RUNNING":
+        call("update the run", set_run_status, mlflow_client, run_id, "RUNNING")
 
 
 def mark_run_finished(config, run_id: str, status: str, reason: str = "") -> None:

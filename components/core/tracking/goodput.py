@@ -23,7 +23,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from components.core.contract.exitcodes import ExitCode
+from components.core.contract.exitcodes import ExitCode, unrecorded_end
 from components.core.store import records
 from components.core.store.records import write_exit_record  # train.py writes it through goodput too
 
@@ -55,7 +55,7 @@ class Attempt:
     @property
     def outcome(self) -> int:
         """Its exit code; an attempt that never wrote one died without control (SIGKILL, OOM): 137."""
-        return int(self.exit_code) if self.exit_code is not None else int(ExitCode.KILLED)
+        return unrecorded_end(self.exit_code)
 
 
 @dataclass

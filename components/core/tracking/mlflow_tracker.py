@@ -18,8 +18,13 @@ What the run holds, kept true across restarts, in a form a person reads on the r
 - the metrics, health counters (``health/*``) only once one is not zero: a chart of zeros says nothing
   and would sort before the loss.
 
-An unreachable server never stops the training: the logger buffers and retries on its own thread;
+An unreachable server never stops the training: the logger buffers and retries on its own thread,
+with one line on the console (a ``tracking`` event) when contact is lost and one when it is back;
 only what retrying cannot help (refused credentials, :attr:`RunLogger.fatal`) is raised, as bad input.
+What the server has not confirmed when the attempt ends (it waits for a lost server only
+:data:`~components.core.tracking.runlogger.WAIT_WHILE_LOST_SECONDS`) stays in the pending-metrics
+record, with the outage's ``relaunch.tracking.*`` tags; :func:`deliver_pending_metrics` sends it
+(finalize, and prepare of the next ``--resume``), as does the next attempt.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import time
 from typing import Any
 
 from components.core.contract.errors import BadInput
+from components.core.contract.events import Kind, emit
 from components.core.store import records
 from components.core.tracking import goodput
 from components.core.tracking.trackers import AttemptEnd, AttemptStart, TrackerBase
@@ -43,6 +49,7 @@ ARTIFACT_DIR = "relaunch"
 CHECKPOINTS_ARTIFACT = f"{ARTIFACT_DIR}/checkpoints.json"
 ATTEMPTS_ARTIFACT = f"{ARTIFACT_DIR}/attempts.json"
 HEALTH_PREFIX = "health/"
+DELIVERY_SECONDS = 30.0  # how long prepare or finalize gives pending points to reach the server
 
 
 def _iso(seconds: float | None) -> str:
@@ -112,6 +119,8 @@ class MlflowTracker(TrackerBase):
         self._artifacts: tempfile.TemporaryDirectory | None = None  # files the logger uploads; removed at close
         self._history_written: float | None = None  # time.monotonic() of the last checkpoint-history upload
         self._history_due = False  # a commit since then is not in relaunch/checkpoints.json yet
+        self._pending_kept = False  # the store's pending-metrics record holds points or tags
+        self._status: str | None = None  # the run status this attempt queued last
 
     def start(self, start: AttemptStart) -> None:
         """Open the logger (sending starts after the first step), requeue the points an earlier attempt
@@ -120,7 +129,7 @@ class MlflowTracker(TrackerBase):
         from components.core.tracking.runlogger import RunLogger
 
         self._resumed_from = start.resumed_from
-        self.logger = RunLogger(tracking_uri(self.config), self.run_id, defer_start=True)
+        self.logger = RunLogger(tracking_uri(self.config), self.run_id, defer_start=True, announce=_announce)
         self._requeue_pending_metrics()
         if self.attempt > 1:
             self.logger.set_status("RUNNING")
@@ -135,9 +144,15 @@ class MlflowTracker(TrackerBase):
         """Metric points of steps up to the resumed checkpoint that an earlier attempt may not have
         sent (it was killed with them in its buffer): queue them again; the logger skips those the
         server has. Steps after the checkpoint are recomputed and logged anew."""
-        for step, metrics in records.read_pending_metrics(self.store):
+        pending = records.read_pending(self.store)
+        for step, metrics in pending["points"]:
             if step <= self._resumed_from:
                 self.logger.log_metrics(metrics, step)
+                self.recent.append([step, metrics])  # kept in the record until the server confirms them
+                self._pending_kept = True
+        if pending["tags"]:
+            self.logger.set_tags(pending["tags"])
+            self._pending_kept = True
 
     def log_params(self, params: dict[str, Any]) -> None:
         self.logger.log_params(params)
@@ -162,8 +177,16 @@ class MlflowTracker(TrackerBase):
 
     def before_checkpoint(self, step: int) -> None:
         """Persist the points the server has not confirmed (a crash after the commit would lose them)."""
-        self.recent = [p for p in self.recent if p[0] > self.logger.confirmed_step]
-        records.write_pending_metrics(self.store, step, self.recent)
+        self._keep_pending(step)
+
+    def _keep_pending(self, step: int, *, all_sent: bool = False) -> None:
+        """Write the points the server has not confirmed, and the outage's tags, as the pending record
+        (an empty one when ``all_sent``)."""
+        self.recent = [p for p in self.recent if p[0] > self.logger.confirmed_step and not all_sent]
+        tags = {} if all_sent else self.logger.lost_contact_tags()
+        status = None if all_sent else self._status
+        records.write_pending_metrics(self.store, step, self.recent, tags, status)
+        self._pending_kept = bool(self.recent or tags or status)
 
     def checkpoint_committed(self, step: int, uri: str, key: str) -> None:
         """Tag the latest checkpoint; rewrite ``relaunch/checkpoints.json`` (retention's deletions included)."""
@@ -213,7 +236,7 @@ class MlflowTracker(TrackerBase):
             self.logger.submit(self._log_attempts)
             self.logger.flush(timeout=FLUSH_SECONDS_BEFORE_PLOT)
             self._log_goodput_artifacts(end.report)
-            self.logger.set_status("FINISHED")
+            self._set_status("FINISHED")
             return
         try:  # this attempt's record is final by now; the store may be what failed, though
             attempts = attempt_summary_tags(goodput.load_attempts(self.store))
@@ -224,7 +247,11 @@ class MlflowTracker(TrackerBase):
         if not end.told_to_go:  # told to go, the logger has a second or two: the next attempt writes the table
             self.logger.submit(self._log_attempts)
         if end.status:
-            self.logger.set_status(end.status)
+            self._set_status(end.status)
+
+    def _set_status(self, status: str) -> None:
+        self._status = status
+        self.logger.set_status(status)
 
     @staticmethod
     def _goodput_tags(report: dict[str, Any]) -> dict[str, str]:
@@ -238,8 +265,9 @@ class MlflowTracker(TrackerBase):
     def _log_goodput_artifacts(self, report: dict[str, Any]) -> None:
         curve: list[tuple[int, float]] = []
         try:
-            client = self.logger.get_client()
-            curve = [(m.step, m.value) for m in client.get_metric_history(self.run_id, "train/loss")]
+            if self.logger.connected:  # else: the plot goes without it, at once
+                client = self.logger.get_client()
+                curve = [(m.step, m.value) for m in client.get_metric_history(self.run_id, "train/loss")]
         except Exception as err:  # noqa: BLE001 - the server is away: the plot goes without its loss curve
             print(f"relaunch: no loss curve for the goodput plot: {err}", file=sys.stderr)
         # the logger uploads from its thread: the folder lives until close() has flushed it
@@ -265,10 +293,74 @@ class MlflowTracker(TrackerBase):
                 "sender_cpu_seconds_per_step": stats.sender_cpu_seconds / steps, "steps": steps}
 
     def close(self, timeout: float) -> None:
+        """Send what is queued within ``timeout``; what the server did not confirm is kept in the pending
+        record (and a record whose points all arrived is emptied)."""
         if self.logger is not None:
             if self._history_due:
                 self._write_history()
-            self.logger.close(timeout=timeout)
+            sent = self.logger.close(timeout=timeout)
+            if not sent or self._pending_kept:
+                try:
+                    self._keep_pending(max((p[0] for p in self.recent), default=self._resumed_from), all_sent=sent)
+                except Exception as err:  # noqa: BLE001 - the store is what failed: the next attempt recomputes
+                    print(f"relaunch: metric points the tracking server has not confirmed are not kept: {err}",
+                          file=sys.stderr)
+            if not sent and self.recent and not self.logger.connected:
+                _announce(f"relaunch: the tracking server has not confirmed {sum(len(p[1]) for p in self.recent)} "
+                          f"metric points; kept in the store ({records.PENDING_METRICS_KEY}): finalize or the next "
+                          "`relaunch run --resume` sends them")
         if self._artifacts is not None:
             self._artifacts.cleanup()
             self._artifacts = None
+
+
+def _announce(line: str) -> None:
+    """A line about the tracking server from the training: on stderr, and as a ``tracking`` event
+    that ``relaunch run``'s console prints."""
+    print(line, file=sys.stderr, flush=True)
+    emit(Kind.TRACKING, line=line)
+
+
+def deliver_pending_metrics(config, store, run_id: str, *, who: str) -> bool:
+    """Send the metric points, tags and run status an attempt left in the pending-metrics record (the
+    tracking server was away when it ended) into ``run_id``, skipping the points the server holds; empty
+    the record once the server took them all. Never raises: what is not sent stays for the next try.
+    One line either way (:func:`~components.core.tracking.client.say`).
+
+    Args:
+        who: the step that delivers, for its line ("prepare", "finalize").
+
+    Returns:
+        Whether nothing is left pending.
+    """
+    from components.core.tracking.client import say, tracking_uri
+    from components.core.tracking.runlogger import RunLogger
+
+    try:
+        pending = records.read_pending(store)
+    except Exception as err:  # noqa: BLE001 - the store is away: the next step or attempt tries again
+        print(f"{who}: pending metric points not read: {err}", file=sys.stderr)
+        return False
+    points, tags, status = pending["points"], pending["tags"], pending["status"]
+    if not points and not tags and not status:
+        return True
+    logger = RunLogger(tracking_uri(config), run_id, announce=say)
+    for step, metrics in points:
+        logger.log_metrics(metrics, step)
+    if tags:
+        logger.set_tags(tags)
+    if status:  # the attempt's ending, as it would have told the server (finalize sets the pipeline's after)
+        logger.set_status(status)
+    count = sum(len(metrics) for _, metrics in points)
+    if not logger.close(DELIVERY_SECONDS):
+        say(f"{who}: the tracking server did not take the {count} metric points the training left unsent "
+            f"({logger.fatal or 'no answer'}); they stay in {records.PENDING_METRICS_KEY} for the next try")
+        return False
+    try:
+        records.write_pending_metrics(store, max((s for s, _ in points), default=-1), [])
+    except Exception as err:  # noqa: BLE001 - sent anyway: a later delivery skips what the server holds
+        print(f"{who}: {records.PENDING_METRICS_KEY} not emptied: {err}", file=sys.stderr)
+    steps = f" (steps {points[0][0]}..{points[-1][0]})" if points else ""
+    say(f"{who}: sent the {count} metric points{steps} the training left unsent ({records.PENDING_METRICS_KEY}) "
+        f"to MLflow run {run_id}")
+    return True

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import sys
 import threading
 import time
@@ -27,11 +26,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from components.core.tracking.client import client as tracking_client
-from components.core.tracking.client import (TAGS_PER_REQUEST, describe, import_mlflow, is_auth_error, is_not_found,
-                                             is_rejected, log_new_params, set_run_status)
+from components.core.tracking.client import (TAGS_PER_REQUEST, bound_requests, describe, import_mlflow, is_auth_error,
+                                             is_not_found, is_rejected, log_new_params, set_run_status)
 from components.core.tracking.rest import GET_RUN, LOG_BATCH, UPDATE_RUN, RestSession
 
 _BATCH = 1000  # MLflow's log_batch limit on metrics (and tags) per request
+WAIT_WHILE_LOST_SECONDS = 10.0
+"""How long :meth:`RunLogger.flush` (and close) waits for a server it lost contact with, counted from
+the loss: what is still buffered then is the caller's to keep (the trainer's pending-metrics record)."""
 # MLflow's request-header providers try these imports on every request (Databricks and notebook
 # detection); a module that is not installed is looked for on the whole sys.path each time: 11 failed
 # imports and ~4 ms of CPU per request here, on the thread that shares the GIL with the training.
@@ -94,14 +96,14 @@ class RunLogger:
     ``log_metrics``/``set_tags``/``log_params``/``log_artifact``/``set_status`` only enqueue (a few
     microseconds on the caller's thread). A daemon thread sends everything every ``flush_seconds``
     as ``log_batch`` requests; when the server is away it keeps the buffer, retries with backoff,
-    prints one line on losing and on regaining contact, and tags the run with the time it was lost.
+    says one line on losing and one on regaining contact (``announce``, stderr by default; each names
+    the metric points buffered), and tags the run with the time it was lost.
     """
 
     def __init__(self, uri: str, run_id: str, *, flush_seconds: float = 5.0, max_buffered_points: int = 2_000_000,
-                 defer_start: bool = False):
-        # fail fast inside each request and retry here instead: a dead server must not stall the buffer's owner
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+                 defer_start: bool = False, announce=None):
+        bound_requests()  # fail fast inside each request and retry here: a dead server must not stall the caller
+        self.announce = announce or (lambda line: print(line, file=sys.stderr, flush=True))
         self.uri = uri
         self.run_id = run_id
         self.flush_seconds = flush_seconds
@@ -119,6 +121,7 @@ class RunLogger:
         self._idle = threading.Event()
         self._idle.set()
         self._closed = False
+        self._stopping = threading.Event()  # set by close(): a sender waiting to retry stops instead
         self._client = None
         self._logged_max: dict[str, int] = {}
         self._verified: set[str] = set()
@@ -188,14 +191,21 @@ class RunLogger:
     # ---- life cycle
 
     def flush(self, timeout: float = 30.0) -> bool:
-        """Wait until everything queued so far was sent; False when the server stayed away."""
+        """Wait until everything queued so far was sent, at most ``timeout`` seconds and at most until
+        contact has been lost for :data:`WAIT_WHILE_LOST_SECONDS`; False when it was not all sent."""
         with self._lock:
             self._flush_metrics_into_ops()
             if self._ops:
                 self._idle.clear()
         self.start()
         self._wake.set()
-        return self._idle.wait(timeout)
+        deadline = time.monotonic() + timeout
+        while not self._idle.wait(max(0.0, min(0.5, deadline - time.monotonic()))):
+            lost_since = self._lost_since
+            now = time.monotonic()
+            if now >= deadline or (lost_since is not None and now - lost_since >= WAIT_WHILE_LOST_SECONDS):
+                return False
+        return not self.fatal
 
     def close(self, timeout: float = 30.0) -> bool:
         """Flush, then stop the thread, within ``timeout`` seconds in all; idempotent. Returns whether
@@ -207,6 +217,7 @@ class RunLogger:
         deadline = time.monotonic() + timeout
         done = self.flush(timeout)
         self._closed = True
+        self._stopping.set()
         self._wake.set()
         self._thread.join(max(0.0, min(2.0, deadline - time.monotonic())))
         if self._rest is not None and not self._thread.is_alive():
@@ -217,6 +228,22 @@ class RunLogger:
         """Queued operations and metric points not yet sent."""
         with self._lock:
             return len(self._ops) + len(self._metrics) + len(self._steps) + len(self._tags)
+
+    def buffered_points(self) -> int:
+        """The metric points queued and not sent yet."""
+        with self._lock:
+            return self._op_points + self._metric_points + sum(len(entry[2]) for entry in list(self._steps))
+
+    def lost_contact_tags(self) -> dict[str, str]:
+        """The ``relaunch.tracking.*`` tags of this logger's outages ({} when it never lost contact)."""
+        stats = self.stats
+        if not stats.lost_contact_events:
+            return {}
+        seconds = stats.lost_contact_seconds + (time.monotonic() - self._lost_since if self._lost_since else 0.0)
+        return {"relaunch.tracking.lost_contact": "true",
+                "relaunch.tracking.lost_contact_seconds": f"{seconds:.1f}",
+                "relaunch.tracking.lost_contact_events": str(stats.lost_contact_events),
+                "relaunch.tracking.dropped_points": str(stats.dropped_points)}
 
     @property
     def rest_requests(self) -> int:
@@ -331,7 +358,8 @@ class RunLogger:
                         return
                     with self._lock:  # what the training logs meanwhile stays within the cap
                         self._flush_metrics_into_ops()
-                    time.sleep(backoff)
+                    if self._stopping.wait(backoff):  # closed while away: what is left is the caller's
+                        return
                     backoff = min(backoff * 2, 5.0)
                     continue
                 backoff = 0.5
@@ -340,7 +368,7 @@ class RunLogger:
                 self.stats.sender_cpu_by_kind[op.kind] = self.stats.sender_cpu_by_kind.get(op.kind, 0.0) + spent
                 with self._lock:
                     self._sent(op)
-                self._regained()
+                self._regained(op.points)
             if self._closed:
                 return
 
@@ -350,19 +378,20 @@ class RunLogger:
         if self._lost_since is None:
             self._lost_since = time.monotonic()
             self.stats.lost_contact_events += 1
-            print(f"relaunch: lost contact with the tracking server ({describe(err)}); buffering", file=sys.stderr)
+            self.announce(f"relaunch: lost contact with the tracking server {self.uri} ({describe(err)}); "
+                          f"buffering metric points ({self.buffered_points()} so far) and retrying")
 
-    def _regained(self) -> None:
+    def _regained(self, sent_points: int) -> None:
+        """A send succeeded: after an outage, one line with the points it buffered, and the outage's tags."""
         if self._lost_since is None:
             return
         gone = time.monotonic() - self._lost_since
         self._lost_since = None
         self.stats.lost_contact_seconds += gone
-        print(f"relaunch: tracking server back after {gone:.1f}s; flushing the buffer", file=sys.stderr)
-        self._ops.appendleft(_Op("tags", {"relaunch.tracking.lost_contact": "true",
-                                          "relaunch.tracking.lost_contact_seconds": f"{self.stats.lost_contact_seconds:.1f}",
-                                          "relaunch.tracking.lost_contact_events": str(self.stats.lost_contact_events),
-                                          "relaunch.tracking.dropped_points": str(self.stats.dropped_points)}))
+        self.announce(f"relaunch: tracking server {self.uri} back after {gone:.1f}s; sending the "
+                      f"{sent_points + self.buffered_points()} metric points buffered meanwhile")
+        with self._lock:
+            self._ops.appendleft(_Op("tags", self.lost_contact_tags()))
 
     def get_client(self):
         """This logger's MlflowClient (made on first use)."""

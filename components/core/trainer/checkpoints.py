@@ -1,6 +1,14 @@
 """The trainer's side of its checkpoints: when it saves (:class:`SaveCadence`) and how
 (:class:`TrainerCheckpoints`: evaluate, then save; the commits of background saves recorded in the
-attempt record and tagged on the MLflow run; the last save on preemption when it fits the grace)."""
+attempt record and tagged on the MLflow run; the last save on preemption when it fits the grace).
+
+A save that fails because the store cannot be written (full, read-only: see
+:func:`~components.core.contract.classify.is_store_unwritable`) does not stop the training: every rank
+has the same error (the save's steps agree on it), rank 0 says so in one line, and the next
+checkpoint point tries again; ``train.store_unwritable_saves`` failures in a row, or a failed last
+save (the training's end has no next point), stop it with :class:`StoreUnwritable` (exit 2). The
+last committed checkpoint is untouched: the failed save removed what it wrote.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +17,17 @@ import time
 from typing import Any, Callable
 
 from components.core.trainer.health import save_fits_grace
+from components.core.contract.classify import as_error, is_store_unwritable
+from components.core.contract.errors import StoreUnwritable
 from components.core.contract.events import Kind, emit
+from components.core.store import UNWRITABLE_ADVICE
+
+
+def say_store(line: str) -> None:
+    """One line about the store on this rank's stderr (the pod's log) and, as a ``store`` event, on the
+    console of ``relaunch run``."""
+    print(f"relaunch: {line}", file=sys.stderr, flush=True)
+    emit(Kind.STORE, line=line)
 
 
 class SaveCadence:
@@ -54,6 +72,10 @@ class TrainerCheckpoints:
         self.last_committed = None  # CheckpointInfo of the newest committed checkpoint known here
         self.overhead = 0.0  # checkpoint stall + evaluation, this attempt
         self._pending: dict[int, tuple[float, float]] = {}  # rank 0: step -> (done at, overhead then)
+        self.store_uri = config.store.uri
+        self.unwritable_limit = config.train.store_unwritable_saves
+        self.failed_saves: list[int] = []  # the steps whose saves failed in a row, the store unwritable
+        self._saving: int | None = None  # the step of the save in flight (its failure names it)
 
     def close(self, *, after_failure: bool = False) -> None:
         """Wait for the pending save and release the store. After a failure this lets an in-flight save
@@ -84,11 +106,12 @@ class TrainerCheckpoints:
             self.log.record.eval_seconds += spent
         return metrics
 
-    def save(self, step: int, *, wait: bool = False) -> None:
-        """Checkpoint ``step`` (a no-op if it is already saved); ``wait`` until it is committed."""
+    def save(self, step: int, *, wait: bool = False, final: bool = False) -> None:
+        """Checkpoint ``step`` (a no-op if it is already saved); ``wait`` until it is committed;
+        ``final``: the training's last save, whose failure stops it (no later save tries again)."""
         if step == self.last_saved:
             if wait:
-                self.note_commit()
+                self.note_commit(last=final)
             return
         metrics = self.evaluate()
         if self.env.is_main:
@@ -98,10 +121,11 @@ class TrainerCheckpoints:
         self.note_commit()  # the previous async save commits here (save() waits too)
         with self.peers():
             self.manager.save(step, self.state, metrics=metrics, epoch=self.state.epoch, defer_copy=True)
+        self._saving = step
         if self.env.is_main:
             self._pending[step] = (step_done_at, self.overhead)
         if wait:
-            self.note_commit()
+            self.note_commit(last=final)
         stall = time.perf_counter() - began
         self.overhead += stall
         self.last_saved = step
@@ -117,19 +141,54 @@ class TrainerCheckpoints:
         if self.log:
             self.log.record.stall_seconds += blocked
 
-    def note_commit(self) -> None:
+    def note_commit(self, *, last: bool = False) -> bool:
         """Wait for the pending save; record and tag it once committed (an async save commits while
-        the next steps run)."""
-        with self.peers():
-            latest = self.manager.wait()
-        if latest is None:
-            return
+        the next steps run). Whether it committed: a save that failed because the store cannot be
+        written is counted and said once (:meth:`_unwritable`); ``last``: no later save will try
+        again, so that failure stops the training."""
+        try:
+            with self.peers():
+                latest = self.manager.wait()
+        except Exception as err:  # noqa: BLE001 - classified: anything but an unwritable store is raised
+            if not is_store_unwritable(err):
+                raise
+            self._unwritable(err, last=last)
+            return False
+        saving, self._saving = self._saving, None
+        if latest is None or saving is None and self.failed_saves or saving is not None and latest.step != saving:
+            return False  # nothing committed since the last failure
+        if self.failed_saves and self.env.is_main:
+            say_store(f"the store {self.store_uri} can be written again: checkpoint of step {latest.step} committed")
+        self.failed_saves = []
         self.last_committed = latest
         if not self.env.is_main:
-            return
+            return True
         done_at, overhead = self._pending.pop(latest.step, (time.time(), self.overhead))
         self.log.committed(latest.step, done_at, overhead)
         self.tracker.checkpoint_committed(latest)
+        return True
+
+    def _unwritable(self, err: BaseException, *, last: bool) -> None:
+        """The pending save failed, the store cannot be written: the first failure of a row is said
+        on rank 0 (one line) and the training goes on; the ``unwritable_limit``-th in a row, or a
+        failure of the ``last`` save, raises :class:`StoreUnwritable` on every rank alike."""
+        step, self._saving = self._saving, None
+        self._pending.pop(step, None)
+        self.failed_saves.append(step if step is not None else -1)
+        cause = err.strerror if isinstance(err, OSError) and err.strerror else str(as_error(err))
+        kept = (f"step {self.last_committed.step}, the last committed checkpoint, is intact"
+                if self.last_committed is not None else "no checkpoint of this training is committed")
+        if last or len(self.failed_saves) >= self.unwritable_limit:
+            # the most important first: a launcher may show only the line's first few hundred characters
+            failed = (f"saves of steps {', '.join(str(s) for s in self.failed_saves)} failed in a row"
+                      if len(self.failed_saves) > 1 else f"the save of step {self.failed_saves[0]} failed")
+            raise StoreUnwritable(
+                f"store {self.store_uri} cannot be written ({cause}); {kept}: free space or make it writable, then "
+                f"resume it (`relaunch run --resume`; on a cluster, submit it again); {failed}") from None
+        if len(self.failed_saves) == 1 and self.env.is_main:
+            say_store(f"checkpoint of step {step} not saved: store {self.store_uri} cannot be written ({cause}); "
+                      f"{kept}; training goes on and saves again at its next checkpoint (it stops after "
+                      f"{self.unwritable_limit} failed saves in a row; {UNWRITABLE_ADVICE})")
 
     def save_on_preemption(self, step: int, grace_left_seconds: float) -> bool:
         """Save ``step`` if rank 0 finds that a save fits the grace left (every rank gets its answer),
@@ -142,8 +201,8 @@ class TrainerCheckpoints:
             fits = save_fits_grace(last_save, grace_left_seconds)
         with self.peers():
             fits = distr.broadcast_object(fits)
-        if fits:
-            self.save(step, wait=True)
-        else:
+        if not fits:
             self.note_commit()
-        return fits
+            return False
+        self.save(step, wait=True)
+        return self.last_committed is not None and self.last_committed.step == step

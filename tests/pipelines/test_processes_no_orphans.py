@@ -1,0 +1,107 @@
+"""SIGKILL of ``relaunch run`` (the top process, nothing else): no process it started outlives it for more
+than a moment (its guardian, pipelines/local/guardian.py, kills them all), whatever their depth and
+session (warm servers, the launch step, torchrun agents, zygote clients, workers); ``relaunch trainings``
+shows the training running before, interrupted after; the store is left as a commit left it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.cli import RELAUNCH, kill_agents
+
+TRAINING = ["--set", "train.hidden_size=32", "--set", "train.max_steps=400", "--set", "train.step_sleep_seconds=0.1",
+            "--set", "train.checkpoint_every_steps=5", "--set", "launch.rdzv_port=0"]
+"""A training far longer than the test lets it run, saving often (a save is likely in flight when killed)."""
+RUN_TIMEOUT = 420
+ORPHAN_DEADLINE = 5.0
+"""How long the run's processes may take to end after the kill: a bound for a hang, not a timed assertion
+(they end within about 0.1 s here; before the guardian they trained on for 24-30 s)."""
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * RUN_TIMEOUT)]
+
+
+def _committed_once(cwd: Path) -> bool:
+    """Whether the training committed a checkpoint (a later save is then likely in flight when killed)."""
+    return any((cwd / ".relaunch" / "store").glob("trainings/*/checkpoints/latest.json"))
+
+
+def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
+    alive = []
+    for p in processes:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def _trainings(cwd: Path) -> list[dict]:
+    done = subprocess.run([RELAUNCH, "trainings", "--json", "--no-registry"], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("mode", ["warm", "cold"])
+def test_sigkill_of_relaunch_run_leaves_no_process_of_the_run_and_the_training_is_shown_interrupted(tmp_path, mode):
+    """Warm (the default): forks of the warm servers; cold: every step, agent and worker a fresh interpreter
+    under kfp.local's ``sh``, as on a cluster."""
+    proc = subprocess.Popen([RELAUNCH, "run", *TRAINING, *(["--cold"] if mode == "cold" else [])], cwd=tmp_path,
+                            stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    tree: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT  # a bound for a hang
+        while not _committed_once(tmp_path):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the training never committed a checkpoint"
+            time.sleep(0.2)
+        (running,) = _trainings(tmp_path)
+        assert running["state"] == "running", running
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        commands = [" ".join(p.cmdline()) for p in _alive(tree)]
+        assert sum("torch.distributed.run" in c for c in commands) == 2, commands  # agents in their own sessions
+        if mode == "warm":  # two warm servers, the launch step, the agents, two zygote clients and their two
+            # workers (forks of the full server), and the guardian
+            assert sum("zygote_client.py" in c and "torch.distributed.run" not in c for c in commands) == 2, commands
+            assert len(commands) >= 9, commands
+        else:  # kfp.local's sh, the launch step, the agents, their workers, and the guardian
+            assert sum("-m components.train " in c and "torch.distributed.run" not in c for c in commands) == 2, commands
+        os.kill(proc.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        proc.wait()
+        left = _alive(tree)
+        while left and time.monotonic() - killed_at < ORPHAN_DEADLINE:
+            time.sleep(0.05)
+            left = _alive(tree)
+        measured = time.monotonic() - killed_at
+        print(f"the run's {len(tree)} processes ended {measured:.2f}s after the SIGKILL", file=sys.stderr)
+        assert left == [], [f"{p.pid} {' '.join(p.cmdline())[:150]}" for p in left]
+        while any(psutil.pid_exists(p.pid) for p in tree) and time.monotonic() - killed_at < RUN_TIMEOUT:
+            time.sleep(0.1)  # killed and reparented: gone once PID 1 reaped them (a zombie still answers kill -0)
+        print(f"reaped {time.monotonic() - killed_at:.2f}s after the SIGKILL", file=sys.stderr)
+    finally:
+        for p in _alive(tree):  # never leave a stray trainer behind, whatever the assertions say
+            p.kill()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        kill_agents(tmp_path)
+    (stopped,) = _trainings(tmp_path)
+    assert stopped["state"] == "interrupted", stopped
+    from components.core.checkpoint import CheckpointManager
+    from components.core.store import open_store
+
+    with CheckpointManager(open_store(stopped["uri"]), async_save=False) as manager:  # the newest commit is whole
+        newest = manager.latest()
+        assert newest is not None and newest.step == stopped["step"]
+        manager.verify(newest.step, deep=True)  # raises on a damaged checkpoint
