@@ -21,8 +21,14 @@ def relaunch_run(cwd: Path, *args: str, env: dict | None = None, without: tuple[
                  timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess:
     """``relaunch run TINY *args`` in ``cwd``, with this process's environment less the variables that start
     with a prefix in ``without``, plus ``env``; a hang past ``timeout`` kills the run, its agents, and fails."""
+    return relaunch(cwd, "run", *TINY, *args, env=env, without=without, timeout=timeout)
+
+
+def relaunch(cwd: Path, *args: str, env: dict | None = None, without: tuple[str, ...] = (),
+             timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess:
+    """``relaunch *args`` in ``cwd`` as :func:`relaunch_run` runs it (any command line, as a user types it)."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith(without)} if without else dict(os.environ)
-    proc = subprocess.Popen([RELAUNCH, "run", *TINY, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen([RELAUNCH, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**environ, **(env or {})}, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -30,7 +36,7 @@ def relaunch_run(cwd: Path, *args: str, env: dict | None = None, without: tuple[
         os.killpg(proc.pid, signal.SIGKILL)
         kill_agents(cwd)
         out, err = proc.communicate()
-        pytest.fail(f"relaunch run did not finish in {timeout:.0f} s; log under {cwd}/.relaunch/runs\n{out[-2000:]}")
+        pytest.fail(f"relaunch {args[0]} did not finish in {timeout:.0f} s; log under {cwd}/.relaunch/runs\n{out[-2000:]}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 

@@ -4,17 +4,15 @@ MLflow run that records the old one."""
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
-import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.cli import RELAUNCH, RUN_TIMEOUT, kill_agents, newest_training, relaunch_run
+from tests.cli import RUN_TIMEOUT, newest_training, relaunch, relaunch_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * RUN_TIMEOUT + 60)]
 
@@ -22,16 +20,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * RUN_TIMEOUT + 60)]
 def _run_as_printed(cwd: Path, command: str) -> subprocess.CompletedProcess:
     argv = shlex.split(command)
     assert argv[0] == "relaunch", command
-    proc = subprocess.Popen([RELAUNCH, *argv[1:]], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=RUN_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        kill_agents(cwd)
-        out, err = proc.communicate()
-        pytest.fail(f"{command} did not finish in {RUN_TIMEOUT} s\n{out[-2000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return relaunch(cwd, *argv[1:])
 
 
 def test_a_training_whose_mlflow_database_was_lost_continues_with_the_command_the_error_prints(tmp_path):

@@ -18,10 +18,8 @@ import pytest
 
 from components.core.contract.exitcodes import ExitCode
 from tests.cli import RELAUNCH, kill_agents
+from tests.pipelines.test_interrupt import RUN_TIMEOUT, SHORT
 
-SHORT = ["--set", "train.hidden_size=32", "--set", "train.max_steps=60", "--set", "train.step_sleep_seconds=0.2",
-         "--set", "train.checkpoint_every_steps=10", "--set", "launch.rdzv_port=0"]
-RUN_TIMEOUT = 420
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * RUN_TIMEOUT)]
 

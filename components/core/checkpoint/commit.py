@@ -108,14 +108,14 @@ class Committing:
         is what the next save needs), unless it got as far as its manifest (committed: locate finds it
         through inflight.json) or the failure says another writer is here (a lost lease, a foreign
         pointer). Best effort: what stays (a read-only store) is debris retention removes later."""
-        if isinstance(err, BadInput):
-            return
+        if isinstance(err, BadInput) or not is_store_unwritable(err):
+            return  # any other failure leaves what a crash would leave: the next writer's cleanup is for that
         key = step_key(step)
         try:
             if self.store.exists(f"{key}/{MANIFEST}") or not self._holds_lease():
                 return
             self.store.delete_many(self.store.list(key + "/"))
-        except (OSError, RelaunchError):
+        except Exception:  # noqa: BLE001 - best effort on a sick store; the save's own error is what counts
             pass
 
     def _holds_lease(self) -> bool:
