@@ -66,3 +66,13 @@ def s3_root(server, name: str = "ckpt") -> str:
     """A fresh prefix in a test bucket (created on first use)."""
     server.create_bucket("relaunch-ckpt")
     return f"s3://relaunch-ckpt/{name}-{uuid.uuid4().hex[:8]}"
+
+
+def backend_root(request, tmp_path, name: str) -> str:
+    """A fresh store root for a fixture parametrized by backend (``request.param``: fs, s3, gcs or azure),
+    on that backend's server (the session's fixtures start it)."""
+    if request.param == "fs":
+        return str(tmp_path / "store")
+    if request.param in ("gcs", "azure"):
+        return request.getfixturevalue(f"{request.param}_env").root(name)
+    return s3_root(request.getfixturevalue("s3_env"), name)

@@ -12,7 +12,7 @@ import pytest
 from components.core.checkpoint import CheckpointManager, step_key
 from components.core.contract.errors import CorruptCheckpoint
 from components.core.store import open_store
-from tests.core.helpers import make_state, s3_root, train_steps
+from tests.core.helpers import backend_root, make_state, train_steps
 
 
 def _flip_byte(store, key):
@@ -64,13 +64,7 @@ def _two_checkpoints(root):
 
 @pytest.fixture(params=["fs", "s3", "gcs", "azure"])
 def root(request, tmp_path):
-    if request.param == "fs":
-        return str(tmp_path / "store")
-    if request.param == "gcs":
-        return request.getfixturevalue("gcs_env").root("corrupt")
-    if request.param == "azure":
-        return request.getfixturevalue("azure_env").root("corrupt")
-    return s3_root(request.getfixturevalue("s3_env"), "corrupt")
+    return backend_root(request, tmp_path, "corrupt")
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE), ids=list(DAMAGE))

@@ -11,7 +11,7 @@ from components.core.checkpoint.lease import Lease
 from components.core.contract.errors import BadInput
 from components.core.store import open_store
 from components.core.store.conditional_probe import PROBE_PREFIX, require_conditional_writes
-from tests.core.helpers import s3_root
+from tests.core.helpers import backend_root
 
 
 @pytest.fixture
@@ -24,13 +24,7 @@ def ignoring_store(ignoring_gcs_server, monkeypatch):
 
 @pytest.fixture(params=["fs", "s3", "gcs", "azure"])
 def honouring_root(request, tmp_path):
-    if request.param == "fs":
-        return str(tmp_path / "store")
-    if request.param == "gcs":
-        return request.getfixturevalue("gcs_env").root("probe")
-    if request.param == "azure":
-        return request.getfixturevalue("azure_env").root("probe")
-    return s3_root(request.getfixturevalue("s3_env"), "probe")
+    return backend_root(request, tmp_path, "probe")
 
 
 def test_a_store_that_ignores_conditional_writes_is_refused_in_one_line_naming_what_to_use(ignoring_store):

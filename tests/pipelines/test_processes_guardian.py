@@ -61,6 +61,14 @@ def _gone_within(processes: list[psutil.Process], seconds: float) -> bool:
     return False
 
 
+def _command(process: psutil.Process) -> str:
+    """Its command line; "" for a child that already ended (a zombie has none)."""
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return ""
+
+
 def test_sigkill_of_the_run_ends_an_orphan_in_a_session_of_its_own():
     proc = _start("wait")
     orphans = _sleepers(proc.pid)
@@ -77,7 +85,7 @@ def test_sigkill_of_the_run_ends_an_orphan_in_a_session_of_its_own():
 
 def test_an_orderly_end_sweeps_what_is_left_and_leaves_no_guardian():
     proc = _start("end")
-    guardians = [p for p in psutil.Process(proc.pid).children() if "guardian.py" in " ".join(p.cmdline())]
+    guardians = [p for p in psutil.Process(proc.pid).children() if "guardian.py" in _command(p)]
     orphans = _sleepers(proc.pid)
     try:
         assert proc.wait(60) == 0 and len(guardians) == 1
