@@ -34,6 +34,7 @@ import uuid
 import weakref
 
 from components.core.checkpoint.layout import LEASE, now, read_json, write_conditional
+from components.core.contract import events
 from components.core.contract.errors import BadInput, RelaunchError
 from components.core.store import PreconditionFailed, Store
 from components.core.store.holder import on_this_host, pid_namespace, process_running
@@ -49,8 +50,6 @@ WAIT_LINE_SECONDS = 5.0
 def _say_waiting(current: dict, refusal: str, deadline: float, *, first: bool) -> None:
     """One line on what the lease waits for and for how long at most: on stderr, and as a ``waiting``
     event for ``relaunch run``'s console (the event file it names, when it names one)."""
-    from components.core.contract import events
-
     left = max(0.0, deadline - time.monotonic())
     expires = max(0.0, float(current.get("expires_at", 0) or 0) - time.time())
     line = (f"{'waiting' if first else 'still waiting'} for the write lease: {refusal.split(';')[0]}; it expires in "

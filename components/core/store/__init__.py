@@ -30,6 +30,7 @@ import threading
 import time
 from typing import Any, Callable, ClassVar, Iterable, Protocol, TypeVar, runtime_checkable
 
+from components.core.contract.classify import is_store_unwritable
 from components.core.contract.errors import BadInput, StoreUnwritable
 
 # A ranged read fills its buffers in blocks of this size and reports each (``sink``): small enough
@@ -225,8 +226,6 @@ class HintWrites:
         return getattr(self._store, name)
 
     def write_bytes(self, key: str, data: bytes, *, if_match: str | None = None) -> str | None:
-        from components.core.contract.classify import is_store_unwritable
-
         try:
             return self._store.write_bytes(key, data, if_match=if_match)
         except (OSError, StoreUnwritable) as err:

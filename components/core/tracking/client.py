@@ -34,6 +34,7 @@ from typing import Any
 
 from components.core.contract import classify as classifier
 from components.core.contract.errors import BadInput, TransientFailure
+from components.core.contract.events import Kind, write
 from components.core.contract.exitcodes import ExitCode
 
 PIPELINE_RUN_TAG = "relaunch.pipeline_run_id"
@@ -91,8 +92,6 @@ def bound_requests() -> None:
 def say(line: str) -> None:
     """One line about the tracking server: on stderr, and as a ``tracking`` event for ``relaunch run``'s
     console (the run's event file, when ``RELAUNCH_EVENTS`` names one)."""
-    from components.core.contract.events import Kind, write
-
     print(line, file=sys.stderr, flush=True)
     write(Kind.TRACKING, line=line)
 
