@@ -37,7 +37,7 @@ def run(config: RelaunchConfig, training_completed: bool | str = True) -> Evalua
         BadInput: there is no committed checkpoint, or the gate metric is not one the task computes.
     """
     from components.core.checkpoint import CheckpointManager
-    from components.core.tracking.models import load_model, save_model
+    from components.core.packaging.model import load_model, save_model
     from components.tasks.base import load_task
 
     if str(training_completed).lower() != "true":
@@ -118,7 +118,7 @@ def confusion_png(actual, predicted, path: Path, title: str) -> None:
 
 
 if __name__ == "__main__":
-    from components import step_name
+    from components.core.contract import steps
     from components.core.runtime.stepcli import step_main
 
-    sys.exit(step_main(step_name(__spec__.name), run))
+    sys.exit(step_main(steps.EVALUATE, run))

@@ -68,7 +68,7 @@ def _deliver_pending_metrics(config: RelaunchConfig, run_id: str) -> None:
 
 
 if __name__ == "__main__":
-    from components import step_name
+    from components.core.contract import steps
     from components.core.runtime.stepcli import step_main
 
-    sys.exit(step_main(step_name(__spec__.name), run))
+    sys.exit(step_main(steps.FINALIZE, run))

@@ -1,9 +1,9 @@
-"""Step 2, ``locate-latest-checkpoint``: the checkpoint training starts from, or none.
+"""Step 2, ``locate-latest-checkpoint``: reports the checkpoint training starts from, or none.
 
-In order: the newest committed checkpoint of this training (a restarted pipeline continues where it
-stopped), else ``train.resume_from``, else the checkpoint behind ``train.warm_start_model`` (a
-registered model version), else none (``checkpoint_uri=""``, ``step=-1``). Never cached: a cached
-"latest checkpoint" is a wrong one.
+The rule is :mod:`components.core.checkpoint.start`'s, decided by the training's workers when they load;
+this step reports its answer as of now (``checkpoint_uri=""``, ``step=-1``: a fresh start), and launch
+hands the answer on as ``train.resume_from``, which the rule maps to itself (or to a checkpoint committed
+since). Never cached: a cached "latest checkpoint" is a wrong one.
 
     python -m components.locate --config configs/local.yaml                        # the newest training
     python -m components.locate --config configs/local.yaml --input training=20261204-030501
@@ -18,8 +18,10 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from components.core.checkpoint.start import warm_start_checkpoint  # noqa: F401 - part of this step's API
+from components.core.checkpoint import CheckpointManager
+from components.core.checkpoint.start import start_point
 from components.core.contract.config import RelaunchConfig
+from components.core.tracking.warm_start import warm_start_checkpoint
 
 
 @dataclass
@@ -30,19 +32,19 @@ class LocateOutputs:
 
 
 def run(config: RelaunchConfig) -> LocateOutputs:
-    """Find the checkpoint to start from (``start_point``: the same decision the trainer makes).
+    """Report the checkpoint the training starts from (:func:`start_point`, the rule the workers apply).
 
     Raises:
         BadInput: ``resume_from`` is not a committed relaunch checkpoint, or the warm-start model
             version does not exist or has no checkpoint.
     """
-    from components.core.checkpoint.start import start_point
+    def fingerprint() -> str:
+        from components.core.packaging.model import task_fingerprint  # torch: only to check a resume_from
 
-    from components.core.checkpoint import CheckpointManager
-    from components.core.tracking.models import task_fingerprint
+        return task_fingerprint(config)
 
     with CheckpointManager.from_config(config, async_save=False) as mgr:
-        start = start_point(config, mgr, fingerprint=lambda: task_fingerprint(config))
+        start = start_point(config, mgr, warm_start_lookup=warm_start_checkpoint, fingerprint=fingerprint)
     return LocateOutputs(checkpoint_uri=start.uri, step=start.step, source=start.source)
 
 
@@ -68,7 +70,7 @@ def run_by_hand(config: RelaunchConfig, training: str = "") -> LocateOutputs:
 
 
 if __name__ == "__main__":
-    from components import step_name
+    from components.core.contract import steps
     from components.core.runtime.stepcli import step_main
 
-    sys.exit(step_main(step_name(__spec__.name), run_by_hand))
+    sys.exit(step_main(steps.LOCATE, run_by_hand))

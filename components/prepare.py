@@ -121,7 +121,7 @@ def check_inputs(config: RelaunchConfig) -> None:
     except TransientFailure as err:
         raise BadInput(f"store.uri: {config.store.uri!r} cannot be reached ({err}); check AWS_ENDPOINT_URL") from None
     if config.train.resume_from:
-        from components.core.tracking.models import verify_checkpoint_uri
+        from components.core.packaging.model import verify_checkpoint_uri
 
         verify_checkpoint_uri(config.train.resume_from, config, task)  # built once per process
 
@@ -197,7 +197,7 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    from components import step_name
+    from components.core.contract import steps
     from components.core.runtime.stepcli import step_main
 
-    sys.exit(step_main(step_name(__spec__.name), run))
+    sys.exit(step_main(steps.PREPARE, run))

@@ -7,7 +7,7 @@ version's ``relaunch.champion_decision`` tag says why not). The checkpoint is pi
 never deletes what a registered version points at. Runs only when evaluate's gate passed.
 
 The version is made from the checkpoint's MLflow LoggedModel (the one evaluate made, else made here;
-see :mod:`components.core.tracking.lineage`), packaged by :mod:`components.core.tracking.models`.
+see :mod:`components.core.tracking.lineage`), packaged by :mod:`components.core.packaging.model`.
 
     python -m components.register --config-json "$(cat resolved.json)" \\
         --input checkpoint_uri=... --input metrics_json='{"accuracy": 0.95}'
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from components.core.contract.config import RelaunchConfig
 from components.core.contract.errors import BadInput
 from components.core.tracking.lineage import git_commit, logged_model, version_description
-from components.core.tracking.models import _load_pyfunc  # noqa: F401 - the loader_module of models saved before 0.2
-from components.core.tracking.models import save_model
+from components.core.packaging.model import _load_pyfunc  # noqa: F401 - the loader_module of models saved before 0.2
+from components.core.packaging.model import save_model
 
 TAG = "relaunch."
 
@@ -195,7 +195,7 @@ def _pin(checkpoint_uri: str, reason: str) -> None:
 
 
 if __name__ == "__main__":
-    from components import step_name
+    from components.core.contract import steps
     from components.core.runtime.stepcli import step_main
 
-    sys.exit(step_main(step_name(__spec__.name), run))
+    sys.exit(step_main(steps.REGISTER, run))

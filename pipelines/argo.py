@@ -10,7 +10,7 @@ that holds GPUs.
 
     relaunch compile --target argo|argo-template|argo-cron -o FILE      # or: python -m pipelines.argo
 
-Wiring only: :func:`_define` walks the pipeline spec (:data:`components.PIPELINE`: steps, inputs,
+Wiring only: :func:`_define` walks the pipeline spec (:data:`pipelines.spec.PIPELINE`: steps, inputs,
 conditions, retries, exit handler), as the KFP renderer does. Every step is ``python -m <its module>``
 in the project image (its outputs are the files the step CLI writes); the retry expression is
 :func:`~components.core.contract.exitcodes.argo_retry_expression`; credentials are ``secretKeyRef`` env
@@ -26,7 +26,7 @@ from hera.workflows import (DAG, Container, CronWorkflow, Parameter, RetryStrate
                             WorkflowTemplate)
 from hera.workflows import models as m
 
-from components import CONFIG, FINAL_STATUS, PARAMETERS, PIPELINE, RUN_ID, Condition, Step
+from pipelines.spec import CONFIG, FINAL_STATUS, PARAMETERS, PIPELINE, RUN_ID, Condition, Step
 from components.core.contract.config import RelaunchConfig
 from components.core.contract.exitcodes import argo_retry_expression
 from components.launchers.jobs import OWNER_ENV, plain_env, secret_env, store_secret_files
@@ -135,7 +135,7 @@ def step_template(step: Step, config: RelaunchConfig, inputs: list[str]) -> Cont
 
 def _define(config: RelaunchConfig) -> None:
     """Inside a ``with Workflow(...)``: the templates and the two DAGs (main and exit handler), walked
-    from :data:`components.PIPELINE`."""
+    from :data:`pipelines.spec.PIPELINE`."""
     params = [p.name for p in pipeline_parameters(config) if p.name != "config_json"]
     templates = {s.name: step_template(s, config, list(arguments(s, params))) for s in PIPELINE.all_steps()}
     for dag_name, steps in ((PIPELINE.name, PIPELINE.steps), (EXIT_HANDLER, PIPELINE.exit_handler)):

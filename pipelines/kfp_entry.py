@@ -26,7 +26,7 @@ import os
 import sys
 from typing import Any
 
-from components import STEP_MODULES
+from pipelines.spec import STEP_MODULES
 from components.core.contract import events
 from components.core.contract.events import Kind
 from components.core.contract.exitcodes import ExitCode

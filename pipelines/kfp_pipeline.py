@@ -1,4 +1,4 @@
-"""The relaunch pipeline (:data:`components.PIPELINE`) rendered as Kubeflow Pipelines v2: prepare ->
+"""The relaunch pipeline (:data:`pipelines.spec.PIPELINE`) rendered as Kubeflow Pipelines v2: prepare ->
 locate-latest-checkpoint -> launch -> evaluate -> register (only when evaluate's gate passed), inside
 an exit handler whose ``finalize`` task closes the MLflow run (FAILED when the pipeline failed).
 Wiring only: :func:`build_pipeline` walks the spec; each component body imports
@@ -30,7 +30,7 @@ from typing import NamedTuple
 import yaml
 from kfp import compiler, dsl
 
-from components import (CONFIG, EVALUATE, FINALIZE, LAUNCH, LOCATE, PARAMETERS, PIPELINE, PREPARE, REGISTER, RUN_ID,
+from pipelines.spec import (CONFIG, EVALUATE, FINALIZE, LAUNCH, LOCATE, PARAMETERS, PIPELINE, PREPARE, REGISTER, RUN_ID,
                         Condition, Step)
 from components.core.contract.config import (PIPELINE_PARAMETERS, RelaunchConfig, pipeline_parameter_description,
                                     pipeline_parameter_type)

@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from components import RETRY_POLICIES, STEPS
+from pipelines.spec import RETRY_POLICIES, STEPS
 from components.core.contract.exitcodes import PERMANENT, RETRYABLE, ExitCode, is_retryable, normalize
 
 

@@ -1,6 +1,7 @@
-"""The house's rules, checked on the source: steps import only the core (never each other), the core
-never imports a step or the pipelines, and no two modules import each other, directly or round a
-circle (imports inside functions count: they are circles that merely happen later)."""
+"""The house's rules, checked on the source: the rooms are layers, each importing only the rooms below
+it (:data:`LAYERS`, the order docs/architecture.md draws); steps never import each other; no two
+modules or packages import each other, directly or round a circle. Every import counts, those inside
+functions too: they are the same dependency, merely taken later."""
 
 from __future__ import annotations
 
@@ -9,6 +10,22 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = {p.stem for p in (ROOT / "components").glob("*.py") if p.stem != "__init__"}  # each step one module
+
+LAYERS = (
+    "components.core.contract",    # the config model, exit codes, errors, events, the step names
+    "components.core.store",       # bytes in a store: filesystem and object-store drivers, records
+    "components.core.runtime",     # processes: distributed set-up, the warm zygote, a step's CLI
+    "components.tasks",            # what is trained: a task's model and data
+    "components.core.checkpoint",  # the commit protocol, sharded save and load, leases, retention
+    "components.core.tracking",    # MLflow and the other trackers, lineage, goodput
+    "components.core.trainer",     # the training loop's parts
+    "components.core.packaging",   # the task's model as an MLflow pyfunc model
+    "components.launchers",        # torchrun locally, PyTorchJob, TrainJob, Slurm
+    "components",                  # the package root: registers the store rules and the launch backends
+    "components.<step>",           # the steps, one module each
+    "pipelines",                   # the pipeline spec, its KFP and Argo renderings, the CLI, the local runner
+)
+"""The rooms from the bottom up: a module imports modules of its own room or of rooms below it."""
 
 
 def _module_of(path: Path) -> str:
@@ -34,6 +51,37 @@ def _imports() -> dict[str, set[str]]:
     return graph
 
 
+def layer_of(module: str) -> int:
+    """The index in :data:`LAYERS` of ``module``'s room."""
+    parts = module.split(".")
+    if parts[0] == "components" and len(parts) == 2 and parts[1] in STEPS:
+        return LAYERS.index("components.<step>")
+    rooms = [room for room in LAYERS if module == room or module.startswith(room + ".")]
+    assert rooms, f"{module} is in no room of LAYERS: add its room there"
+    return LAYERS.index(max(rooms, key=len))
+
+
+def test_every_module_is_in_a_room_of_the_declared_order():
+    assert all(layer_of(module) >= 0 for module in _imports())
+
+
+def test_each_room_imports_only_its_own_room_and_the_rooms_below_it():
+    upward = sorted(f"{me} -> {other}" for me, deps in _imports().items()
+                    for other in deps if layer_of(other) > layer_of(me))
+    assert upward == []
+
+
+def test_no_two_packages_import_each_other_round_a_circle():
+    packages: dict[str, set[str]] = {}
+    for me, deps in _imports().items():
+        mine = me if (ROOT / me.replace(".", "/")).is_dir() else me.rpartition(".")[0]
+        for other in deps:
+            theirs = other if (ROOT / other.replace(".", "/")).is_dir() else other.rpartition(".")[0]
+            if theirs != mine and not mine.startswith(theirs + ".") and not theirs.startswith(mine + "."):
+                packages.setdefault(mine, set()).add(theirs)
+    assert _circles(packages) == []
+
+
 def test_no_step_imports_another_step():
     graph = _imports()
     crossings = sorted((me, other) for me, deps in graph.items() if me.count(".") == 1 and me.split(".")[1] in STEPS
@@ -49,10 +97,7 @@ def test_the_core_imports_no_step_and_no_pipeline_code():
     assert upward == []
 
 
-def test_no_two_modules_import_each_other_round_a_circle():
-    graph = _imports()
-    # a package's __init__ re-exporting its submodules is not a circle: drop package -> own child edges
-    edges = {me: {d for d in deps if not d.startswith(me + ".")} for me, deps in graph.items()}
+def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
     circles, state = [], {}
 
     def visit(node: str, path: list[str]) -> None:
@@ -67,7 +112,13 @@ def test_no_two_modules_import_each_other_round_a_circle():
     for start in sorted(edges):
         if start not in state:
             visit(start, [start])
-    assert circles == []
+    return circles
+
+
+def test_no_two_modules_import_each_other_round_a_circle():
+    graph = _imports()
+    # a package's __init__ re-exporting its submodules is not a circle: drop package -> own child edges
+    assert _circles({me: {d for d in deps if not d.startswith(me + ".")} for me, deps in graph.items()}) == []
 
 
 def test_every_import_of_a_project_module_names_something_it_has():

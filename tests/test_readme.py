@@ -114,7 +114,7 @@ def test_every_repository_path_the_readme_names_exists():
 
 
 def test_the_step_count_and_the_step_table_match_the_pipeline_spec():
-    from components import PIPELINE
+    from pipelines.spec import PIPELINE
 
     text = README.read_text()
     said = re.search(r"One DAG of (\w+) steps and an exit handler \((\w+)", text)

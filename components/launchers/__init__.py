@@ -16,6 +16,9 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 
+from components.core.contract.registry import LAUNCH_BACKENDS, LaunchBackend, launch_backend
+from components.core.contract.registry import launch_backend_names  # noqa: F401 - the names, from here too
+
 
 @dataclass
 class LaunchResult:
@@ -29,21 +32,6 @@ class LaunchResult:
     job_name: str | None = None
 
 
-@dataclass(frozen=True)
-class LaunchBackend:
-    """One registered launch backend."""
-
-    name: str
-    module: str  # the dotted module that implements it
-    cluster: bool = False  # runs as a Kubernetes job (the pipeline's exit handler deletes it on failure)
-    launches: bool = True  # ``launch.backend`` may name it; False: it only renders (slurm)
-    renders: dict[str, str] = field(default_factory=dict)  # ``relaunch render`` kind -> function of the module
-
-
-LAUNCH_BACKENDS: dict[str, LaunchBackend] = {}
-"""The registered backends by name (:func:`register_launch_backend`)."""
-
-
 def register_launch_backend(name: str, module: str | None = None, *, cluster: bool = False, launches: bool = True,
                             renders: dict[str, str] | None = None) -> LaunchBackend:
     """Register backend ``name``, implemented by ``module`` (default ``components.launchers.<name>``);
@@ -51,16 +39,6 @@ def register_launch_backend(name: str, module: str | None = None, *, cluster: bo
     backend = LaunchBackend(name, module or f"{__name__}.{name}", cluster, launches, dict(renders or {}))
     LAUNCH_BACKENDS[name] = backend
     return backend
-
-
-def launch_backend_names() -> list[str]:
-    """The names ``launch.backend`` accepts."""
-    return [name for name, b in LAUNCH_BACKENDS.items() if b.launches]
-
-
-def launch_backend(name: str) -> LaunchBackend:
-    """The registered backend ``name`` (KeyError when there is none: the config refuses such a name first)."""
-    return LAUNCH_BACKENDS[name]
 
 
 def backend_module(config):

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from components import DELETE_JOB
+from components.core.contract.steps import DELETE_JOB
 from components.core.contract.config import RelaunchConfig
 from components.core.contract.errors import BadInput, TransientFailure
 from components.core.contract.exitcodes import RETRYABLE, ExitCode
@@ -332,7 +332,7 @@ def delete_job(config: RelaunchConfig, pipeline_run_id: str = "") -> DeleteOutpu
         BadInput: no pipeline run id, or no Kubernetes credentials.
     """
     if not pipeline_run_id:
-        raise BadInput(f"{DELETE_JOB.name}: --input pipeline_run_id=ID is required")
+        raise BadInput(f"{DELETE_JOB}: --input pipeline_run_id=ID is required")
     name = job_name(config.name, pipeline_run_id, STEP)
     if not config.launch.on_cluster:
         return DeleteOutputs(job_name=name, deleted=False)
@@ -344,7 +344,7 @@ def delete_job(config: RelaunchConfig, pipeline_run_id: str = "") -> DeleteOutpu
         existed = jobs.get(name) is not None
         if existed:
             jobs.delete(name)
-            print(f"{DELETE_JOB.name}: deleted {kind.kind} {jobs.namespace}/{name}", file=sys.stderr)
+            print(f"{DELETE_JOB}: deleted {kind.kind} {jobs.namespace}/{name}", file=sys.stderr)
     except ApiException as err:
         if err.status in (400, 401, 403, 422):
             raise BadInput(f"Kubernetes API refused deleting {kind.kind} {name}: {err.status} {err.reason}") from None
@@ -360,4 +360,4 @@ run = delete_job  # what ``python -m components.launchers.cluster`` (the step CL
 if __name__ == "__main__":
     from components.core.runtime.stepcli import step_main
 
-    sys.exit(step_main(DELETE_JOB.name, delete_job))
+    sys.exit(step_main(DELETE_JOB, delete_job))

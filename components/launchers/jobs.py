@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
-from components import LAUNCH
+from components.core.contract.steps import LAUNCH
 from components.core.contract.config import RelaunchConfig
 from components.core.contract.classify import classify_pod
 from components.core.contract.exitcodes import PERMANENT, RETRYABLE, ExitCode
@@ -25,7 +25,7 @@ from components.launchers.k8s_naming import job_name, run_hash
 
 RUN_LABEL = "relaunch.dev/pipeline-run"
 RUN_ANNOTATION = "relaunch.dev/pipeline-run-id"
-STEP = LAUNCH.name  # the step whose pipeline-run-scoped job this is
+STEP = LAUNCH  # the step whose pipeline-run-scoped job this is
 TRAIN_MODULE = "components.train"
 
 # The Secrets every relaunch container reads, and the keys (each key equals the variable's name).

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-from components import LAUNCH
+from components.core.contract.steps import LAUNCH
 
 # ``<job>-worker-NNN`` plus the operator's own suffixes must stay within a 63-character label.
 MAX_JOB_NAME = 45
@@ -23,7 +23,7 @@ def run_hash(pipeline_run_id: str, length: int = 10) -> str:
     return hashlib.sha256(pipeline_run_id.encode()).hexdigest()[:length]
 
 
-def job_name(pipeline_name: str, pipeline_run_id: str, step: str = LAUNCH.name) -> str:
+def job_name(pipeline_name: str, pipeline_run_id: str, step: str = LAUNCH) -> str:
     """The PyTorchJob name of ``step`` in one pipeline run: ``<pipeline>-<step>-<hash>``.
 
     The same inputs always give the same name; different run ids give different names.

@@ -33,9 +33,10 @@ import argparse
 import json
 
 from components.core.contract.errors import BadInput, CorruptCheckpoint
+from pipelines.commands import Subcommands
 
 
-def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
+def add_parser(sub: Subcommands, help_text: str) -> None:
     p = sub.add_parser("checkpoints", help=help_text, description=help_text)
     p.add_argument("action", choices=["list", "latest", "verify", *INTEROP])
     p.add_argument("source", nargs="?", help="import: the folder torch.distributed.checkpoint.save wrote")

@@ -15,6 +15,7 @@ import sys
 
 from components.core.contract.config import config_from_cli
 from components.core.contract.errors import BadInput
+from pipelines.commands import Subcommands
 
 TARGETS = ["kfp", "argo", "argo-template", "argo-cron"]
 
@@ -24,7 +25,7 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
 
-def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
+def add_parser(sub: Subcommands, help_text: str) -> None:
     p = sub.add_parser("compile", help=help_text, description=help_text)
     p.add_argument("--target", required=True, choices=TARGETS)
     p.add_argument("-o", "--output", default="-", help="file to write, - for stdout")

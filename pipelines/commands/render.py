@@ -13,10 +13,11 @@ import yaml
 
 from components.core.contract.config import RelaunchConfig, config_from_cli
 from components.launchers import renderers
+from pipelines.commands import Subcommands
 from pipelines.commands.compile import add_config_args, warn_local_services, write_output
 
 
-def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
+def add_parser(sub: Subcommands, help_text: str) -> None:
     p = sub.add_parser("render", help=help_text, description=help_text)
     p.add_argument("kind", choices=list(renderers()))
     add_config_args(p)

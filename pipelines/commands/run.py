@@ -41,9 +41,10 @@ import time
 
 from components.core.contract.config import RelaunchConfig, config_from_cli, with_pipeline_parameters
 from components.core.contract.errors import BadInput
+from pipelines.commands import Subcommands
 
 
-def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
+def add_parser(sub: Subcommands, help_text: str) -> None:
     p = sub.add_parser("run", help=help_text, description=help_text)
     p.add_argument("--config", help="YAML configuration file (default: the built-in defaults)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

@@ -14,11 +14,12 @@ from pathlib import Path
 
 from components.core.contract.config import config_from_cli
 from components.core.contract.errors import BadInput
+from pipelines.commands import Subcommands
 from pipelines.commands.compile import add_config_args, render, warn_local_services
 from pipelines.commands.submit import kfp_endpoint, send
 
 
-def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
+def add_parser(sub: Subcommands, help_text: str) -> None:
     p = sub.add_parser("schedule", help=help_text, description=help_text)
     p.add_argument("--target", required=True, choices=["kfp", "argo"])
     p.add_argument("--cron", required=True, help="five-field cron expression, e.g. '0 3 * * *'")

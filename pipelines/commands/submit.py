@@ -22,13 +22,14 @@ import yaml
 
 from components.core.contract.config import config_from_cli
 from components.core.contract.errors import BadInput
+from pipelines.commands import Subcommands
 from pipelines.commands.compile import add_config_args, render, warn_local_services
 
 ARGO = ("argoproj.io", "v1alpha1")
 PLURALS = {"Workflow": "workflows", "CronWorkflow": "cronworkflows", "WorkflowTemplate": "workflowtemplates"}
 
 
-def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
+def add_parser(sub: Subcommands, help_text: str) -> None:
     p = sub.add_parser("submit", help=help_text, description=help_text)
     p.add_argument("--target", required=True, choices=["kfp", "argo"])
     p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",

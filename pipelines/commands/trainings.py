@@ -26,12 +26,13 @@ import threading
 from dataclasses import asdict, dataclass
 
 from components.core.contract.exitcodes import MEANING, ExitCode, is_retryable
+from pipelines.commands import Subcommands
 
 REGISTRY_SECONDS = 15.0
 """How long the listing waits for the tracking server to name a finished training's registered version."""
 
 
-def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
+def add_parser(sub: Subcommands, help_text: str) -> None:
     p = sub.add_parser("trainings", help=help_text, description=help_text)
     p.add_argument("--store", help="store root: a path, file:///path or s3://bucket/prefix "
                                    "(default: store.uri of the configuration, ./.relaunch/store)")

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from rich.markup import escape
 
-from components import EVALUATE, FINALIZE, LAUNCH, LOCATE, PREPARE, REGISTER, STEP_TABLE
+from pipelines.spec import EVALUATE, FINALIZE, LAUNCH, LOCATE, PREPARE, REGISTER, STEP_TABLE
 from components.core.contract.config import RelaunchConfig
 from components.core.contract.events import Event, Kind, read_file
 from components.core.contract.exitcodes import MEANING, ExitCode, is_retryable, unrecorded_end
@@ -33,7 +33,7 @@ class StepRecord:
     exit_code: int | None = None
     message: str = ""
     outputs: Any = None
-    """The step's outputs dataclass (:data:`components.STEP_TABLE`) once it succeeded, else None."""
+    """The step's outputs dataclass (:data:`pipelines.spec.STEP_TABLE`) once it succeeded, else None."""
 
 
 def step_outputs(step: str, values: dict[str, Any]) -> Any:

@@ -16,6 +16,10 @@
 The retry loop reports ``attempt-end`` and ``retry`` events (:mod:`components.core.contract.events`) to the
 run's event file (``RELAUNCH_EVENTS``) that :mod:`pipelines.local.console` tails.
 tests/pipelines/test_kfp_local.py proves each fix is still needed and still works.
+
+kfp.local has no public hook for any of the three, so this is the one module of relaunch that replaces
+kfp's internals; tests/pipelines/test_warm_steps.py pins the kfp version and the replaced functions'
+parameters, and fails by name when an upgrade changes them.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from components import FINALIZE
+from pipelines.spec import FINALIZE
 from components.core.contract.config import RelaunchConfig
 from components.core.contract.exitcodes import ExitCode
 from pipelines.local.interrupt import STOP_MARGIN_SECONDS, Interrupted, stop_descendants

@@ -16,7 +16,7 @@ A command it does not recognise, or a server that is gone, runs cold as kfp.loca
 
 Two servers start together, one per core, at the same priority: the *light* one imports what prepare,
 locate, register and finalize need and is ready first; the *full* one adds torch, DCP and matplotlib
-for the steps marked :attr:`components.Step.uses_torch` (launch, evaluate). A step's child is warm
+for the steps marked :attr:`pipelines.spec.Step.uses_torch` (launch, evaluate). A step's child is warm
 (:data:`components.core.runtime.warm.forked`): the launch step then starts its torchrun agents and
 workers through per-node zygotes (:mod:`components.core.runtime.zygote`), never as forks of itself.
 ``relaunch run --cold`` starts no server: every process is a fresh interpreter, as on a cluster.
@@ -43,7 +43,7 @@ import threading
 import time
 from pathlib import Path
 
-from components import STEP_MODULES, STEP_TABLE
+from pipelines.spec import STEP_MODULES, STEP_TABLE
 from components.core.runtime.warm import SignalledByPid
 from components.core.runtime.zygote import SINGLE_THREAD_ENV, Job
 from components.core.runtime.zygote_client import ZYGOTE_ENV

@@ -229,7 +229,7 @@ def _stall_rows(state: dict, work: Path) -> list[dict]:
     pool = concurrent.futures.ThreadPoolExecutor(cores)
     # the same slices into the very buffers save() copies into (the manager's staging buffers, kept
     # from save to save): two buffers allocated alike copy 3-5 % apart here, by where their pages lie
-    staged = asyncs._snapshots._buffers
+    staged = asyncs.committer._snapshots._buffers
     into_staged = [(staged[f".model.{name}"].numpy()[at:at + (1 << 20)], src.numpy()[at:at + (1 << 20)])
                    for name, src in state["model"].items() for at in range(0, src.numel(), 1 << 20)]
 

@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from components import STEP_TABLE
+from pipelines.spec import STEP_TABLE
 
 _TASK = re.compile(r"Executing task .*?'(?:\x1b\[[0-9;]*m)?([a-z-]+)")
 _IMPORT = re.compile(r"import time:\s+\d+ \|\s+(\d+) \| (\S.*)$")

@@ -129,8 +129,9 @@ def test_a_crash_at_any_gcs_operation_leaves_the_newest_committed_checkpoint(con
 
 @pytest.mark.emulator_soak
 @pytest.mark.slow
-def test_a_crash_at_any_azure_operation_leaves_the_newest_committed_checkpoint(azure_env, tmp_path):
-    total = _enumerate("azure", lambda: azure_env.root("crash"), CONFIGS["keep_last=1 keep_best=1"], [10, 20, 30], tmp_path)
+@pytest.mark.parametrize("config", ["keep_last=1 keep_best=1", "keep_last=2 async"])
+def test_a_crash_at_any_azure_operation_leaves_the_newest_committed_checkpoint(config, azure_env, tmp_path):
+    total = _enumerate("azure", lambda: azure_env.root("crash"), CONFIGS[config], [10, 20, 30], tmp_path)
     assert total >= 25
 
 

@@ -104,10 +104,10 @@ def test_a_load_checks_the_manifest_once_and_agrees_once_on_what_to_read(tmp_pat
     reads: list[str] = []
     listings: list[str] = []
     agreements: list[object] = []
-    read_bytes, sizes, agree = mgr.store.read_bytes, mgr.store.sizes, mgr._agree
+    read_bytes, sizes, agree = mgr.store.read_bytes, mgr.store.sizes, mgr.ranks.agree
     monkeypatch.setattr(mgr.store, "read_bytes", lambda key: reads.append(key) or read_bytes(key))
     monkeypatch.setattr(mgr.store, "sizes", lambda prefix: listings.append(prefix) or sizes(prefix))
-    monkeypatch.setattr(mgr, "_agree", lambda outcome, **kw: agreements.append(outcome) or agree(outcome, **kw))
+    monkeypatch.setattr(mgr.ranks, "agree", lambda outcome, **kw: agreements.append(outcome) or agree(outcome, **kw))
     fresh = make_state(seed=5, width=16)
     assert mgr.load(fresh).step == 3
     mgr.close()

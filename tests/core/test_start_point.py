@@ -1,18 +1,25 @@
-"""start_point(): one decision of where a training starts, and a warm start that loads weights only;
+"""start_point(): one rule of where a training starts, applied by the workers (locate reports it), and a
+warm start that loads weights only;
 the registry's answers are classified by MLflow's error code and HTTP status, never by message text."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, RESOURCE_DOES_NOT_EXIST, TEMPORARILY_UNAVAILABLE
 
-from components.core.checkpoint import CheckpointManager
-from components.core.checkpoint.start import start_point, warm_start_checkpoint
+from components import locate
+from components.core.checkpoint import CheckpointManager, step_key
+from components.core.checkpoint.start import start_point
 from components.core.contract.config import RelaunchConfig
 from components.core.contract.errors import BadInput, TransientFailure
+from components.core.tracking.warm_start import warm_start_checkpoint
+from components.core.trainer.setup import ModelParts, restore
 from components.core.trainer.state import ModelWeights
+from components.launchers.jobs import worker_config
 from tests.core.helpers import make_state, train_steps
 
 
@@ -40,12 +47,12 @@ def test_the_latest_checkpoint_wins_then_resume_from_then_the_warm_start_then_no
              ({"warm_start_model": "models:/m/1", "resume_from": elsewhere.uri}, ("warm_start", 3))]
     for train, (source, step) in cases:
         with CheckpointManager(mine, async_save=False) as mgr:
-            start = start_point(_config(mine, **train), mgr, warm_start_resolver=warm)
+            start = start_point(_config(mine, **train), mgr, warm_start_lookup=warm)
         assert (start.source, start.step) == (source, step), train
         assert start.weights_only == (source == "warm_start")
     _saved(mine, 5)
     with CheckpointManager(mine, async_save=False) as mgr:
-        start = start_point(_config(mine, resume_from=elsewhere.uri), mgr, warm_start_resolver=warm)
+        start = start_point(_config(mine, resume_from=elsewhere.uri), mgr, warm_start_lookup=warm)
     assert (start.source, start.step) == ("latest", 5)
 
 
@@ -83,3 +90,26 @@ def test_the_registry_answer_is_classified_by_its_error_code(monkeypatch, tmp_pa
     monkeypatch.setattr(tracking, "client", lambda uri: _Registry(error))
     with pytest.raises(expected):
         warm_start_checkpoint(_config(str(tmp_path), warm_start_model="models:/m@champion"))
+
+
+def _worker_restores(config: RelaunchConfig, seed: int):
+    """What a (re)started worker does: its manager, the rule, the load (trainer.setup.restore)."""
+    state = make_state(seed=seed)
+    parts = ModelParts(state.model, state.model, state.optimizer, state.scheduler, state.scaler, state)
+    with CheckpointManager(config.store.uri, owner="start-test", async_save=False) as mgr:
+        return restore(config, mgr, parts, contextlib.nullcontext), state
+
+
+def test_the_worker_starts_where_locate_reported_and_a_restart_within_the_launch_from_the_newer_commit(tmp_path):
+    config = _config(str(tmp_path / "store"))
+    _saved(config.store.uri, 3)
+    reported = locate.run(config)
+    worker = worker_config(config, reported.checkpoint_uri)  # what launch hands every worker
+    restored, state = _worker_restores(worker, seed=1)
+    assert (reported.source, reported.step) == ("latest", 3) and restored.step == reported.step == state.step
+    # the workers commit step 5, then torchrun restarts the group inside the same launch: locate's answer
+    # (step 3, still in the workers' configuration) is stale; the restarted workers resume from step 5
+    _saved(config.store.uri, 5)
+    restarted, state = _worker_restores(worker, seed=2)
+    assert restarted.step == state.step == 5 and restarted.uri.endswith(step_key(5))
+    assert locate.run(config).step == 5  # and what locate reports now is that same start

@@ -189,7 +189,7 @@ def test_the_private_minio_calls_have_the_signatures_they_were_written_for():
 def test_ranged_reads_fill_the_buffer_straight_from_the_socket(s3_env):
     store = open_store(s3_root(s3_env, "in-place"))
     store.write_bytes("blob", bytes(range(256)) * 16)
-    resp = store.client.get_object(store.bucket, store._name("blob"), offset=16, length=32)
+    resp = store.driver.client.get_object(store.driver.bucket, store._name("blob"), offset=16, length=32)
     try:
         assert _MinioCalls.socket_readinto(resp) is not None, "urllib3 no longer exposes _fp.readinto"
     finally:

@@ -18,7 +18,7 @@ import torch
 
 from components.core.checkpoint import CheckpointManager
 from components.core.contract.errors import TransientFailure
-from components.core.store import FileStore, S3Store, open_store
+from components.core.store import FileStore, ObjectStore, S3Driver, open_store
 from tests.core.faults import ScriptedProxy
 from tests.core.helpers import s3_root
 
@@ -60,11 +60,11 @@ def _prefix(root: str) -> str:
 
 @contextlib.contextmanager
 def _proxied_store(monkeypatch, s3_env, root: str, rules, retries: int = 5):
-    """An S3Store at ``root`` that talks to the server through a ScriptedProxy (stopped after)."""
+    """An S3 store at ``root`` that talks to the server through a ScriptedProxy (stopped after)."""
     proxy = ScriptedProxy(s3_env.port, rules).start()
     with monkeypatch.context() as patch:
         patch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
-        store = S3Store(BUCKET, _prefix(root), retries=retries, backoff=0.01)
+        store = ObjectStore(S3Driver(BUCKET), _prefix(root), retries=retries, backoff=0.01)
     try:
         yield store, proxy
     finally:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from components.core.contract.errors import BadInput, StoreUnwritable, TransientFailure
-from components.core.store import PreconditionFailed, open_store, probe_writable
+from components.core.store import ObjectStore, PreconditionFailed, object_store, open_store, probe_writable
 from components.core.store import azure as azure_backend
 from tests.azure_server import ACCOUNT, ACCOUNT_KEY
 from tests.core.faults import FaultProxy, ScriptedProxy
@@ -36,7 +36,7 @@ def _no_azure_env(monkeypatch) -> None:
     for name in ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT", "AZURE_STORAGE_ACCOUNT_NAME",
                  "AZURE_STORAGE_KEY", "AZURE_STORAGE_SAS_TOKEN", "AZURE_STORAGE_BLOB_ENDPOINT"):
         monkeypatch.delenv(name, raising=False)
-    azure_backend._CHECKED.clear()
+    object_store.CHECKED.clear()
 
 
 def test_bytes_round_trip_and_a_missing_key_is_file_not_found(store):
@@ -105,7 +105,7 @@ def test_the_blocks_a_killed_writer_left_are_dropped_by_the_next_writer(store, a
     store.write_bytes("ckpt/step-2/kept.bin", b"committed")
     killed = store.open_writer("ckpt/step-3/__0_0.distcp")
     killed.write(os.urandom(2 * MiB + 1))  # two blocks staged, never committed: the writer "dies" here
-    for future in killed.blocks:
+    for future in killed.parts:
         future.result()
     container = azurite.client().get_container_client("relaunch-ckpt")
     uncommitted = [b.name for b in container.list_blobs(name_starts_with=store.prefix,
@@ -177,10 +177,10 @@ def test_a_sas_token_works_and_one_without_write_permission_cannot_write_exit_2(
     monkeypatch.setenv("AZURE_STORAGE_BLOB_ENDPOINT", azurite.endpoint)
     monkeypatch.setenv("AZURE_STORAGE_SAS_TOKEN", sas(ContainerSasPermissions(read=True, write=True, create=True,
                                                                               delete=True, list=True)))
-    store = azure_backend.AzureStore("relaunch-ckpt", f"sas-{uuid.uuid4().hex[:8]}")
+    store = ObjectStore(azure_backend.AzureDriver("relaunch-ckpt"), f"sas-{uuid.uuid4().hex[:8]}")
     assert store.write_if_absent("x", b"1") and store.list() == ["x"]
     monkeypatch.setenv("AZURE_STORAGE_SAS_TOKEN", sas(ContainerSasPermissions(read=True, list=True)))
-    read_only = azure_backend.AzureStore("relaunch-ckpt", store.prefix)
+    read_only = ObjectStore(azure_backend.AzureDriver("relaunch-ckpt"), store.prefix)
     assert read_only.read_bytes("x") == b"1"
     with pytest.raises(StoreUnwritable, match="Azure refused") as refused:
         read_only.write_bytes("x", b"2")

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from components.core.contract.errors import BadInput, TransientFailure
-from components.core.store import GCSStore, PreconditionFailed, open_store
+from components.core.store import GCSDriver, PreconditionFailed, open_store
 from components.core.store import gcs as gcs_backend
 from tests.core.faults import FaultProxy, ScriptedProxy
 
@@ -25,7 +25,7 @@ def small_chunks(monkeypatch):
 
 
 def test_bytes_round_trip_and_a_missing_key_is_file_not_found(store):
-    assert isinstance(store, GCSStore)
+    assert isinstance(store.driver, GCSDriver)
     store.write_bytes("a/b.txt", b"hello")
     assert store.read_bytes("a/b.txt") == b"hello"
     assert store.exists("a/b.txt") and not store.exists("a/c.txt")

@@ -1,28 +1,33 @@
-"""The private torch names relaunch leans on, each with the shape our code was written for: a torch upgrade
-that changes one fails here, loudly and by name, instead of somewhere inside a save or a load.
+"""The private torch names relaunch leans on, all in components/core/checkpoint/torch_private.py, each with
+the shape our code was written for: a torch upgrade that changes one fails here, loudly and by name,
+instead of somewhere inside a save or a load. And the public replacements of the private names relaunch
+used before, each checked against what torch itself does.
 
-Why each is used (where relaunch found no public way to do the same in torch 2.13):
-- ``filesystem._split_by_size_and_type``, ``_StorageInfo``, ``_StoragePrefix``: our StorageWriter lays out
-  its files exactly as stock ``FileSystemWriter`` does, so that stock ``FileSystemReader`` reads them
-  (checkpoint format 3, components/core/checkpoint/dcp_io.py).
-- ``_traverse.set_element``: the safe load planner places a value loaded with ``weights_only=True`` into
-  the nested state dict where DCP's default planner would (components/core/checkpoint/dcp_io.py).
-- ``state_dict._get_fqns``: the names DCP gives a parameter, to pre-create the optimizer state a load
-  fills (components/core/trainer/state.py).
-- ``utils._create_file_view`` and ``torch._C.PyTorchFileReader``: reading format-1 checkpoints
-  (components/core/checkpoint/legacy_v1.py).
+Kept private (torch 2.13 has no public way; why in torch_private.py):
+- ``filesystem._StorageInfo``: pickled into ``.metadata`` under that name (the stored format).
+- ``DTensor(local, spec)`` with ``DTensor._spec``: a DTensor over a CPU snapshot of a shard.
+- ``state_dict._get_fqns``: the names DCP gives a parameter (components/core/trainer/state.py).
 
-Removed: the warm runtime no longer replaces torch elastic's ``SubprocessHandler._popen`` nor dynamic
-rendezvous's ``get_method_name`` / ``_delay`` (workers come from a zygote through torchrun's public
-``--no-python`` worker command; tests/pipelines/test_warm_steps.py keeps them out).
+Replaced: ``filesystem._split_by_size_and_type`` and ``_StoragePrefix`` (dcp_io.split_by_size_and_type, a
+plain prefix string), ``_traverse.set_element`` (dcp_io.place), ``DTensor._local_tensor`` (``to_local()``),
+``utils._create_file_view``, ``torch._C.PyTorchFileReader`` and ``_checkpoint_offset`` (legacy_v1's
+FileWindow and archive_payload, through ``zipfile``), ``torch._C._set_deterministic_algorithms``
+(``torch.set_deterministic_debug_mode``). The standard library's: tests/core/test_private_stdlib.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _params(fn) -> list[str]:
@@ -30,34 +35,131 @@ def _params(fn) -> list[str]:
 
 
 def test_the_private_torch_names_relaunch_uses_have_the_shape_it_was_written_for():
-    from torch.distributed.checkpoint._traverse import set_element
-    from torch.distributed.checkpoint.filesystem import _split_by_size_and_type, _StorageInfo, _StoragePrefix
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.state_dict import _get_fqns
-    from torch.distributed.checkpoint.utils import _create_file_view
+    from torch.distributed.tensor import DTensor
 
-    assert _params(_split_by_size_and_type) == ["bins", "items"]
+    from components.core.checkpoint.torch_private import storage_info
+
+    info = storage_info("__0_0.distcp", 7, 11)
+    # the module and name every .metadata written so far refers to (and safe_pickle admits)
+    assert (type(info).__module__, type(info).__qualname__) == ("torch.distributed.checkpoint.filesystem",
+                                                              "_StorageInfo")
+    assert type(info) is _StorageInfo
     assert [f.name for f in dataclasses.fields(_StorageInfo)][:3] == ["relative_path", "offset", "length"]
-    assert [f.name for f in dataclasses.fields(_StoragePrefix)] == ["prefix"]
-    assert _params(set_element) == ["root_dict", "path", "value"]
+    assert (info.relative_path, info.offset, info.length) == ("__0_0.distcp", 7, 11)
+    assert "_spec" in DTensor.__slots__  # DTensor(local, spec, requires_grad=...) is a builtin: called in the next test
     assert _params(_get_fqns)[:2] == ["model", "name"]
-    assert _params(_create_file_view) == ["file", "offset", "length"]
-    assert hasattr(torch._C, "PyTorchFileReader")
 
 
-def test_the_stdlib_atexit_runner_that_end_process_calls_still_runs_the_registered_handlers(tmp_path):
-    """``atexit._run_exitfuncs`` (components/core/runtime/stepcli.py ``wind_down``): a step or a worker
-    that ends through ``end_process`` runs its atexit handlers (a pending async save's, MLflow's) and then
-    skips the interpreter's module teardown, which costs about a second of CPU with torch and MLflow
-    loaded (docs/benchmarks.md). A Python whose atexit lacks it, or whose runner no longer runs the
-    handlers, fails here by name."""
-    import subprocess
-    import sys
+_DTENSOR_LIKE = """
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from components.core.checkpoint.torch_private import dtensor_like
+from components.core.checkpoint.snapshot import local_part
 
-    marker = tmp_path / "ran"
-    code = ("import atexit, pathlib\n"
-            f"atexit.register(pathlib.Path({str(marker)!r}).write_text, 'yes')\n"
-            "from components.core.runtime.stepcli import end_process\n"
-            "end_process(0)\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert marker.read_text() == "yes"
+dist.init_process_group("gloo", init_method="file://{pg}", rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+live = torch.nn.Parameter(distribute_tensor(torch.arange(12.0).reshape(3, 4), mesh, [Shard(0)]))
+local = local_part(live)
+assert type(local) is not DTensor and local.untyped_storage().data_ptr() == live.to_local().untyped_storage().data_ptr()
+assert local.grad_fn is None
+buf = torch.zeros(3, 4)
+copy = dtensor_like(buf, live)
+assert isinstance(copy, DTensor) and not copy.requires_grad
+assert local_part(copy) is buf
+assert copy.shape == live.shape and copy.stride() == live.stride()
+assert copy.placements == live.placements and copy.device_mesh == live.device_mesh
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+def test_a_snapshot_dtensor_keeps_its_buffer_and_the_live_dtensors_layout(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", _DTENSOR_LIKE.format(pg=tmp_path / "pg")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=180,
+                          env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def _state() -> dict:
+    torch.manual_seed(0)
+    return {"w": {str(i): torch.randn(1000 * (i + 1)) for i in range(7)},
+            "h": torch.randn(40).to(torch.float16), "n": 5, "note": "x"}
+
+
+def _files_of(path: Path) -> dict[str, str]:
+    from components.core.checkpoint.legacy_v1 import read_metadata
+
+    return {index.fqn: info.relative_path for index, info in read_metadata(path).storage_data.items()}
+
+
+def test_our_writer_deals_the_items_of_a_rank_into_files_as_dcps_filesystem_writer_does(tmp_path):
+    from components.core.checkpoint.dcp_io import StoreWriter
+    from components.core.store import FileStore
+
+    dcp.save(_state(), storage_writer=FileSystemWriter(tmp_path / "stock", thread_count=3), no_dist=True)
+    dcp.save(_state(), storage_writer=StoreWriter(FileStore(tmp_path / "ours"), "ckpt", files_per_rank=3),
+             no_dist=True)
+    ours = _files_of(tmp_path / "ours" / "ckpt")
+    assert len(set(ours.values())) == 3
+    assert ours == _files_of(tmp_path / "stock")
+
+
+def test_the_safe_load_planner_puts_nested_values_where_dcps_default_planner_does(tmp_path):
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from components.core.checkpoint.dcp_io import safe_load_planner
+
+    saved = {"t": torch.arange(3.0), "rng": [{"seed": 7, "name": "a"}, [1, 2, {"deep": "z"}]], "opt": {"lr": 0.5}}
+    dcp.save(saved, storage_writer=FileSystemWriter(tmp_path), no_dist=True)
+
+    def template():
+        return {"t": torch.zeros(3), "rng": [{"seed": 0, "name": ""}, [0, 0, {"deep": ""}]], "opt": {"lr": 0.0}}
+
+    stock, safe = template(), template()
+    dcp.load(stock, storage_reader=FileSystemReader(tmp_path), planner=DefaultLoadPlanner(), no_dist=True)
+    dcp.load(safe, storage_reader=FileSystemReader(tmp_path), planner=safe_load_planner(), no_dist=True)
+    assert safe["rng"] == stock["rng"] == saved["rng"] and safe["opt"] == stock["opt"] == saved["opt"]
+    assert torch.equal(safe["t"], saved["t"])
+
+
+def test_a_large_tensor_of_a_stock_checkpoint_is_found_in_its_archive_and_read_straight_into_place(tmp_path):
+    from components.core.checkpoint.legacy_v1 import DIRECT_MIN_BYTES, FileWindow, archive_payload, read_metadata
+    from components.core.checkpoint.legacy_v1 import safe_reader
+
+    big = torch.randn(DIRECT_MIN_BYTES // 4 + 1000)
+    saved = {"big": big, "small": torch.arange(5, dtype=torch.int16), "n": 3}
+    dcp.save(saved, storage_writer=FileSystemWriter(tmp_path), no_dist=True)
+    for index, info in read_metadata(tmp_path).storage_data.items():
+        with open(tmp_path / info.relative_path, "rb") as stream:
+            found = archive_payload(FileWindow(stream, info.offset, info.length))
+            if index.fqn == "n":  # a pickled int: no tensor storage in its archive
+                assert found is None
+                continue
+            offset, size = found
+            stream.seek(info.offset + offset)
+            assert stream.read(size) == saved[index.fqn].numpy().tobytes(), index.fqn
+    assert archive_payload(FileWindow(open(tmp_path / ".metadata", "rb"), 0, 100)) is None  # not an archive
+
+    loaded = {"big": torch.zeros_like(big), "small": torch.zeros(5, dtype=torch.int16), "n": 0}
+    place = loaded["big"].data_ptr()
+    from components.core.checkpoint.dcp_io import safe_load_planner
+
+    dcp.load(loaded, storage_reader=safe_reader(tmp_path), planner=safe_load_planner(), no_dist=True)
+    assert torch.equal(loaded["big"], big) and loaded["big"].data_ptr() == place
+    assert torch.equal(loaded["small"], saved["small"]) and loaded["n"] == 3
+
+
+def test_deterministic_training_on_cpu_turns_deterministic_kernels_on_without_importing_inductor():
+    code = ("import sys, types, torch\n"
+            "from components.core.trainer.setup import seed\n"
+            "seed(types.SimpleNamespace(train=types.SimpleNamespace(seed=1, deterministic=True)))\n"
+            "print(torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),"
+            " 'torch._inductor' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=180,
+                          env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
+                               "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["True", "False", "False"]

@@ -9,7 +9,7 @@ import pytest
 from jsonschema import Draft7Validator, Draft202012Validator
 
 from components.core.contract.config import load_config
-from components import DELETE_JOB, EXIT_HANDLER_RETRY, RETRY_POLICIES, STEPS
+from pipelines.spec import DELETE_JOB, EXIT_HANDLER_RETRY, RETRY_POLICIES, STEPS
 from components.core.contract.exitcodes import PERMANENT, RETRYABLE, argo_retry_expression
 from pipelines.argo import BUILDERS, to_dict
 

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from components.core.contract.config import load_config
-from components import RETRY_POLICIES, STEPS
+from pipelines.spec import RETRY_POLICIES, STEPS
 from components.launchers.pytorchjob import build_pytorchjob
 from components.launchers.trainjob import build_runtime, build_trainjob
 from pipelines.commands.compile import render

@@ -15,7 +15,7 @@ from google.protobuf import json_format
 from kfp.pipeline_spec import pipeline_spec_pb2
 
 from components.core.contract.config import PIPELINE_PARAMETERS, RelaunchConfig, pipeline_parameter_type
-from components import PARAMETERS, RETRY_POLICIES, STEP_TABLE, STEPS
+from pipelines.spec import PARAMETERS, RETRY_POLICIES, STEP_TABLE, STEPS
 from pipelines import kfp_pipeline
 from pipelines.commands.compile import render
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from components import STEP_TABLE
+from pipelines.spec import STEP_TABLE
 from components.core.contract.config import RelaunchConfig
 from components.core.contract.exitcodes import RETRYABLE, ExitCode
 from components.core.tracking.goodput import load_attempts

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from kfp import dsl
 
-from components import STEP_TABLE
+from pipelines.spec import STEP_TABLE
 from pipelines.kfp_pipeline import COMPONENT_BODIES, build_components
 from pipelines.local.warm_steps import SERVER_IMPORTS, executor_call, server_for
 

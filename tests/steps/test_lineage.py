@@ -11,7 +11,8 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from components import evaluate, finalize, prepare, register
-from components.core.tracking import lineage, models
+from components.core.packaging import model as models
+from components.core.tracking import lineage
 from components.core.checkpoint import CheckpointManager
 from components.core.contract.config import RelaunchConfig
 from components.core.trainer.state import TrainingState

@@ -145,7 +145,7 @@ def test_the_registered_model_loads_and_predicts_without_unpickling(setup, histo
     files = [p.name for p in local.rglob("*") if p.is_file()]
     assert "model.safetensors" in files
     assert not [f for f in files if f.endswith((".pkl", ".pickle", ".pt", ".pth", ".cloudpickle"))]
-    assert "loader_module: components.core.tracking.models" in (local / "MLmodel").read_text()
+    assert "loader_module: components.core.packaging.model" in (local / "MLmodel").read_text()
     x = load_task(config.train.task, config).build_splits()["test"]["x"][:5]
     assert model.predict(np.asarray(x)).shape == (5,)
 

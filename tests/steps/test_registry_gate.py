@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from components import EVALUATE, LAUNCH, PIPELINE, REGISTER, output
+from pipelines.spec import EVALUATE, LAUNCH, PIPELINE, REGISTER, output
 from components.core.checkpoint import CheckpointManager
 from components.core.contract.config import RelaunchConfig
 from components.core.trainer.state import TrainingState

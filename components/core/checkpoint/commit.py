@@ -1,8 +1,11 @@
-"""Saving, one job of :class:`~components.core.checkpoint.manager.CheckpointManager`: the snapshot
-job, every rank's DCP write, the preflight (a damaged checkpoint of the same step is moved aside
-first), the commit point (the manifest), advancing ``latest.json``, then retention.
+"""Saving and committing: the snapshot job, every rank's DCP write, the preflight (a damaged
+checkpoint of the same step is moved aside first), the commit point (the manifest), advancing
+``latest.json``, then retention.
 
-:class:`Committing` is a part of the manager (one of its base classes), not used alone.
+    leases = Leases(store, owner="run-1", seconds=300)
+    committer = Committer(store, Ranks(), leases, Locator(store, leases), Retention(store, keep_last=3))
+    committer.save(7, state, take_lease=leases.take)
+    info = committer.wait()            # committed (or the save's error raised)
 """
 
 from __future__ import annotations
@@ -12,21 +15,25 @@ import json
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+import weakref
+from typing import TYPE_CHECKING, Any, Callable
 
 from components.core.checkpoint import load as reading
 from components.core.checkpoint import quarantine
-from components.core.checkpoint.layout import (FORMAT_VERSION, INFLIGHT, LATEST, LEASE, MANIFEST, CheckpointInfo,
-                                               info_of, now, read_json, read_manifest_bytes, sealed_manifest_body,
-                                               step_key, versions, write_conditional)
-from components.core.checkpoint.lease import LeaseLost
+from components.core.checkpoint.fingerprint import model_fingerprint
+from components.core.checkpoint.layout import (FORMAT_VERSION, INFLIGHT, LATEST, MANIFEST, CheckpointInfo, info_of,
+                                               now, read_manifest_bytes, sealed_manifest_body, step_key, versions,
+                                               write_conditional)
+from components.core.checkpoint.leases import Leases
+from components.core.checkpoint.locate import Locator
+from components.core.checkpoint.ranks import Ranks
 from components.core.checkpoint.readers import deletion_done
-from components.core.checkpoint.retention import apply_retention
-from components.core.checkpoint.snapshot import copy_deferred, optimizers_of, state_bytes
+from components.core.checkpoint.retention import Retention
+from components.core.checkpoint.snapshot import Snapshotter, copy_deferred, optimizers_of, state_bytes
 from components.core.checkpoint.verify import CHUNK_BYTES, DIGEST
 from components.core.contract.classify import CarriedError, dcp_original, is_store_unwritable
-from components.core.contract.errors import BadInput, CorruptCheckpoint, RelaunchError
-from components.core.store import PreconditionFailed
+from components.core.contract.errors import BadInput, CorruptCheckpoint
+from components.core.store import PreconditionFailed, Store
 
 if TYPE_CHECKING:
     import torch
@@ -49,23 +56,50 @@ class SaveJob:
         self.info: CheckpointInfo | None = None
 
 
-class Committing:
-    """Save and commit: :meth:`CheckpointManager.save` guards, then calls :meth:`_save`."""
+class Committer:
+    """Saves and commits the checkpoints of one writer; one save in flight at a time.
 
-    def _save(self, step: int, state: Any, metrics: dict | None, epoch: int, defer_copy: bool) -> None:
-        """The body of :meth:`CheckpointManager.save` (guarded by it)."""
+    Args:
+        store: the store written.
+        ranks: the ranks that save together (every rank writes its shards; rank 0 commits).
+        leases: the write lease (fenced before the commit point and every deletion) and the read
+            leases a save releases.
+        locator: checks a step already there (preflight) and the manifests retention counts.
+        retention: what to keep after each commit.
+        async_save: persist and commit in a background thread (the next save waits for it).
+        model_fingerprint: stored in each manifest; computed from ``state.model`` at the first save
+            when None.
+    """
+
+    def __init__(self, store: Store, ranks: Ranks, leases: Leases, locator: Locator, retention: Retention, *,
+                 async_save: bool = True, model_fingerprint: str | None = None):
+        self.store, self.ranks, self.leases, self.locator, self.retention = store, ranks, leases, locator, retention
+        self.async_save, self.model_fingerprint = async_save, model_fingerprint
+        self.last_save_seconds: float | None = None
+        self.stall_seconds_total = 0.0
+        self._latest_etag: str | None = None
+        self._latest_known = False
+        self._snapshots = Snapshotter()
+        self._step_hooks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its hook's handle
+        self._pending: SaveJob | None = None
+        self._last_info: CheckpointInfo | None = None
+
+    def save(self, step: int, state: Any, metrics: dict | None = None, epoch: int = 0, *, defer_copy: bool = False,
+             take_lease: Callable[[], None] | None = None, keep_alive: Any = None) -> None:
+        """Snapshot ``state`` and persist it as checkpoint ``step`` (:meth:`CheckpointManager.save`);
+        ``take_lease`` runs first when given (the caller's lease not taken yet); ``keep_alive`` is held
+        until a background save ends (the manager: a program that drops it while its last save runs
+        still has it closed, the save committed and the lease released, at exit)."""
         t0 = time.perf_counter()
         try:
             self.wait()
             step_key(step)
             if self.model_fingerprint is None and hasattr(state, "model"):
-                from components.core.trainer.state import model_fingerprint
-
                 self.model_fingerprint = model_fingerprint(state.model)
-            if not self._lease_checked:
-                self.take_lease()  # a second writer is refused right here, if not before training
-            if self.rank == 0:
-                self._release_reads()  # what this writer loaded is in its state now
+            if take_lease is not None:
+                take_lease()  # a second writer is refused right here, if not before training
+            if self.ranks.rank == 0:
+                self.leases.release_reads()  # what this writer loaded is in its state now
             if epoch == 0 and hasattr(state, "epoch"):
                 epoch = int(state.epoch)
             job = SaveJob(step, int(epoch), None, {k: float(v) for k, v in (metrics or {}).items()}, t0)
@@ -81,8 +115,8 @@ class Committing:
                 job.cuda_ready.record()
             self._pending = job
             if self.async_save:
-                job.thread = threading.Thread(target=self._run_job, args=(job,), name=f"ckpt-save-{step}",
-                                              daemon=True)
+                job.thread = threading.Thread(target=self._run_job, args=(job, keep_alive),
+                                              name=f"ckpt-save-{step}", daemon=True)
                 job.thread.start()
             else:
                 self._run_job(job)
@@ -91,14 +125,71 @@ class Committing:
         if not self.async_save:
             self.wait()
 
-    def _run_job(self, job: SaveJob) -> None:
+    def wait_for_snapshot(self) -> float:
+        """Block until the pending save has copied the state it saves; return the seconds blocked
+        (:meth:`CheckpointManager.wait_for_snapshot`)."""
+        job = self._pending
+        if job is None or job.copied.is_set():
+            return 0.0
+        t0 = time.perf_counter()
+        job.copied.wait()
+        blocked = time.perf_counter() - t0
+        self.stall_seconds_total += blocked
+        return blocked
+
+    def wait(self) -> CheckpointInfo | None:
+        """Block until the pending save is committed and return its info (with no save pending: the
+        info of the last save committed here, or None); raise the pending save's error."""
+        job, self._pending = self._pending, None
+        if job is None:
+            return self._last_info
+        if job.thread is not None:
+            job.thread.join()
+        if job.error is not None:
+            raise job.error
+        self._last_info = job.info
+        return job.info
+
+    def read_latest_pointer(self) -> None:
+        """Read the etag of ``latest.json`` now (the lease holder, once it holds the lease): the
+        next commit advances it by a conditional write on that etag."""
+        self._latest_etag = self.store.etag(LATEST)
+        self._latest_known = True
+
+    def forget_latest_pointer(self) -> None:
+        """Read the etag of ``latest.json`` again before the next commit (after a load)."""
+        self._latest_known = False
+
+    def close(self) -> None:
+        """Wait for the pending save (its error raised) and stop making optimizers wait for copies."""
+        try:
+            self.wait()
+        finally:
+            for handle in list(self._step_hooks.values()):
+                handle.remove()
+            self._step_hooks.clear()
+
+    def _wait_before_step(self, optimizer: Any) -> None:
+        """Make ``optimizer.step()`` wait for this committer's deferred copy (once per optimizer)."""
+        if optimizer in self._step_hooks:
+            return
+        committer = weakref.ref(self)
+
+        def wait_for_snapshot(*_: Any) -> None:
+            owner = committer()
+            if owner is not None:
+                owner.wait_for_snapshot()
+
+        self._step_hooks[optimizer] = optimizer.register_step_pre_hook(wait_for_snapshot)
+
+    def _run_job(self, job: SaveJob, keep_alive: Any = None) -> None:
         try:
             copy_deferred(job)
             job.info = self._persist(job)
             self.last_save_seconds = time.perf_counter() - job.started
         except BaseException as err:  # noqa: BLE001 - surfaces at the next save()/wait()
             job.error = err
-            if self.rank == 0:  # every rank has the error now (the save's steps agree on it)
+            if self.ranks.rank == 0:  # every rank has the error now (the save's steps agree on it)
                 self._discard_failed(job.step, err)
         finally:
             job.snapshot = None
@@ -112,23 +203,11 @@ class Committing:
             return  # any other failure leaves what a crash would leave: the next writer's cleanup is for that
         key = step_key(step)
         try:
-            if self.store.exists(f"{key}/{MANIFEST}") or not self._holds_lease():
+            if self.store.exists(f"{key}/{MANIFEST}") or not self.leases.holds():
                 return
             self.store.delete_many(self.store.list(key + "/"))
         except Exception:  # noqa: BLE001 - best effort on a sick store; the save's own error is what counts
             pass
-
-    def _holds_lease(self) -> bool:
-        """Whether this writer still holds the write lease: renewed, or, where the store cannot take
-        the renewal (full), still the lease record of this writer."""
-        try:
-            self.lease.fence()
-            return True
-        except LeaseLost:
-            return False
-        except (OSError, RelaunchError):
-            record = read_json(self.store, LEASE) or {}
-            return self.lease.held and record.get("token") == self.lease.token
 
     def _persist(self, job: SaveJob) -> CheckpointInfo:
         import torch.distributed as dist
@@ -136,7 +215,7 @@ class Committing:
 
         from components.core.checkpoint.dcp_io import StoreWriter
 
-        self._agree(self._rank0(lambda: self._preflight(job.step)))
+        self.ranks.agree(self.ranks.rank0(lambda: self._preflight(job.step)))
         files_per_rank = max(1, -(-state_bytes(job.snapshot) // FILE_BYTES))
         writer = StoreWriter(self.store, step_key(job.step), files_per_rank=files_per_rank,
                              threads=reading.IO_THREADS)
@@ -145,16 +224,16 @@ class Committing:
             from torch.distributed.checkpoint.api import CheckpointException
 
             try:
-                dcp.save(job.snapshot, storage_writer=writer, process_group=self._group)
+                dcp.save(job.snapshot, storage_writer=writer, process_group=self.ranks.group)
             except CheckpointException as err:  # DCP wraps what the store raised: surface that
                 raise dcp_original(err) from None
             return writer.files
 
-        outcome = self._catch(write)
-        if self._distributed:
-            gathered: list[Any] = [None] * self.world_size
+        outcome = self.ranks.catch(write)
+        if self.ranks.distributed:
+            gathered: list[Any] = [None] * self.ranks.world_size
             local = outcome if outcome[0] == "ok" else ("err", CarriedError.of(outcome[1]))
-            dist.all_gather_object(gathered, local, group=self._group)
+            dist.all_gather_object(gathered, local, group=self.ranks.group)
             if outcome[0] == "err":
                 raise outcome[1]
             files: dict[str, Any] = {}
@@ -166,43 +245,39 @@ class Committing:
             if outcome[0] == "err":
                 raise outcome[1]
             files = outcome[1]
-        return self._agree(self._rank0(lambda: self._commit(job, files)))
+        return self.ranks.agree(self.ranks.rank0(lambda: self._commit(job, files)))
 
     def _preflight(self, step: int) -> None:
-        self.lease.fence()  # a renewal, off the training thread; a writer taken over stops here
+        self.leases.fence()  # a renewal, off the training thread; a writer taken over stops here
         key = step_key(step)
         if self.store.exists(f"{key}/{MANIFEST}"):
             try:
-                self._checked(step)
+                self.locator.checked(step)
             except CorruptCheckpoint as err:  # damaged (quarantined now if not before): write it again
                 self._move_aside(step, str(err))
             else:
                 raise BadInput(f"checkpoint {self.store.uri_for(key)} is already committed; refusing to "
                                f"overwrite it (save a later step)")
-        self.store.write_bytes(INFLIGHT, json.dumps({"step": step, "owner": self.owner,
+        self.store.write_bytes(INFLIGHT, json.dumps({"step": step, "owner": self.leases.owner,
                                                      "started_at": now()}).encode())
 
     def _commit(self, job: SaveJob, files: dict[str, Any]) -> CheckpointInfo:
         key = step_key(job.step)
         manifest = {
             "format_version": FORMAT_VERSION, "step": job.step, "epoch": job.epoch,
-            "world_size": self.world_size, "created_at": now(), "files": dict(sorted(files.items())),
+            "world_size": self.ranks.world_size, "created_at": now(), "files": dict(sorted(files.items())),
             "digest": DIGEST, "chunk_bytes": CHUNK_BYTES, "byteorder": sys.byteorder,
             "metrics": job.metrics, "versions": versions(), "model_fingerprint": self.model_fingerprint,
-            "owner": self.owner,
+            "owner": self.leases.owner,
         }
         body = sealed_manifest_body(manifest)
-        self.lease.fence()  # a writer that lost its lease (stalled past it) commits nothing
+        self.leases.fence()  # a writer that lost its lease (stalled past it) commits nothing
         self.store.write_bytes(f"{key}/{MANIFEST}", body)  # the commit point
         manifest["_sha256"] = hashlib.sha256(body).hexdigest()
-        self._manifests[job.step] = manifest
         self._advance_latest(job.step, manifest["_sha256"])
         try:
-            for deleted in apply_retention(self.store, keep_last=self.keep_last, keep_best=self.keep_best,
-                                           best_metric=self.best_metric, mode=self.mode, in_flight=job.step,
-                                           manifest=self._manifest, claim=self._claim,
-                                           done=lambda s: deletion_done(self.store, s)):
-                self._manifests.pop(deleted, None)
+            self.retention.apply(in_flight=job.step, manifest=self.locator.manifest, claim=self.leases.claim,
+                                 done=lambda s: deletion_done(self.store, s))
         except Exception as err:  # noqa: BLE001 - classified: anything but an unwritable store is raised
             if not is_store_unwritable(err):
                 raise
@@ -235,9 +310,8 @@ class Committing:
         except CorruptCheckpoint:
             return  # gone meanwhile (a person removed it): nothing to move
         rec = quarantine.find(self.store, step, sha) or {"step": step, "manifest_sha256": sha, "reason": reason,
-                                                         "found_at": now(), "found_by": self.owner}
-        dest = quarantine.move_aside(self.store, step, rec, moved_by=self.owner)
-        self._damaged.pop((self.store.uri, step), None)
-        self._manifests.pop(step, None)
+                                                         "found_at": now(), "found_by": self.leases.owner}
+        dest = quarantine.move_aside(self.store, step, rec, moved_by=self.leases.owner)
+        self.locator.forget(step)
         print(f"relaunch: damaged checkpoint {self.store.uri_for(step_key(step))} moved aside to "
               f"{self.store.uri_for(dest)}; saving step {step} again", file=sys.stderr, flush=True)

@@ -29,17 +29,18 @@ import math
 import pickle
 import threading
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.filesystem import _split_by_size_and_type, _StorageInfo, _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, SavePlan, WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
 from components.core.checkpoint import verify
 from components.core.checkpoint.layout import METADATA
+from components.core.checkpoint.torch_private import storage_info
 from components.core.checkpoint.verify import REQUEST_BYTES, ChunkDigests, digest
 from components.core.contract.errors import CorruptCheckpoint
 from components.core.store import Store
@@ -168,6 +169,29 @@ class DataFile:
         return {"size": self.pos, "chunks": self.chunks, "payloads": self.payloads}
 
 
+def split_by_size_and_type(bins: int, items: list[Any]) -> list[list[Any]]:
+    """``items`` dealt into ``bins`` lists as DCP's ``FileSystemWriter`` deals a rank's items into its
+    files: the bytes items in turn, then each tensor item, largest first, to the list with the fewest
+    bytes so far (the first such list on a tie)."""
+    if bins == 1:
+        return [items]
+    buckets: list[list[Any]] = [[] for _ in range(bins)]
+    sizes = [0] * bins
+    byte_items = [i for i in items if i.type == WriteItemType.BYTE_IO]
+    tensor_items = sorted((i for i in items if i.type != WriteItemType.BYTE_IO), key=_item_bytes, reverse=True)
+    for n, item in enumerate(byte_items):
+        buckets[n % bins].append(item)
+    for item in tensor_items:
+        smallest = sizes.index(min(sizes))
+        buckets[smallest].append(item)
+        sizes[smallest] += _item_bytes(item)
+    return buckets
+
+
+def _item_bytes(item: Any) -> int:
+    return math.prod(item.tensor_data.size) * item.tensor_data.properties.dtype.itemsize
+
+
 class StoreWriter(StorageWriter):
     """Writes one checkpoint directory ``key`` of ``store``; ``files`` holds, after ``dcp.save``,
     the size and chunk digests of every file this rank wrote (and ``.metadata`` on the coordinator)."""
@@ -190,11 +214,11 @@ class StoreWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return [dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_")) for i, p in enumerate(plans)]
+        return [dataclasses.replace(p, storage_data=f"__{i}_") for i, p in enumerate(plans)]  # file prefix
 
     def write_data(self, plan: SavePlan, planner: Any) -> torch.futures.Future:
-        prefix = plan.storage_data.prefix
-        buckets = [b for b in _split_by_size_and_type(self.files_per_rank, plan.items) if b]
+        prefix = plan.storage_data
+        buckets = [b for b in split_by_size_and_type(self.files_per_rank, plan.items) if b]
         names = [f"{prefix}{n}{DCP_SUFFIX}" for n in range(len(buckets))]
         if len(buckets) > 1:
             with concurrent.futures.ThreadPoolExecutor(min(self.threads, len(buckets))) as pool:
@@ -222,7 +246,7 @@ class StoreWriter(StorageWriter):
                         tensor = tensor.cpu()
                     out.add_tensor(tensor)
                 results.append(WriteResult(index=item.index, size_in_bytes=out.pos - offset,
-                                           storage_data=_StorageInfo(name, offset, out.pos - offset)))
+                                           storage_data=storage_info(name, offset, out.pos - offset)))
             out.close()
         except BaseException:
             out.writer.abort()
@@ -566,7 +590,6 @@ def _stored_chunk(meta: Any, index: Any) -> Any:
 def safe_load_planner():
     """DCP's default load planner, except that non-tensor values load with
     ``torch.load(weights_only=True)``, never a full unpickle."""
-    from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     class SafeLoadPlanner(DefaultLoadPlanner):
@@ -592,11 +615,31 @@ def safe_load_planner():
                 raise CorruptCheckpoint(f"checkpoint item {read_item.dest_index.fqn!r} is not safely "
                                         f"loadable (weights_only): {str(err).splitlines()[0][:200]}") from None
             if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+                place(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
             else:
                 self.state_dict[read_item.dest_index.fqn] = obj
 
     return SafeLoadPlanner()
+
+
+def place(root: dict[str, Any], path: tuple, value: Any) -> None:
+    """Put ``value`` into the nested state dict ``root`` at ``path`` (the key path DCP's
+    ``flatten_state_dict`` maps a flat key to: strings index dicts, ints index lists), creating the
+    dicts and lists on the way that are missing, as DCP's default load planner does."""
+    container: Any = root
+    for key, next_key in zip(path, path[1:]):
+        empty: Any = {} if type(next_key) is str else []
+        if isinstance(container, Mapping):
+            container = container.setdefault(key, empty)
+        else:
+            container.extend([None] * (key + 1 - len(container)))
+            if container[key] is None:
+                container[key] = empty
+            container = container[key]
+    key = path[-1]
+    if type(key) is int:
+        container.extend([None] * (key + 1 - len(container)))
+    container[key] = value
 
 
 def shard_chunk(global_shape: Any, mesh_shape: Any, coordinate: Any, placements: Any) -> tuple[list[int], list[int]] | None:

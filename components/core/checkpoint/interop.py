@@ -159,9 +159,8 @@ def import_checkpoint(mgr: "CheckpointManager", source: str | os.PathLike, *,
     with ``torch.load(weights_only=True)``); then it is saved like a training's checkpoint (format 3,
     every chunk digested, the manifest written last, ``latest.json`` advanced) under the manager's
     write lease. A folder with a ``model`` but no training ``progress`` (a stock ``{"model",
-    "optimizer"}``) is saved as ``adopt(state, step, source)`` makes it, when given
-    (:func:`components.core.trainer.adopt.training_state`: with the progress, schedule and counters a
-    training resumes from). Any other folder keeps its structure (``planner_data``), so
+    "optimizer"}``) is saved as ``adopt(state, step, source)`` makes it, when the caller gives one (the
+    trainer's adopter: with the progress, schedule and counters a training resumes from). Any other folder keeps its structure (``planner_data``), so
     ``dcp_to_torch_save`` of the adopted checkpoint gives what it gave of the folder.
     The manager's retention runs after the commit.
 

@@ -12,9 +12,12 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import hashlib
+import io
 import os
+import struct
 import sys
-from pathlib import Path
+import zipfile
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -86,6 +89,67 @@ def materialize(store: Store, step: int, manifest: dict[str, Any], cache: Path) 
     return local
 
 
+class FileWindow(io.RawIOBase):
+    """``length`` bytes of the open binary file ``stream`` from ``offset`` on, read as a file of their
+    own (a ``torch.save`` archive inside a DCP data file, for ``torch.load`` and ``zipfile``)."""
+
+    def __init__(self, stream: Any, offset: int, length: int):
+        super().__init__()
+        self.stream, self.offset, self.length, self.pos = stream, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.length}[whence]
+        self.pos = max(0, base + pos)
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        n = max(0, min(len(buffer), self.length - self.pos))
+        if not n:
+            return 0
+        self.stream.seek(self.offset + self.pos)
+        got = self.stream.readinto(memoryview(buffer).cast("B")[:n])
+        self.pos += got
+        return got
+
+
+_LOCAL_HEADER = struct.Struct("<4s22xHH")  # a zip local file header: signature, ..., name and extra lengths
+
+
+def archive_payload(archive: Any) -> tuple[int, int] | None:
+    """(offset, size) within the ``torch.save`` archive ``archive`` (a seekable binary file) of the bytes
+    of its one tensor storage, stored uncompressed in this machine's byte order; None for any other
+    archive (several storages, compressed, another byte order, not a zip)."""
+    try:
+        with zipfile.ZipFile(archive) as zf:
+            records = zf.infolist()
+            storages = [r for r in records if PurePosixPath(r.filename).parent.name == "data"]
+            order = [r for r in records if PurePosixPath(r.filename).name == "byteorder"]
+            if order and zf.read(order[0]) != sys.byteorder.encode():
+                return None
+    except (zipfile.BadZipFile, OSError, EOFError):
+        return None
+    if len(storages) != 1 or storages[0].compress_type != zipfile.ZIP_STORED:
+        return None
+    record = storages[0]
+    archive.seek(record.header_offset)
+    header = archive.read(_LOCAL_HEADER.size)
+    if len(header) != _LOCAL_HEADER.size:
+        return None
+    signature, name_bytes, extra_bytes = _LOCAL_HEADER.unpack(header)
+    if signature != b"PK\x03\x04":
+        return None
+    return record.header_offset + _LOCAL_HEADER.size + name_bytes + extra_bytes, record.file_size
+
+
 def read_metadata(path: str | os.PathLike):
     """DCP metadata of a local checkpoint directory, read safely."""
     from components.core.checkpoint.safe_pickle import load_metadata
@@ -100,13 +164,13 @@ def safe_reader(path: str | os.PathLike):
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
     from torch.distributed.checkpoint.planner import LoadItemType
-    from torch.distributed.checkpoint.utils import _create_file_view
 
     from components.core.checkpoint.safe_pickle import load_metadata
 
     class SafeFileSystemReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any):
-            path = self._get_metadata_path(kwargs.get("rank"))
+            rank = kwargs.get("rank")  # DCP's name for a rank's own metadata file
+            path = self.fs.concat_path(self.path, ".metadata" if rank is None else f"__{rank}.metadata")
             with self.fs.create_stream(path, "rb") as fh:
                 metadata = load_metadata(fh, source=str(path))
             if getattr(metadata, "storage_meta", None) is None:
@@ -139,17 +203,15 @@ def safe_reader(path: str | os.PathLike):
             md = self.storage_data[req.storage_index]
             if md.length < DIRECT_MIN_BYTES:  # parsing the header twice costs more than the copy saves
                 return False
-            meta = torch.load(_create_file_view(stream, md.offset, md.length), map_location="meta",
-                              weights_only=True)
-            start = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
+            meta = torch.load(FileWindow(stream, md.offset, md.length), map_location="meta", weights_only=True)
+            payload = archive_payload(FileWindow(stream, md.offset, md.length))
             nbytes = meta.numel() * meta.element_size()
-            archive = torch._C.PyTorchFileReader(_create_file_view(stream, md.offset, md.length))
-            foreign = archive.has_record("byteorder") and archive.get_record("byteorder") != sys.byteorder.encode()
-            if (not isinstance(start, int) or foreign or not meta.is_contiguous()
+            if (payload is None or payload[1] != nbytes or not meta.is_contiguous()
                     or meta.storage_offset() != 0 or meta.untyped_storage().nbytes() != nbytes
                     or any(req.storage_offsets) or list(req.lengths) != list(meta.shape)
-                    or start + nbytes > md.length):
+                    or payload[0] + nbytes > md.length):
                 return False
+            start = payload[0]
             target = planner.resolve_tensor(req).detach()
             if (target.device.type != "cpu" or target.dtype != meta.dtype or target.shape != meta.shape
                     or not target.is_contiguous()):

@@ -1,20 +1,25 @@
-"""Loading, one job of :class:`~components.core.checkpoint.manager.CheckpointManager`: a checkpoint
-of format 1, 2 or 3 read into a training state (every rank reads only what its load plan names,
-checked against the manifest's digests), after the model fingerprint and byte-order checks; a
-checkpoint found damaged while it is read is quarantined and the previous committed one loaded.
+"""Loading: a checkpoint of format 1, 2 or 3 read into a training state (every rank reads only
+what its load plan names, checked against the manifest's digests), after the model fingerprint and
+byte-order checks; a checkpoint found damaged while it is read is quarantined and the previous
+committed one loaded.
 
-:class:`Loading` is a part of the manager (one of its base classes), not used alone.
+    loader = Loader(Locator(store, leases), Ranks())
+    info = loader.load(state, store)   # the newest intact committed checkpoint, or None
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from components.core.checkpoint.fingerprint import model_fingerprint
 from components.core.checkpoint.layout import METADATA, CheckpointInfo, parse_checkpoint_uri
+from components.core.checkpoint.locate import Locator
+from components.core.checkpoint.ranks import Ranks
 from components.core.checkpoint.verify import ChunkDigests
 from components.core.contract.classify import dcp_original
 from components.core.contract.errors import BadInput, CorruptCheckpoint, RelaunchError
@@ -25,20 +30,42 @@ READ_THREADS = 8  # ranged reads (GETs) in flight per rank on S3; on a filesyste
 # file front to back (more concurrent streams made cold reads slower on the 2-core machine's disk)
 
 
-class Loading:
-    """Load: :meth:`CheckpointManager.load` guards, then calls :meth:`_load`."""
+def source_of(uri: str, own: Store) -> tuple[Store, int]:
+    """The store and step a checkpoint ``uri`` names: ``own`` when it is that store's, else opened."""
+    root, step = parse_checkpoint_uri(uri)
+    return (own if root.rstrip("/") == own.uri.rstrip("/") else open_store(root)), step
 
-    def _load(self, state: Any, step: int | None, uri: str | None) -> CheckpointInfo | None:
-        """The body of :meth:`CheckpointManager.load` (guarded by it): locate, check, read; on damage
-        fall back to the previous committed checkpoint (with neither ``step`` nor ``uri``)."""
-        store = self.store
-        if uri is not None:
-            root, step = parse_checkpoint_uri(uri)
-            if root.rstrip("/") != self.store.uri.rstrip("/"):
-                store = open_store(root)
+
+class Loader:
+    """Reads checkpoints into training states on every rank.
+
+    Args:
+        locator: finds and checks what to load (and records damage found while reading).
+        ranks: the ranks that load together (rank 0 locates, every rank reads its part).
+        model_fingerprint: this model's; a checkpoint of another model is refused. Computed from
+            ``state.model`` at each load when None.
+        cache_dir: local directory for downloads of format-1 checkpoints from object stores
+            (default: a temp dir, made on first use and removed by :meth:`close`).
+    """
+
+    def __init__(self, locator: Locator, ranks: Ranks, *, model_fingerprint: str | None = None,
+                 cache_dir: str | os.PathLike | None = None):
+        self.locator, self.ranks, self.model_fingerprint = locator, ranks, model_fingerprint
+        self._cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self._own_cache: Path | None = None
+
+    def load(self, state: Any, store: Store, step: int | None = None) -> CheckpointInfo | None:
+        """Restore ``state`` in place from checkpoint ``step`` of ``store`` (None: the latest; a
+        checkpoint found damaged while read is quarantined and the previous committed one loaded);
+        None when there is none (collective).
+
+        Raises:
+            CorruptCheckpoint: the asked-for checkpoint does not verify, or holds unsafe objects.
+            BadInput: the checkpoint belongs to another model, is of a newer format, or is not in the store.
+        """
         damaged: set[int] = set()
         while True:
-            found = self._agree(self._rank0(lambda: self._find(store, step, damaged)))
+            found = self.ranks.agree(self.ranks.rank0(lambda: self.locator.find_for_load(store, step, damaged)))
             if found is None:
                 return None
             info, manifest, metadata = found
@@ -48,55 +75,24 @@ class Loading:
                     raise metadata
                 self._read(state, info, manifest, store, metadata)
             except CorruptCheckpoint as err:
-                self._found_damaged(store, info.step, info.manifest_sha256, str(err))
+                self.locator.found_damaged(store, info.step, info.manifest_sha256, str(err))
                 if step is not None:
                     raise
                 print(f"relaunch: checkpoint {info.uri} is damaged ({err}); loading the previous committed "
                       f"checkpoint instead", file=sys.stderr, flush=True)
                 damaged.add(info.step)
                 continue
-            if store is self.store:
-                self._latest_known = False
             return info
 
-    def _find(self, store: Store, step: int | None, damaged: set[int]) -> tuple[Any, ...] | None:
-        """Rank 0: the checkpoint to load (``step``, else the latest not in ``damaged``) under a read
-        lease, its checked manifest and, for formats 2 and 3, its ``.metadata`` checked against its
-        digest (or the CorruptCheckpoint that check raised); None when there is none. One agreement
-        hands all three to every rank (a gloo collective each cost 5-15 ms on a busy 2-core machine)."""
-        self._last_checked = self._metadata_read = None
-        self._loading = True  # the manifest checks read .metadata in their round trip (Locating._manifest)
-        try:
-            if step is None:
-                info = self._locate_leased(skip=damaged)
-            else:
-                info = self._read_lease(store, step, lambda: self._checked(step, store), wait=True)
-            if info is None:
-                return None
-            manifest = self._manifest_checked(info, store)
-        finally:
-            self._loading = False
-        metadata: bytes | CorruptCheckpoint | None = None
-        if manifest["format_version"] >= 2:
-            try:
-                metadata = self._metadata_bytes(store, info, ChunkDigests(info.uri, manifest["files"]))
-            except CorruptCheckpoint as err:
-                metadata = err
-        return info, manifest, metadata
-
-    def _manifest_checked(self, info: CheckpointInfo, store: Store) -> dict[str, Any]:
-        """The manifest of ``info``: the one its read lease's check just read (3 requests fewer: the
-        manifest, its quarantine marker and the listing), else read and checked again."""
-        last = self._last_checked
-        if last is not None and last[:2] == (store.uri, info.step) and last[2].get("_sha256") == info.manifest_sha256:
-            return last[2]
-        return self._manifest(info.step, store)
+    def close(self) -> None:
+        """Remove the download cache this loader made (idempotent)."""
+        if self._own_cache is not None:
+            shutil.rmtree(self._own_cache, ignore_errors=True)
+            self._own_cache = None
 
     def _check_fingerprint(self, info: CheckpointInfo, manifest: dict[str, Any], state: Any) -> None:
         mine = self.model_fingerprint
         if mine is None and hasattr(state, "model"):
-            from components.core.trainer.state import model_fingerprint
-
             mine = model_fingerprint(state.model)
         theirs = manifest.get("model_fingerprint")
         if mine and theirs and mine != theirs:
@@ -123,7 +119,7 @@ class Loading:
             from components.core.checkpoint import legacy_v1
 
             cache = None if type(store) is FileStore else self._cache()  # a local store is read in place
-            local = self._agree(self._catch(lambda: str(legacy_v1.materialize(
+            local = self.ranks.agree(self.ranks.catch(lambda: str(legacy_v1.materialize(
                 store, info.step, manifest, cache))), share=False)
             metadata = legacy_v1.read_metadata(local)
             reader = legacy_v1.safe_reader(local)
@@ -133,25 +129,10 @@ class Loading:
             digests = ChunkDigests(info.uri, manifest["files"])
             metadata = load_metadata(metadata_bytes, source=f"{info.uri}/{METADATA}")
             payloads = payload_offsets(manifest["files"]) if manifest["format_version"] >= 3 else None
-            reader = StoreReader(store, info.key, metadata, digests, payloads=payloads, node_group=self._node_group,
-                                 node_ranks=self._node_ranks,
+            reader = StoreReader(store, info.key, metadata, digests, payloads=payloads, node_group=self.ranks.node_group,
+                                 node_ranks=self.ranks.node_ranks,
                                  threads=IO_THREADS if hasattr(store, "path") else READ_THREADS)
         self._dcp_load(state, metadata, reader, info)
-
-    def _metadata_bytes(self, store: Store, info: CheckpointInfo, digests: ChunkDigests) -> bytes:
-        """``.metadata``, read once per job (rank 0) and checked against its digest."""
-        read, self._metadata_read = self._metadata_read, None
-        try:
-            if read is not None and read[:3] == (store.uri, info.step, info.manifest_sha256):
-                if isinstance(read[3], Exception):
-                    raise read[3]
-                body = read[3]
-            else:
-                body = store.read_bytes(f"{info.key}/{METADATA}")
-        except FileNotFoundError:
-            raise CorruptCheckpoint(f"{info.uri}/{METADATA} is missing") from None
-        digests.check(METADATA, 0, body)
-        return body
 
     def _dcp_load(self, state: Any, metadata: Any, reader: Any, info: CheckpointInfo) -> None:
         stored = set(metadata.state_dict_metadata)
@@ -180,7 +161,7 @@ class Loading:
             if not template["rng"]:
                 del template["rng"]
         try:
-            dcp.load(template, storage_reader=reader, planner=safe_load_planner(), process_group=self._group)
+            dcp.load(template, storage_reader=reader, planner=safe_load_planner(), process_group=self.ranks.group)
         except RelaunchError:
             raise
         except (Exception, CheckpointException) as err:  # DCP wraps per-rank errors (a BaseException)

@@ -1,8 +1,9 @@
-"""Locating, one job of :class:`~components.core.checkpoint.manager.CheckpointManager`: the latest
-intact checkpoint (under a read lease), the list, the best by a metric, a deep verify, pins, and the
-quarantine bookkeeping (damage found is recorded here and in the store, never chosen again).
+"""Which checkpoints there are and which are intact: the latest (under a read lease), the list, the
+best by a metric, a deep verify, pins, and the quarantine bookkeeping (damage found is recorded
+here and in the store, never chosen again).
 
-:class:`Locating` is a part of the manager (one of its base classes), not used alone.
+    locator = Locator(store, Leases(store, owner="reader", seconds=300))
+    info = locator.latest()            # the newest intact committed checkpoint, read-leased, or None
 """
 
 from __future__ import annotations
@@ -13,23 +14,40 @@ from typing import Any
 
 from components.core.checkpoint import quarantine
 from components.core.checkpoint.layout import (INFLIGHT, LATEST, MANIFEST_DIGEST, METADATA, PINS, CheckpointInfo,
-                                               at_once,
-                                               checkpoint_steps, info_of, now, parse_manifest, parse_pin, pin_key,
-                                               read_json, read_manifest_bytes, step_key)
+                                               at_once, checkpoint_steps, info_of, now, parse_manifest, parse_pin,
+                                               pin_key, read_json, read_manifest_bytes, step_key)
+from components.core.checkpoint.leases import Leases
 from components.core.checkpoint.readers import deletion_in_progress
-from components.core.checkpoint.verify import check_files, deep_verify
+from components.core.checkpoint.verify import ChunkDigests, check_files, deep_verify
 from components.core.contract.errors import BadInput, CorruptCheckpoint
 from components.core.store import Store
 
 
-class Locating:
-    """Which checkpoints there are and which are intact; the public methods guard, then call these."""
+class Locator:
+    """Which checkpoints of ``store`` there are and which are intact, for one process.
 
-    def _locate_leased(self, skip: set[int] | frozenset = frozenset()) -> CheckpointInfo | None:
-        """:meth:`_locate`, then a read lease on the answer, checked again under it; a step being
-        deleted meanwhile is passed over for the next one."""
+    Args:
+        store: the store of the training.
+        leases: the read leases taken on what is located (and renewed by their heartbeat).
+        rank: this process's rank; damage found is recorded in the store by rank 0 only.
+
+    Damage this process found is remembered here, by store and manifest, even where the store refused
+    the quarantine marker (read-only credentials).
+    """
+
+    def __init__(self, store: Store, leases: Leases, *, rank: int = 0):
+        self.store, self.leases, self.rank = store, leases, rank
+        # damage found by this process: (store URI, step) -> (manifest sha256, reason)
+        self._damaged: dict[tuple[str, int], tuple[str, str]] = {}
+        self._last_checked: tuple[str, int, dict[str, Any]] | None = None  # (store, step, manifest) checked last
+        self._loading = False  # find_for_load is locating: the manifest check reads .metadata too
+        self._metadata_read: tuple[str, int, str, Any] | None = None  # (store, step, manifest sha256, bytes or error)
+
+    def latest(self, skip: set[int] | frozenset = frozenset()) -> CheckpointInfo | None:
+        """The newest intact committed checkpoint not in ``skip``, under a read lease (checked again
+        under it; a step being deleted meanwhile is passed over for the next one), or None."""
         passed: set[int] = set()
-        reads = self._reads_in(self.store)
+        reads = self.leases.reads_in(self.store)
         for attempt in range(10):
             # lease the steps latest.json and inflight.json name before _locate checks them: a writer
             # faster than this reader would otherwise delete each one before its check is done
@@ -59,11 +77,63 @@ class Locating:
             if info.step in clear and last is not None and last[:2] == (self.store.uri, info.step):
                 reads.confirmed.add(info.step)
                 return info
-            leased = self._read_lease(self.store, info.step, lambda: self._checked(info.step), wait=False)
+            leased = self.leases.read_lease(self.store, info.step, lambda: self.checked(info.step), wait=False)
             if leased is not None:
                 return leased
             passed.add(info.step)
         return None
+
+    def find_for_load(self, store: Store, step: int | None,
+                      damaged: set[int]) -> tuple[CheckpointInfo, dict[str, Any], Any] | None:
+        """The checkpoint a load reads (``step`` of ``store``, else the latest not in ``damaged``)
+        under a read lease, its checked manifest and, for formats 2 and 3, its ``.metadata`` checked
+        against its digest (or the CorruptCheckpoint that check raised); None when there is none.
+
+        Raises:
+            CorruptCheckpoint, BadInput: as :meth:`manifest`, for an asked-for ``step``.
+        """
+        self._last_checked = self._metadata_read = None
+        self._loading = True
+        try:
+            if step is None:
+                info = self.latest(skip=damaged)
+            else:
+                info = self.leases.read_lease(store, step, lambda: self.checked(step, store), wait=True)
+            if info is None:
+                return None
+            manifest = self._manifest_checked(info, store)
+        finally:
+            self._loading = False
+        metadata: bytes | CorruptCheckpoint | None = None
+        if manifest["format_version"] >= 2:
+            try:
+                metadata = self._metadata_bytes(store, info, ChunkDigests(info.uri, manifest["files"]))
+            except CorruptCheckpoint as err:
+                metadata = err
+        return info, manifest, metadata
+
+    def _manifest_checked(self, info: CheckpointInfo, store: Store) -> dict[str, Any]:
+        """The manifest of ``info``: the one its read lease's check just read (3 requests fewer: the
+        manifest, its quarantine marker and the listing), else read and checked again."""
+        last = self._last_checked
+        if last is not None and last[:2] == (store.uri, info.step) and last[2].get("_sha256") == info.manifest_sha256:
+            return last[2]
+        return self.manifest(info.step, store)
+
+    def _metadata_bytes(self, store: Store, info: CheckpointInfo, digests: ChunkDigests) -> bytes:
+        """``.metadata``, read once per job (rank 0) and checked against its digest."""
+        read, self._metadata_read = self._metadata_read, None
+        try:
+            if read is not None and read[:3] == (store.uri, info.step, info.manifest_sha256):
+                if isinstance(read[3], Exception):
+                    raise read[3]
+                body = read[3]
+            else:
+                body = store.read_bytes(f"{info.key}/{METADATA}")
+        except FileNotFoundError:
+            raise CorruptCheckpoint(f"{info.uri}/{METADATA} is missing") from None
+        digests.check(METADATA, 0, body)
+        return body
 
     def _locate(self, skip: set[int] | frozenset = frozenset(),
                 pointers: tuple[dict[str, Any], dict[str, Any]] | None = None) -> CheckpointInfo | None:
@@ -80,7 +150,7 @@ class Locating:
         if isinstance(p, int) and p not in tried:
             tried.add(p)
             try:
-                manifest = self._manifest(p)
+                manifest = self.manifest(p)
             except (CorruptCheckpoint, FileNotFoundError):
                 manifest = None
             # another manifest than the pointer's: edited (a legacy one, without its own digest), or
@@ -96,7 +166,7 @@ class Locating:
                 return info
         return None
 
-    def _manifest(self, step: int, store: Store | None = None) -> dict[str, Any]:
+    def manifest(self, step: int, store: Store | None = None) -> dict[str, Any]:
         """The manifest of committed checkpoint ``step`` after the O(1) check: not quarantined, the
         manifest parses and matches its own digest, every listed file exists with its size. What
         fails the check is damage: quarantined here, then raised.
@@ -130,43 +200,48 @@ class Locating:
                                     f"({record.get('reason', '?')})")
         error = error or (rest[0] if rest and isinstance(rest[0], Exception) else None)
         if isinstance(error, CorruptCheckpoint):
-            self._found_damaged(store, step, sha, str(error))
+            self.found_damaged(store, step, sha, str(error))
         if error is not None:
             raise error
         if len(rest) > 1:
             self._metadata_read = (store.uri, step, sha, rest[1])
         return manifest
 
-    def _checked(self, step: int, store: Store | None = None) -> CheckpointInfo:
+    def checked(self, step: int, store: Store | None = None) -> CheckpointInfo:
+        """The info of committed checkpoint ``step`` after :meth:`manifest`'s check."""
         store = store or self.store
-        manifest = self._manifest(step, store)
+        manifest = self.manifest(step, store)
         self._last_checked = (store.uri, step, manifest)
         return info_of(store, step, manifest)
 
+    def forget(self, step: int) -> None:
+        """Forget the damage found in ``step`` (moved aside: the step may be written again)."""
+        self._damaged.pop((self.store.uri, step), None)
+
     def _checked_quiet(self, step: int) -> CheckpointInfo | None:
         try:
-            return self._checked(step)
+            return self.checked(step)
         except (CorruptCheckpoint, FileNotFoundError):
             return None
 
-    def _found_damaged(self, store: Store, step: int, manifest_sha256: str, reason: str) -> None:
+    def found_damaged(self, store: Store, step: int, manifest_sha256: str, reason: str) -> None:
         """Record checkpoint ``step`` as damaged: here, and in the store (rank 0, best effort)."""
         self._damaged[(store.uri, step)] = (manifest_sha256, reason)
         if self.rank == 0:
-            quarantine.record(store, step, manifest_sha256, reason, found_by=self.owner)
+            quarantine.record(store, step, manifest_sha256, reason, found_by=self.leases.owner)
 
-    def _list(self) -> list[CheckpointInfo]:
-        """The body of :meth:`CheckpointManager.list`."""
+    def list(self) -> list[CheckpointInfo]:
+        """Every intact committed checkpoint, oldest first (damaged ones quarantined and left out)."""
         out = []
         for step in checkpoint_steps(self.store):
             try:
-                out.append(self._checked(step))
+                out.append(self.checked(step))
             except (CorruptCheckpoint, FileNotFoundError):
                 continue
         return out
 
-    def _quarantined(self) -> list[dict[str, Any]]:
-        """The body of :meth:`CheckpointManager.quarantined`."""
+    def quarantined(self) -> list[dict[str, Any]]:
+        """The quarantine records of the store, plus damage found here that the store did not record."""
         out = [{**r, "recorded": True} for r in quarantine.records(self.store)]
         in_place = {(r["step"], r.get("manifest_sha256")) for r in out if r["moved_to"] is None}
         for (uri, step), (sha, reason) in sorted(self._damaged.items()):
@@ -175,39 +250,38 @@ class Locating:
                             "recorded": False})
         return sorted(out, key=lambda r: r["step"])
 
-    def _verify(self, step: int, deep: bool) -> CheckpointInfo:
-        """The body of :meth:`CheckpointManager.verify`."""
+    def verify(self, step: int, deep: bool = True) -> CheckpointInfo:
+        """Checkpoint ``step`` checked against its manifest (:meth:`CheckpointManager.verify`)."""
         # manifest digest, files and sizes (quarantined: raises), under a read lease
-        manifest = self._read_lease(self.store, step, lambda: self._manifest(step), wait=True)
+        manifest = self.leases.read_lease(self.store, step, lambda: self.manifest(step), wait=True)
         if deep:
             try:
                 deep_verify(self.store, step, manifest)
             except CorruptCheckpoint as err:
-                self._found_damaged(self.store, step, manifest["_sha256"], str(err))
+                self.found_damaged(self.store, step, manifest["_sha256"], str(err))
                 raise
         return info_of(self.store, step, manifest)
 
-    def _best(self, metric: str | None, mode: str | None) -> CheckpointInfo | None:
-        """The body of :meth:`CheckpointManager.best`."""
-        metric, mode = metric or self.best_metric, mode or self.mode
+    def best(self, metric: str | None, mode: str = "min") -> CheckpointInfo | None:
+        """The intact committed checkpoint with the best ``metric``, read-leased (ties: the newer step)."""
         if not metric:
             raise BadInput("best() needs a metric name (best_metric)")
         scored = [i for i in self.list() if metric in i.metrics]  # intact ones only
         scored.sort(key=lambda i: (i.metrics[metric] if mode == "min" else -i.metrics[metric], -i.step))
         for info in scored:
-            if self._read_lease(self.store, info.step, lambda: self._checked(info.step), wait=False) is not None:
+            if self.leases.read_lease(self.store, info.step, lambda: self.checked(info.step), wait=False) is not None:
                 return info
         return None
 
-    def _pin(self, step: int, reason: str) -> None:
-        """The body of :meth:`CheckpointManager.pin`."""
+    def pin(self, step: int, reason: str) -> None:
+        """Protect committed ``step`` from retention (:meth:`CheckpointManager.pin`)."""
         # raises CorruptCheckpoint if not committed; the read lease holds it until the pin is written
-        self._read_lease(self.store, step, lambda: self._manifest(step), wait=True)
-        body = json.dumps({"step": step, "reason": reason, "created_at": now(), "owner": self.owner})
+        self.leases.read_lease(self.store, step, lambda: self.manifest(step), wait=True)
+        body = json.dumps({"step": step, "reason": reason, "created_at": now(), "owner": self.leases.owner})
         self.store.write_bytes(pin_key(step, reason), body.encode())
 
-    def _pins(self) -> dict[int, list[str]]:
-        """The body of :meth:`CheckpointManager.pins`."""
+    def pins(self) -> dict[int, list[str]]:
+        """Pinned steps and their reasons."""
         out: dict[int, list[str]] = {}
         for key in self.store.list(PINS + "/"):
             parsed = parse_pin(key)

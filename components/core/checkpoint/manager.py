@@ -22,32 +22,26 @@ from __future__ import annotations
 
 import atexit
 import os
-import shutil
 import sys
-import threading
-import time
 import warnings
 import weakref
-from pathlib import Path
 from typing import Any
 
-from components.core.checkpoint.commit import Committing, SaveJob
+from components.core.checkpoint.commit import Committer
 from components.core.checkpoint.layout import CheckpointInfo, pin_key
 from components.core.checkpoint.lease import Lease, default_owner
-from components.core.checkpoint.leases import Leasing
-from components.core.checkpoint.load import Loading
-from components.core.checkpoint.locate import Locating
-from components.core.checkpoint.readers import ReadLeases
-from components.core.checkpoint.snapshot import Snapshotter
-from components.core.contract.errors import BadInput
-from components.core.runtime.distributed import agree, catch, node_groups, on_rank0
+from components.core.checkpoint.leases import Leases
+from components.core.checkpoint.load import Loader, source_of
+from components.core.checkpoint.locate import Locator
+from components.core.checkpoint.ranks import Ranks
+from components.core.checkpoint.retention import Retention
 from components.core.store import Store, open_store
 
 # A single process is a supported use (tests, evaluation, the CLI): DCP's note about it is noise.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")
 
 
-class CheckpointManager(Committing, Loading, Locating, Leasing):
+class CheckpointManager:
     """Owns the checkpoint life cycle of one training run in one store root.
 
     Args:
@@ -72,10 +66,15 @@ class CheckpointManager(Committing, Loading, Locating, Leasing):
         ranks_per_node: ranks that share a node (default: $LOCAL_WORLD_SIZE); replicated state is
             read once per node and broadcast to the others. ``world_size`` reads it once per job.
 
-    Each job is a module of this package, a base class here: :mod:`commit` (save), :mod:`load`,
-    :mod:`locate` (latest, list, best, verify, pins, quarantine) and :mod:`leases`. A public method
-    checks here, once, that the manager is open (and waits for the pending save where its answer
-    depends on it), then calls its job.
+    The manager wires collaborators that each own their state and work alone on a store:
+    :class:`~components.core.checkpoint.ranks.Ranks` (the collectives),
+    :class:`~components.core.checkpoint.leases.Leases` (write and read leases, the heartbeat),
+    :class:`~components.core.checkpoint.locate.Locator` (latest, list, best, verify, pins, damage),
+    :class:`~components.core.checkpoint.load.Loader`,
+    :class:`~components.core.checkpoint.retention.Retention` and
+    :class:`~components.core.checkpoint.commit.Committer` (save, commit, latest.json, retention). A
+    public method checks here, once, that the manager is open (and waits for the pending save where
+    its answer depends on it), then asks its collaborator.
     """
 
     def __init__(self, store: str | Store, *, keep_last: int = 3, keep_best: int = 0,
@@ -83,52 +82,21 @@ class CheckpointManager(Committing, Loading, Locating, Leasing):
                  process_group: Any = None, owner: str | None = None, lease_seconds: float = 300,
                  model_fingerprint: str | None = None, cache_dir: str | os.PathLike | None = None,
                  ranks_per_node: int | None = None, lease_wait_seconds: float | None = None):
-        if mode not in ("min", "max"):
-            raise BadInput(f"checkpoint mode {mode!r} must be 'min' or 'max'")
-        if keep_best and not best_metric:
-            raise BadInput("keep_best needs best_metric (the metric name to rank checkpoints by)")
-        if keep_last < 0 or keep_best < 0:
-            raise BadInput(f"keep_last ({keep_last}) and keep_best ({keep_best}) must be >= 0")
+        Retention.check(keep_last=keep_last, keep_best=keep_best, best_metric=best_metric, mode=mode)
         self.store: Store = open_store(store) if isinstance(store, str) else store
-        self.keep_last, self.keep_best, self.best_metric, self.mode = keep_last, keep_best, best_metric, mode
+        self.retention = Retention(self.store, keep_last=keep_last, keep_best=keep_best, best_metric=best_metric,
+                                   mode=mode)
         self.async_save = async_save
         self.owner = owner or default_owner()
-        self.lease = Lease(self.store, self.owner, lease_seconds, wait_seconds=lease_wait_seconds)
         self.lease_seconds = float(lease_seconds)
-        self._reads: dict[str, ReadLeases] = {}  # store URI -> the read leases held there (rank 0)
-        self._heartbeat: threading.Thread | None = None
-        self._stop_beat = threading.Event()
-        self.model_fingerprint = model_fingerprint
-        self.last_save_seconds: float | None = None
-        self.stall_seconds_total = 0.0
+        self.ranks = Ranks.of_this_process(process_group, ranks_per_node)
+        self.leases = Leases(self.store, self.owner, lease_seconds, wait_seconds=lease_wait_seconds)
+        self.locator = Locator(self.store, self.leases, rank=self.ranks.rank)
+        self.loader = Loader(self.locator, self.ranks, model_fingerprint=model_fingerprint, cache_dir=cache_dir)
+        self.committer = Committer(self.store, self.ranks, self.leases, self.locator, self.retention,
+                                   async_save=async_save, model_fingerprint=model_fingerprint)
         self._lease_checked = False
-        self._latest_etag: str | None = None
-        self._latest_known = False
-        self._manifests: dict[int, dict[str, Any]] = {}
-        # damage found by this process: (store URI, step) -> (manifest sha256, reason); it holds even
-        # where the store refused the quarantine marker (read-only credentials)
-        self._damaged: dict[tuple[str, int], tuple[str, str]] = {}
-        self._last_checked: tuple[str, int, dict[str, Any]] | None = None  # (store, step, manifest) Locating checked last
-        self._loading = False  # Loading._find is locating: the manifest check reads .metadata too
-        self._metadata_read: tuple[str, int, str, Any] | None = None  # (store, step, manifest sha256, bytes or error)
-        self._snapshots = Snapshotter()
-        self._step_hooks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its hook's handle
-        self._pending: SaveJob | None = None
-        self._last_info: CheckpointInfo | None = None
         self._closed = False
-        self._cache_dir = Path(cache_dir) if cache_dir is not None else None
-        self._own_cache: Path | None = None
-        dist = sys.modules.get("torch.distributed")  # an initialized process group imported it already
-        self._distributed = dist is not None and dist.is_available() and dist.is_initialized()
-        self._node_group, self._node_ranks = None, None
-        if self._distributed:
-            self._group = process_group or dist.new_group(backend="gloo")
-            self.rank = dist.get_rank(self._group)
-            self.world_size = dist.get_world_size(self._group)
-            per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
-            self._node_group, self._node_ranks = node_groups(self._group, self.world_size, per_node)
-        else:
-            self._group, self.rank, self.world_size = None, 0, 1
         _OPEN.add(self)
 
     @classmethod
@@ -143,11 +111,58 @@ class CheckpointManager(Committing, Loading, Locating, Leasing):
         kwargs.update(overrides)
         return cls(config.store.uri, **kwargs)
 
+    # ------------------------------------------------------------------ what callers read
     @property
     def group(self) -> Any:
         """The manager's own gloo process group (None without ``torch.distributed``): the group of
         its collectives, e.g. :func:`~components.core.runtime.distributed.agree` of a rank-0 decision."""
-        return self._group
+        return self.ranks.group
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in :attr:`group` (0 for a single process)."""
+        return self.ranks.rank
+
+    @property
+    def world_size(self) -> int:
+        """The size of :attr:`group` (1 for a single process)."""
+        return self.ranks.world_size
+
+    @property
+    def lease(self) -> Lease:
+        """The store's write lease, as this manager holds it (or not yet)."""
+        return self.leases.lease
+
+    @property
+    def keep_last(self) -> int:
+        return self.retention.keep_last
+
+    @property
+    def keep_best(self) -> int:
+        return self.retention.keep_best
+
+    @property
+    def best_metric(self) -> str | None:
+        return self.retention.best_metric
+
+    @property
+    def mode(self) -> str:
+        return self.retention.mode
+
+    @property
+    def model_fingerprint(self) -> str | None:
+        """The fingerprint the saves write (given, or computed at the first save)."""
+        return self.committer.model_fingerprint
+
+    @property
+    def last_save_seconds(self) -> float | None:
+        """Seconds the last committed save took, from its call to its commit."""
+        return self.committer.last_save_seconds
+
+    @property
+    def stall_seconds_total(self) -> float:
+        """Seconds the training waited on saves (snapshots, deferred copies, waits)."""
+        return self.committer.stall_seconds_total
 
     # ------------------------------------------------------------------ public API
     def save(self, step: int, state: Any, metrics: dict | None = None, epoch: int = 0, *,
@@ -164,20 +179,8 @@ class CheckpointManager(Committing, Loading, Locating, Leasing):
         failed, and BadInput when another writer holds the store's lease.
         """
         self._guard()
-        self._save(step, state, metrics, epoch, defer_copy)
-
-    def _wait_before_step(self, optimizer: Any) -> None:
-        """Make ``optimizer.step()`` wait for this manager's deferred copy (once per optimizer)."""
-        if optimizer in self._step_hooks:
-            return
-        manager = weakref.ref(self)
-
-        def wait_for_snapshot(*_: Any) -> None:
-            owner = manager()
-            if owner is not None:
-                owner.wait_for_snapshot()
-
-        self._step_hooks[optimizer] = optimizer.register_step_pre_hook(wait_for_snapshot)
+        self.committer.save(step, state, metrics, epoch, defer_copy=defer_copy,
+                            take_lease=None if self._lease_checked else self.take_lease, keep_alive=self)
 
     def wait_for_snapshot(self) -> float:
         """Block until the pending save has copied the state it saves; return the seconds blocked.
@@ -188,27 +191,12 @@ class CheckpointManager(Committing, Loading, Locating, Leasing):
         saved state names calls it itself (a step pre-hook), and save(), wait(), load() and close()
         wait for the copy too. With no deferred copy pending it returns 0.0 at once.
         """
-        job = self._pending
-        if job is None or job.copied.is_set():
-            return 0.0
-        t0 = time.perf_counter()
-        job.copied.wait()
-        blocked = time.perf_counter() - t0
-        self.stall_seconds_total += blocked
-        return blocked
+        return self.committer.wait_for_snapshot()
 
     def wait(self) -> CheckpointInfo | None:
         """Block until the pending save is committed and return its info (with no save pending: the
         info of the last save this manager committed, or None); raise the pending save's error."""
-        job, self._pending = self._pending, None
-        if job is None:
-            return self._last_info
-        if job.thread is not None:
-            job.thread.join()
-        if job.error is not None:
-            raise job.error
-        self._last_info = job.info
-        return job.info
+        return self.committer.wait()
 
     def latest(self) -> CheckpointInfo | None:
         """The newest committed checkpoint that is not quarantined, whose manifest parses and matches
@@ -217,7 +205,7 @@ class CheckpointManager(Committing, Loading, Locating, Leasing):
         found damaged on the way is quarantined (docs/checkpoint-format.md, "Quarantine")."""
         self._guard()
         self.wait()
-        return self._agree(self._rank0(self._locate_leased))
+        return self.ranks.agree(self.ranks.rank0(self.locator.latest))
 
     def load(self, state: Any, step: int | None = None, uri: str | None = None) -> CheckpointInfo | None:
         """Restore ``state`` in place from ``step``/``uri`` (default: the latest); None if there is none.
@@ -232,14 +220,20 @@ class CheckpointManager(Committing, Loading, Locating, Leasing):
         """
         self._guard()
         self.wait()
-        return self._load(state, step, uri)
+        store = self.store
+        if uri is not None:
+            store, step = source_of(uri, self.store)
+        info = self.loader.load(state, store, step)
+        if info is not None and store is self.store:
+            self.committer.forget_latest_pointer()
+        return info
 
     def list(self) -> list[CheckpointInfo]:
         """Every intact committed checkpoint, oldest first: its manifest matches its digest, every
         file it lists exists with its size, it is not quarantined (no data read). One found damaged
         here is quarantined and left out: :meth:`quarantined` lists those."""
         self._guard()
-        return self._list()
+        return self.locator.list()
 
     def quarantined(self) -> list[dict[str, Any]]:
         """The damaged checkpoints of the store, by step: each quarantine record (``step``,
@@ -247,7 +241,7 @@ class CheckpointManager(Committing, Loading, Locating, Leasing):
         checkpoint is still in its step directory, else the folder it was moved aside to), plus
         damage this process found but could not record in the store (``"recorded": False``)."""
         self._guard()
-        return self._quarantined()
+        return self.locator.quarantined()
 
     def verify(self, step: int, deep: bool = True) -> CheckpointInfo:
         """Check checkpoint ``step`` against its manifest: with ``deep`` every byte (format 1: each
@@ -261,18 +255,18 @@ class CheckpointManager(Committing, Loading, Locating, Leasing):
             BadInput: a checkpoint of a newer format.
         """
         self._guard()
-        return self._verify(step, deep)
+        return self.locator.verify(step, deep)
 
     def best(self, metric: str | None = None, mode: str | None = None) -> CheckpointInfo | None:
         """The committed checkpoint with the best ``metric`` (default: ``best_metric``/``mode``) whose
         files are all there; ties go to the newer step; None when no checkpoint has the metric."""
         self._guard()
-        return self._best(metric, mode)
+        return self.locator.best(metric or self.retention.best_metric, mode or self.retention.mode)
 
     def pin(self, step: int, reason: str) -> None:
         """Protect committed checkpoint ``step`` from retention until unpinned with the same reason."""
         self._guard()
-        self._pin(step, reason)
+        self.locator.pin(step, reason)
 
     def unpin(self, step: int, reason: str) -> None:
         """Remove the pin ``reason`` of ``step`` (no error if it was not pinned)."""
@@ -281,7 +275,7 @@ class CheckpointManager(Committing, Loading, Locating, Leasing):
 
     def pins(self) -> dict[int, list[str]]:
         """Pinned steps and their reasons."""
-        return self._pins()
+        return self.locator.pins()
 
     def take_lease(self) -> None:
         """Take the store's write lease now (every rank calls it; rank 0 takes it), start its
@@ -292,7 +286,7 @@ class CheckpointManager(Committing, Loading, Locating, Leasing):
             BadInput: another writer holds the lease (one line; see :mod:`lease` for who may take it).
         """
         self._guard()
-        self._agree(self._rank0(self._take_lease))
+        self.ranks.agree(self.ranks.rank0(self._take_lease))
         self._lease_checked = True
 
     def close(self) -> None:
@@ -303,14 +297,10 @@ class CheckpointManager(Committing, Loading, Locating, Leasing):
         self._closed = True
         _OPEN.discard(self)
         try:
-            self.wait()
+            self.committer.close()
         finally:
-            for handle in list(self._step_hooks.values()):
-                handle.remove()
-            self._step_hooks.clear()
-            self._stop_leases()
-            if self._own_cache is not None:
-                shutil.rmtree(self._own_cache, ignore_errors=True)
+            self.leases.close(release=self.ranks.rank == 0)
+            self.loader.close()
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -318,21 +308,14 @@ class CheckpointManager(Committing, Loading, Locating, Leasing):
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ guard & collectives
+    def _take_lease(self) -> None:
+        """Rank 0: the lease, then the pointer the next commit advances conditionally."""
+        self.leases.take()
+        self.committer.read_latest_pointer()
+
     def _guard(self) -> None:
         if self._closed:
             raise RuntimeError("CheckpointManager is closed")
-
-    def _catch(self, fn):
-        return catch(fn)
-
-    def _rank0(self, fn):
-        """Run ``fn`` on rank 0 only; the outcome is handed to :meth:`_agree`."""
-        return on_rank0(self.rank, fn)
-
-    def _agree(self, outcome, share: bool = True):
-        """Every rank's outcome agreed over the manager's group (:func:`agree`)."""
-        return agree(outcome, self._group, self.rank, self.world_size, share=share)
 
 
 _OPEN: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()

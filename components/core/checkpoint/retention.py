@@ -11,8 +11,49 @@ from typing import Any, Callable
 
 from components.core.checkpoint.layout import LATEST, MANIFEST, PINS, PREFIX, STEP_DIR, parse_pin, read_json, step_key
 from components.core.checkpoint.quarantine import marker_step
-from components.core.contract.errors import CorruptCheckpoint
+from components.core.contract.errors import BadInput, CorruptCheckpoint
 from components.core.store import Store
+
+
+class Retention:
+    """The retention policy of one store: which committed checkpoints to keep after a commit.
+
+    Args:
+        store: the store whose ``checkpoints/`` it prunes.
+        keep_last: intact committed checkpoints kept by recency; 0 keeps every checkpoint.
+        keep_best: intact checkpoints kept by ``best_metric`` (ties: the newer step wins).
+        best_metric, mode: the metric ``keep_best`` ranks by, and ``"min"`` or ``"max"``.
+
+    Raises:
+        BadInput: a mode other than min/max, ``keep_best`` without a metric, a negative count.
+    """
+
+    def __init__(self, store: Store, *, keep_last: int = 3, keep_best: int = 0, best_metric: str | None = None,
+                 mode: str = "min"):
+        self.check(keep_last=keep_last, keep_best=keep_best, best_metric=best_metric, mode=mode)
+        self.store = store
+        self.keep_last, self.keep_best, self.best_metric, self.mode = keep_last, keep_best, best_metric, mode
+
+    @staticmethod
+    def check(*, keep_last: int, keep_best: int, best_metric: str | None, mode: str) -> None:
+        """Refuse a policy that cannot be applied (before any store is opened).
+
+        Raises:
+            BadInput: a mode other than min/max, ``keep_best`` without a metric, a negative count.
+        """
+        if mode not in ("min", "max"):
+            raise BadInput(f"checkpoint mode {mode!r} must be 'min' or 'max'")
+        if keep_best and not best_metric:
+            raise BadInput("keep_best needs best_metric (the metric name to rank checkpoints by)")
+        if keep_last < 0 or keep_best < 0:
+            raise BadInput(f"keep_last ({keep_last}) and keep_best ({keep_best}) must be >= 0")
+
+    def apply(self, *, in_flight: int | None, manifest: Callable[[int], dict[str, Any]],
+              claim: Callable[[int], bool] | None = None, done: Callable[[int], None] | None = None) -> list[int]:
+        """Delete what the policy does not keep (:func:`apply_retention`); returns the deleted steps."""
+        return apply_retention(self.store, keep_last=self.keep_last, keep_best=self.keep_best,
+                               best_metric=self.best_metric, mode=self.mode, in_flight=in_flight,
+                               manifest=manifest, claim=claim, done=done)
 
 
 def apply_retention(store: Store, *, keep_last: int, keep_best: int, best_metric: str | None, mode: str,

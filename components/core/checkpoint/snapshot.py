@@ -22,6 +22,8 @@ import queue
 import threading
 from typing import TYPE_CHECKING, Any
 
+from components.core.checkpoint.torch_private import dtensor_like
+
 if TYPE_CHECKING:
     import torch
 
@@ -34,7 +36,7 @@ def state_bytes(snapshot: Any) -> int:
     def visit(obj: Any) -> None:
         nonlocal total
         if isinstance(obj, torch.Tensor):
-            local = getattr(obj, "_local_tensor", obj)
+            local = local_part(obj)
             total += local.numel() * local.element_size()
         elif isinstance(obj, dict):
             for v in obj.values():
@@ -45,6 +47,18 @@ def state_bytes(snapshot: Any) -> int:
 
     visit(snapshot)
     return total
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor`` (its local tensor if it is a DTensor, else itself), sharing its
+    storage: no copy, and no autograd node even when it requires grad."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return tensor
+    with torch.no_grad():
+        return tensor.to_local()
 
 
 COPY_THREADS = max(1, min(4, os.cpu_count() or 1))  # threads of the copy in save(), the caller's included
@@ -167,7 +181,6 @@ def _storages(state: Any) -> set[int]:
     the next step's forward and backward read them. Every other tensor of the state (buffers such
     as BatchNorm statistics, which the forward updates; RNG states; extras) is copied in save()."""
     import torch
-    from torch.distributed.tensor import DTensor
 
     tensors: list[Any] = []
     for part in _parts(state):
@@ -177,8 +190,7 @@ def _storages(state: Any) -> set[int]:
             tensors += [v for st in part.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
     out = set()
     for t in tensors:
-        local = t._local_tensor if isinstance(t, DTensor) else t
-        ptr = local.untyped_storage().data_ptr()
+        ptr = local_part(t).untyped_storage().data_ptr()
         if ptr:
             out.add(ptr)
     return out
@@ -224,8 +236,8 @@ class Snapshotter:
         from torch.distributed.tensor import DTensor
 
         if isinstance(obj, DTensor):  # this rank's shard, re-wrapped so DCP still sees the global layout
-            local = self._copy(obj._local_tensor, path, pin, later, deferred, host)
-            return DTensor(local, obj._spec, requires_grad=False)
+            local = self._copy(local_part(obj), path, pin, later, deferred, host)
+            return dtensor_like(local, obj)
         if isinstance(obj, torch.Tensor):
             src = obj.detach()
             buf = self._buffers.get(path)

@@ -1,10 +1,22 @@
-"""Where a training starts: one decision, made by locate and by the trainer alike.
+"""Where a training starts: one rule, here, decided by the training's workers when they load.
 
-In order: the newest committed checkpoint of this training (a restarted pipeline continues where it
-stopped), else ``train.resume_from`` (the whole training state), else the checkpoint behind
-``train.warm_start_model`` (a registered model version: its weights only, training starts at step 0),
-else nothing. The checkpoint named is checked in O(1) here (manifest, files, sizes, model); its bytes
-are verified once, by the read that loads them.
+The rule, in order: the newest committed checkpoint of this training (a restarted pipeline, or a
+group torchrun restarted inside one launch, continues from the last commit), else ``train.resume_from``
+(the whole training state), else the checkpoint behind ``train.warm_start_model`` (a registered model
+version: its weights only, training starts at step 0), else nothing. The checkpoint named is checked in
+O(1) here (manifest, files, sizes, model); its bytes are verified once, by the read that loads them.
+
+Who decides: the workers (``restore`` in the trainer's ``setup``), at the moment they load; rank 0
+decides and every rank gets its answer. The ``locate-latest-checkpoint`` step only *reports* the same
+rule's answer as of the moment it runs (for the pipeline's console and UI), and launch hands that answer
+to the workers as ``train.resume_from``. Handed on, it never changes the decision: it names a committed
+checkpoint of this training (the newest committed one, the same or newer, wins over it), the user's own
+``resume_from``, or the warm-start checkpoint (recognised as such: weights only). So a locate answer
+that went stale (a checkpoint committed after locate ran, e.g. by the group torchrun restarted) is
+superseded by the newer commit, never resumed from.
+
+The registry lookup of a warm start is a parameter (``warm_start_lookup``: the tracking room's
+``warm_start_checkpoint``, passed in by the callers above), so this room imports nothing of tracking.
 """
 
 from __future__ import annotations
@@ -12,10 +24,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from components.core.checkpoint.layout import parse_checkpoint_uri
-from components.core.contract.config import MODEL_URI
+from components.core.checkpoint.layout import parse_checkpoint_uri, read_manifest
+from components.core.checkpoint.verify import check_files
 from components.core.contract.errors import BadInput, CorruptCheckpoint
 from components.core.runtime.distributed import agree, on_rank0
+from components.core.store import open_store
+
+WarmStartLookup = Callable[[Any], str]
+"""The checkpoint URI behind ``config.train.warm_start_model`` (raises BadInput when there is none)."""
 
 
 @dataclasses.dataclass
@@ -32,13 +48,19 @@ class StartPoint:
         return self.source == "warm_start"
 
 
-def start_point(config: Any, manager: Any, *, fingerprint: Callable[[], str] | None = None,
-                warm_start_resolver: Callable[[Any], str] | None = None) -> StartPoint:
-    """Decide where the training of ``config`` starts (collective under torch.distributed: rank 0
-    decides, every rank gets the answer).
+def start_point(config: Any, manager: Any, *, warm_start_lookup: WarmStartLookup | None = None,
+                fingerprint: Callable[[], str] | None = None) -> StartPoint:
+    """Decide where the training of ``config`` starts by the rule above (collective under
+    torch.distributed: rank 0 decides, every rank gets the answer).
 
     ``resume_from`` equal to the warm-start model's checkpoint is a warm start: that is what a
     pipeline hands its launch step after locate chose the warm start.
+
+    Args:
+        config: the training's configuration (``train.resume_from``, ``train.warm_start_model``).
+        manager: the training's open CheckpointManager (its store's newest committed checkpoint).
+        warm_start_lookup: the registry lookup of ``train.warm_start_model``; needed only when it is set.
+        fingerprint: this task's model fingerprint, to refuse a ``resume_from`` of another model early.
 
     Raises:
         BadInput: ``resume_from`` is not a committed relaunch checkpoint or holds another model
@@ -48,17 +70,18 @@ def start_point(config: Any, manager: Any, *, fingerprint: Callable[[], str] | N
     latest = manager.latest()
     if latest is not None:
         return StartPoint("latest", latest.uri, latest.step)
-    resolve = warm_start_resolver or warm_start_checkpoint
-    decided = on_rank0(manager.rank, lambda: _decide(config, fingerprint, resolve))
+    decided = on_rank0(manager.rank, lambda: _decide(config, fingerprint, warm_start_lookup))
     return agree(decided, manager.group, manager.rank, manager.world_size)
 
 
-def _decide(config: Any, fingerprint: Callable[[], str] | None, resolve: Callable[[Any], str]) -> StartPoint:
+def _decide(config: Any, fingerprint: Callable[[], str] | None, lookup: WarmStartLookup | None) -> StartPoint:
     train = config.train
     if train.resume_from and not train.warm_start_model:
         return StartPoint("resume_from", train.resume_from, checked_step(train.resume_from, fingerprint))
     if train.warm_start_model:
-        uri = resolve(config)
+        if lookup is None:
+            raise TypeError("start_point needs a warm_start_lookup when train.warm_start_model is set")
+        uri = lookup(config)
         source = "warm_start" if not train.resume_from or _same(train.resume_from, uri) else "resume_from"
         if source == "resume_from":
             uri = train.resume_from
@@ -80,10 +103,6 @@ def checked_step(uri: str, fingerprint: Callable[[], str] | None = None) -> int:
     Raises:
         BadInput: not a committed relaunch checkpoint (or unreadable), or another model.
     """
-    from components.core.checkpoint.layout import read_manifest
-    from components.core.checkpoint.verify import check_files
-    from components.core.store import open_store
-
     store_uri, step = parse_checkpoint_uri(uri)
     store = open_store(store_uri)
     try:
@@ -98,42 +117,3 @@ def checked_step(uri: str, fingerprint: Callable[[], str] | None = None) -> int:
             raise BadInput(f"train.resume_from: {uri!r} holds another model (fingerprint {theirs}, the task "
                            f"builds {mine}); check train.task and its sizes")
     return step
-
-
-def warm_start_checkpoint(config: Any) -> str:
-    """The checkpoint URI recorded on the registered model version ``train.warm_start_model``.
-
-    Raises:
-        BadInput: not a models:/ URI, the model version or alias does not exist (the registry answers
-            400/404), or it has no relaunch.checkpoint_uri tag.
-        TransientFailure: the registry could not be reached (retryable).
-    """
-    from mlflow.exceptions import MlflowException
-
-    from components.core.tracking.client import call, client, tracking_uri
-
-    spec = config.train.warm_start_model or ""
-    match = MODEL_URI.match(spec)  # the configuration model refused any other form at load time
-    registry = client(tracking_uri(config))
-    name = match["name"]
-    try:
-        version = (registry.get_model_version(name, match["version"]) if match["version"]
-                   else registry.get_model_version_by_alias(name, match["alias"]))
-    except MlflowException as err:
-        # RESOURCE_DOES_NOT_EXIST (404) or, for an unknown alias, INVALID_PARAMETER_VALUE (400): the
-        # registry answered that there is no such version; anything else (5xx, 429) may pass
-        if err.get_http_status_code() in (400, 404):
-            raise BadInput(f"train.warm_start_model: {spec!r} does not exist in the registry") from None
-        call(f"read model version {spec}", _raise, err)
-        raise
-    except Exception as err:  # noqa: BLE001 - a connection error: classified by the tracking contract
-        call(f"read model version {spec}", _raise, err)
-        raise
-    uri = version.tags.get("relaunch.checkpoint_uri", "")
-    if not uri:
-        raise BadInput(f"train.warm_start_model: {spec!r} has no relaunch.checkpoint_uri tag; register it with relaunch")
-    return uri
-
-
-def _raise(err: BaseException) -> None:
-    raise err

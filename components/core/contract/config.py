@@ -19,6 +19,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from components.core.contract.errors import BadInput
+from components.core.contract.registry import launch_backend, launch_backend_names
+from components.core.contract.registry import parse_store_uri  # noqa: F401 - validators' rule, also imported from here
 
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<version>\d+)|@(?P<alias>[A-Za-z0-9_-]+))$")
@@ -41,19 +43,6 @@ def expand_home(path: str) -> str:
         raise ValueError(f"{path!r}: cannot expand {path.split('/', 1)[0]!r} (no such user, or HOME unset); "
                          f"write the absolute path")
     return expanded
-
-
-def parse_store_uri(uri: str) -> tuple[str, str, str]:
-    """Split a store URI into ``(scheme, location, prefix)`` (``("file", path, "")``,
-    ``("s3", bucket, prefix)``, ...) by the rules of the registered store backends: the one set of
-    rules the configuration and :func:`components.core.store.open_store` apply.
-
-    Raises:
-        ValueError: one line saying what is wrong and how to write it.
-    """
-    from components.core.store import parse_store_uri as parse  # the store registry; imported when used
-
-    return parse(uri)
 
 
 TRACKING_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "file", "databricks")
@@ -304,15 +293,11 @@ class LaunchConfig(_Model):
     @property
     def on_cluster(self) -> bool:
         """Whether training runs as a Kubernetes job (a cluster backend)."""
-        from components.launchers import launch_backend
-
         return launch_backend(self.backend).cluster
 
     @field_validator("backend")
     @classmethod
     def _registered_backend(cls, v: str) -> str:
-        from components.launchers import launch_backend_names
-
         if v not in launch_backend_names():
             raise ValueError(f"{v!r} is not a launch backend; use one of {', '.join(launch_backend_names())}")
         return v

@@ -10,7 +10,6 @@ the one entry wrapper (:mod:`components.core.contract.entry`), as on KFP and in 
 from __future__ import annotations
 
 import argparse
-import atexit
 import dataclasses
 import json
 import logging
@@ -24,6 +23,7 @@ from components.core.contract.config import config_from_cli
 from components.core.contract.entry import exit_on_error
 from components.core.contract.errors import BadInput
 from components.core.runtime import logs
+from components.core.runtime.stdlib_private import run_exit_handlers
 
 
 def outputs_as_dict(outputs: Any) -> dict[str, Any]:
@@ -81,7 +81,7 @@ def wind_down() -> None:
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()
-    atexit._run_exitfuncs()
+    run_exit_handlers()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

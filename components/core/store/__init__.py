@@ -7,12 +7,14 @@ Keys are ``/``-separated and relative to the store root. This module holds what 
 shares: the :class:`Store` and :class:`StreamWriter` protocols, :class:`PreconditionFailed`, the key
 and buffer helpers, and the registry of backends by URI scheme that :func:`parse_store_uri` (the
 configuration's rule) and :func:`open_store` both go through. Each backend is one module beside this
-one (``file.py``: POSIX directories, ``s3.py``: S3-compatible buckets) whose class carries
+one (``file.py``: POSIX directories, ``s3.py``: S3-compatible buckets, ...) whose class carries
 ``@register_backend``.
 
-Adding a backend (``gs://``, ``az://``): a new module here whose class implements :class:`Store`,
-says its ``scheme`` and an ``example`` URI, parses its URIs (``parse``) and opens a store
-(``open``), decorated with ``@register_backend``; and one line importing it at the end of this file.
+Adding a backend: a new module here whose class implements :class:`Store`, says its ``scheme`` and
+an ``example`` URI, parses its URIs (``parse``) and opens a store (``open``), decorated with
+``@register_backend``; and one line importing it at the end of this file. An object store is only a
+driver (``object_store.ObjectDriver``: ``s3.py``, ``gcs.py``, ``azure.py``): the protocol (retries,
+ranged reads, conditional writes, uploads in parts) is ``object_store.ObjectStore``'s, written once.
 Nothing else changes: the configuration, every command and the checkpoint code accept the new
 scheme through the registry.
 """
@@ -23,15 +25,13 @@ import bisect
 import collections
 import errno
 import os
-import random
 import re
 import secrets
-import threading
-import time
 from typing import Any, Callable, ClassVar, Iterable, Protocol, TypeVar, runtime_checkable
 
 from components.core.contract.classify import is_store_unwritable
 from components.core.contract.errors import BadInput, StoreUnwritable
+from components.core.contract.registry import register_store_uri_parser
 
 # A ranged read fills its buffers in blocks of this size and reports each (``sink``): small enough
 # that a check of the block (a digest) finds it still in the CPU's cache, which made the digest
@@ -149,6 +149,8 @@ def parse_store_uri(uri: str) -> tuple[str, str, str]:
     location, prefix = backend.parse(uri)
     return scheme, location, prefix
 
+
+register_store_uri_parser(parse_store_uri)
 
 def _refuse_malformed_scheme(uri: str, scheme: str, rest: str) -> None:
     """Nothing for ``<registered scheme>://...``; ValueError naming the fix for any other ``<scheme>:``."""
@@ -302,51 +304,14 @@ def check_key(key: str) -> str:
     return key
 
 
-
-class Requests:
-    """What the object stores (s3, gcs, azure) share: request counters, keys under the prefix, and bounded
-    retries whose full-jitter backoff draws from a generator of its own, never from the global ``random``
-    a training's RNG stream lives in (a retried request would shift it and break exact resume)."""
-
-    prefix: str
-
-    def _init_requests(self, retries: int | None, backoff: float | None) -> None:
-        self.stats: collections.Counter = collections.Counter()
-        self._stats_lock = threading.Lock()
-        self.retries = int(retries if retries is not None else os.environ.get("RELAUNCH_STORE_RETRIES", 8))
-        self.backoff = float(backoff if backoff is not None else os.environ.get("RELAUNCH_STORE_BACKOFF", 0.1))
-        self.max_backoff = 5.0
-        self._jitter = random.Random()
-
-    def _name(self, key: str) -> str:
-        check_key(key)
-        return f"{self.prefix}/{key}" if self.prefix else key
-
-    def _count(self, op: str, n: int = 1) -> None:
-        with self._stats_lock:
-            self.stats[op] += n
-            self.stats["requests"] += n
-
-    def _add_bytes(self, what: str, n: int) -> None:
-        with self._stats_lock:
-            self.stats[what] += n
-
-    def _back_off(self, delay: float) -> float:
-        """Sleep a full-jitter share of ``delay`` (counted in ``stats``); returns the next delay."""
-        sleep = self._jitter.uniform(0, delay)
-        with self._stats_lock:
-            self.stats["retries"] += 1
-            self.stats["retry_seconds"] += sleep
-        time.sleep(sleep)
-        return min(delay * 2, self.max_backoff)
-
-
 # -- the backends: one line each (importing the module registers its class)
 from components.core.store.file import FileStore  # noqa: E402
-from components.core.store.s3 import S3Store  # noqa: E402
-from components.core.store.gcs import GCSStore  # noqa: E402
-from components.core.store.azure import AzureStore  # noqa: E402
+from components.core.store.object_store import ObjectDriver, ObjectStore  # noqa: E402 - the object stores' core
+from components.core.store.s3 import S3Driver  # noqa: E402
+from components.core.store.gcs import GCSDriver  # noqa: E402
+from components.core.store.azure import AzureDriver  # noqa: E402
 
-__all__ = ["BACKENDS", "Backend", "AzureStore", "FileStore", "GCSStore", "PreconditionFailed", "READ_BLOCK", "S3Store", "Segments", "Store",
+__all__ = ["BACKENDS", "Backend", "AzureDriver", "FileStore", "GCSDriver", "ObjectDriver", "ObjectStore", "PreconditionFailed",
+           "READ_BLOCK", "S3Driver", "Segments", "Store",
            "StreamWriter", "HintWrites", "UNWRITABLE_ADVICE", "WRITE_OPS", "byte_view", "check_key", "join_uri", "open_store",
            "parse_store_uri", "probe_writable", "refused_write", "register_backend"]

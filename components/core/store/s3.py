@@ -1,16 +1,17 @@
-"""The S3 backend: any S3-compatible server through the ``minio`` client, ``s3://bucket/prefix``.
+"""The S3 driver: any S3-compatible server through the ``minio`` client, ``s3://bucket/prefix``.
 
-Large files go up in parallel multipart parts; transient failures (connection reset, timeout, 5xx,
-SlowDown) are retried with exponential backoff and full jitter, a bounded number of times, before
-:class:`TransientFailure` (exit 138). Permanent failures (403, NoSuchBucket, bad credentials,
-malformed URI) raise :class:`BadInput` (exit 2) at once.
+The protocol (retries, ranged reads, conditional writes, uploads in parts) is
+:class:`~components.core.store.object_store.ObjectStore`'s; this module turns its requests into S3
+calls and S3's errors into :class:`~components.core.store.object_store.Fault` by their error code:
+SlowDown, 5xx and broken connections are transient (retried, then exit 138); refused credentials,
+NoSuchBucket and other 4xx answers are bad input (exit 2); a write refused for good (AccessDenied,
+a quota) means the store cannot be written.
 
 S3 configuration, from the environment only (never from arguments that end up in logs):
 ``AWS_ENDPOINT_URL`` (``http(s)://host:port``; TLS from the scheme), ``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_REGION``/``AWS_DEFAULT_REGION``; or the MinIO
 equivalents ``MINIO_ENDPOINT`` (``host:port`` or a URL), ``MINIO_ACCESS_KEY``, ``MINIO_SECRET_KEY``,
-``MINIO_SECURE`` (``true``/``false``), ``MINIO_REGION``. Retry tuning: ``RELAUNCH_STORE_RETRIES``
-(attempts, default 8) and ``RELAUNCH_STORE_BACKOFF`` (first backoff in seconds, default 0.1).
+``MINIO_SECURE`` (``true``/``false``), ``MINIO_REGION``.
 
 The minio and urllib3 private calls this module needs (conditional PUTs, per-part retried
 multipart uploads, ListMultipartUploads, reads from the socket into our buffers) all go through
@@ -19,29 +20,26 @@ multipart uploads, ListMultipartUploads, reads from the socket into our buffers)
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import hashlib
 import os
 import urllib.parse
 from pathlib import Path
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, Iterator
 
 from components.core.contract.classify import S3_CREDENTIAL_CODES, S3_TRANSIENT_CODES
-from components.core.contract.errors import BadInput, TransientFailure
-from components.core.store import (READ_BLOCK, WRITE_OPS, PreconditionFailed, Requests, Segments, StreamWriter,
-                                   byte_view, join_uri, refused_write, register_backend)
-
-T = TypeVar("T")
+from components.core.contract.errors import BadInput
+from components.core.store import register_backend
+from components.core.store.object_store import Fault, ObjectDriver
 
 S3_REFUSED_WRITE_CODES = frozenset({"AccessDenied", "QuotaExceeded", "XMinioStorageFull",
                                     "XMinioAdminBucketQuotaExceeded", "XMinioBucketQuotaExceeded"})
-"""S3 error codes of a write refused for good (read-only credentials or policy, a full disk or bucket
-quota): the store cannot be written (:class:`~components.core.contract.errors.StoreUnwritable`)."""
+"""S3 error codes of a request refused for good: on a write (read-only credentials or policy, a full
+disk or bucket quota), the store cannot be written."""
 
 MULTIPART_THRESHOLD = 64 * 1024 * 1024
+"""A file below this goes up in one PUT (``upload_file``)."""
 PART_SIZE = 32 * 1024 * 1024
-PARALLEL_PARTS = 4
 
 
 def _env(*names: str) -> str | None:
@@ -74,68 +72,34 @@ def _s3_settings() -> dict[str, Any]:
             "cert_check": (os.environ.get("RELAUNCH_S3_CERT_CHECK", "true").lower() != "false")}
 
 
-_CHECKED_BUCKETS: set[tuple] = set()
-"""(endpoint, bucket, credentials) one request of this process already proved: opening the same
-store again (every step opens it a few times) costs no further request."""
-
-
 @register_backend
-class S3Store(Requests):
-    """An S3-compatible bucket/prefix through ``minio``, with bounded retries of transient errors."""
+class S3Driver(ObjectDriver):
+    """S3 requests through ``minio`` (its own retries off: the store retries)."""
 
     scheme = "s3"
     example = "s3://bucket/prefix"
+    service = "S3"
+    credentials_hint = "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY and the bucket policy"
+    uri_hint = "set AWS_ENDPOINT_URL and AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
+    CHECK_OP = "bucket_exists"
+    START_OP, PART_OP, FINISH_OP, ABORT_OP = "multipart_create", "multipart_part", "multipart_complete", "multipart_abort"
+    UPLOAD_LIST_OP = "multipart_list"
+    DELETE_BATCH = 1000
 
     @classmethod
-    def parse(cls, uri: str) -> tuple[str, str]:
-        """``(bucket, prefix)`` of ``s3://bucket/prefix``.
+    def check_location(cls, location: str) -> None:
+        if len(location) < 3 or len(location) > 63 or not all(c.islower() or c.isdigit() or c in "-." for c in location):
+            raise ValueError(f"s3 bucket name {location!r} is invalid (3-63 lowercase letters, digits, '-', '.')")
 
-        Raises:
-            ValueError: no bucket, an invalid bucket name, credentials or a port in the URI, '.' or
-                '..' parts in the prefix.
-        """
-        bucket, _, prefix = uri.split("://", 1)[1].partition("/")
-        if not bucket:
-            raise ValueError(f"s3 URI {uri!r} has no bucket; write s3://bucket/prefix")
-        if "@" in bucket or ":" in bucket:
-            raise ValueError("s3 URI must not carry credentials or a port; set AWS_ENDPOINT_URL and "
-                             "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY")
-        if len(bucket) < 3 or len(bucket) > 63 or not all(c.islower() or c.isdigit() or c in "-." for c in bucket):
-            raise ValueError(f"s3 bucket name {bucket!r} is invalid (3-63 lowercase letters, digits, '-', '.')")
-        if any(p in ("..", ".") for p in prefix.split("/")):
-            raise ValueError(f"s3 URI {uri!r} must not contain '.' or '..' path parts")
-        return bucket, prefix
-
-    @classmethod
-    def open(cls, location: str, prefix: str, *, retries: int | None = None,
-             backoff: float | None = None) -> "S3Store":
-        """The store at ``bucket`` (``location``) and ``prefix``, checked with one cheap request
-        (bucket exists, credentials accepted) once per process for the same endpoint, bucket and
-        credentials.
-
-        Raises:
-            BadInput: no endpoint, incomplete or rejected credentials, missing bucket.
-            TransientFailure: the endpoint could not be reached after the bounded retries.
-        """
-        store = cls(location, prefix, retries=retries, backoff=backoff)
-        settings = _s3_settings()
-        secret = f"{settings['secret_key']}|{settings['session_token']}"
-        proof = (settings["endpoint"], settings["secure"], location, settings["access_key"],
-                 hashlib.sha256(secret.encode()).hexdigest())
-        if proof not in _CHECKED_BUCKETS:
-            store.check()
-            _CHECKED_BUCKETS.add(proof)
-        return store
-
-    def __init__(self, bucket: str, prefix: str, *, retries: int | None = None, backoff: float | None = None):
+    def __init__(self, bucket: str):
         import urllib3
         from minio import Minio
 
-        self.bucket, self.prefix = bucket, prefix.strip("/")
-        self.uri = f"s3://{bucket}/{self.prefix}".rstrip("/")
-        self._init_requests(retries, backoff)
         s = _s3_settings()
+        self.location = self.bucket = bucket
         self.endpoint = s["endpoint"]
+        self._proof = (s["endpoint"], s["secure"], s["access_key"],
+                       hashlib.sha256(f"{s['secret_key']}|{s['session_token']}".encode()).hexdigest())
         http = urllib3.PoolManager(
             timeout=urllib3.Timeout(connect=10, read=60), maxsize=16, retries=False,
             cert_reqs="CERT_REQUIRED" if s["cert_check"] else "CERT_NONE",
@@ -145,387 +109,115 @@ class S3Store(Requests):
                             http_client=http)
         self._minio = _MinioCalls(self.client)
 
-    # -- plumbing
-    def _call(self, op: str, fn: Callable[[], T], *, key: str = "") -> T:
-        """Run one request with bounded retries of transient failures; map permanent ones."""
-        from minio.error import S3Error
+    @property
+    def part_size(self) -> int:
+        return PART_SIZE
 
-        delay = self.backoff
-        for attempt in range(1, self.retries + 1):
-            self._count(op)
-            try:
-                return fn()
-            except S3Error as err:
-                if err.code in ("NoSuchKey", "NoSuchUpload") or (err.code == "ResourceNotFound" and key):
-                    raise FileNotFoundError(self.uri_for(key)) from None
-                if err.code == "InvalidRange":
-                    raise EOFError(f"{self.uri_for(key)} is shorter than the range asked for") from None
-                if err.code == "NoSuchBucket":
-                    raise BadInput(f"bucket {self.bucket!r} does not exist at {self.endpoint}; create it "
-                                   f"or fix the store URI") from None
-                if op in WRITE_OPS and err.code in S3_REFUSED_WRITE_CODES:
-                    raise refused_write("S3", op, self.uri_for(key), err.code) from None
-                if err.code in S3_CREDENTIAL_CODES:
-                    raise BadInput(f"S3 refused {op} on {self.uri_for(key)}: {err.code} (check "
-                                   f"AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY and the bucket policy)") from None
-                if err.code == "PreconditionFailed":
-                    raise PreconditionFailed(f"{self.uri_for(key)} exists or changed since it was read "
-                                             f"(another writer?)") from None
-                status = getattr(err.response, "status", 0) or 0
-                if err.code not in S3_TRANSIENT_CODES and status < 500:
-                    raise BadInput(f"S3 error on {op} {self.uri_for(key)}: {err.code}: {err.message}") from None
-                last: BaseException = err
-            except Exception as err:  # noqa: BLE001 - classified just below
-                if not _is_transient(err):
-                    raise
-                last = err
-            if attempt == self.retries:
-                break
-            delay = self._back_off(delay)
-        raise TransientFailure(f"S3 {op} {self.uri_for(key)} failed {self.retries} times; last error: "
-                               f"{type(last).__name__}: {str(last)[:200]}")
+    @property
+    def single_put_limit(self) -> int:
+        return MULTIPART_THRESHOLD
 
-    # -- the interface
-    def check(self) -> None:
-        """One cheap request that proves endpoint, credentials and bucket."""
-        if not self._call("bucket_exists", lambda: self.client.bucket_exists(self.bucket)):
-            raise BadInput(f"bucket {self.bucket!r} does not exist at {self.endpoint}; create it or fix the store URI")
+    def identity(self) -> tuple:
+        return self._proof
 
-    def read_bytes(self, key: str) -> bytes:
-        name = self._name(key)
+    def fault(self, err: BaseException, op: str) -> tuple[Fault, Any] | None:
+        import urllib3.exceptions as ue
+        from minio.error import InvalidResponseError, S3Error, ServerError
 
-        def get() -> bytes:
-            resp = self.client.get_object(self.bucket, name)
-            try:
-                return resp.read()
-            finally:
-                resp.close()
-                resp.release_conn()
-
-        data = self._call("get", get, key=key)
-        self._add_bytes("bytes_read", len(data))
-        return data
-
-    def read_into(self, key: str, offset: int, buffer: Any, *, sink: Callable[[int], None] | None = None) -> None:
-        """One ranged GET of the bytes that fill ``buffer`` (a writable buffer, or a list of them
-        filled one after another) from ``offset``, straight from the socket into the buffers, with
-        ``sink(bytes filled so far)`` after each READ_BLOCK (a retried request starts over at
-        ``sink(0)``). FileNotFoundError if absent; EOFError if short."""
-        segments = Segments(buffer)
-        total = segments.total
-        if not total:
-            return
-        name = self._name(key)
-
-        def get() -> int:
-            if sink is not None:
-                sink(0)
-            resp = self.client.get_object(self.bucket, name, offset=offset, length=total)
-            try:
-                readinto = _MinioCalls.socket_readinto(resp) or resp.readinto
-                done = 0
-                while done < total:
-                    for piece in segments.slices(done, min(READ_BLOCK, total - done)):
-                        filled = 0
-                        while filled < len(piece):
-                            n = readinto(piece[filled:])
-                            if not n:
-                                return done + filled
-                            filled += n
-                        done += filled
-                    if sink is not None:
-                        sink(done)
-                return done
-            finally:
-                resp.close()
-                resp.release_conn()
-
-        done = self._call("get_range", get, key=key)
-        if done < total:
-            raise EOFError(f"{self.uri_for(key)} ends {total - done} bytes before the range asked for")
-        self._add_bytes("bytes_read", done)
-
-    def open_writer(self, key: str) -> StreamWriter:
-        """Stream ``key`` up: one PUT when it stays below one part, else a multipart upload whose
-        parts go up in parallel while the caller writes on (at most PARALLEL_PARTS in flight)."""
-        self._count("open_writer")
-        return _MultipartWriter(self, key)
-
-    def sizes(self, prefix: str) -> dict[str, int]:
-        """``{key: size}`` of the objects directly under ``prefix`` (one LIST request)."""
-        full = self._name(prefix.rstrip("/")) + "/"
-        strip = len(self.prefix) + 1 if self.prefix else 0
-
-        def listing() -> dict[str, int]:
-            return {o.object_name[strip:]: int(o.size or 0) for o in
-                    self.client.list_objects(self.bucket, prefix=full, recursive=False) if not o.is_dir}
-
-        return self._call("list", listing, key=prefix)
-
-    def _conditional_put(self, key: str, data: bytes, headers: dict[str, str]) -> tuple[Any, int]:
-        """PUT with conditional headers; returns (result, attempts made)."""
-        name, attempts = self._name(key), [0]
-
-        def put() -> Any:
-            attempts[0] += 1
-            return self._minio.put(self.bucket, name, data, {"Content-Type": "application/octet-stream", **headers})
-
-        try:
-            return self._call("put", put, key=key), attempts[0]
-        except PreconditionFailed as err:
-            err.attempts = attempts[0]  # type: ignore[attr-defined]
-            raise
-
-    def _holds(self, key: str, data: bytes) -> bool:
-        try:
-            return self.read_bytes(key) == data
-        except FileNotFoundError:
-            return False
-
-    def write_bytes(self, key: str, data: bytes, *, if_match: str | None = None) -> str | None:
-        """PUT ``key``; with ``if_match`` only if its ETag is still that one (``If-Match``), else
-        PreconditionFailed (also when the key is gone). Returns the new ETag.
-
-        A retried conditional PUT whose first attempt landed (its answer lost on the way) is
-        answered 412 by the server; then the key is read back: holding our bytes, it is ours."""
-        if if_match is None:
-            result, _ = self._conditional_put(key, data, {})
-            return getattr(result, "etag", None)
-        try:
-            result, _ = self._conditional_put(key, data, {"If-Match": if_match})
-        except FileNotFoundError:
-            raise PreconditionFailed(f"{self.uri_for(key)} is gone since it was read (another writer?)") from None
-        except PreconditionFailed as err:
-            if getattr(err, "attempts", 1) > 1 and self._holds(key, data):
-                self._count("conditional_read_back")
-                return self.etag(key)
-            raise
-        return getattr(result, "etag", None)
-
-    def write_if_absent(self, key: str, data: bytes) -> bool:
-        """Create ``key`` only if absent (``If-None-Match: *``); False if it exists. A retried
-        request whose first attempt landed is answered 412: the key is then read back, and holding
-        our bytes it counts as created (callers write content unique to them: holder, nonce)."""
-        try:
-            self._conditional_put(key, data, {"If-None-Match": "*"})
-            return True
-        except PreconditionFailed as err:
-            if getattr(err, "attempts", 1) > 1 and self._holds(key, data):
-                self._count("conditional_read_back")
-                return True
-            return False
-
-    def upload_file(self, key: str, path: str | os.PathLike) -> None:
-        """Single PUT below 64 MiB, else parallel 32 MiB multipart parts, each retried on its own."""
-        size = os.path.getsize(path)
-        name = self._name(key)
-        if size < MULTIPART_THRESHOLD:
-            data = Path(path).read_bytes()
-            self._call("put", lambda: self._minio.put(
-                self.bucket, name, data, {"Content-Type": "application/octet-stream"}), key=key)
-            return
-        from minio.datatypes import Part
-
-        upload_id = self._call("multipart_create", lambda: self._minio.create_upload(self.bucket, name), key=key)
-        offsets = list(range(0, size, PART_SIZE))
-
-        def put_part(number: int, offset: int) -> Part:
-            with open(path, "rb") as fh:
-                fh.seek(offset)
-                chunk = fh.read(PART_SIZE)
-            etag = self._call("multipart_part", lambda: self._minio.upload_part(
-                self.bucket, name, upload_id, number, chunk), key=key)
-            return Part(number, etag)
-
-        try:
-            with concurrent.futures.ThreadPoolExecutor(PARALLEL_PARTS) as pool:
-                parts = list(pool.map(put_part, range(1, len(offsets) + 1), offsets))
-            self._call("multipart_complete", lambda: self._minio.complete_upload(
-                self.bucket, name, upload_id, parts), key=key)
-        except BaseException:
-            self._abort_once(name, upload_id)
-            raise
-
-    def _abort_once(self, name: str, upload_id: str) -> None:
-        """Best effort, one request, on a failure path: the error that got us here matters more;
-        an upload this leaves is aborted by the next writer (``abort_incomplete_uploads``)."""
-        with contextlib.suppress(Exception):
-            self._count("multipart_abort")
-            self._minio.abort_upload(self.bucket, name, upload_id)
-
-    def download_file(self, key: str, path: str | os.PathLike) -> None:
-        name = self._name(key)
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.download")
-
-        def get() -> None:
-            resp = self.client.get_object(self.bucket, name)
-            try:
-                with open(tmp, "wb") as fh:
-                    for chunk in resp.stream(8 * 1024 * 1024):
-                        fh.write(chunk)
-            finally:
-                resp.close()
-                resp.release_conn()
-
-        self._call("get", get, key=key)
-        os.replace(tmp, path)
-
-    def exists(self, key: str) -> bool:
-        return self.etag(key) is not None
-
-    def etag(self, key: str) -> str | None:
-        name = self._name(key)
-        try:
-            return self._call("stat", lambda: self.client.stat_object(self.bucket, name), key=key).etag
-        except FileNotFoundError:
+        if isinstance(err, (ServerError, InvalidResponseError)):  # a 5xx, or a non-S3 body: a proxy in the way
+            return Fault.TRANSIENT, type(err).__name__
+        if isinstance(err, ue.HTTPError):
+            return None if isinstance(err, ue.LocationValueError) else (Fault.TRANSIENT, type(err).__name__)
+        if not isinstance(err, S3Error):
             return None
+        code = err.code
+        if code in ("NoSuchKey", "NoSuchUpload") or (code == "ResourceNotFound" and op != self.CHECK_OP):
+            return Fault.NOT_FOUND, code
+        known = {"InvalidRange": Fault.SHORT, "NoSuchBucket": Fault.NO_CONTAINER,
+                 "PreconditionFailed": Fault.PRECONDITION}
+        if code in known:
+            return known[code], code
+        if code in S3_REFUSED_WRITE_CODES:
+            return Fault.FORBIDDEN, code
+        if code in S3_CREDENTIAL_CODES:
+            return Fault.CREDENTIALS, code
+        if code in S3_TRANSIENT_CODES or (getattr(err.response, "status", 0) or 0) >= 500:
+            return Fault.TRANSIENT, code
+        return Fault.PERMANENT, f"{code}: {err.message}"
 
-    def list(self, prefix: str = "", recursive: bool = True) -> list[str]:
-        """Keys under ``prefix`` relative to the root; non-recursive gives sub-"directories" with ``/``."""
-        full = self._name(prefix) if prefix else (self.prefix + "/" if self.prefix else "")
-        if prefix and prefix.endswith("/") and not full.endswith("/"):
-            full += "/"
-        if full and not full.endswith("/"):
-            full += "/"
-        strip = len(self.prefix) + 1 if self.prefix else 0
+    def check(self) -> bool:
+        return self.client.bucket_exists(self.bucket)
 
-        def listing() -> list[str]:
-            return [o.object_name[strip:] for o in
-                    self.client.list_objects(self.bucket, prefix=full, recursive=recursive)]
+    @contextlib.contextmanager
+    def _object(self, name: str, **ranged: int) -> Iterator[Any]:
+        resp = self.client.get_object(self.bucket, name, **ranged)
+        try:
+            yield resp
+        finally:
+            resp.close()
+            resp.release_conn()
 
-        return sorted(self._call("list", listing, key=prefix))
+    def get(self, name: str) -> bytes:
+        with self._object(name) as resp:
+            return resp.read()
 
-    def delete(self, key: str) -> None:
-        name = self._name(key)
-        self._call("delete", lambda: self.client.remove_object(self.bucket, name), key=key)
+    @contextlib.contextmanager
+    def open_range(self, name: str, offset: int, length: int) -> Iterator[Callable[[memoryview], int]]:
+        with self._object(name, offset=offset, length=length) as resp:
+            yield _MinioCalls.socket_readinto(resp) or resp.readinto
 
-    def delete_many(self, keys: Iterable[str]) -> None:
-        """Batched DeleteObjects (up to 1000 keys per request)."""
+    def download(self, name: str, path: Path) -> None:
+        with self._object(name) as resp, open(path, "wb") as fh:
+            for chunk in resp.stream(8 * 1024 * 1024):
+                fh.write(chunk)
+
+    def put(self, name: str, data: bytes, *, if_absent: bool = False, if_match: str | None = None) -> str | None:
+        headers = {"Content-Type": "application/octet-stream"}
+        if if_absent:
+            headers["If-None-Match"] = "*"
+        if if_match is not None:
+            headers["If-Match"] = if_match
+        return getattr(self._minio.put(self.bucket, name, data, headers), "etag", None)
+
+    def version(self, name: str) -> str | None:
+        return self.client.stat_object(self.bucket, name).etag
+
+    def listing(self, prefix: str, recursive: bool) -> Iterator[tuple[str, int | None]]:
+        for o in self.client.list_objects(self.bucket, prefix=prefix, recursive=recursive):
+            yield o.object_name, None if o.is_dir else int(o.size or 0)
+
+    def delete(self, name: str) -> None:
+        self.client.remove_object(self.bucket, name)
+
+    def delete_batch(self, names: list[str]) -> list:
         from minio.deleteobjects import DeleteObject
 
-        names = [self._name(k) for k in keys]
-        for i in range(0, len(names), 1000):
-            batch = names[i:i + 1000]
-            errors = self._call("delete_many", lambda: list(self.client.remove_objects(
-                self.bucket, [DeleteObject(n) for n in batch])))
-            if errors:
-                raise TransientFailure(f"S3 could not delete {len(errors)} objects, e.g. {errors[0]}")
+        return list(self.client.remove_objects(self.bucket, [DeleteObject(n) for n in names]))
 
-    def abort_incomplete_uploads(self, prefix: str) -> int:
-        """Abort every incomplete multipart upload under the directory ``prefix`` (all of the store
-        with ``""``): the parts a killed writer left, which no listing of objects shows and which
-        the bucket keeps (and bills) until aborted. Every request (ListMultipartUploads, each
-        AbortMultipartUpload) is retried like the others. Returns how many uploads were found and
-        are gone now. Call it while holding the write lease, before this writer's first upload:
-        it would abort the uploads of a live writer too.
+    def start_upload(self, name: str) -> str:
+        return self._minio.create_upload(self.bucket, name)
 
-        Raises:
-            TransientFailure: a request still failed after the bounded retries (exit 138).
-        """
-        if prefix.strip("/"):
-            full = self._name(prefix.strip("/")) + "/"
-        else:
-            full = self.prefix + "/" if self.prefix else ""
-        strip = len(self.prefix) + 1 if self.prefix else 0
-        gone, seen = 0, set()
-        key_marker = upload_marker = None
-        while True:
-            page = self._call("multipart_list", lambda: self._minio.list_uploads(
-                self.bucket, full, key_marker, upload_marker), key=prefix)
-            for upload in page.uploads:
-                if upload.upload_id in seen:
-                    continue
-                seen.add(upload.upload_id)
-                try:
-                    self._call("multipart_abort", lambda u=upload: self._minio.abort_upload(
-                        self.bucket, u.object_name, u.upload_id), key=upload.object_name[strip:])
-                except FileNotFoundError:  # NoSuchUpload: completed or aborted meanwhile (or our
-                    pass                   # first attempt landed and its answer was lost)
-                gone += 1
-            if not page.is_truncated or not page.uploads:
-                return gone
-            key_marker, upload_marker = page.uploads[-1].object_name, page.uploads[-1].upload_id
-
-    def uri_for(self, key: str) -> str:
-        return join_uri(self.uri, key)
-
-
-class _MultipartWriter:
-    def __init__(self, store: S3Store, key: str):
-        self.store, self.key, self.name = store, key, store._name(key)
-        self.buf = bytearray()
-        self.upload_id: str | None = None
-        self.parts: list[concurrent.futures.Future] = []
-        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self.closed = False
-
-    def write(self, data: Any) -> None:
-        view = byte_view(data)
-        while len(view):
-            take = min(PART_SIZE - len(self.buf), len(view))
-            self.buf += view[:take]
-            view = view[take:]
-            if len(self.buf) >= PART_SIZE:
-                self._send_part()
-
-    def _send_part(self) -> None:
+    def upload_part(self, name: str, handle: str, number: int, offset: int, data: bytes, total: int | None,
+                    retried: bool) -> Any:
         from minio.datatypes import Part
 
-        store, chunk, self.buf = self.store, bytes(self.buf), bytearray()
-        if self.upload_id is None:
-            self.upload_id = store._call("multipart_create", lambda: store._minio.create_upload(
-                store.bucket, self.name), key=self.key)
-            self.pool = concurrent.futures.ThreadPoolExecutor(PARALLEL_PARTS)
-        in_flight = [f for f in self.parts if not f.done()]
-        if len(in_flight) >= PARALLEL_PARTS:  # bounded memory: wait for one to finish
-            concurrent.futures.wait(in_flight, return_when=concurrent.futures.FIRST_COMPLETED)
-        for f in self.parts:
-            if f.done() and f.exception() is not None:
-                raise f.exception()
-        number = len(self.parts) + 1
+        return Part(number, self._minio.upload_part(self.bucket, name, handle, number, data))
 
-        def put() -> Part:
-            etag = store._call("multipart_part", lambda: store._minio.upload_part(
-                store.bucket, self.name, self.upload_id, number, chunk), key=self.key)
-            store._add_bytes("bytes_written", len(chunk))
-            return Part(number, etag)
+    def finish_upload(self, name: str, handle: str, parts: list) -> None:
+        self._minio.complete_upload(self.bucket, name, handle, parts)
 
-        self.parts.append(self.pool.submit(put))
+    def abort_upload(self, name: str, handle: str) -> None:
+        self._minio.abort_upload(self.bucket, name, handle)
 
-    def close(self) -> None:
-        if self.closed:
-            return
-        store = self.store
-        try:
-            if self.upload_id is None:
-                data = bytes(self.buf)
-                store._call("put", lambda: store._minio.put(
-                    store.bucket, self.name, data, {"Content-Type": "application/octet-stream"}), key=self.key)
-                store._add_bytes("bytes_written", len(data))
-            else:
-                if self.buf:
-                    self._send_part()
-                parts = [f.result() for f in self.parts]
-                store._call("multipart_complete", lambda: store._minio.complete_upload(
-                    store.bucket, self.name, self.upload_id, parts), key=self.key)
-        except BaseException:
-            self.abort()
-            raise
-        finally:
-            if self.pool is not None:
-                self.pool.shutdown(wait=True)
-        self.closed = True
-
-    def abort(self) -> None:
-        self.closed = True
-        self.buf = bytearray()
-        if self.pool is not None:
-            for f in self.parts:
-                f.cancel()
-            self.pool.shutdown(wait=True)
-        if self.upload_id is not None:
-            self.store._abort_once(self.name, self.upload_id)
+    def incomplete_uploads(self, prefix: str) -> list[tuple[str, str]]:
+        found: dict[str, str] = {}
+        key_marker = upload_marker = None
+        while True:
+            page = self._minio.list_uploads(self.bucket, prefix, key_marker, upload_marker)
+            found.update((u.upload_id, u.object_name) for u in page.uploads)
+            if not page.is_truncated or not page.uploads:
+                return [(name, upload_id) for upload_id, name in found.items()]
+            key_marker, upload_marker = page.uploads[-1].object_name, page.uploads[-1].upload_id
 
 
 def _certifi_where() -> str | None:
@@ -535,19 +227,6 @@ def _certifi_where() -> str | None:
         return certifi.where()
     except ImportError:  # pragma: no cover - minio depends on certifi
         return None
-
-
-def _is_transient(err: BaseException) -> bool:
-    import urllib3.exceptions as ue
-    from minio.error import InvalidResponseError, ServerError
-
-    if isinstance(err, ServerError):
-        return True
-    if isinstance(err, InvalidResponseError):  # a non-S3 body: a proxy or gateway in the way
-        return True
-    if isinstance(err, (ue.HTTPError, ConnectionError, TimeoutError)):
-        return not isinstance(err, ue.LocationValueError)
-    return isinstance(err, OSError) and not isinstance(err, (FileNotFoundError, PermissionError))
 
 
 class _MinioCalls:

@@ -260,9 +260,19 @@ def log_dataset_input(config, run_id: str, splits: dict, version: str, uri: str)
         uri = wasbs_uri(uri)
     dataset = mlflow.data.from_numpy(np.asarray(train["x"]), targets=np.asarray(train["y"]), source=uri,
                                      name=config.data.dataset, digest=version)
-    entity = DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", DATASET_CONTEXT)])
+    entity = DatasetInput(dataset_entity(dataset), tags=[InputTag("mlflow.data.context", DATASET_CONTEXT)])
     client = tracking_client(tracking_uri(config))
     call("log the dataset input", client.log_inputs, run_id, datasets=[entity])
+
+
+def dataset_entity(dataset):
+    """The ``mlflow.entities.Dataset`` that MLflow logs for the ``mlflow.data`` dataset ``dataset``,
+    built from its public ``to_dict`` (name, digest, source type, source JSON, schema, profile)."""
+    from mlflow.entities import Dataset
+
+    fields = dataset.to_dict()
+    return Dataset(name=fields["name"], digest=fields["digest"], source_type=fields["source_type"],
+                   source=fields["source"], schema=fields.get("schema"), profile=fields.get("profile"))
 
 
 # -------------------------------------------------------------------------------------------------

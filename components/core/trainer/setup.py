@@ -17,7 +17,11 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from components.core.checkpoint import CheckpointManager
+from components.core.checkpoint.fingerprint import model_fingerprint
+from components.core.checkpoint.start import start_point
 from components.core.contract.errors import BadInput
+from components.core.tracking.warm_start import warm_start_checkpoint
 
 
 def seed(config) -> None:
@@ -32,9 +36,9 @@ def seed(config) -> None:
         if torch.cuda.is_available() or "torch._inductor" in sys.modules:
             torch.use_deterministic_algorithms(True)
         else:
-            # the public call imports torch._inductor (~3 s per restarted worker) only to set a flag
-            # that matters to torch.compile; eager CPU ops read this one
-            torch._C._set_deterministic_algorithms(True)
+            # use_deterministic_algorithms imports torch._inductor (~1-3 s per restarted worker) only to set
+            # a flag that matters to torch.compile; this documented alternative sets the one eager ops read
+            torch.set_deterministic_debug_mode("error")
         torch.backends.cudnn.benchmark = False
 
 
@@ -142,9 +146,6 @@ def open_checkpoints(config, store, run_id: str | None, module: torch.nn.Module)
     """The training's CheckpointManager (collective): one writer identity per training, stable across
     torchrun restarts and pipeline retries, holding the store's write lease before the training
     decides where it starts (a second run is refused here, before it trains: BadInput, exit 2)."""
-    from components.core.checkpoint import CheckpointManager
-    from components.core.trainer.state import model_fingerprint
-
     t = config.train
     owner = os.environ.get("RELAUNCH_OWNER") or os.environ.get("RELAUNCH_PIPELINE_RUN_ID") or f"run:{run_id}"
     manager = CheckpointManager(store, keep_last=t.keep_last, keep_best=t.keep_best, best_metric=t.best_metric,
@@ -169,14 +170,15 @@ class Restored:
 
 
 def restore(config, manager, parts: ModelParts, peers: Callable[[], Any]) -> Restored:
-    """Decide the start point (rank 0 decides, every rank gets it) and load it on every rank: the
-    whole training state, or the model's weights alone for a warm start. ``peers()`` wraps the
+    """Decide the start point and load it on every rank: the whole training state, or the model's
+    weights alone for a warm start. The decision is this, at this moment (rank 0 decides, every rank
+    gets it): :func:`~components.core.checkpoint.start.start_point`'s rule, so a group torchrun restarted
+    resumes from the newest commit, whatever the locate step reported before. ``peers()`` wraps the
     collectives (a peer dying in them is a retryable failure)."""
-    from components.core.checkpoint.start import start_point
     from components.core.trainer.state import ModelWeights
 
     with peers():
-        start = start_point(config, manager)
+        start = start_point(config, manager, warm_start_lookup=warm_start_checkpoint)
     uri, committed = start.uri, None
     with peers():
         if start.weights_only:

@@ -15,13 +15,14 @@ values load with ``torch.load(weights_only=True)``.
 
 from __future__ import annotations
 
-import hashlib
 import random
 from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from components.core.checkpoint.torch_private import parameter_fqns
 
 
 def _rank() -> int:
@@ -59,16 +60,6 @@ def restore_rng(state: dict[str, Any]) -> None:
         cuda = state["cuda"]
         for i in range(min(len(cuda), torch.cuda.device_count())):
             torch.cuda.set_rng_state(cuda[str(i)], i)
-
-
-def model_fingerprint(model: torch.nn.Module) -> str:
-    """A short stable description of a model's parameter/buffer names, shapes and dtypes.
-
-    Stored in the checkpoint manifest; loading a checkpoint whose fingerprint differs is refused.
-    """
-    module = getattr(model, "module", model)  # DDP
-    items = [f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in module.state_dict().items()]
-    return "sha256:" + hashlib.sha256("\n".join(items).encode()).hexdigest()[:32]
 
 
 class TrainingState:
@@ -207,10 +198,6 @@ def _optimizer_state_like(model: torch.nn.Module, optimizer: torch.optim.Optimiz
     entries, or None when any of them cannot be mirrored exactly (see ``prepare_load``)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    try:
-        from torch.distributed.checkpoint.state_dict import _get_fqns
-    except ImportError:  # pragma: no cover - a torch without the helper: DCP's own way
-        return None
     prefix = "optimizer.state."
     by_fqn: dict[str, dict[str, Any]] = {}
     for key, meta in stored.items():
@@ -221,7 +208,10 @@ def _optimizer_state_like(model: torch.nn.Module, optimizer: torch.optim.Optimiz
         return None
     params: dict[int, tuple[str, torch.nn.Parameter]] = {}
     for name, param in model.named_parameters():
-        fqns = _get_fqns(model, name)
+        try:
+            fqns = parameter_fqns(model, name)
+        except ImportError:  # pragma: no cover - a torch without the helper: DCP's own way
+            return None
         if len(fqns) != 1:
             return None
         params[id(param)] = (next(iter(fqns)), param)

@@ -12,14 +12,18 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from components.core.checkpoint import CheckpointManager, parse_checkpoint_uri
+from components.core.checkpoint.fingerprint import model_fingerprint
+from components.core.checkpoint.start import checked_step
 from components.core.contract.config import RelaunchConfig
 from components.core.contract.errors import BadInput
+from components.core.store import open_store
+from components.core.trainer.state import TrainingState
+from components.tasks.base import load_task
 
 
 def load_model(task, mgr, step: int):
     """The task's model with the weights of committed checkpoint ``step`` (nothing unpickled)."""
-    from components.core.trainer.state import TrainingState
-
     model = task.build_model()
     mgr.load(TrainingState(model), step=step)
     return model.eval()
@@ -29,15 +33,10 @@ def verify_checkpoint_uri(uri: str, config: RelaunchConfig | None = None, task=N
     """The step of the committed checkpoint at ``uri``; BadInput when it is not one of ours, or (with
     ``config``) when it holds another model than the task (``task``, else the configuration's)
     builds. O(1): manifest, files and sizes."""
-    from components.core.checkpoint.start import checked_step
-
     return checked_step(uri, (lambda: task_fingerprint(config, task)) if config is not None else None)
 
 
 def task_fingerprint(config: RelaunchConfig, task=None) -> str:
-    from components.core.trainer.state import model_fingerprint
-    from components.tasks.base import load_task
-
     return model_fingerprint((task or load_task(config.train.task, config)).build_model())
 
 
@@ -52,10 +51,6 @@ def save_model(config: RelaunchConfig, checkpoint_uri: str, path: Path, task=Non
     import torch
     from mlflow.models import infer_signature
     from safetensors.torch import save_file
-
-    from components.core.checkpoint import CheckpointManager, parse_checkpoint_uri
-    from components.core.store import open_store
-    from components.tasks.base import load_task
 
     task = task or load_task(config.train.task, config)
     if model is None:
@@ -82,9 +77,7 @@ def code_paths(task_spec: str) -> list[str]:
     Raises:
         BadInput: the task's module cannot be found.
     """
-    import components
-
-    paths = [str(Path(components.__file__).parent)]
+    paths = [str(Path(__file__).resolve().parents[2])]  # components/
     top = task_spec.split(":")[0].split(".")[0]
     if top == "components":
         return paths
@@ -98,7 +91,6 @@ def code_paths(task_spec: str) -> list[str]:
 
 class _LoadedModel:
     """What ``mlflow.pyfunc.load_model`` returns through :func:`_load_pyfunc`."""
-
     def __init__(self, task, model):
         self.task, self.model = task, model
 
@@ -111,9 +103,6 @@ class _LoadedModel:
 def _load_pyfunc(data_path: str) -> _LoadedModel:
     """MLflow's loader hook: rebuild the task's model and load the safetensors weights."""
     from safetensors.torch import load_file
-
-    from components.core.contract.config import RelaunchConfig
-    from components.tasks.base import load_task
 
     root = Path(data_path)
     config = RelaunchConfig.from_json((root / "config.json").read_text())

@@ -1,0 +1,177 @@
+"""The pipeline, written once: its steps (one module each), which output feeds which input, the
+evaluation gate, the retries and the exit handler. :data:`PIPELINE` is walked by both renderers,
+:mod:`pipelines.kfp_pipeline` (KFP v2, and ``relaunch run`` through ``kfp.local``) and
+:mod:`pipelines.argo` (Argo Workflows); the local run, the console and the tests read each step's
+module and outputs from here, its name from :mod:`components.core.contract.steps`.
+
+    prepare >> locate-latest-checkpoint >> launch >> evaluate >> register (when evaluate passed: the
+    training completed, launch says, and its metric met the gate)
+    on exit, whatever happened: finalize; delete-training-job (Argo, when the workflow did not succeed)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import typing
+from dataclasses import dataclass
+
+from components.core.contract import steps as names
+from components.core.contract.exitcodes import RetryPolicy
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where an input's value comes from: output ``output`` of step ``step``, or (``step == ""``) the
+    pipeline itself (:data:`CONFIG`, :data:`RUN_ID`, :data:`PARAMETERS`, :data:`FINAL_STATUS`)."""
+
+    step: str
+    output: str
+
+
+CONFIG = Source("", "config_json")
+"""The pipeline's ``config_json`` parameter (the configuration as submitted)."""
+RUN_ID = Source("", "run_id")
+"""The pipeline run's id (KFP's job id, Argo's ``workflow.uid``)."""
+PARAMETERS = Source("", "parameters")
+"""Every typed pipeline parameter (:data:`components.core.contract.config.PIPELINE_PARAMETERS`), each under its own name."""
+FINAL_STATUS = Source("", "status")
+"""How the pipeline ended (exit handler only): KFP's ``PipelineTaskFinalStatus``, on Argo the
+``state`` and ``error`` that ``workflow.status`` gives."""
+
+
+@dataclass(frozen=True)
+class Input:
+    """One input of a step: its name in the step's ``run`` and where its value comes from."""
+
+    name: str
+    source: Source
+
+
+@dataclass(frozen=True)
+class Condition:
+    """Run the step only when ``source <op> value`` (``op`` is ``==`` or ``!=``)."""
+
+    name: str
+    """The condition's name (KFP's ``dsl.If`` group)."""
+    source: Source
+    op: str
+    value: bool | str
+
+
+@dataclass(frozen=True)
+class Step:
+    """One task of the pipeline."""
+
+    name: str
+    """Kebab-case task name, the same in KFP and Argo."""
+    module: str
+    """The module whose ``run(config, **inputs)`` the task calls (``python -m <module>`` on Argo)."""
+    outputs: str
+    """The dataclass ``run`` returns, defined in ``module``: the task's outputs, in order."""
+    inputs: tuple[Input, ...] = ()
+    """``run``'s inputs, in order (``config_json`` first: every step reads a configuration)."""
+    after: tuple[str, ...] = ()
+    """Steps that must end first although no output of theirs is an input."""
+    when: Condition | None = None
+    retry: RetryPolicy | None = None
+    """How the task is retried (on a retryable exit code only); None: never."""
+    uses_torch: bool = False
+    """The step, or a process it starts, imports torch (``relaunch run`` forks it from the warm server
+    that loaded torch; the others from the one that did not, which is ready seconds sooner)."""
+    creates_job: bool = False
+    """The step creates the training job (Argo names the workflow as the job's owner)."""
+    on_kfp: bool = True
+    """Rendered in the KFP pipeline too (KFP's ``ExitHandler`` takes one exit task)."""
+
+    def outputs_class(self) -> type:
+        return getattr(importlib.import_module(self.module), self.outputs)
+
+    def output_fields(self) -> list[tuple[str, type]]:
+        """``[(name, type), ...]`` of the outputs, in order (what KFP's return annotation must say)."""
+        hints = typing.get_type_hints(self.outputs_class())
+        return [(f.name, hints[f.name]) for f in dataclasses.fields(self.outputs_class())]
+
+    def upstream(self) -> tuple[str, ...]:
+        """The steps this one waits for: those whose outputs it reads, then :attr:`after`, in order."""
+        names = [i.source.step for i in self.inputs if i.source.step] + list(self.after)
+        return tuple(dict.fromkeys(names))
+
+
+def output(step: Step, name: str) -> Source:
+    """Output ``name`` of ``step`` as a source."""
+    return Source(step.name, name)
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """The DAG and its exit handler; renderers walk :attr:`steps`, then :attr:`exit_handler`."""
+
+    name: str
+    steps: tuple[Step, ...]
+    """The DAG, each step after the steps it reads from."""
+    exit_handler: tuple[Step, ...]
+    """Run once the DAG ended, whatever it did."""
+
+    def all_steps(self) -> tuple[Step, ...]:
+        return self.steps + self.exit_handler
+
+    def step(self, name: str) -> Step:
+        return next(s for s in self.all_steps() if s.name == name)
+
+    def dependencies(self, step: Step) -> tuple[str, ...]:
+        """:meth:`Step.upstream` without the steps another upstream step already waits for (Argo's
+        ``depends``; KFP lists every upstream task)."""
+        upstream = step.upstream()
+
+        def reaches(name: str, target: str) -> bool:
+            return any(u == target or reaches(u, target) for u in self.step(name).upstream())
+
+        return tuple(u for u in upstream if not any(reaches(other, u) for other in upstream if other != u))
+
+
+DEFAULT_RETRY = RetryPolicy(limit=3, backoff_seconds=5, factor=2, max_backoff_seconds=60)
+EXIT_HANDLER_RETRY = RetryPolicy(limit=5, backoff_seconds=5, factor=2, max_backoff_seconds=60)
+"""Exit-handler steps are quick API calls, retried often so that a transient error never orphans a job
+(on Argo; the KFP exit task has never been retried, and retrying it there is a change of its own)."""
+
+PREPARE = Step(names.PREPARE, "components.prepare", "PrepareOutputs",
+               inputs=(Input("config_json", CONFIG), Input("pipeline_run_id", RUN_ID), Input("parameters", PARAMETERS)),
+               retry=DEFAULT_RETRY)
+RESOLVED = Input("config_json", output(PREPARE, "config_json"))
+"""What every later step of the DAG reads: the configuration prepare resolved."""
+LOCATE = Step(names.LOCATE, "components.locate", "LocateOutputs", inputs=(RESOLVED,), retry=DEFAULT_RETRY)
+LAUNCH = Step(names.LAUNCH, "components.launch", "LaunchOutputs",
+              inputs=(RESOLVED, Input("resume_from", output(LOCATE, "checkpoint_uri")), Input("pipeline_run_id", RUN_ID)),
+              # training restarts inside torchrun / the job first; a whole launch retry is the outer loop
+              retry=RetryPolicy(limit=4, backoff_seconds=10, factor=2, max_backoff_seconds=300),
+              uses_torch=True, creates_job=True)
+EVALUATE = Step(names.EVALUATE, "components.evaluate", "EvaluateOutputs",
+                # the registry gate: a training that did not reach its end is neither evaluated nor registered
+                inputs=(RESOLVED, Input("training_completed", output(LAUNCH, "completed"))),
+                retry=RetryPolicy(limit=2, backoff_seconds=5, factor=2, max_backoff_seconds=60), uses_torch=True)
+REGISTER = Step(names.REGISTER, "components.register", "RegisterOutputs",
+                inputs=(RESOLVED, Input("checkpoint_uri", output(EVALUATE, "checkpoint_uri")),
+                        Input("metrics_json", output(EVALUATE, "metrics_json"))),
+                when=Condition("gate-passed", output(EVALUATE, "passed"), "==", True), retry=DEFAULT_RETRY)
+FINALIZE = Step(names.FINALIZE, "components.finalize", "FinalizeOutputs",
+                inputs=(Input("config_json", CONFIG), Input("pipeline_run_id", RUN_ID), Input("status", FINAL_STATUS)),
+                retry=EXIT_HANDLER_RETRY)
+"""Close the MLflow run: FINISHED, or FAILED with the reason."""
+DELETE_JOB = Step(names.DELETE_JOB, "components.launchers.cluster", "DeleteOutputs",
+                  inputs=(Input("config_json", CONFIG), Input("pipeline_run_id", RUN_ID)),
+                  when=Condition("pipeline-failed", FINAL_STATUS, "!=", "Succeeded"), retry=EXIT_HANDLER_RETRY,
+                  on_kfp=False)
+"""Delete the run's training job when the pipeline failed or was stopped."""
+
+PIPELINE = Pipeline(name="relaunch", steps=(PREPARE, LOCATE, LAUNCH, EVALUATE, REGISTER),
+                    exit_handler=(FINALIZE, DELETE_JOB))
+
+
+STEP_TABLE: dict[str, Step] = {s.name: s for s in PIPELINE.all_steps() if s.on_kfp}
+"""Every task the KFP pipeline (and so ``relaunch run``) runs, by name, in pipeline order, the exit task last."""
+STEPS: tuple[str, ...] = tuple(s.name for s in PIPELINE.steps)
+"""The five retried steps of the DAG, in order."""
+STEP_MODULES: dict[str, str] = {name: s.module for name, s in STEP_TABLE.items()}
+RETRY_POLICIES: dict[str, RetryPolicy] = {s.name: s.retry for s in PIPELINE.steps if s.retry}
+"""Retries of each step of :data:`STEPS`."""
