@@ -3,7 +3,7 @@ the held-out split, and give the register gate its verdict (``evaluate.gate_metr
 In the MLflow run the checkpoint becomes a LoggedModel (at its step, linked to the run) and the
 metrics are logged linked to it and to the dataset, beside a confusion-matrix image.
 
-    python -m components.evaluate --config-json "$(cat resolved.json)"
+    python -m relaunch.components.evaluate --config-json "$(cat resolved.json)"
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from components.core.contract.config import RelaunchConfig
-from components.core.contract.errors import BadInput
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.errors import BadInput
 
 
 @dataclass
@@ -36,9 +36,9 @@ def run(config: RelaunchConfig, training_completed: bool | str = True) -> Evalua
     Raises:
         BadInput: there is no committed checkpoint, or the gate metric is not one the task computes.
     """
-    from components.core.checkpoint import CheckpointManager
-    from components.core.packaging.model import load_model, save_model
-    from components.tasks.base import load_task
+    from relaunch.components.core.checkpoint import CheckpointManager
+    from relaunch.components.core.packaging.model import load_model, save_model
+    from relaunch.components.tasks.base import load_task
 
     if str(training_completed).lower() != "true":
         print("evaluate: the training did not reach its end; not evaluated, nothing will be registered", file=sys.stderr)
@@ -66,8 +66,8 @@ def run(config: RelaunchConfig, training_completed: bool | str = True) -> Evalua
 
 def _split(config: RelaunchConfig, task) -> dict:
     if config.data.version:
-        from components.core.store.datasets import read_dataset
-        from components.core.store import open_store
+        from relaunch.components.core.store.datasets import read_dataset
+        from relaunch.components.core.store import open_store
 
         return read_dataset(open_store(config.store.uri), config.data.version)[config.evaluate.split]
     return task.build_splits()[config.evaluate.split]
@@ -75,8 +75,8 @@ def _split(config: RelaunchConfig, task) -> dict:
 
 def _log(config: RelaunchConfig, metrics: dict, step: int, predicted, actual, checkpoint_uri: str,
          write_model) -> None:
-    from components.core.tracking.lineage import log_model_metrics, logged_model
-    from components.core.tracking.client import call, client as tracking_client, tracking_uri
+    from relaunch.components.core.tracking.lineage import log_model_metrics, logged_model
+    from relaunch.components.core.tracking.client import call, client as tracking_client, tracking_uri
 
     client, run_id = tracking_client(tracking_uri(config)), config.tracking.run_id
     model_id = logged_model(config, checkpoint_uri, step, write_model)
@@ -118,7 +118,7 @@ def confusion_png(actual, predicted, path: Path, title: str) -> None:
 
 
 if __name__ == "__main__":
-    from components.core.contract import steps
-    from components.core.runtime.stepcli import step_main
+    from relaunch.components.core.contract import steps
+    from relaunch.components.core.runtime.stepcli import step_main
 
     sys.exit(step_main(steps.EVALUATE, run))

@@ -7,7 +7,7 @@ It also writes what only the side that survives can: every attempt's tags, a las
 with nothing after it included; and, when the pipeline succeeded, ``runs/pipeline-finished.json`` in
 the store, which tells ``relaunch run --resume`` that nothing is left to do.
 
-    python -m components.finalize --config configs/local.yaml --input pipeline_run_id=ID --input state=FAILED
+    python -m relaunch.components.finalize --config configs/local.yaml --input pipeline_run_id=ID --input state=FAILED
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from components.core.contract.config import RelaunchConfig
-from components.core.contract.errors import RelaunchError
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.errors import RelaunchError
 
 
 @dataclass
@@ -27,9 +27,9 @@ class FinalizeOutputs:
 
 def run(config: RelaunchConfig, pipeline_run_id: str = "", state: str = "SUCCEEDED", error: str = "") -> FinalizeOutputs:
     """Mark the run FINISHED (``state`` SUCCEEDED) or FAILED; a no-op when no run was opened."""
-    from components.core.store.records import PIPELINE_FINISHED_KEY, write_pipeline_finished
-    from components.core.tracking.lineage import describe_outcome, record_attempts
-    from components.core.tracking.client import find_pipeline_run, mark_run_finished
+    from relaunch.components.core.store.records import PIPELINE_FINISHED_KEY, write_pipeline_finished
+    from relaunch.components.core.tracking.lineage import describe_outcome, record_attempts
+    from relaunch.components.core.tracking.client import find_pipeline_run, mark_run_finished
 
     run_id = config.tracking.run_id or ""
     if not run_id and pipeline_run_id:
@@ -46,7 +46,7 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", state: str = "SUCCEED
     mark_run_finished(config, run_id, status, "" if status == "FINISHED" else f"pipeline {state}: {error}".strip())
     if status == "FINISHED":
         try:
-            from components.core.store import open_store
+            from relaunch.components.core.store import open_store
 
             write_pipeline_finished(open_store(config.store.uri), run_id, pipeline_run_id)
         except (RelaunchError, OSError) as err:  # costs only a repeated evaluate/register on --resume
@@ -56,8 +56,8 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", state: str = "SUCCEED
 
 def _deliver_pending_metrics(config: RelaunchConfig, run_id: str) -> None:
     """The metric points the training kept while the tracking server was away, sent now that it may be back."""
-    from components.core.store import open_store
-    from components.core.tracking.mlflow_tracker import deliver_pending_metrics
+    from relaunch.components.core.store import open_store
+    from relaunch.components.core.tracking.mlflow_tracker import deliver_pending_metrics
 
     try:
         store = open_store(config.store.uri)
@@ -68,7 +68,7 @@ def _deliver_pending_metrics(config: RelaunchConfig, run_id: str) -> None:
 
 
 if __name__ == "__main__":
-    from components.core.contract import steps
-    from components.core.runtime.stepcli import step_main
+    from relaunch.components.core.contract import steps
+    from relaunch.components.core.runtime.stepcli import step_main
 
     sys.exit(step_main(steps.FINALIZE, run))

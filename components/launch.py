@@ -1,13 +1,13 @@
 """Step 3, ``launch``: run the training with the backend ``launch.backend`` names and wait for it.
 
-``local`` starts torchrun agents on this machine (:mod:`components.launchers.local`); ``pytorchjob``
-submits one Kubeflow PyTorchJob (:mod:`components.launchers.pytorchjob`) and ``trainjob`` one Kubeflow
-Trainer v2 TrainJob (:mod:`components.launchers.trainjob`).
+``local`` starts torchrun agents on this machine (:mod:`relaunch.components.launchers.local`); ``pytorchjob``
+submits one Kubeflow PyTorchJob (:mod:`relaunch.components.launchers.pytorchjob`) and ``trainjob`` one Kubeflow
+Trainer v2 TrainJob (:mod:`relaunch.components.launchers.trainjob`).
 Each is one function with the same shape; this step only picks it, reads the trainer's summary from the store, and fails with the
 contract's exit code when the training did not end well (a retried launch resumes from the latest
 checkpoint, because the trainer always does).
 
-    python -m components.launch --config configs/local.yaml --input pipeline_run_id=manual
+    python -m relaunch.components.launch --config configs/local.yaml --input pipeline_run_id=manual
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import json
 import sys
 from dataclasses import dataclass
 
-from components.core.contract.config import RelaunchConfig
-from components.core.contract.errors import RelaunchError
-from components.launchers import backend_module
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.errors import RelaunchError
+from relaunch.components.launchers import backend_module
 
 
 @dataclass
@@ -72,7 +72,7 @@ def run(config: RelaunchConfig, resume_from: str = "", pipeline_run_id: str = ""
 
 def reached_its_end(summary: dict | None) -> bool:
     """Whether the trainer's summary says the training trained its last step and ended well."""
-    from components.core.tracking.goodput import TrainSummary
+    from relaunch.components.core.tracking.goodput import TrainSummary
 
     if not summary:
         return False
@@ -107,14 +107,14 @@ def finished_training(config: RelaunchConfig) -> LaunchOutputs | None:
 
 def read_summary(config: RelaunchConfig) -> dict:
     """The trainer's ``runs/summary.json`` in the store ({} when it wrote none)."""
-    from components.core.store.records import read_summary as read
-    from components.core.store import open_store
+    from relaunch.components.core.store.records import read_summary as read
+    from relaunch.components.core.store import open_store
 
     return read(open_store(config.store.uri)) or {}
 
 
 if __name__ == "__main__":
-    from components.core.contract import steps
-    from components.core.runtime.stepcli import step_main
+    from relaunch.components.core.contract import steps
+    from relaunch.components.core.runtime.stepcli import step_main
 
     sys.exit(step_main(steps.LAUNCH, run))

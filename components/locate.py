@@ -1,12 +1,12 @@
 """Step 2, ``locate-latest-checkpoint``: reports the checkpoint training starts from, or none.
 
-The rule is :mod:`components.core.checkpoint.start`'s, decided by the training's workers when they load;
+The rule is :mod:`relaunch.components.core.checkpoint.start`'s, decided by the training's workers when they load;
 this step reports its answer as of now (``checkpoint_uri=""``, ``step=-1``: a fresh start), and launch
 hands the answer on as ``train.resume_from``, which the rule maps to itself (or to a checkpoint committed
 since). Never cached: a cached "latest checkpoint" is a wrong one.
 
-    python -m components.locate --config configs/local.yaml                        # the newest training
-    python -m components.locate --config configs/local.yaml --input training=20261204-030501
+    python -m relaunch.components.locate --config configs/local.yaml                        # the newest training
+    python -m relaunch.components.locate --config configs/local.yaml --input training=20261204-030501
 
 By hand, a ``store.uri`` that is a root of trainings (``trainings/<time>/``, what ``relaunch run``
 writes) is read as its newest training, or the one ``--input training=ID`` names: the answer is the one
@@ -18,10 +18,10 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from components.core.checkpoint import CheckpointManager
-from components.core.checkpoint.start import start_point
-from components.core.contract.config import RelaunchConfig
-from components.core.tracking.warm_start import warm_start_checkpoint
+from relaunch.components.core.checkpoint import CheckpointManager
+from relaunch.components.core.checkpoint.start import start_point
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.tracking.warm_start import warm_start_checkpoint
 
 
 @dataclass
@@ -39,7 +39,7 @@ def run(config: RelaunchConfig) -> LocateOutputs:
             version does not exist or has no checkpoint.
     """
     def fingerprint() -> str:
-        from components.core.packaging.model import task_fingerprint  # torch: only to check a resume_from
+        from relaunch.components.core.packaging.model import task_fingerprint  # torch: only to check a resume_from
 
         return task_fingerprint(config)
 
@@ -55,8 +55,8 @@ def run_by_hand(config: RelaunchConfig, training: str = "") -> LocateOutputs:
     Raises:
         BadInput: as :func:`run`; also an unknown ``training``.
     """
-    from components.core.store import open_store
-    from components.core.store.trainings import pick_training, resolve_trainings
+    from relaunch.components.core.store import open_store
+    from relaunch.components.core.store.trainings import pick_training, resolve_trainings
 
     store = open_store(config.store.uri)
     found = [(training, pick_training(store, training, "--input training="))] if training else resolve_trainings(store)
@@ -70,7 +70,7 @@ def run_by_hand(config: RelaunchConfig, training: str = "") -> LocateOutputs:
 
 
 if __name__ == "__main__":
-    from components.core.contract import steps
-    from components.core.runtime.stepcli import step_main
+    from relaunch.components.core.contract import steps
+    from relaunch.components.core.runtime.stepcli import step_main
 
     sys.exit(step_main(steps.LOCATE, run_by_hand))

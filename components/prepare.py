@@ -2,7 +2,7 @@
 version (reused when it exists), open the MLflow run of this pipeline run, and hand every later step
 the *resolved* configuration (``data.version`` and ``tracking.run_id`` filled in).
 
-    python -m components.prepare --config configs/local.yaml --input pipeline_run_id=manual
+    python -m relaunch.components.prepare --config configs/local.yaml --input pipeline_run_id=manual
 
 The typed pipeline parameters (``epochs``, ``nodes``, ...) arrive here as inputs and are folded into
 the configuration: the value that means "keep the configuration's" is 0 for numbers and "" for text.
@@ -16,8 +16,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from components.core.contract.config import RelaunchConfig, with_pipeline_parameters
-from components.core.contract.errors import BadInput, TransientFailure
+from relaunch.components.core.contract.config import RelaunchConfig, with_pipeline_parameters
+from relaunch.components.core.contract.errors import BadInput, TransientFailure
 
 @dataclass
 class PrepareOutputs:
@@ -34,19 +34,19 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", **overrides: Any) -> 
     Args:
         config: the pipeline's configuration.
         pipeline_run_id: the orchestrator's run id; the MLflow run is found or created by it.
-        **overrides: pipeline parameters named in :data:`~components.core.contract.config.PIPELINE_PARAMETERS`
+        **overrides: pipeline parameters named in :data:`~relaunch.components.core.contract.config.PIPELINE_PARAMETERS`
             (0 or "" keeps the value).
 
     Raises:
         BadInput: an override, the task, the store or the tracking URI is wrong.
         TransientFailure: the store or tracking server could not be reached.
     """
-    from components.core.tracking import lineage
-    from components.core.store.datasets import dataset_uri, write_dataset
-    from components.core.store.records import refuse_another_identity, remember_run
-    from components.core.store import open_store, probe_writable
-    from components.core.tracking.client import ensure_run, reopen_run, tracking_uri
-    from components.tasks.base import load_task
+    from relaunch.components.core.tracking import lineage
+    from relaunch.components.core.store.datasets import dataset_uri, write_dataset
+    from relaunch.components.core.store.records import refuse_another_identity, remember_run
+    from relaunch.components.core.store import open_store, probe_writable
+    from relaunch.components.core.tracking.client import ensure_run, reopen_run, tracking_uri
+    from relaunch.components.tasks.base import load_task
 
     config = with_pipeline_parameters(config, overrides)
     task = load_task(config.train.task, config)
@@ -68,7 +68,7 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", **overrides: Any) -> 
     uri = dataset_uri(store, version)
     lineage.log_dataset_input(resolved, run_id, splits, version, uri)
     experiment_id = lineage.describe_run(resolved, run_id, version, uri)
-    from components.core.tracking.mlflow_tracker import deliver_pending_metrics
+    from relaunch.components.core.tracking.mlflow_tracker import deliver_pending_metrics
 
     deliver_pending_metrics(resolved, store, run_id, who="prepare")  # a resume: what an outage left unsent
     return PrepareOutputs(config_json=resolved.to_json(), run_id=run_id, dataset_version=version, dataset_uri=uri,
@@ -80,9 +80,9 @@ def _refuse_a_second_pipeline(store, pipeline_run_id: str) -> None:
     writer of another pipeline holds (on a cluster: the same ``store.uri`` submitted twice). A holder
     of this training's own (a retry of this pipeline run, an orphan of its earlier attempt) is left to
     the lease, which waits for it."""
-    from components.core.checkpoint.layout import LEASE, read_json
-    from components.core.checkpoint.lease import holder_alive
-    from components.core.store.records import stored_run_id
+    from relaunch.components.core.checkpoint.layout import LEASE, read_json
+    from relaunch.components.core.checkpoint.lease import holder_alive
+    from relaunch.components.core.store.records import stored_run_id
 
     record = read_json(store, LEASE)
     if not record or not holder_alive(record, collect=False):
@@ -107,9 +107,9 @@ def check_inputs(config: RelaunchConfig) -> None:
         BadInput: one line naming the field and what is wrong.
         TransientFailure: the tracking server answers /health but not its API (a line per try before).
     """
-    from components.core.store import open_store, probe_writable
-    from components.core.store.conditional_probe import require_conditional_writes
-    from components.tasks.base import load_task
+    from relaunch.components.core.store import open_store, probe_writable
+    from relaunch.components.core.store.conditional_probe import require_conditional_writes
+    from relaunch.components.tasks.base import load_task
 
     task = load_task(config.train.task, config)
     _check_world_sizes(config)
@@ -121,7 +121,7 @@ def check_inputs(config: RelaunchConfig) -> None:
     except TransientFailure as err:
         raise BadInput(f"store.uri: {config.store.uri!r} cannot be reached ({err}); check AWS_ENDPOINT_URL") from None
     if config.train.resume_from:
-        from components.core.packaging.model import verify_checkpoint_uri
+        from relaunch.components.core.packaging.model import verify_checkpoint_uri
 
         verify_checkpoint_uri(config.train.resume_from, config, task)  # built once per process
 
@@ -142,7 +142,7 @@ def _check_tracking(config: RelaunchConfig) -> None:
     import urllib.request
     from pathlib import Path
 
-    from components.core.tracking.client import check_api, tracking_uri
+    from relaunch.components.core.tracking.client import check_api, tracking_uri
 
     uri = tracking_uri(config)
     if uri.startswith(("http://", "https://")):
@@ -176,9 +176,9 @@ def _check_tracking(config: RelaunchConfig) -> None:
 
 def _log_config(config: RelaunchConfig) -> None:
     """The resolved configuration as MLflow params (flattened) and a JSON artifact-free tag."""
-    from components.core.tracking.client import call, client as tracking_client, log_new_params, tracking_uri
+    from relaunch.components.core.tracking.client import call, client as tracking_client, log_new_params, tracking_uri
 
-    from components.core.tracking.lineage import backend_params
+    from relaunch.components.core.tracking.lineage import backend_params
 
     client = tracking_client(tracking_uri(config))
     flat = backend_params(_flatten(json.loads(config.to_json())), config.launch.backend)
@@ -197,7 +197,7 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    from components.core.contract import steps
-    from components.core.runtime.stepcli import step_main
+    from relaunch.components.core.contract import steps
+    from relaunch.components.core.runtime.stepcli import step_main
 
     sys.exit(step_main(steps.PREPARE, run))

@@ -3,9 +3,9 @@
     .venv/bin/torchrun --nnodes=1 --nproc-per-node=2 --max-restarts=3 --monitor-interval=0.5 \\
         --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29400 --rdzv-id=demo \\
         --rdzv-conf=join_timeout=30,last_call_timeout=1,close_timeout=5 --shutdown-timeout=25 \\
-        -m components.train --config relaunch.yaml --set train.epochs=2
+        -m relaunch.components.train --config relaunch.yaml --set train.epochs=2
 
-    python -m components.train --config-json '{"train": {"max_steps": 20}}'    # a world of one
+    python -m relaunch.components.train --config-json '{"train": {"max_steps": 20}}'    # a world of one
 
 It resumes by itself: rank 0 finds the latest committed checkpoint of the store (else
 ``train.resume_from``) and every rank loads it. The data cursor is the global sample index
@@ -16,8 +16,8 @@ SIGTERM and SIGUSR1 only set a flag; the ranks agree on it at the next step boun
 all-reduce), save when the last save's duration fits the grace period left, and exit 143. A NaN/inf
 loss exits 3 without saving; a hung rank exits 138 (watchdog). Rank 0 alone talks to MLflow, through
 a buffered asynchronous logger. Every attempt ending under our control writes ``runs/exit.json`` and
-``runs/summary.json`` in the store (see :mod:`components.core.tracking.goodput`). Rank 0 tells its launcher
-what happens with the events of :mod:`components.core.contract.events` on stdout (``resumed``, ``first-step``
+``runs/summary.json`` in the store (see :mod:`relaunch.components.core.tracking.goodput`). Rank 0 tells its launcher
+what happens with the events of :mod:`relaunch.components.core.contract.events` on stdout (``resumed``, ``first-step``
 (with the start-up phases), ``progress``, ``saving``, ``summary``, ``exit``). What a first step does
 not need (MLflow, psutil, matplotlib) loads after it, off the training thread.
 """
@@ -67,25 +67,25 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from components.core.runtime import distributed as distr  # noqa: E402
-from components.core.runtime import logs  # noqa: E402
-from components.core.store import records  # noqa: E402
-from components.core.tracking import goodput  # noqa: E402
-from components.core.trainer import setup  # noqa: E402
-from components.core.contract.config import RelaunchConfig, config_from_cli  # noqa: E402
-from components.core.contract.errors import Diverged, Preempted, RelaunchError, StoreUnwritable, error_for  # noqa: E402
-from components.core.contract.classify import as_error, is_store_unwritable  # noqa: E402
-from components.core.contract.entry import report  # noqa: E402
-from components.core.contract.events import Kind, emit  # noqa: E402
-from components.core.contract.exitcodes import PERMANENT, RETRYABLE, ExitCode  # noqa: E402
-from components.core.tracking.goodput import TrainSummary  # noqa: E402
-from components.core.trainer.health import PreemptionFlag, SpikeDetector, Watchdog, is_finite  # noqa: E402
-from components.core.trainer.injection import Injection, wrap_store  # noqa: E402
-from components.core.trainer.checkpoints import TrainerCheckpoints  # noqa: E402
-from components.core.trainer import progress  # noqa: E402
-from components.core.trainer.tracking import (CLOSE_SECONDS_FAILED, CLOSE_SECONDS_PREEMPTED,  # noqa: E402
+from relaunch.components.core.runtime import distributed as distr  # noqa: E402
+from relaunch.components.core.runtime import logs  # noqa: E402
+from relaunch.components.core.store import records  # noqa: E402
+from relaunch.components.core.tracking import goodput  # noqa: E402
+from relaunch.components.core.trainer import setup  # noqa: E402
+from relaunch.components.core.contract.config import RelaunchConfig, config_from_cli  # noqa: E402
+from relaunch.components.core.contract.errors import Diverged, Preempted, RelaunchError, StoreUnwritable, error_for  # noqa: E402
+from relaunch.components.core.contract.classify import as_error, is_store_unwritable  # noqa: E402
+from relaunch.components.core.contract.entry import report  # noqa: E402
+from relaunch.components.core.contract.events import Kind, emit  # noqa: E402
+from relaunch.components.core.contract.exitcodes import PERMANENT, RETRYABLE, ExitCode  # noqa: E402
+from relaunch.components.core.tracking.goodput import TrainSummary  # noqa: E402
+from relaunch.components.core.trainer.health import PreemptionFlag, SpikeDetector, Watchdog, is_finite  # noqa: E402
+from relaunch.components.core.trainer.injection import Injection, wrap_store  # noqa: E402
+from relaunch.components.core.trainer.checkpoints import TrainerCheckpoints  # noqa: E402
+from relaunch.components.core.trainer import progress  # noqa: E402
+from relaunch.components.core.trainer.tracking import (CLOSE_SECONDS_FAILED, CLOSE_SECONDS_PREEMPTED,  # noqa: E402
                                               TrainingTracker, resolve_run_id, run_params)
-from components.tasks.base import load_task  # noqa: E402
+from relaunch.components.tasks.base import load_task  # noqa: E402
 
 _IMPORTED = time.time()
 
@@ -169,9 +169,9 @@ def refuse_restart_recorded_locally(env: distr.DistEnv) -> None:
 
 class Training:
     """One attempt of the training, on one rank: the loop, and how it ends. What it builds first is
-    :mod:`components.core.trainer.setup`'s, when and how it saves :class:`TrainerCheckpoints`', tracking
-    :class:`TrainingTracker`'s, faults :mod:`components.core.trainer.injection`'s, the attempt records
-    :mod:`components.core.tracking.goodput`'s."""
+    :mod:`relaunch.components.core.trainer.setup`'s, when and how it saves :class:`TrainerCheckpoints`', tracking
+    :class:`TrainingTracker`'s, faults :mod:`relaunch.components.core.trainer.injection`'s, the attempt records
+    :mod:`relaunch.components.core.tracking.goodput`'s."""
 
     def __init__(self, config: RelaunchConfig):
         self.config = config
@@ -206,7 +206,7 @@ class Training:
     # ---- set-up: build everything, then act (each part kept as soon as it exists: fail() cleans up)
 
     def setup(self) -> None:
-        from components.core.store import UNWRITABLE_ADVICE, HintWrites, open_store, probe_writable
+        from relaunch.components.core.store import UNWRITABLE_ADVICE, HintWrites, open_store, probe_writable
 
         self.env = env = distr.read_env()
         setup.check_world_size(self.config, env.world_size)
@@ -328,8 +328,8 @@ class Training:
                          "exec": round(_PROCESS_START - _PROCESS_CREATED, 4)})
         release_startup_gc()
         if self.run_id and self.env.local_rank == 0:
-            from components.core.tracking.client import tracking_uri
-            from components.core.trainer.sysmetrics import SystemSampler
+            from relaunch.components.core.tracking.client import tracking_uri
+            from relaunch.components.core.trainer.sysmetrics import SystemSampler
 
             self.system_metrics = SystemSampler(tracking_uri(self.config), self.run_id, self.env.node_rank,
                                                 lambda: self.step).start()
@@ -359,7 +359,7 @@ class Training:
         return err
 
     def _forward_backward(self, batch) -> tuple[float, float]:
-        from components.core.trainer.parallel import total_grad_norm
+        from relaunch.components.core.trainer.parallel import total_grad_norm
 
         p = self.parts
         # Every part waits on the peers: FSDP gathers parameters in forward, DDP and FSDP reduce the
@@ -507,8 +507,8 @@ def run(config: RelaunchConfig) -> TrainSummary:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m components.train --config FILE | --config-json JSON [--set k=v ...]``."""
-    parser = argparse.ArgumentParser(prog="python -m components.train", description=__doc__.split("\n\n")[0])
+    """``python -m relaunch.components.train --config FILE | --config-json JSON [--set k=v ...]``."""
+    parser = argparse.ArgumentParser(prog="python -m relaunch.components.train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", help="YAML configuration file")
     parser.add_argument("--config-json", help="the whole configuration as JSON (what pipelines pass)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -525,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from components.core.runtime.stepcli import end_process
+    from relaunch.components.core.runtime.stepcli import end_process
 
     sys.stdout.reconfigure(line_buffering=True)
     code = main()

@@ -8,13 +8,13 @@ deletes the training job (PyTorchJob or TrainJob, per ``launch.backend``) when t
 was stopped. The exit-handler steps are retried too: one transient API error must not orphan a job
 that holds GPUs.
 
-    relaunch compile --target argo|argo-template|argo-cron -o FILE      # or: python -m pipelines.argo
+    relaunch compile --target argo|argo-template|argo-cron -o FILE      # or: python -m relaunch.pipelines.argo
 
-Wiring only: :func:`_define` walks the pipeline spec (:data:`pipelines.spec.PIPELINE`: steps, inputs,
+Wiring only: :func:`_define` walks the pipeline spec (:data:`relaunch.pipelines.spec.PIPELINE`: steps, inputs,
 conditions, retries, exit handler), as the KFP renderer does. Every step is ``python -m <its module>``
 in the project image (its outputs are the files the step CLI writes); the retry expression is
-:func:`~components.core.contract.exitcodes.argo_retry_expression`; credentials are ``secretKeyRef`` env
-entries (:func:`components.launchers.jobs.secret_env`).
+:func:`~relaunch.components.core.contract.exitcodes.argo_retry_expression`; credentials are ``secretKeyRef`` env
+entries (:func:`relaunch.components.launchers.jobs.secret_env`).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from hera.workflows import (DAG, Container, CronWorkflow, Parameter, RetryStrate
                             WorkflowTemplate)
 from hera.workflows import models as m
 
-from pipelines.spec import CONFIG, FINAL_STATUS, PARAMETERS, PIPELINE, RUN_ID, Condition, Step
-from components.core.contract.config import RelaunchConfig
-from components.core.contract.exitcodes import argo_retry_expression
-from components.launchers.jobs import OWNER_ENV, plain_env, secret_env, store_secret_files
+from relaunch.pipelines.spec import CONFIG, FINAL_STATUS, PARAMETERS, PIPELINE, RUN_ID, Condition, Step
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.exitcodes import argo_retry_expression
+from relaunch.components.launchers.jobs import OWNER_ENV, plain_env, secret_env, store_secret_files
 
 OUTPUTS_DIR = "/tmp/outputs"
 ARTIFACT_REPOSITORY = m.ArtifactRepositoryRef(config_map="artifact-repositories", key="minio")
@@ -41,7 +41,7 @@ STEP_ATTEMPT_SECONDS = 3600
 EXIT_HANDLER_ATTEMPT_SECONDS = 600
 WORKFLOW_OWNER = {"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow",
                   "name": "{{workflow.name}}", "uid": "{{workflow.uid}}"}
-# What the pipeline's own sources are on Argo (components.Source), and the exit handler's status.
+# What the pipeline's own sources are on Argo (relaunch.pipelines.spec.Source), and the exit handler's status.
 PIPELINE_VALUES = {CONFIG: "{{workflow.parameters.config_json}}", RUN_ID: "{{workflow.uid}}"}
 FINAL_STATUS_VALUES = {"state": "{{=workflow.status == 'Succeeded' ? 'SUCCEEDED' : 'FAILED'}}",
                        "error": "workflow {{workflow.name}} ended {{workflow.status}}"}
@@ -51,7 +51,7 @@ EXIT_HANDLER = "exit-handler"
 
 def pipeline_parameters(config: RelaunchConfig) -> list[Parameter]:
     """The workflow's parameters: the KFP pipeline's, same names, defaults and descriptions."""
-    from pipelines.kfp_pipeline import build_pipeline
+    from relaunch.pipelines.kfp_pipeline import build_pipeline
 
     params = []
     for name, spec in build_pipeline(config).component_spec.inputs.items():
@@ -135,7 +135,7 @@ def step_template(step: Step, config: RelaunchConfig, inputs: list[str]) -> Cont
 
 def _define(config: RelaunchConfig) -> None:
     """Inside a ``with Workflow(...)``: the templates and the two DAGs (main and exit handler), walked
-    from :data:`pipelines.spec.PIPELINE`."""
+    from :data:`relaunch.pipelines.spec.PIPELINE`."""
     params = [p.name for p in pipeline_parameters(config) if p.name != "config_json"]
     templates = {s.name: step_template(s, config, list(arguments(s, params))) for s in PIPELINE.all_steps()}
     for dag_name, steps in ((PIPELINE.name, PIPELINE.steps), (EXIT_HANDLER, PIPELINE.exit_handler)):

@@ -18,7 +18,7 @@ import argparse
 import importlib
 import sys
 
-from components.core.contract.entry import exit_on_error
+from relaunch.components.core.contract.entry import exit_on_error
 
 COMMANDS: dict[str, str] = {
     "run": "run the whole pipeline on this machine (kfp.local)",
@@ -66,7 +66,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, help_text in COMMANDS.items():
         if only is None or only == name:
-            module = importlib.import_module(f"pipelines.commands.{name}")
+            module = importlib.import_module(f"relaunch.pipelines.commands.{name}")
             module.add_parser(sub, help_text)
         else:
             sub.add_parser(name, help=help_text)

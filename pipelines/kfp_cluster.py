@@ -1,4 +1,4 @@
-"""Kubeflow Pipelines on a cluster: the KFP pipeline (:mod:`pipelines.kfp_pipeline`) with the
+"""Kubeflow Pipelines on a cluster: the KFP pipeline (:mod:`relaunch.pipelines.kfp_pipeline`) with the
 kfp-kubernetes settings a cluster needs, and the ``kfp.Client`` calls that submit it.
 
     relaunch compile --target kfp --config cluster.yaml -o pipeline.kfp.yaml
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.config import RelaunchConfig
 
 
 def secret_env_config(config: RelaunchConfig) -> dict:
@@ -30,7 +30,7 @@ def secret_env_config(config: RelaunchConfig) -> dict:
     """
     from kfp import compiler, dsl, kubernetes
 
-    from components.launchers.jobs import secret_env_sources, store_secret_files
+    from relaunch.components.launchers.jobs import secret_env_sources, store_secret_files
 
     k8s = config.launch.kubernetes
 
@@ -57,8 +57,8 @@ def secret_env_config(config: RelaunchConfig) -> dict:
 
 def compile_for_cluster(path: str | Path, config: RelaunchConfig | None = None) -> None:
     """Compile the KFP pipeline to ``path`` with secrets-as-env and the store endpoint on every executor."""
-    from components.launchers.jobs import store_secret_files
-    from pipelines.kfp_pipeline import compile_pipeline, to_yaml
+    from relaunch.components.launchers.jobs import store_secret_files
+    from relaunch.pipelines.kfp_pipeline import compile_pipeline, to_yaml
 
     config = config or RelaunchConfig()
     k8s = config.launch.kubernetes
@@ -96,7 +96,7 @@ def client(host: str | None = None, namespace: str | None = None):
 def typed_arguments(package: str | Path, arguments: dict[str, str] | None) -> dict:
     """``--param NAME=VALUE`` strings as the types the pipeline declares (the API server refuses a
     string for an integer input); an unknown name or a value of the wrong type is bad input."""
-    from components.core.contract.errors import BadInput
+    from relaunch.components.core.contract.errors import BadInput
 
     declared = next(yaml.safe_load_all(Path(package).read_text()))["root"]["inputDefinitions"]["parameters"]
     typed: dict = {}

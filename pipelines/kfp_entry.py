@@ -1,14 +1,14 @@
 """What every KFP component body calls: the step's ``run`` with the contract's exit codes.
 
-A lightweight component's body is only ``from pipelines.kfp_entry import call`` and
+A lightweight component's body is only ``from relaunch.pipelines.kfp_entry import call`` and
 ``return call("<step>", config_json, **inputs)``; this turns the JSON configuration into the model,
 runs the step, and returns its outputs as the tuple KFP expects (fields in declaration order). Any
 error becomes one line on stderr and the process exits with its contract code (the one entry wrapper,
-:mod:`components.core.contract.entry`, as ``python -m components.<step>`` does) (KFP's
+:mod:`relaunch.components.core.contract.entry`, as ``python -m relaunch.components.<step>`` does) (KFP's
 executor does not catch ``SystemExit``, and ``sh -c`` passes the code on), so the local
 runner (and a reader of the pod's log) can tell a permanent failure from a retryable one. When
 ``RELAUNCH_EVENTS`` names a file (``relaunch run`` sets it), the ``step-start`` and ``step-end``
-events of :mod:`components.core.contract.events` are appended to it.
+events of :mod:`relaunch.components.core.contract.events` are appended to it.
 
 In KFP's executor process the step ends without tearing the interpreter down: every ``atexit``
 handler runs (MLflow's, tempfile's, logging is shut down), then ``os._exit`` with the exit status.
@@ -26,11 +26,11 @@ import os
 import sys
 from typing import Any
 
-from pipelines.spec import STEP_MODULES
-from components.core.contract import events
-from components.core.contract.events import Kind
-from components.core.contract.exitcodes import ExitCode
-from components.core.runtime import logs
+from relaunch.pipelines.spec import STEP_MODULES
+from relaunch.components.core.contract import events
+from relaunch.components.core.contract.events import Kind
+from relaunch.components.core.contract.exitcodes import ExitCode
+from relaunch.components.core.runtime import logs
 
 _failed_with: list[int] = []
 _ends_without_teardown = False
@@ -41,7 +41,7 @@ def _end_without_teardown() -> None:
     if _failed_with:
         code = _failed_with[-1]
     elif hasattr(sys, "last_value"):  # the executor failed after the step, e.g. writing its outputs
-        from components.core.contract.classify import classify
+        from relaunch.components.core.contract.classify import classify
 
         code = classify(sys.last_value)
     else:
@@ -59,8 +59,8 @@ def _in_kfp_executor() -> bool:
 
 def call(step: str, config_json: str, **inputs: Any) -> tuple:
     """Run step ``step`` on the configuration ``config_json``; exit with the contract's code on error."""
-    from components.core.runtime import warm
-    from components.core.contract.config import RelaunchConfig
+    from relaunch.components.core.runtime import warm
+    from relaunch.components.core.contract.config import RelaunchConfig
 
     global _ends_without_teardown
     if _in_kfp_executor() and not _ends_without_teardown and not warm.forked:  # a warm fork ends so itself
@@ -72,7 +72,7 @@ def call(step: str, config_json: str, **inputs: Any) -> tuple:
         logs.configure(config, role=step)
         outputs = importlib.import_module(STEP_MODULES[step]).run(config, **inputs)
     except Exception as err:  # noqa: BLE001 - the one entry wrapper's code and line, as `python -m` ends
-        from components.core.contract.entry import report
+        from relaunch.components.core.contract.entry import report
 
         failure = report(step, err)
         _fail(step, failure.exit_code, failure.message)

@@ -1,16 +1,16 @@
-"""The relaunch pipeline (:data:`pipelines.spec.PIPELINE`) rendered as Kubeflow Pipelines v2: prepare ->
+"""The relaunch pipeline (:data:`relaunch.pipelines.spec.PIPELINE`) rendered as Kubeflow Pipelines v2: prepare ->
 locate-latest-checkpoint -> launch -> evaluate -> register (only when evaluate's gate passed), inside
 an exit handler whose ``finalize`` task closes the MLflow run (FAILED when the pipeline failed).
 Wiring only: :func:`build_pipeline` walks the spec; each component body imports
-:func:`pipelines.kfp_entry.call`, which runs the step's ``run``.
+:func:`relaunch.pipelines.kfp_entry.call`, which runs the step's ``run``.
 
-    python -m pipelines.kfp_pipeline build/pipeline.kfp.yaml     # or: relaunch compile --target kfp
+    python -m relaunch.pipelines.kfp_pipeline build/pipeline.kfp.yaml     # or: relaunch compile --target kfp
 
 :func:`build_pipeline` makes the components and the pipeline for one configuration: its image is
 each component's ``base_image`` (KFP's own setting, nothing rewritten afterwards) and its JSON the
 default of ``config_json``. The typed parameters come from
-:data:`components.core.contract.config.PIPELINE_PARAMETERS`. The same definition runs on one machine with
-``kfp.local`` (``relaunch run``, :mod:`pipelines.local.runner`). Retries come from each step of the
+:data:`relaunch.components.core.contract.config.PIPELINE_PARAMETERS`. The same definition runs on one machine with
+``kfp.local`` (``relaunch run``, :mod:`relaunch.pipelines.local.runner`). Retries come from each step of the
 spec; caching is off for every step (a cached "latest checkpoint" is a wrong one, and prepare's
 outputs include this run's MLflow run).
 
@@ -30,9 +30,9 @@ from typing import NamedTuple
 import yaml
 from kfp import compiler, dsl
 
-from pipelines.spec import (CONFIG, EVALUATE, FINALIZE, LAUNCH, LOCATE, PARAMETERS, PIPELINE, PREPARE, REGISTER, RUN_ID,
+from relaunch.pipelines.spec import (CONFIG, EVALUATE, FINALIZE, LAUNCH, LOCATE, PARAMETERS, PIPELINE, PREPARE, REGISTER, RUN_ID,
                         Condition, Step)
-from components.core.contract.config import (PIPELINE_PARAMETERS, RelaunchConfig, pipeline_parameter_description,
+from relaunch.components.core.contract.config import (PIPELINE_PARAMETERS, RelaunchConfig, pipeline_parameter_description,
                                     pipeline_parameter_type)
 
 # ---------------------------------------------------------------- component bodies (shipped as source)
@@ -45,7 +45,7 @@ def prepare(config_json: str, pipeline_run_id: str, epochs: int, max_steps: int,
                                                             ("experiment_id", str)]):
     """Build or reuse the dataset, open the MLflow run, resolve the configuration."""
     arguments = dict(locals())  # config_json, pipeline_run_id and the pipeline parameters
-    from pipelines.kfp_entry import call
+    from relaunch.pipelines.kfp_entry import call
 
     return call("prepare", **arguments)
 
@@ -53,7 +53,7 @@ def prepare(config_json: str, pipeline_run_id: str, epochs: int, max_steps: int,
 def locate_latest_checkpoint(config_json: str) -> NamedTuple(
         "LocateOutputs", [("checkpoint_uri", str), ("step", int), ("source", str)]):
     """The checkpoint training starts from ("" when none)."""
-    from pipelines.kfp_entry import call
+    from relaunch.pipelines.kfp_entry import call
 
     return call("locate-latest-checkpoint", config_json)
 
@@ -63,7 +63,7 @@ def launch(config_json: str, resume_from: str, pipeline_run_id: str) -> NamedTup
                           ("train_seconds", float), ("duration_seconds", float), ("ettr", float),
                           ("last_checkpoint_uri", str), ("job_name", str), ("completed", bool)]):
     """Run the distributed training to its end (local torchrun agents or a PyTorchJob)."""
-    from pipelines.kfp_entry import call
+    from relaunch.pipelines.kfp_entry import call
 
     return call("launch", config_json, resume_from=resume_from, pipeline_run_id=pipeline_run_id)
 
@@ -71,7 +71,7 @@ def launch(config_json: str, resume_from: str, pipeline_run_id: str) -> NamedTup
 def evaluate(config_json: str, training_completed: bool) -> NamedTuple(
         "EvaluateOutputs", [("metrics_json", str), ("passed", bool), ("checkpoint_uri", str), ("step", int)]):
     """Metrics of the final checkpoint on the held-out split, and the gate's verdict."""
-    from pipelines.kfp_entry import call
+    from relaunch.pipelines.kfp_entry import call
 
     return call("evaluate", config_json, training_completed=training_completed)
 
@@ -80,7 +80,7 @@ def register(config_json: str, checkpoint_uri: str, metrics_json: str) -> NamedT
         "RegisterOutputs", [("model_name", str), ("version", str), ("aliases", str),
                             ("champion_version", str), ("champion_decision", str)]):
     """Register the model version, set challenger/champion, pin its checkpoint."""
-    from pipelines.kfp_entry import call
+    from relaunch.pipelines.kfp_entry import call
 
     return call("register", config_json, checkpoint_uri=checkpoint_uri, metrics_json=metrics_json)
 
@@ -88,7 +88,7 @@ def register(config_json: str, checkpoint_uri: str, metrics_json: str) -> NamedT
 def finalize(config_json: str, pipeline_run_id: str, status: dsl.PipelineTaskFinalStatus) -> NamedTuple(
         "FinalizeOutputs", [("run_id", str), ("status", str)]):
     """Exit task: mark the MLflow run FINISHED, or FAILED with the reason."""
-    from pipelines.kfp_entry import call
+    from relaunch.pipelines.kfp_entry import call
 
     return call("finalize", config_json, pipeline_run_id=pipeline_run_id, state=status.state,
                 error=status.error_message or "")

@@ -1,8 +1,8 @@
 """The pipeline, written once: its steps (one module each), which output feeds which input, the
 evaluation gate, the retries and the exit handler. :data:`PIPELINE` is walked by both renderers,
-:mod:`pipelines.kfp_pipeline` (KFP v2, and ``relaunch run`` through ``kfp.local``) and
-:mod:`pipelines.argo` (Argo Workflows); the local run, the console and the tests read each step's
-module and outputs from here, its name from :mod:`components.core.contract.steps`.
+:mod:`relaunch.pipelines.kfp_pipeline` (KFP v2, and ``relaunch run`` through ``kfp.local``) and
+:mod:`relaunch.pipelines.argo` (Argo Workflows); the local run, the console and the tests read each step's
+module and outputs from here, its name from :mod:`relaunch.components.core.contract.steps`.
 
     prepare >> locate-latest-checkpoint >> launch >> evaluate >> register (when evaluate passed: the
     training completed, launch says, and its metric met the gate)
@@ -16,8 +16,8 @@ import importlib
 import typing
 from dataclasses import dataclass
 
-from components.core.contract import steps as names
-from components.core.contract.exitcodes import RetryPolicy
+from relaunch.components.core.contract import steps as names
+from relaunch.components.core.contract.exitcodes import RetryPolicy
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ CONFIG = Source("", "config_json")
 RUN_ID = Source("", "run_id")
 """The pipeline run's id (KFP's job id, Argo's ``workflow.uid``)."""
 PARAMETERS = Source("", "parameters")
-"""Every typed pipeline parameter (:data:`components.core.contract.config.PIPELINE_PARAMETERS`), each under its own name."""
+"""Every typed pipeline parameter (:data:`relaunch.components.core.contract.config.PIPELINE_PARAMETERS`), each under its own name."""
 FINAL_STATUS = Source("", "status")
 """How the pipeline ended (exit handler only): KFP's ``PipelineTaskFinalStatus``, on Argo the
 ``state`` and ``error`` that ``workflow.status`` gives."""
@@ -135,30 +135,30 @@ EXIT_HANDLER_RETRY = RetryPolicy(limit=5, backoff_seconds=5, factor=2, max_backo
 """Exit-handler steps are quick API calls, retried often so that a transient error never orphans a job
 (on Argo; the KFP exit task has never been retried, and retrying it there is a change of its own)."""
 
-PREPARE = Step(names.PREPARE, "components.prepare", "PrepareOutputs",
+PREPARE = Step(names.PREPARE, "relaunch.components.prepare", "PrepareOutputs",
                inputs=(Input("config_json", CONFIG), Input("pipeline_run_id", RUN_ID), Input("parameters", PARAMETERS)),
                retry=DEFAULT_RETRY)
 RESOLVED = Input("config_json", output(PREPARE, "config_json"))
 """What every later step of the DAG reads: the configuration prepare resolved."""
-LOCATE = Step(names.LOCATE, "components.locate", "LocateOutputs", inputs=(RESOLVED,), retry=DEFAULT_RETRY)
-LAUNCH = Step(names.LAUNCH, "components.launch", "LaunchOutputs",
+LOCATE = Step(names.LOCATE, "relaunch.components.locate", "LocateOutputs", inputs=(RESOLVED,), retry=DEFAULT_RETRY)
+LAUNCH = Step(names.LAUNCH, "relaunch.components.launch", "LaunchOutputs",
               inputs=(RESOLVED, Input("resume_from", output(LOCATE, "checkpoint_uri")), Input("pipeline_run_id", RUN_ID)),
               # training restarts inside torchrun / the job first; a whole launch retry is the outer loop
               retry=RetryPolicy(limit=4, backoff_seconds=10, factor=2, max_backoff_seconds=300),
               uses_torch=True, creates_job=True)
-EVALUATE = Step(names.EVALUATE, "components.evaluate", "EvaluateOutputs",
+EVALUATE = Step(names.EVALUATE, "relaunch.components.evaluate", "EvaluateOutputs",
                 # the registry gate: a training that did not reach its end is neither evaluated nor registered
                 inputs=(RESOLVED, Input("training_completed", output(LAUNCH, "completed"))),
                 retry=RetryPolicy(limit=2, backoff_seconds=5, factor=2, max_backoff_seconds=60), uses_torch=True)
-REGISTER = Step(names.REGISTER, "components.register", "RegisterOutputs",
+REGISTER = Step(names.REGISTER, "relaunch.components.register", "RegisterOutputs",
                 inputs=(RESOLVED, Input("checkpoint_uri", output(EVALUATE, "checkpoint_uri")),
                         Input("metrics_json", output(EVALUATE, "metrics_json"))),
                 when=Condition("gate-passed", output(EVALUATE, "passed"), "==", True), retry=DEFAULT_RETRY)
-FINALIZE = Step(names.FINALIZE, "components.finalize", "FinalizeOutputs",
+FINALIZE = Step(names.FINALIZE, "relaunch.components.finalize", "FinalizeOutputs",
                 inputs=(Input("config_json", CONFIG), Input("pipeline_run_id", RUN_ID), Input("status", FINAL_STATUS)),
                 retry=EXIT_HANDLER_RETRY)
 """Close the MLflow run: FINISHED, or FAILED with the reason."""
-DELETE_JOB = Step(names.DELETE_JOB, "components.launchers.cluster", "DeleteOutputs",
+DELETE_JOB = Step(names.DELETE_JOB, "relaunch.components.launchers.cluster", "DeleteOutputs",
                   inputs=(Input("config_json", CONFIG), Input("pipeline_run_id", RUN_ID)),
                   when=Condition("pipeline-failed", FINAL_STATUS, "!=", "Succeeded"), retry=EXIT_HANDLER_RETRY,
                   on_kfp=False)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from components.core.runtime.net import free_port
+from relaunch.components.core.runtime.net import free_port
 from tests.services import stop_pid, wait_until
 
 AZURITE_VERSION = "3.37.0"

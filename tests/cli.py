@@ -51,8 +51,8 @@ def kill_agents(cwd: Path) -> None:
 
 def newest_training(root: str) -> str:
     """The store URI of the newest training ``relaunch run`` started under the store ``root``."""
-    from components.core.store import open_store
-    from components.core.store.trainings import training_names, training_uri
+    from relaunch.components.core.store import open_store
+    from relaunch.components.core.store.trainings import training_names, training_uri
 
     names = training_names(open_store(root))
     assert names, f"no training under {root}"

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-from components.core.runtime.net import free_port
+from relaunch.components.core.runtime.net import free_port
 from tests.services import BIN, http_ok, stop_pid, wait_until
 
 BUCKET = "relaunch-ckpt"

@@ -18,7 +18,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from components.core.runtime.net import free_port
+from relaunch.components.core.runtime.net import free_port
 
 BIN = Path(sys.executable).parent
 S3_ACCESS_KEY = "relaunch-test-access-key"

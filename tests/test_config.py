@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from components.core.contract.config import (PIPELINE_PARAMETERS, RelaunchConfig, config_from_cli, load_config,
+from relaunch.components.core.contract.config import (PIPELINE_PARAMETERS, RelaunchConfig, config_from_cli, load_config,
                                     parse_failure_spec, parse_store_uri, pipeline_parameter_type,
                                     with_pipeline_parameters)
-from components.core.contract.errors import BadInput
+from relaunch.components.core.contract.errors import BadInput
 
 
 def test_defaults_are_the_embedded_local_setup():
@@ -100,7 +100,7 @@ def test_every_field_has_a_description_for_the_ui_and_readme():
                                  "file://host/x", "", "s3:/bucket/x", "foo:bar"])
 def test_every_entry_point_refuses_a_bad_store_uri_with_the_same_rule(uri):
     """The configuration and open_store (the checkpoints CLI, a --store argument) apply one rule set."""
-    from components.core.store import open_store
+    from relaunch.components.core.store import open_store
 
     with pytest.raises(ValueError) as in_config:
         parse_store_uri(uri)
@@ -212,7 +212,7 @@ def test_paths_that_merely_contain_a_colon_stay_paths(uri, parsed):
 
 def test_the_scheme_check_follows_the_registered_backends():
     """A backend registered later (gs, az) is accepted as <scheme>://... and its short forms get the fix."""
-    from components.core.store import BACKENDS, register_backend
+    from relaunch.components.core.store import BACKENDS, register_backend
 
     class Toy:
         scheme, example = "toy", "toy://bucket/prefix"

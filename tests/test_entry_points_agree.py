@@ -1,6 +1,6 @@
 """One failure, one exit code, whatever the entry point: the same exceptions raised inside a real step run
-the Argo way (``python -m components.prepare``), the KFP way (the component body's ``kfp_entry.call``) and
-inside a real training worker (``python -m components.train``) end with the same contract code, so the
+the Argo way (``python -m relaunch.components.prepare``), the KFP way (the component body's ``kfp_entry.call``) and
+inside a real training worker (``python -m relaunch.components.train``) end with the same contract code, so the
 retry decision (Argo's expression, KFP's retry, the PyTorchJob's ExitCode policy) is the same on each."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from components.core.contract.exitcodes import ExitCode, is_retryable
+from relaunch.components.core.contract.exitcodes import ExitCode, is_retryable
 
 FAILURES = [  # (what the task raises, the contract's code)
     ("store-connection", ExitCode.RETRY_ME),  # urllib3's MaxRetryError, as minio raises it
@@ -29,9 +29,9 @@ def _config(tmp_path) -> str:
 
 
 ENTRY_POINTS = {
-    "argo": lambda cfg: [sys.executable, "-m", "components.prepare", "--config-json", cfg],
-    "kfp": lambda cfg: [sys.executable, "-c", f"from pipelines.kfp_entry import call; call('prepare', {cfg!r})"],
-    "worker": lambda cfg: [sys.executable, "-m", "components.train", "--config-json", cfg],
+    "argo": lambda cfg: [sys.executable, "-m", "relaunch.components.prepare", "--config-json", cfg],
+    "kfp": lambda cfg: [sys.executable, "-c", f"from relaunch.pipelines.kfp_entry import call; call('prepare', {cfg!r})"],
+    "worker": lambda cfg: [sys.executable, "-m", "relaunch.components.train", "--config-json", cfg],
 }
 
 

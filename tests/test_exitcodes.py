@@ -6,8 +6,8 @@ import signal
 
 import pytest
 
-from pipelines.spec import RETRY_POLICIES, STEPS
-from components.core.contract.exitcodes import PERMANENT, RETRYABLE, ExitCode, is_retryable, normalize
+from relaunch.pipelines.spec import RETRY_POLICIES, STEPS
+from relaunch.components.core.contract.exitcodes import PERMANENT, RETRYABLE, ExitCode, is_retryable, normalize
 
 
 def test_permanent_and_retryable_are_disjoint_and_cover_the_contract():

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from components.core.contract.config import load_config
-from components.core.contract.errors import BadInput
+from relaunch.components.core.contract.config import load_config
+from relaunch.components.core.contract.errors import BadInput
 from tests.cli import relaunch_run
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from components.core.contract.config import config_reference_markdown, exit_code_markdown
+from relaunch.components.core.contract.config import config_reference_markdown, exit_code_markdown
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -18,7 +18,7 @@ def test_readme_table_matches_the_code(marker, generate):
     text = README.read_text()
     found = re.search(rf"<!-- {marker}:start -->\n(.*?)\n<!-- {marker}:end -->", text, re.S)
     assert found, f"README lacks the {marker} markers"
-    assert found.group(1) == generate(), "regenerate with: python -m components.core.contract.config"
+    assert found.group(1) == generate(), "regenerate with: python -m relaunch.components.core.contract.config"
 
 
 def test_readme_gives_the_two_setup_commands():
@@ -75,10 +75,10 @@ def test_readme_has_relaunch_command_lines_to_check():
 
 @pytest.mark.parametrize("argv", _relaunch_commands(), ids=lambda a: " ".join(a)[:60])
 def test_every_relaunch_command_in_the_readme_parses_and_its_configuration_is_valid(argv):
-    from components.core.contract.config import load_config, with_pipeline_parameters
-    from pipelines.cli import build_parser
+    from relaunch.components.core.contract.config import load_config, with_pipeline_parameters
+    from relaunch.pipelines.cli import build_parser
 
-    argv = [a.replace("mypkg.mytask:make_task", "components.tasks.digits:make_task") for a in argv]
+    argv = [a.replace("mypkg.mytask:make_task", "relaunch.components.tasks.digits:make_task") for a in argv]
     args = build_parser(argv[0]).parse_args(argv)  # an unknown flag or choice exits here
     if hasattr(args, "overrides"):
         config = load_config(ROOT / args.config if args.config else None, args.overrides)
@@ -89,8 +89,8 @@ def test_every_relaunch_command_in_the_readme_parses_and_its_configuration_is_va
 def test_the_readmes_cluster_lines_carry_a_configuration_for_the_cluster():
     cluster = [c for c in _relaunch_commands() if c[0] in ("compile", "submit", "schedule", "render")]
     assert cluster and all("--config" in c for c in cluster), [" ".join(c) for c in cluster if "--config" not in c]
-    from components.core.contract.config import load_config
-    from pipelines.commands.compile import local_services
+    from relaunch.components.core.contract.config import load_config
+    from relaunch.pipelines.commands.compile import local_services
 
     assert local_services(load_config(ROOT / "configs" / "cluster.yaml")) == []
     assert len(local_services(load_config())) == 2  # the defaults are this machine's: the lines need --config
@@ -114,19 +114,19 @@ def test_every_repository_path_the_readme_names_exists():
 
 
 def test_the_step_count_and_the_step_table_match_the_pipeline_spec():
-    from pipelines.spec import PIPELINE
+    from relaunch.pipelines.spec import PIPELINE
 
     text = README.read_text()
     said = re.search(r"One DAG of (\w+) steps and an exit handler \((\w+)", text)
     assert said, "the README says how many steps the DAG has"
     assert NUMBERS[said.group(1)] == len(PIPELINE.steps)
     rows = re.findall(r"^\| ([a-z-]+)(?: \(exit task\))? \| `components/", text, re.M)
-    exit_steps = [s.name for s in PIPELINE.exit_handler if s.module.count(".") == 1]  # a step module of its own
+    exit_steps = [s.name for s in PIPELINE.exit_handler if s.module.count(".") == 2]  # a step module of its own
     assert rows == [s.name for s in PIPELINE.steps] + exit_steps and said.group(2) == exit_steps[0]
 
 
 def test_the_layout_names_the_launch_backends_there_are():
-    from components.launchers import LAUNCH_BACKENDS
+    from relaunch.components.launchers import LAUNCH_BACKENDS
 
     line = next(line for line in _code_lines() if line.startswith("components/launchers/"))
     named = re.search(r"rendered by (.*)$", line).group(1).replace(",", " ").split()
@@ -144,6 +144,6 @@ def test_relaunch_version_prints_the_installed_package_version():
     import sys
     from importlib.metadata import version
 
-    proc = subprocess.run([sys.executable, "-m", "pipelines.cli", "--version"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "relaunch.pipelines.cli", "--version"], capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout.strip() == f"relaunch {version('relaunch')}"
     assert "relaunch --version" in README.read_text()

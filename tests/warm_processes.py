@@ -1,5 +1,5 @@
 """Real torchrun agents and workers for the tests, started warm the way a node starts them: through one
-zygote per test session (:mod:`components.core.runtime.zygote`, the mechanism ``relaunch run`` and a pod use),
+zygote per test session (:mod:`relaunch.components.core.runtime.zygote`, the mechanism ``relaunch run`` and a pod use),
 so that agents and ranks do not each import torch and DCP again (most of a small test's time).
 
 :func:`start` and :func:`run` take the command a test would give ``subprocess``. ``torchrun ...`` and
@@ -18,11 +18,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from components.core.runtime.zygote import Zygote, client_command
+from relaunch.components.core.runtime.zygote import Zygote, client_command
 
 ROOT = Path(__file__).resolve().parents[1]
 COLD_ENV = "RELAUNCH_TEST_COLD"
-_WORKERS = ("tests.core.fsdp_worker", "tests.core.resume_worker", "components.tasks.digits", "tests.core.warm_child")
+_WORKERS = ("tests.core.fsdp_worker", "tests.core.resume_worker", "relaunch.components.tasks.digits", "tests.core.warm_child")
 _zygote: Zygote | None = None
 _dir: tempfile.TemporaryDirectory | None = None
 

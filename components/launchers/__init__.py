@@ -5,10 +5,10 @@ module implementing
 
 and, for each ``relaunch render`` kind it offers, a function ``(config, run_id) -> str | dict`` (a
 dict is written as YAML). :data:`LAUNCH_BACKENDS` is the one table of them: the config accepts a
-``launch.backend`` it lists, ``components.launch`` runs its module, ``relaunch render`` offers its
+``launch.backend`` it lists, ``relaunch.components.launch`` runs its module, ``relaunch render`` offers its
 kinds. Adding a backend is its module plus one :func:`register_launch_backend` line at the end of
-this file. The two cluster backends share one contract, :mod:`components.launchers.cluster`; every
-backend runs the one torchrun command of :meth:`components.launchers.jobs.JobSpec.torchrun_args`.
+this file. The two cluster backends share one contract, :mod:`relaunch.components.launchers.cluster`; every
+backend runs the one torchrun command of :meth:`relaunch.components.launchers.jobs.JobSpec.torchrun_args`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 
-from components.core.contract.registry import LAUNCH_BACKENDS, LaunchBackend, launch_backend
-from components.core.contract.registry import launch_backend_names  # noqa: F401 - the names, from here too
+from relaunch.components.core.contract.registry import LAUNCH_BACKENDS, LaunchBackend, launch_backend
+from relaunch.components.core.contract.registry import launch_backend_names  # noqa: F401 - the names, from here too
 
 
 @dataclass
@@ -34,7 +34,7 @@ class LaunchResult:
 
 def register_launch_backend(name: str, module: str | None = None, *, cluster: bool = False, launches: bool = True,
                             renders: dict[str, str] | None = None) -> LaunchBackend:
-    """Register backend ``name``, implemented by ``module`` (default ``components.launchers.<name>``);
+    """Register backend ``name``, implemented by ``module`` (default ``relaunch.components.launchers.<name>``);
     ``renders`` maps each ``relaunch render`` kind it offers to the module's function that renders it."""
     backend = LaunchBackend(name, module or f"{__name__}.{name}", cluster, launches, dict(renders or {}))
     LAUNCH_BACKENDS[name] = backend
@@ -42,7 +42,7 @@ def register_launch_backend(name: str, module: str | None = None, *, cluster: bo
 
 
 def backend_module(config):
-    """The module of ``config.launch.backend`` (e.g. :mod:`~components.launchers.local`)."""
+    """The module of ``config.launch.backend`` (e.g. :mod:`~relaunch.components.launchers.local`)."""
     return importlib.import_module(launch_backend(config.launch.backend).module)
 
 

@@ -1,13 +1,13 @@
 """The launcher contract both cluster backends share: one training job per pipeline run, adopted on retry.
 
     relaunch render pytorchjob|trainjob -o job.yaml         # what would be created, for review
-    python -m components.launch --config-json '...' --set launch.backend=trainjob \
+    python -m relaunch.components.launch --config-json '...' --set launch.backend=trainjob \
         --input pipeline_run_id=$WORKFLOW_UID --input resume_from=s3://...
-    python -m components.launchers.cluster --config-json '...' --input pipeline_run_id=ID   # the exit handler
+    python -m relaunch.components.launchers.cluster --config-json '...' --input pipeline_run_id=ID   # the exit handler
 
-A backend (:mod:`~components.launchers.pytorchjob`, :mod:`~components.launchers.trainjob`) is a
-:class:`~components.launchers.jobs.JobKind` (its resource, how to read its state, how to find its
-pods) and a pure builder made of :mod:`components.launchers.jobs`. The acting part is here, once: the :class:`Launcher` creates or adopts the job, waits on a
+A backend (:mod:`~relaunch.components.launchers.pytorchjob`, :mod:`~relaunch.components.launchers.trainjob`) is a
+:class:`~relaunch.components.launchers.jobs.JobKind` (its resource, how to read its state, how to find its
+pods) and a pure builder made of :mod:`relaunch.components.launchers.jobs`. The acting part is here, once: the :class:`Launcher` creates or adopts the job, waits on a
 watch, streams node 0's log, and maps how the job ended to the exit-code contract.
 
 =========================  ===================================================================
@@ -33,13 +33,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from components.core.contract.steps import DELETE_JOB
-from components.core.contract.config import RelaunchConfig
-from components.core.contract.errors import BadInput, TransientFailure
-from components.core.contract.exitcodes import RETRYABLE, ExitCode
-from components.launchers.k8s_naming import job_name
-from components.launchers import LaunchResult, backend_module
-from components.launchers.jobs import STEP, JobKind, JobState, failure_exit_code, unscheduled_reason, unstartable_reason
+from relaunch.components.core.contract.steps import DELETE_JOB
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.errors import BadInput, TransientFailure
+from relaunch.components.core.contract.exitcodes import RETRYABLE, ExitCode
+from relaunch.components.launchers.k8s_naming import job_name
+from relaunch.components.launchers import LaunchResult, backend_module
+from relaunch.components.launchers.jobs import STEP, JobKind, JobState, failure_exit_code, unscheduled_reason, unstartable_reason
 
 # After a delete, how long to wait for the job (and its Foreground-deleted pods) to be gone before
 # recreating it under the same name; a finalizer stuck longer than this needs a human.
@@ -306,7 +306,7 @@ def launch_job(kind: JobKind, build: Callable[[str | None], dict], config: Relau
     except BadInput as err:
         return LaunchResult(exit_code=int(ExitCode.BAD_INPUT), message=str(err))
     except ApiException as err:
-        from components.core.contract.classify import classify
+        from relaunch.components.core.contract.classify import classify
 
         return LaunchResult(exit_code=int(classify(err)),
                             message=f"Kubernetes API refused the request: {err.status} {err.reason}")
@@ -354,10 +354,10 @@ def delete_job(config: RelaunchConfig, pipeline_run_id: str = "") -> DeleteOutpu
     return DeleteOutputs(job_name=name, deleted=existed)
 
 
-run = delete_job  # what ``python -m components.launchers.cluster`` (the step CLI) runs
+run = delete_job  # what ``python -m relaunch.components.launchers.cluster`` (the step CLI) runs
 
 
 if __name__ == "__main__":
-    from components.core.runtime.stepcli import step_main
+    from relaunch.components.core.runtime.stepcli import step_main
 
     sys.exit(step_main(DELETE_JOB, delete_job))

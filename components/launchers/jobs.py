@@ -3,9 +3,9 @@
 :func:`job_spec` builds the one neutral description of a training job from the configuration, as
 TorchX's ``components/dist.py`` returns an ``AppDef``: a :class:`JobSpec` (image, the torchrun
 command, env, Secrets as env, resources, nodes, processes per node, restart policy). Each launcher
-renders that spec, never the configuration: :mod:`~components.launchers.local` (torchrun agents on
-this machine), :mod:`~components.launchers.pytorchjob`, :mod:`~components.launchers.trainjob` and
-:mod:`~components.launchers.slurm`; the cluster ones add only their backend's own settings
+renders that spec, never the configuration: :mod:`~relaunch.components.launchers.local` (torchrun agents on
+this machine), :mod:`~relaunch.components.launchers.pytorchjob`, :mod:`~relaunch.components.launchers.trainjob` and
+:mod:`~relaunch.components.launchers.slurm`; the cluster ones add only their backend's own settings
 (namespace, service account, placement, job-level limits from ``launch.kubernetes`` and
 ``launch.trainjob``). The Argo and KFP definitions read the same Secrets and plain environment
 from here, and the mapping of a failed job's conditions and pods to the exit-code contract is here.
@@ -17,16 +17,16 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
-from components.core.contract.steps import LAUNCH
-from components.core.contract.config import RelaunchConfig
-from components.core.contract.classify import classify_pod
-from components.core.contract.exitcodes import PERMANENT, RETRYABLE, ExitCode
-from components.launchers.k8s_naming import job_name, run_hash
+from relaunch.components.core.contract.steps import LAUNCH
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.classify import classify_pod
+from relaunch.components.core.contract.exitcodes import PERMANENT, RETRYABLE, ExitCode
+from relaunch.components.launchers.k8s_naming import job_name, run_hash
 
 RUN_LABEL = "relaunch.dev/pipeline-run"
 RUN_ANNOTATION = "relaunch.dev/pipeline-run-id"
 STEP = LAUNCH  # the step whose pipeline-run-scoped job this is
-TRAIN_MODULE = "components.train"
+TRAIN_MODULE = "relaunch.components.train"
 
 # The Secrets every relaunch container reads, and the keys (each key equals the variable's name).
 STORE_SECRET_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
@@ -106,7 +106,7 @@ class RestartPolicy:
     """torchrun restarts the worker group in place this many times (resuming from the latest checkpoint)."""
     retryable_exit_codes: tuple[int, ...]
     """A node that exits with one of these is started again by its scheduler (the pod, the JobSet, a
-    Slurm requeue); any other non-zero code fails the job for good (:mod:`components.core.contract.exitcodes`)."""
+    Slurm requeue); any other non-zero code fails the job for good (:mod:`relaunch.components.core.contract.exitcodes`)."""
 
 
 @dataclass(frozen=True)
@@ -161,11 +161,11 @@ class JobSpec:
             extra: further torchrun flags, placed before the training module.
             config_json: what ``--config-json`` gets (a shell word); defaults to :attr:`config_json`.
             worker: the worker command prefix when workers come from the node's zygote
-                (:func:`components.core.runtime.zygote.client_command`): torchrun then runs
-                ``--no-python *worker -m components.train ...`` instead of ``python -u -m components.train ...``.
+                (:func:`relaunch.components.core.runtime.zygote.client_command`): torchrun then runs
+                ``--no-python *worker -m relaunch.components.train ...`` instead of ``python -u -m relaunch.components.train ...``.
 
         Returns:
-            ``[--nnodes=..., ..., -m, components.train, --config-json, JSON]``.
+            ``[--nnodes=..., ..., -m, relaunch.components.train, --config-json, JSON]``.
         """
         args = [f"--nnodes={node_count or self.nnodes()}", f"--nproc-per-node={self.procs_per_node}",
                 "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}"]
@@ -213,7 +213,7 @@ def job_spec(config: RelaunchConfig, *, resume_from: str | None = None) -> JobSp
 
 def secret_env_sources(k8s, store_uri: str = "") -> list[tuple[str, tuple[str, ...], bool]]:
     """``(secret name, keys, optional)`` of every Secret a relaunch container reads: the one list the
-    jobs, the Argo steps and the KFP tasks (:mod:`pipelines.kfp_cluster`) are built from; the store
+    jobs, the Argo steps and the KFP tasks (:mod:`relaunch.pipelines.kfp_cluster`) are built from; the store
     Secret's keys follow the scheme of ``store_uri`` (STORE_SECRETS_BY_SCHEME). A gs:// store reads no
     keys from env: its Secret is a mounted file (:func:`store_secret_files`)."""
     scheme = store_uri.split("://", 1)[0] if "://" in store_uri else ""
@@ -294,22 +294,22 @@ def worker_config(config: RelaunchConfig, resume_from: str | None) -> RelaunchCo
 
 def supervised(torchrun_args: list[str], *, warm: bool = True) -> list[str]:
     """The container command: torchrun under the supervisor that maps its blanket exit 1 to the
-    contract's code (:mod:`components.launchers.supervise`).
+    contract's code (:mod:`relaunch.components.launchers.supervise`).
 
-    ``warm``: the workers are forks of the pod's zygote (:mod:`components.core.runtime.zygote`, which the
+    ``warm``: the workers are forks of the pod's zygote (:mod:`relaunch.components.core.runtime.zygote`, which the
     supervisor starts before torchrun): torchrun's worker command becomes its stdlib client,
-    ``--no-python python -I -S /tmp/relaunch-zygote/client.py -m components.train ...``, which falls back to
-    the cold ``python -u -m components.train ...`` by itself when the zygote is missing.
+    ``--no-python python -I -S /tmp/relaunch-zygote/client.py -m relaunch.components.train ...``, which falls back to
+    the cold ``python -u -m relaunch.components.train ...`` by itself when the zygote is missing.
     """
     if warm:
         torchrun_args = with_zygote_worker(torchrun_args)
-    return ["python", "-m", "components.launchers.supervise", "torchrun", *torchrun_args]
+    return ["python", "-m", "relaunch.components.launchers.supervise", "torchrun", *torchrun_args]
 
 
 def with_zygote_worker(torchrun_args: list[str], python: str = "python") -> list[str]:
     """``torchrun_args`` (what :meth:`JobSpec.torchrun_args` returns, ending ``-m MODULE --config-json J``)
     with the pod zygote's client as the worker command."""
-    from components.core.runtime.zygote import CLIENT_PATH, client_command
+    from relaunch.components.core.runtime.zygote import CLIENT_PATH, client_command
 
     if len(torchrun_args) < 4 or torchrun_args[-4] != "-m" or torchrun_args[-2] != "--config-json":
         raise ValueError(f"not JobSpec.torchrun_args: {torchrun_args[-4:]}")
@@ -387,7 +387,7 @@ def describe_conditions(conditions: Iterable[dict]) -> str:
 
 def pod_exit_codes(pods: list[dict], container: str) -> list[tuple[int, str]]:
     """Every ended pod or training container of a job as ``(exit code of the contract, why)``
-    (:func:`components.core.contract.classify.classify_pod` of each pod)."""
+    (:func:`relaunch.components.core.contract.classify.classify_pod` of each pod)."""
     return [(int(code), why) for pod in pods for code, why in classify_pod(pod, container)]
 
 

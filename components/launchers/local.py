@@ -4,17 +4,17 @@ processes standing in for nodes. What it runs, per simulated node ``i`` (agent 0
 
     python -m torch.distributed.run --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d \\
         --rdzv-endpoint=127.0.0.1:PORT --rdzv-id=JOB --rdzv-conf=is_host=true \\
-        --max-restarts=3 --monitor-interval=0.5 -m components.train --config-json '{...}'
+        --max-restarts=3 --monitor-interval=0.5 -m relaunch.components.train --config-json '{...}'
 
 Warm (a launch step forked from ``relaunch run``'s warm server; ``--cold`` or ``RELAUNCH_COLD=1`` turns it
 off, and a launch step started any other way is cold), each node first gets a
-zygote (:mod:`components.core.runtime.zygote`; in ``relaunch run`` the full warm server is that zygote,
+zygote (:mod:`relaunch.components.core.runtime.zygote`; in ``relaunch run`` the full warm server is that zygote,
 having imported torch, MLflow and the task already): torchrun's worker command becomes its stdlib client,
-``--no-python python -I -S zygote_client.py -m components.train ...``, so that every worker, first or
+``--no-python python -I -S zygote_client.py -m relaunch.components.train ...``, so that every worker, first or
 restarted, is a fork of a single-threaded pre-imported process: the mechanism a pod uses
-(:func:`components.launchers.jobs.supervised`). The agents themselves are plain processes.
+(:func:`relaunch.components.launchers.jobs.supervised`). The agents themselves are plain processes.
 
-It streams the agents' output, reads rank 0's events (:mod:`components.core.contract.events`) from it, passes
+It streams the agents' output, reads rank 0's events (:mod:`relaunch.components.core.contract.events`) from it, passes
 them on to the run's event file (or draws a progress bar), and maps the outcome to the exit-code
 contract: torchrun exits 1 for any worker failure, so the code of the worker that ended the attempt
 is read back from the store (``runs/exit.json``, written by the trainer), else from rank 0's own
@@ -36,17 +36,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from components.core.contract import events
-from components.core.contract.config import RelaunchConfig
-from components.core.contract.events import Kind
-from components.core.contract.exitcodes import ExitCode, is_retryable
-from components.core.runtime import warm as runtime_warm
-from components.core.runtime.net import free_port
-from components.core.runtime.zygote import Zygote, client_command
-from components.core.runtime.zygote_client import ZYGOTE_ENV
-from components.launchers import LaunchResult
-from components.launchers.jobs import JobSpec, job_spec
-from components.launchers.torchrun import exit_code
+from relaunch.components.core.contract import events
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.events import Kind
+from relaunch.components.core.contract.exitcodes import ExitCode, is_retryable
+from relaunch.components.core.runtime import warm as runtime_warm
+from relaunch.components.core.runtime.net import free_port
+from relaunch.components.core.runtime.zygote import Zygote, client_command
+from relaunch.components.core.runtime.zygote_client import ZYGOTE_ENV
+from relaunch.components.launchers import LaunchResult
+from relaunch.components.launchers.jobs import JobSpec, job_spec
+from relaunch.components.launchers.torchrun import exit_code
 
 _TORCHRUN_EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
 AGENT_GRACE_SECONDS = 30.0  # once one agent ended badly, how long the others get to notice
@@ -158,7 +158,7 @@ def _wait(agents: list[subprocess.Popen], timeout: float, stop_grace: float = AG
 
 
 def _raise_preempted(signum, frame) -> None:
-    from components.core.contract.errors import Preempted
+    from relaunch.components.core.contract.errors import Preempted
 
     raise Preempted("the launch step was sent SIGTERM; stopped the training (its last checkpoint stands)")
 

@@ -4,18 +4,18 @@ the Training Operator (Kubeflow up to 26.03); newer installs run Trainer v2 (bac
 
     relaunch render pytorchjob -o job.yaml --set launch.nodes=4
 
-The contract (adopt or create, watch, map the end to an exit code) is :mod:`components.launchers.cluster`;
-what the job is made of, the neutral :class:`~components.launchers.jobs.JobSpec` this module renders.
+The contract (adopt or create, watch, map the end to an exit code) is :mod:`relaunch.components.launchers.cluster`;
+what the job is made of, the neutral :class:`~relaunch.components.launchers.jobs.JobSpec` this module renders.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from components.core.contract.config import KubernetesConfig, RelaunchConfig
-from components.launchers import LaunchResult
-from components.launchers.cluster import launch_job
-from components.launchers.jobs import (
+from relaunch.components.core.contract.config import KubernetesConfig, RelaunchConfig
+from relaunch.components.launchers import LaunchResult
+from relaunch.components.launchers.cluster import launch_job
+from relaunch.components.launchers.jobs import (
     RUN_LABEL, JobKind, JobSpec, JobState, describe_conditions, job_metadata, job_spec, owner_from_env, supervised,
     secret_file_mounts, secret_file_volumes, training_env,
 )
@@ -67,7 +67,7 @@ def command(spec: JobSpec, name: str) -> list[str]:
 def build_pytorchjob(config: RelaunchConfig, *, pipeline_run_id: str, resume_from: str | None = None,
                      owner: dict | None = None) -> dict:
     """The PyTorchJob (kubeflow.org/v1) that trains ``config`` for one pipeline run: its
-    :func:`~components.launchers.jobs.job_spec`, rendered by :func:`render_pytorchjob`.
+    :func:`~relaunch.components.launchers.jobs.job_spec`, rendered by :func:`render_pytorchjob`.
 
     Args:
         config: the resolved configuration; it travels to the workers as ``--config-json`` and holds
@@ -113,7 +113,7 @@ def render_pytorchjob(spec: JobSpec, k8s: KubernetesConfig, *, pipeline_run_id: 
             tolerations=[dict(t) for t in k8s.tolerations] or None))
 
     def replicas(count: int) -> Any:
-        # restartPolicy ExitCode: retry 130/137/138/143 in place, never 1/2/3 (components.core.contract.exitcodes)
+        # restartPolicy ExitCode: retry 130/137/138/143 in place, never 1/2/3 (relaunch.components.core.contract.exitcodes)
         return kf.KubeflowOrgV1ReplicaSpec(replicas=count, restart_policy="ExitCode", template=pod)
 
     replica_specs = {"Master": replicas(1)}

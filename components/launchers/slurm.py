@@ -8,7 +8,7 @@ job's first node; ``--signal=B:USR1@<grace>`` makes Slurm send SIGUSR1 to the ba
 before the time limit; the shell forwards it to ``srun`` (which forwards signals to its tasks), and
 torchrun, told to handle SIGUSR1, passes it to the workers: they agree on a save at the next step
 boundary and exit 143. The script then maps torchrun's exit status to the contract's code
-(``python -m components.launchers.torchrun --map-exit``) and, when it is retryable, requeues the job
+(``python -m relaunch.components.launchers.torchrun --map-exit``) and, when it is retryable, requeues the job
 (``scontrol requeue``; ``--requeue`` also lets Slurm requeue it after a node failure). The requeued
 job keeps its id, hence its writer identity, and resumes from the latest committed checkpoint.
 
@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import shlex
 
-from components.core.contract.config import RelaunchConfig
-from components.launchers.jobs import JobSpec, job_spec
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.launchers.jobs import JobSpec, job_spec
 
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
 def render_sbatch(config: RelaunchConfig, *, python: str = "python", rdzv_port: int = 29500) -> str:
-    """The sbatch script for ``config``: its :func:`~components.launchers.jobs.job_spec`, rendered
+    """The sbatch script for ``config``: its :func:`~relaunch.components.launchers.jobs.job_spec`, rendered
     by :func:`render_spec` (side-effect free: build, then the caller writes it)."""
     return render_spec(job_spec(config), python=python, rdzv_port=rdzv_port)
 
@@ -84,7 +84,7 @@ while kill -0 "$srun_pid" 2>/dev/null; do wait "$srun_pid"; done
 wait "$srun_pid"
 rc=$?
 
-{python} -m components.launchers.torchrun --config-json "$CONFIG_JSON" --map-exit "$rc" --since "$started_at"
+{python} -m relaunch.components.launchers.torchrun --config-json "$CONFIG_JSON" --map-exit "$rc" --since "$started_at"
 code=$?
 echo "relaunch: training ended with exit code $code (torchrun: $rc)" >&2
 case " {retryable} " in

@@ -1,11 +1,11 @@
 """Run a torchrun command as a child and exit with the contract's exit code, for containers.
 
-    python -m components.launchers.supervise torchrun --nnodes=2 ... -m components.train --config-json JSON
+    python -m relaunch.components.launchers.supervise torchrun --nnodes=2 ... -m relaunch.components.train --config-json JSON
 
 torchrun exits 1 whenever a worker failed, whatever the worker's own code, and the Training
 Operator's ``restartPolicy: ExitCode`` would read that 1 as permanent. This wrapper forwards
 SIGTERM/SIGINT/SIGUSR1 to torchrun (the preemption path), waits, and maps torchrun's status with
-:func:`components.launchers.torchrun.exit_code` (the training's own ``runs/exit.json``), so a worker
+:func:`relaunch.components.launchers.torchrun.exit_code` (the training's own ``runs/exit.json``), so a worker
 killed by OOM restarts the pod (137) and a bad input does not (2).
 """
 
@@ -16,11 +16,11 @@ import subprocess
 import sys
 import time
 
-from components.core.contract.config import RelaunchConfig
-from components.core.contract.entry import exit_on_error
-from components.core.contract.errors import BadInput
-from components.core.runtime import logs
-from components.launchers.torchrun import exit_code
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.entry import exit_on_error
+from relaunch.components.core.contract.errors import BadInput
+from relaunch.components.core.runtime import logs
+from relaunch.components.launchers.torchrun import exit_code
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
@@ -35,7 +35,7 @@ def config_of(command: list[str]) -> RelaunchConfig:
 
 def supervise(command: list[str]) -> int:
     """Run ``command`` to its end, forwarding signals; return the contract's exit code."""
-    from components.core.runtime.zygote import for_command
+    from relaunch.components.core.runtime.zygote import for_command
 
     config = config_of(command)
     started = time.time()
@@ -57,7 +57,7 @@ def supervise(command: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     command = list(sys.argv[1:] if argv is None else argv)
     if not command:
-        raise BadInput("usage: python -m components.launchers.supervise torchrun ... --config-json JSON")
+        raise BadInput("usage: python -m relaunch.components.launchers.supervise torchrun ... --config-json JSON")
     return supervise(command)
 
 

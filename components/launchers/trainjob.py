@@ -5,13 +5,13 @@ pipeline run, on the ClusterTrainingRuntime ``relaunch-torch`` that relaunch shi
     relaunch render trainingruntime > manifests/trainer/relaunch-torch.yaml    # applied once per cluster
     relaunch render trainjob -o job.yaml                                        # what launch creates
 
-Both render the neutral :class:`~components.launchers.jobs.JobSpec`. How a failure is handled is
-derived from its restart policy (the exit-code table, :mod:`components.core.contract.exitcodes`), never
+Both render the neutral :class:`~relaunch.components.launchers.jobs.JobSpec`. How a failure is handled is
+derived from its restart policy (the exit-code table, :mod:`relaunch.components.core.contract.exitcodes`), never
 written a second time: the training container runs under the supervisor, so its exit code is the
 contract's; the Job's ``podFailurePolicy`` fails the Job on any non-zero code, naming which rule
 matched (retryable codes, or every other code); the JobSet ``failurePolicy`` restarts the whole
 JobSet on the first (up to ``launch.trainjob.max_restarts``) and fails it on the second. The
-contract (adopt or create, watch, map the end to an exit code) is :mod:`components.launchers.cluster`.
+contract (adopt or create, watch, map the end to an exit code) is :mod:`relaunch.components.launchers.cluster`.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from components.core.contract.config import KubernetesConfig, RelaunchConfig, TrainJobConfig
-from components.launchers import LaunchResult
-from components.launchers.cluster import launch_job
-from components.launchers.jobs import (
+from relaunch.components.core.contract.config import KubernetesConfig, RelaunchConfig, TrainJobConfig
+from relaunch.components.launchers import LaunchResult
+from relaunch.components.launchers.cluster import launch_job
+from relaunch.components.launchers.jobs import (
     JobKind, JobSpec, JobState, RestartPolicy, describe_conditions, job_metadata, job_spec, owner_from_env,
     secret_file_mounts, secret_file_volumes, supervised, training_env,
 )
@@ -52,7 +52,7 @@ def matched_rule_pattern(index: int) -> str:
 
 def pod_failure_policy(restart: RestartPolicy) -> dict[str, Any]:
     """The Job's ``podFailurePolicy``: retryable codes fail it by rule 0, every other non-zero code by
-    rule 1 (unknown codes are permanent, as :func:`~components.core.contract.exitcodes.is_retryable` says); a
+    rule 1 (unknown codes are permanent, as :func:`~relaunch.components.core.contract.exitcodes.is_retryable` says); a
     pod disrupted before its container ended (preemption, node drain) is replaced without counting."""
     codes = list(restart.retryable_exit_codes)
     rules = [None, None, None]
@@ -172,7 +172,7 @@ def render_runtime(spec: JobSpec, k8s: KubernetesConfig, trainjob: TrainJobConfi
 def build_trainjob(config: RelaunchConfig, *, pipeline_run_id: str, resume_from: str | None = None,
                    owner: dict | None = None) -> dict:
     """The TrainJob (trainer.kubeflow.org/v1alpha1) that trains ``config`` for one pipeline run: its
-    :func:`~components.launchers.jobs.job_spec`, rendered by :func:`render_trainjob`.
+    :func:`~relaunch.components.launchers.jobs.job_spec`, rendered by :func:`render_trainjob`.
 
     Args:
         config: the resolved configuration; it travels to the workers as ``--config-json`` and holds
@@ -216,7 +216,7 @@ def progress_env() -> list[dict[str, Any]]:
     """The runtime's pods learn their TrainJob (its JobSet has the TrainJob's name) from the downward API,
     for rank 0's progress reports into the TrainJob's ``status`` (components/core/trainer/progress.py)
     when Trainer's progress server is not offered; the TrainJob itself stays env-equal to a PyTorchJob."""
-    from components.core.trainer.progress import NAMESPACE_ENV, TRAINJOB_ENV
+    from relaunch.components.core.trainer.progress import NAMESPACE_ENV, TRAINJOB_ENV
 
     return [{"name": TRAINJOB_ENV, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{JOBSET_LABEL}']"}}},
             {"name": NAMESPACE_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]

@@ -2,7 +2,7 @@
 
 A task is built by a factory ``package.module:factory`` that takes the :class:`RelaunchConfig` and
 returns an object with the methods below (``train.task`` names it; the default is
-``components.tasks.digits:make_task``). The trainer owns distribution, data order, checkpoints,
+``relaunch.components.tasks.digits:make_task``). The trainer owns distribution, data order, checkpoints,
 signals and tracking; the task owns the model, the optimiser, the data splits and the maths.
 
 Batches reach :meth:`Task.loss` as a dict of tensors: ``x`` and ``y`` (this rank's slice of the
@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
 
 import numpy as np
 
-from components.core.contract.errors import BadInput
+from relaunch.components.core.contract.errors import BadInput
 
 if TYPE_CHECKING:
     import torch
     from torch.optim.lr_scheduler import LRScheduler
 
-    from components.core.contract.config import RelaunchConfig
+    from relaunch.components.core.contract.config import RelaunchConfig
 
 Splits = dict[str, dict[str, np.ndarray]]
 """``{"train"|"val"|"test": {"x": array, "y": array}}``; every split has the same keys."""
@@ -74,7 +74,7 @@ def load_task(spec: str, config: "RelaunchConfig") -> Task:
         BadInput: malformed spec, module or factory not importable, or the result is not a Task.
     """
     if spec.count(":") != 1 or not all(spec.split(":")):
-        raise BadInput(f"train.task: {spec!r} is not package.module:factory (e.g. components.tasks.digits:make_task)")
+        raise BadInput(f"train.task: {spec!r} is not package.module:factory (e.g. relaunch.components.tasks.digits:make_task)")
     module_name, attr = spec.split(":")
     try:
         module = importlib.import_module(module_name)

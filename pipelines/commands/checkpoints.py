@@ -32,8 +32,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from components.core.contract.errors import BadInput, CorruptCheckpoint
-from pipelines.commands import Subcommands
+from relaunch.components.core.contract.errors import BadInput, CorruptCheckpoint
+from relaunch.pipelines.commands import Subcommands
 
 
 def add_parser(sub: Subcommands, help_text: str) -> None:
@@ -62,7 +62,7 @@ def add_parser(sub: Subcommands, help_text: str) -> None:
 
 def checkpoints(args: argparse.Namespace) -> int:
     """Run one ``relaunch checkpoints`` action; returns the exit code."""
-    from components.core.checkpoint import CheckpointManager
+    from relaunch.components.core.checkpoint import CheckpointManager
 
     if args.action in INTEROP or args.source is not None:
         return _interop(args)
@@ -81,8 +81,8 @@ def checkpoints(args: argparse.Namespace) -> int:
 
 def _targets(args: argparse.Namespace) -> list[tuple[str | None, str]]:
     """``[(training, store URI), ...]`` the action reads: ``--training``'s, the root's trainings, or the store."""
-    from components.core.store import FileStore, open_store
-    from components.core.store.trainings import pick_training, resolve_trainings
+    from relaunch.components.core.store import FileStore, open_store
+    from relaunch.components.core.store.trainings import pick_training, resolve_trainings
 
     store = open_store(args.store)
     if isinstance(store, FileStore) and not store.root.is_dir():  # a typo, not an empty store
@@ -141,8 +141,8 @@ INTEROP = ("export", "import")
 def _interop(args: argparse.Namespace) -> int:
     """``export`` (one checkpoint to a torch.save or safetensors file) and ``import`` (a stock
     ``dcp.save`` folder adopted as a committed checkpoint); returns the exit code."""
-    from components.core.checkpoint import CheckpointManager
-    from components.core.checkpoint.interop import export_checkpoint, import_checkpoint
+    from relaunch.components.core.checkpoint import CheckpointManager
+    from relaunch.components.core.checkpoint.interop import export_checkpoint, import_checkpoint
 
     if args.action != "import" and args.source is not None:
         raise BadInput(f"unexpected argument {args.source!r}: only import takes a folder")
@@ -168,13 +168,13 @@ def _interop(args: argparse.Namespace) -> int:
 
 def _adopt(args: argparse.Namespace):
     """import: what makes a stock ``{"model", "optimizer"}`` the state a training of ``--config``/``--set``
-    resumes from (:func:`components.core.trainer.adopt.training_state`)."""
-    from components.core.contract.config import load_config
+    resumes from (:func:`relaunch.components.core.trainer.adopt.training_state`)."""
+    from relaunch.components.core.contract.config import load_config
 
     config = load_config(args.config, args.overrides)
 
     def adopt(state: dict, step: int, source: str):
-        from components.core.trainer.adopt import training_state
+        from relaunch.components.core.trainer.adopt import training_state
 
         return training_state(state, config, step, source)
 
@@ -183,7 +183,7 @@ def _adopt(args: argparse.Namespace):
 
 def _damaged_row(mgr, record: dict, pins: dict) -> dict:
     """A ``list`` row of a quarantined checkpoint (still in place, or moved aside)."""
-    from components.core.checkpoint import step_key
+    from relaunch.components.core.checkpoint import step_key
 
     step = int(record["step"])
     return {"step": step, "status": "damaged", "reason": record.get("reason", ""),

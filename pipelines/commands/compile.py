@@ -13,9 +13,9 @@ import argparse
 import os
 import sys
 
-from components.core.contract.config import config_from_cli
-from components.core.contract.errors import BadInput
-from pipelines.commands import Subcommands
+from relaunch.components.core.contract.config import config_from_cli
+from relaunch.components.core.contract.errors import BadInput
+from relaunch.pipelines.commands import Subcommands
 
 TARGETS = ["kfp", "argo", "argo-template", "argo-cron"]
 
@@ -40,13 +40,13 @@ def render(target: str, config, cron: str = "0 3 * * *") -> str:
         import tempfile
         from pathlib import Path
 
-        from pipelines.kfp_cluster import compile_for_cluster
+        from relaunch.pipelines.kfp_cluster import compile_for_cluster
 
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "pipeline.yaml"
             compile_for_cluster(path, config)
             return path.read_text()
-    from pipelines import argo
+    from relaunch.pipelines import argo
 
     if target == "argo-cron":
         return argo.to_yaml(argo.build_cron_workflow(config, cron=cron))
@@ -68,7 +68,7 @@ def local_services(config) -> list[str]:
     """What in ``config`` points at this machine and would not work from a cluster's pods: a store that
     is a path (each pod's own disk, unless a shared volume is mounted there), a sqlite or file tracking
     URI (a database file per pod). One line each; empty when the configuration is fit for a cluster."""
-    from components.core.contract.config import parse_store_uri
+    from relaunch.components.core.contract.config import parse_store_uri
 
     found = []
     if parse_store_uri(config.store.uri)[0] == "file":

@@ -1,5 +1,5 @@
 """``relaunch render pytorchjob|trainjob|trainingruntime|slurm -o FILE``: what would be submitted, for review.
-The kinds are those the registered launch backends offer (:data:`components.launchers.LAUNCH_BACKENDS`).
+The kinds are those the registered launch backends offer (:data:`relaunch.components.launchers.LAUNCH_BACKENDS`).
 
     relaunch render trainjob --config cluster.yaml --run-id manual -o job.yaml    # what launch creates
     relaunch render trainingruntime --config cluster.yaml | kubectl apply -f -    # once per cluster
@@ -11,10 +11,10 @@ import argparse
 
 import yaml
 
-from components.core.contract.config import RelaunchConfig, config_from_cli
-from components.launchers import renderers
-from pipelines.commands import Subcommands
-from pipelines.commands.compile import add_config_args, warn_local_services, write_output
+from relaunch.components.core.contract.config import RelaunchConfig, config_from_cli
+from relaunch.components.launchers import renderers
+from relaunch.pipelines.commands import Subcommands
+from relaunch.pipelines.commands.compile import add_config_args, warn_local_services, write_output
 
 
 def add_parser(sub: Subcommands, help_text: str) -> None:
@@ -36,7 +36,7 @@ def render(args: argparse.Namespace) -> int:
 
 def cluster_kinds() -> set[str]:
     """The render kinds of cluster launch backends (pytorchjob, trainjob, ...): documents for pods."""
-    from components.launchers import LAUNCH_BACKENDS
+    from relaunch.components.launchers import LAUNCH_BACKENDS
 
     return {kind for backend in LAUNCH_BACKENDS.values() if backend.cluster for kind in backend.renders}
 

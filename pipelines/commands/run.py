@@ -12,7 +12,7 @@ again expects after changing a flag, and it keeps every earlier training, its ch
 registered model intact. ``--resume`` continues the newest training of the store in its MLflow run,
 with exactly the configuration that training stored (``runs/config.json``): a ``--set`` or ``--config``
 value that would change what the training is (its task, model, data, total steps, optimisation:
-:data:`components.core.store.records.TRAINING_IDENTITY`) is refused in one line, exit 2 — run without
+:data:`relaunch.components.core.store.records.TRAINING_IDENTITY`) is refused in one line, exit 2 — run without
 ``--resume`` to start a new training with it; other keys (logging, checkpoint cadence, evaluation, an
 injected failure, the number of nodes: checkpoints reshard) may change. When
 that training already reached its end and its pipeline finished, it says so in one line and exits 0
@@ -20,7 +20,7 @@ without starting anything; when the training reached its end but evaluate or reg
 the pipeline again, which launches nothing and evaluates and registers the last checkpoint.
 
 One pipeline of a training at a time: each ``relaunch run`` holds its training's pipeline lock
-(:mod:`components.core.store.pipeline_lock`) from before it writes anything until its pipeline ends;
+(:mod:`relaunch.components.core.store.pipeline_lock`) from before it writes anything until its pipeline ends;
 a ``--resume`` of a training that a live ``relaunch run`` runs is refused in one line naming its pid
 and host, exit 2, nothing written. A training whose MLflow run is gone (a lost tracking database)
 is refused in one line that prints the command continuing it: ``relaunch run --resume --new-run``,
@@ -39,9 +39,9 @@ import json
 import sys
 import time
 
-from components.core.contract.config import RelaunchConfig, config_from_cli, with_pipeline_parameters
-from components.core.contract.errors import BadInput
-from pipelines.commands import Subcommands
+from relaunch.components.core.contract.config import RelaunchConfig, config_from_cli, with_pipeline_parameters
+from relaunch.components.core.contract.errors import BadInput
+from relaunch.pipelines.commands import Subcommands
 
 
 def add_parser(sub: Subcommands, help_text: str) -> None:
@@ -68,7 +68,7 @@ def add_parser(sub: Subcommands, help_text: str) -> None:
 def run(args: argparse.Namespace) -> int:
     """``relaunch run``; Ctrl-C (SIGINT) or SIGTERM anywhere stops every process it started and ends
     with one line: exit 143 when the training committed a preemption checkpoint, else 130."""
-    from pipelines.local.interrupt import STOP_MARGIN_SECONDS, Interrupted, interruptible, stop_descendants
+    from relaunch.pipelines.local.interrupt import STOP_MARGIN_SECONDS, Interrupted, interruptible, stop_descendants
 
     config = config_from_cli(args.config, None, args.overrides)
     training: list[RelaunchConfig] = []  # the training's configuration, once chosen
@@ -87,10 +87,10 @@ def interrupted(config: RelaunchConfig | None, stop) -> tuple[int, str]:
     (so the training's records are final): 143 when the training committed a checkpoint at the step it
     stopped at after the signal (its preemption checkpoint), else 130. The training's MLflow run is
     marked KILLED with the line as its reason (``relaunch.end_reason``) until a resume reopens it."""
-    from components.core.contract.errors import RelaunchError
-    from components.core.contract.exitcodes import ExitCode
-    from components.core.store import open_store
-    from components.core.store.records import read_exit_record, read_summary
+    from relaunch.components.core.contract.errors import RelaunchError
+    from relaunch.components.core.contract.exitcodes import ExitCode
+    from relaunch.components.core.store import open_store
+    from relaunch.components.core.store.records import read_exit_record, read_summary
 
     name = "Ctrl-C (SIGINT)" if stop.signum == 2 else "SIGTERM"
     if config is None:
@@ -125,8 +125,8 @@ def _mark_interrupted(config: RelaunchConfig, store, summary: dict, reason: str)
     :data:`MARK_SECONDS`; a server that does not answer in time leaves it as it was."""
     import threading
 
-    from components.core.contract.errors import RelaunchError
-    from components.core.store.records import pipeline_finished, stored_run_id
+    from relaunch.components.core.contract.errors import RelaunchError
+    from relaunch.components.core.store.records import pipeline_finished, stored_run_id
 
     with contextlib.suppress(RelaunchError, OSError, ValueError):
         run_id = config.tracking.run_id or summary.get("run_id") or stored_run_id(store)
@@ -134,7 +134,7 @@ def _mark_interrupted(config: RelaunchConfig, store, summary: dict, reason: str)
             return
 
         def mark() -> None:
-            from components.core.tracking.client import mark_run_finished
+            from relaunch.components.core.tracking.client import mark_run_finished
 
             with contextlib.suppress(Exception):  # the line is printed whatever the server says
                 mark_run_finished(config, run_id, "KILLED", f"interrupted: {reason}")
@@ -147,8 +147,8 @@ def _mark_interrupted(config: RelaunchConfig, store, summary: dict, reason: str)
 def _run(args: argparse.Namespace, config: RelaunchConfig, training: list[RelaunchConfig]) -> int:
     from rich.console import Console
 
-    from components.prepare import check_inputs
-    from pipelines.local.interrupt import Interrupted
+    from relaunch.components.prepare import check_inputs
+    from relaunch.pipelines.local.interrupt import Interrupted
 
     if args.inject_failure:  # typed, like the pipeline parameter of the same name
         config = with_pipeline_parameters(config, {"inject_failure": args.inject_failure})
@@ -193,7 +193,7 @@ def _run_pipeline(args: argparse.Namespace, config: RelaunchConfig, training: li
                       highlight=False, soft_wrap=True)
 
     training.append(config)
-    from pipelines.local.runner import render_summary, run_pipeline
+    from relaunch.pipelines.local.runner import render_summary, run_pipeline
 
     result = run_pipeline(config, console=console, state_dir=state_dir, cold=args.cold)
     render_summary(config, result, console)
@@ -202,7 +202,7 @@ def _run_pipeline(args: argparse.Namespace, config: RelaunchConfig, training: li
 
 def _state_dir(path: str) -> str:
     """``--state-dir`` with a leading ``~`` expanded (never a folder named ``~``)."""
-    from components.core.contract.config import expand_home
+    from relaunch.components.core.contract.config import expand_home
 
     try:
         return expand_home(path)
@@ -211,7 +211,7 @@ def _state_dir(path: str) -> str:
 
 
 def _namespaced(config: RelaunchConfig, training: str) -> RelaunchConfig:
-    from components.core.store.trainings import training_uri
+    from relaunch.components.core.store.trainings import training_uri
 
     out = config.model_copy(deep=True)
     out.store.uri = training_uri(config.store.uri, training)
@@ -220,8 +220,8 @@ def _namespaced(config: RelaunchConfig, training: str) -> RelaunchConfig:
 
 def trainings(config: RelaunchConfig) -> list[str]:
     """The trainings of ``config.store.uri``, oldest first (their names sort by start time)."""
-    from components.core.store import open_store
-    from components.core.store.trainings import training_names
+    from relaunch.components.core.store import open_store
+    from relaunch.components.core.store.trainings import training_names
 
     return training_names(open_store(config.store.uri))
 
@@ -231,7 +231,7 @@ def new_training(config: RelaunchConfig, held: contextlib.ExitStack | None = Non
     start time (a suffix when two start in the same second). With ``held``, its pipeline lock is taken
     into it: the first thing written (two runs started in the same second get two names); without,
     nothing is written until prepare runs."""
-    from components.core.store.pipeline_lock import TrainingInUse
+    from relaunch.components.core.store.pipeline_lock import TrainingInUse
 
     existing = set(trainings(config))
     name = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
@@ -256,16 +256,16 @@ def _pipeline_lock(config: RelaunchConfig, training: str):
     Raises:
         TrainingInUse: a live ``relaunch run`` holds it (one line naming its pid and host, exit 2).
     """
-    from components.core.store import open_store
-    from components.core.store.pipeline_lock import PipelineLock
+    from relaunch.components.core.store import open_store
+    from relaunch.components.core.store.pipeline_lock import PipelineLock
 
     return PipelineLock(open_store(config.store.uri), training).take()
 
 
 def remember_config(config: RelaunchConfig) -> None:
     """Store ``config`` with its training (``runs/config.json``): what ``--resume`` continues with."""
-    from components.core.store import open_store
-    from components.core.store.records import write_training_config
+    from relaunch.components.core.store import open_store
+    from relaunch.components.core.store.records import write_training_config
 
     write_training_config(open_store(config.store.uri), json.loads(config.to_json()))
 
@@ -281,11 +281,11 @@ def stored_configuration(config: RelaunchConfig, training: str, store) -> Relaun
     the training is; ``config`` in a new namespace when the training stored none.
 
     Raises:
-        BadInput: an explicit key of :data:`~components.core.store.records.TRAINING_IDENTITY` differs
+        BadInput: an explicit key of :data:`~relaunch.components.core.store.records.TRAINING_IDENTITY` differs
             from the training's; the line names the key, both values and how to start a new training.
     """
-    from components.core.contract.errors import BadInput
-    from components.core.store.records import identity_changes, read_training_config
+    from relaunch.components.core.contract.errors import BadInput
+    from relaunch.components.core.store.records import identity_changes, read_training_config
 
     stored = read_training_config(store)
     if stored is None:  # a training from before relaunch stored its configuration
@@ -326,10 +326,10 @@ def resume_training(config: RelaunchConfig,
         BadInput: the store holds no training to resume, or the command line changes what it is.
         TrainingInUse: a live ``relaunch run`` runs a pipeline of it (the line names its pid and host).
     """
-    from components.core.contract.errors import BadInput
-    from components.core.store.records import pipeline_finished, read_summary, stored_run_id
-    from components.core.store import open_store
-    from components.launch import reached_its_end
+    from relaunch.components.core.contract.errors import BadInput
+    from relaunch.components.core.store.records import pipeline_finished, read_summary, stored_run_id
+    from relaunch.components.core.store import open_store
+    from relaunch.components.launch import reached_its_end
 
     names = trainings(config)
     if not names:
@@ -351,7 +351,7 @@ def resume_training(config: RelaunchConfig,
                              f"{summary['last_step']} of {summary['total_steps']}) but its pipeline did not finish; "
                              f"finishing it: evaluate and register its last checkpoint in MLflow run "
                              f"{summary.get('run_id')}, without training")
-    from components.core.store.records import read_training_config
+    from relaunch.components.core.store.records import read_training_config
 
     unknown = "" if read_training_config(store) is not None else \
         " (it stored no configuration, from before relaunch kept one: continuing with the command line's)"
@@ -368,8 +368,8 @@ def training_run(config: RelaunchConfig, *, new_run: bool = False) -> RelaunchCo
             continues the training: this one with ``--new-run``), or ``new_run`` when it does or when
             the training has none yet.
     """
-    from components.core.store import open_store
-    from components.core.tracking.client import run_exists, tracking_uri
+    from relaunch.components.core.store import open_store
+    from relaunch.components.core.tracking.client import run_exists, tracking_uri
 
     run_id, training = config.tracking.run_id, config.store.uri.rstrip("/").rsplit("/", 1)[-1]
     if not run_id:
@@ -404,9 +404,9 @@ def continue_in_a_new_run(config: RelaunchConfig, store, training: str) -> str:
     """Open a new MLflow run for the training in ``store`` whose own run is gone, tagged with the old
     run's id and the checkpoint the training continues from, and store it as the training's run
     (``runs/mlflow-run.json``, the old id kept in its record); its id."""
-    from components.core.checkpoint.layout import LATEST, read_json
-    from components.core.store.records import replace_run
-    from components.core.tracking.client import ensure_run, tracking_uri
+    from relaunch.components.core.checkpoint.layout import LATEST, read_json
+    from relaunch.components.core.store.records import replace_run
+    from relaunch.components.core.tracking.client import ensure_run, tracking_uri
 
     old = config.tracking.run_id
     fresh = config.model_copy(deep=True)

@@ -20,10 +20,10 @@ from typing import Callable
 
 import yaml
 
-from components.core.contract.config import config_from_cli
-from components.core.contract.errors import BadInput
-from pipelines.commands import Subcommands
-from pipelines.commands.compile import add_config_args, render, warn_local_services
+from relaunch.components.core.contract.config import config_from_cli
+from relaunch.components.core.contract.errors import BadInput
+from relaunch.pipelines.commands import Subcommands
+from relaunch.pipelines.commands.compile import add_config_args, render, warn_local_services
 
 ARGO = ("argoproj.io", "v1alpha1")
 PLURALS = {"Workflow": "workflows", "CronWorkflow": "cronworkflows", "WorkflowTemplate": "workflowtemplates"}
@@ -79,7 +79,7 @@ def create_argo_object(doc: dict, namespace: str) -> str:
         return resp.json()["metadata"]["name"]
     from kubernetes import client
 
-    from components.launchers.cluster import kube_api_client
+    from relaunch.components.launchers.cluster import kube_api_client
 
     api = client.CustomObjectsApi(kube_api_client())
     try:
@@ -127,7 +127,7 @@ def send(args: argparse.Namespace, config, argo_yaml: str,
             return 0
         print(create_argo_object(doc, namespace))
         return 0
-    from pipelines import kfp_cluster
+    from relaunch.pipelines import kfp_cluster
 
     if not args.dry_run:
         kfp_endpoint(args)  # refused before anything is compiled
@@ -147,7 +147,7 @@ def kfp_endpoint(args: argparse.Namespace) -> str:
     Raises:
         BadInput: neither is set, or the value is not http(s)://host.
     """
-    from components.core.contract.config import check_http_url
+    from relaunch.components.core.contract.config import check_http_url
 
     endpoint = getattr(args, "endpoint", None) or os.environ.get("KF_PIPELINES_ENDPOINT", "")
     if not endpoint:

@@ -25,8 +25,8 @@ import sys
 import threading
 from dataclasses import asdict, dataclass
 
-from components.core.contract.exitcodes import MEANING, ExitCode, is_retryable
-from pipelines.commands import Subcommands
+from relaunch.components.core.contract.exitcodes import MEANING, ExitCode, is_retryable
+from relaunch.pipelines.commands import Subcommands
 
 REGISTRY_SECONDS = 15.0
 """How long the listing waits for the tracking server to name a finished training's registered version."""
@@ -59,10 +59,10 @@ class TrainingState:
 
 def trainings(args: argparse.Namespace) -> int:
     """List the trainings of the store with their state; exit 0 (2 when the store holds none)."""
-    from components.core.contract.config import config_from_cli
-    from components.core.contract.errors import BadInput
-    from components.core.store import open_store
-    from components.core.store.trainings import resolve_trainings
+    from relaunch.components.core.contract.config import config_from_cli
+    from relaunch.components.core.contract.errors import BadInput
+    from relaunch.components.core.store import open_store
+    from relaunch.components.core.store.trainings import resolve_trainings
 
     root = args.store or config_from_cli(args.config, None, []).store.uri
     found = resolve_trainings(open_store(root))
@@ -87,7 +87,7 @@ def trainings(args: argparse.Namespace) -> int:
 
 
 def _holds_a_training(store) -> bool:
-    from components.core.store.records import read_training_config, stored_run_id
+    from relaunch.components.core.store.records import read_training_config, stored_run_id
 
     return bool(store.list("checkpoints/", recursive=False)) or read_training_config(store) is not None \
         or stored_run_id(store) is not None
@@ -95,14 +95,14 @@ def _holds_a_training(store) -> bool:
 
 def training_state(name: str, uri: str) -> TrainingState:
     """Where the training at ``uri`` stands, from its records alone (reads only)."""
-    from components.core.checkpoint.layout import LATEST, LEASE, read_json as read_object
-    from components.core.checkpoint.lease import holder_alive as lease_alive
-    from components.core.store import open_store
-    from components.core.store.pipeline_lock import holder_alive as lock_alive
-    from components.core.store.records import (PIPELINE_LOCK_KEY, pipeline_finished, read_json, read_summary,
+    from relaunch.components.core.checkpoint.layout import LATEST, LEASE, read_json as read_object
+    from relaunch.components.core.checkpoint.lease import holder_alive as lease_alive
+    from relaunch.components.core.store import open_store
+    from relaunch.components.core.store.pipeline_lock import holder_alive as lock_alive
+    from relaunch.components.core.store.records import (PIPELINE_LOCK_KEY, pipeline_finished, read_json, read_summary,
                                                read_training_config, stored_run_id)
-    from components.core.tracking.goodput import load_attempts
-    from components.launch import reached_its_end
+    from relaunch.components.core.tracking.goodput import load_attempts
+    from relaunch.components.launch import reached_its_end
 
     store = open_store(uri)
     latest = read_object(store, LATEST) or {}
@@ -145,7 +145,7 @@ def training_state(name: str, uri: str) -> TrainingState:
 def registered_version(store, run_id: str | None) -> str | None:
     """``<model> version <V>`` registered from the MLflow run ``run_id`` (the newest), or None when none
     is, or the tracking server cannot say (looked up at the tracking URI the training stored)."""
-    from components.core.store.records import RUN_KEY, read_json
+    from relaunch.components.core.store.records import RUN_KEY, read_json
 
     record = read_json(store, RUN_KEY) or {}
     if not run_id or not record.get("tracking_uri"):
@@ -154,7 +154,7 @@ def registered_version(store, run_id: str | None) -> str | None:
 
     def look_up() -> None:
         with contextlib.suppress(Exception):  # the server is away: the state stands without the version
-            from components.core.tracking.client import client
+            from relaunch.components.core.tracking.client import client
 
             versions = client(record["tracking_uri"]).search_model_versions(f"run_id = '{run_id}'")
             if versions:
@@ -168,6 +168,6 @@ def registered_version(store, run_id: str | None) -> str | None:
 
 
 if __name__ == "__main__":
-    from pipelines.cli import main
+    from relaunch.pipelines.cli import main
 
     sys.exit(main(["trainings", *sys.argv[1:]]))

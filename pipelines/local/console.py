@@ -1,6 +1,6 @@
 """What ``relaunch run`` prints: a line per step, lines per training attempt (where it started, the
 checkpoints it saved, how it ended: its exit code and the reason in words), and the training's progress bar while the pipeline runs (:class:`RunView`, tailing the run's event file with
-:func:`components.core.contract.events.read_file`), then the closing summary (:func:`render_summary`).
+:func:`relaunch.components.core.contract.events.read_file`), then the closing summary (:func:`render_summary`).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Any, Callable
 
 from rich.markup import escape
 
-from pipelines.spec import EVALUATE, FINALIZE, LAUNCH, LOCATE, PREPARE, REGISTER, STEP_TABLE
-from components.core.contract.config import RelaunchConfig
-from components.core.contract.events import Event, Kind, read_file
-from components.core.contract.exitcodes import MEANING, ExitCode, is_retryable, unrecorded_end
+from relaunch.pipelines.spec import EVALUATE, FINALIZE, LAUNCH, LOCATE, PREPARE, REGISTER, STEP_TABLE
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.events import Event, Kind, read_file
+from relaunch.components.core.contract.exitcodes import MEANING, ExitCode, is_retryable, unrecorded_end
 
 STEPS = tuple(STEP_TABLE)  # the five steps and the exit task
 
@@ -33,7 +33,7 @@ class StepRecord:
     exit_code: int | None = None
     message: str = ""
     outputs: Any = None
-    """The step's outputs dataclass (:data:`pipelines.spec.STEP_TABLE`) once it succeeded, else None."""
+    """The step's outputs dataclass (:data:`relaunch.pipelines.spec.STEP_TABLE`) once it succeeded, else None."""
 
 
 def step_outputs(step: str, values: dict[str, Any]) -> Any:
@@ -252,7 +252,7 @@ def render_summary(config: RelaunchConfig, result, console) -> None:
     console.rule("summary")
     rows: list[tuple[str, str]] = []
     if prep is not None and prep.run_id:
-        from components.core.tracking.lineage import run_url
+        from relaunch.components.core.tracking.lineage import run_url
 
         browse = "open" if config.tracking.uri.startswith(("http://", "https://")) else "make ui, then open"
         rows.append(("MLflow run", f"{prep.run_id} in experiment {config.tracking.experiment!r} at "
@@ -291,7 +291,7 @@ def render_summary(config: RelaunchConfig, result, console) -> None:
 
 def _committed(config: RelaunchConfig) -> list[str]:
     try:
-        from components.core.checkpoint import CheckpointManager
+        from relaunch.components.core.checkpoint import CheckpointManager
 
         with CheckpointManager.from_config(config, async_save=False) as mgr:
             return [c.uri for c in mgr.list()]

@@ -41,9 +41,9 @@ def interruptible():
     clean-up is ignored), and this process is the child subreaper of everything it starts (Linux
     ``PR_SET_CHILD_SUBREAPER``), so a process whose parent died (a torchrun agent of a killed launch
     step) stays a descendant that :func:`stop_descendants` finds, instead of training on under PID 1.
-    A guardian (:mod:`pipelines.local.guardian`) kills every process of the run the moment this one
+    A guardian (:mod:`relaunch.pipelines.local.guardian`) kills every process of the run the moment this one
     dies without the chance to do it itself (SIGKILL, OOM)."""
-    from pipelines.local.guardian import guard
+    from relaunch.pipelines.local.guardian import guard
 
     def handle(signum, _frame):
         for sig in (signal.SIGINT, signal.SIGTERM):

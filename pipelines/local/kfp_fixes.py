@@ -6,15 +6,15 @@
    to nothing and the branch is silently skipped. The fix also resolves ``<task>-<key>``.
 2. Retries ignore exit codes (as KFP v2 does everywhere): a permanent failure (bad input, exit 2)
    would be retried with backoff. The fix keeps the task's own retry policy and backoff but stops
-   at once on a code that :func:`components.core.contract.exitcodes.is_retryable` refuses.
+   at once on a code that :func:`relaunch.components.core.contract.exitcodes.is_retryable` refuses.
 3. Each task's command runs through the warm step server when ``relaunch run`` started one
    (:func:`use_warm_steps`), else as kfp.local's fresh subprocess; either way its exit code is kept
    for fix 2 (kfp.local itself only keeps success or failure). Unlike kfp.local's, the fresh subprocess
    is not waited for when the run is interrupted (its ``with Popen`` waited for the step to finish
    before ``relaunch run`` could stop it), and its output after that goes on to the run's log.
 
-The retry loop reports ``attempt-end`` and ``retry`` events (:mod:`components.core.contract.events`) to the
-run's event file (``RELAUNCH_EVENTS``) that :mod:`pipelines.local.console` tails.
+The retry loop reports ``attempt-end`` and ``retry`` events (:mod:`relaunch.components.core.contract.events`) to the
+run's event file (``RELAUNCH_EVENTS``) that :mod:`relaunch.pipelines.local.console` tails.
 tests/pipelines/test_kfp_local.py proves each fix is still needed and still works.
 
 kfp.local has no public hook for any of the three, so this is the one module of relaunch that replaces
@@ -28,12 +28,12 @@ import contextlib
 import threading
 import time
 
-from components.core.contract import events
-from components.core.contract.events import Kind
-from components.core.contract.exitcodes import ExitCode, is_retryable, normalize
+from relaunch.components.core.contract import events
+from relaunch.components.core.contract.events import Kind
+from relaunch.components.core.contract.exitcodes import ExitCode, is_retryable, normalize
 
 _last_code = threading.local()
-_warm_steps = None  # the running pipelines.local.warm_steps.WarmSteps, when relaunch run started one
+_warm_steps = None  # the running relaunch.pipelines.local.warm_steps.WarmSteps, when relaunch run started one
 _run_log = None  # the run's pipeline.log: where a step's output goes once the run was interrupted
 
 
@@ -50,7 +50,7 @@ def run_cold(full_command: list[str], env_vars: dict[str, str] | None = None) ->
     import os
     import subprocess
 
-    from pipelines.local.warm_steps import relay_output
+    from relaunch.pipelines.local.warm_steps import relay_output
 
     process = subprocess.Popen(full_command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                env={**os.environ, **env_vars} if env_vars else None)

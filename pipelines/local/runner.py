@@ -4,7 +4,7 @@ the same definition as on a cluster, every step a subprocess. ``relaunch run`` c
 Output: one line per step (state, duration, what it found), the training's progress bar, then a
 summary. kfp.local's own chatter and every step's log go to ``.relaunch/runs/<id>/pipeline.log``.
 
-The fixes kfp.local needs are :mod:`pipelines.local.kfp_fixes`; what is printed is :mod:`pipelines.local.console`.
+The fixes kfp.local needs are :mod:`relaunch.pipelines.local.kfp_fixes`; what is printed is :mod:`relaunch.pipelines.local.console`.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipelines.spec import FINALIZE
-from components.core.contract.config import RelaunchConfig
-from components.core.contract.exitcodes import ExitCode
-from pipelines.local.interrupt import STOP_MARGIN_SECONDS, Interrupted, stop_descendants
-from pipelines.local.console import STEPS, RunView, StepRecord, render_summary
-from pipelines.local.kfp_fixes import install_local_fixes, use_warm_steps
-from pipelines.local.warm_steps import WarmSteps, supported as warm_steps_supported
+from relaunch.pipelines.spec import FINALIZE
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.exitcodes import ExitCode
+from relaunch.pipelines.local.interrupt import STOP_MARGIN_SECONDS, Interrupted, stop_descendants
+from relaunch.pipelines.local.console import STEPS, RunView, StepRecord, render_summary
+from relaunch.pipelines.local.kfp_fixes import install_local_fixes, use_warm_steps
+from relaunch.pipelines.local.warm_steps import WarmSteps, supported as warm_steps_supported
 
 __all__ = ["STEPS", "RunResult", "StepRecord", "install_local_fixes", "render_summary", "run_pipeline"]
 
@@ -55,7 +55,7 @@ def run_pipeline(config: RelaunchConfig, *, console=None, state_dir: str | Path 
         console: a ``rich.console.Console`` for the step lines and the progress bar.
         state_dir: where kfp.local's outputs and this run's logs go.
         cold: every step, agent and worker a fresh interpreter (as on a cluster) instead of forks of
-            the warm servers (:mod:`pipelines.local.warm_steps`; always cold where they are not supported).
+            the warm servers (:mod:`relaunch.pipelines.local.warm_steps`; always cold where they are not supported).
     """
     run_dir = Path(state_dir) / "runs" / time.strftime("%Y%m%d-%H%M%S") / str(os.getpid())
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -73,7 +73,7 @@ def _run_on_kfp_local(config: RelaunchConfig, console, state_dir: Path, run_dir:
     from kfp import local
     from rich.console import Console
 
-    from pipelines.kfp_pipeline import build_pipeline
+    from relaunch.pipelines.kfp_pipeline import build_pipeline
 
     console = console or Console()
     console.file = console.file  # pin today's stdout: the pipeline's own output is redirected below
@@ -119,8 +119,8 @@ def _run_on_kfp_local(config: RelaunchConfig, console, state_dir: Path, run_dir:
 def _committed_steps(config: RelaunchConfig):
     """``attempt -> the steps it committed`` as the store's attempt record says (None when unreadable)."""
     def committed(attempt: int) -> set[int] | None:
-        from components.core.store import open_store
-        from components.core.store.records import attempt_key, read_json
+        from relaunch.components.core.store import open_store
+        from relaunch.components.core.store.records import attempt_key, read_json
 
         try:
             record = read_json(open_store(config.store.uri), attempt_key(attempt))

@@ -4,10 +4,10 @@ starting a fresh interpreter that imports them again (seconds per step on a smal
 forks only while it is single-threaded (it refuses otherwise, and the step runs cold), ignores Ctrl-C
 and SIGTERM (the steps get them; the server reaps them and reports how they ended, 130 for an
 interrupted one), and when the run closes it, waits for the steps still running before it exits. If the
-run dies, its guardian (:mod:`pipelines.local.guardian`) kills the servers, and their children with them.
+run dies, its guardian (:mod:`relaunch.pipelines.local.guardian`) kills the servers, and their children with them.
 
 kfp.local still runs the pipeline: its orchestrator resolves the inputs, builds each task's command
-and reads the outputs. :func:`pipelines.local.kfp_fixes.install_local_fixes` routes the command of a
+and reads the outputs. :func:`relaunch.pipelines.local.kfp_fixes.install_local_fixes` routes the command of a
 lightweight component (``sh -ec '<kfp script>' <source> --executor_input ... --function_to_execute f``)
 to :meth:`WarmSteps.run`, which has a server fork a child that does what that script does: write the
 source to a temporary file and run ``python -m kfp.dsl.executor_main`` on it, with the task's
@@ -16,12 +16,12 @@ A command it does not recognise, or a server that is gone, runs cold as kfp.loca
 
 Two servers start together, one per core, at the same priority: the *light* one imports what prepare,
 locate, register and finalize need and is ready first; the *full* one adds torch, DCP and matplotlib
-for the steps marked :attr:`pipelines.spec.Step.uses_torch` (launch, evaluate). A step's child is warm
-(:data:`components.core.runtime.warm.forked`): the launch step then starts its torchrun agents and
-workers through per-node zygotes (:mod:`components.core.runtime.zygote`), never as forks of itself.
+for the steps marked :attr:`relaunch.pipelines.spec.Step.uses_torch` (launch, evaluate). A step's child is warm
+(:data:`relaunch.components.core.runtime.warm.forked`): the launch step then starts its torchrun agents and
+workers through per-node zygotes (:mod:`relaunch.components.core.runtime.zygote`), never as forks of itself.
 ``relaunch run --cold`` starts no server: every process is a fresh interpreter, as on a cluster.
 
-    python -m pipelines.local.warm_steps FD light|full|none ZYGOTE_SOCKET|- [MODULE ...]   # what WarmSteps starts
+    python -m relaunch.pipelines.local.warm_steps FD light|full|none ZYGOTE_SOCKET|- [MODULE ...]   # what WarmSteps starts
 """
 
 from __future__ import annotations
@@ -43,20 +43,20 @@ import threading
 import time
 from pathlib import Path
 
-from pipelines.spec import STEP_MODULES, STEP_TABLE
-from components.core.runtime.warm import SignalledByPid
-from components.core.runtime.zygote import SINGLE_THREAD_ENV, Job
-from components.core.runtime.zygote_client import ZYGOTE_ENV
+from relaunch.pipelines.spec import STEP_MODULES, STEP_TABLE
+from relaunch.components.core.runtime.warm import SignalledByPid
+from relaunch.components.core.runtime.zygote import SINGLE_THREAD_ENV, Job
+from relaunch.components.core.runtime.zygote_client import ZYGOTE_ENV
 
 LIGHT_IMPORTS = (
-    "kfp.dsl.executor_main", "pipelines.kfp_entry", *STEP_MODULES.values(),
+    "kfp.dsl.executor_main", "relaunch.pipelines.kfp_entry", *STEP_MODULES.values(),
     "mlflow", "mlflow.tracking", "mlflow.data", "mlflow.models",
     "mlflow.store.tracking.sqlalchemy_store", "mlflow.store.model_registry.sqlalchemy_store",
     "sqlalchemy.dialects.sqlite",
 )
 """What every step imports (the step modules themselves import little: they import lazily)."""
 TORCH_IMPORTS = (
-    "components.train", "torch", "torch.distributed.run", "torch.distributed.elastic.multiprocessing.subprocess_handler",
+    "relaunch.components.train", "torch", "torch.distributed.run", "torch.distributed.elastic.multiprocessing.subprocess_handler",
     "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict", "torch.distributed.fsdp",
     "torch._dynamo.aot_compile", "torch._dynamo.polyfills.loader", "tabulate",
     "mlflow.system_metrics.system_metrics_monitor", "mlflow.pyfunc.loaders",
@@ -149,14 +149,14 @@ class RemoteProcess(SignalledByPid):
 
 class WarmServer:
     """One server process (``imports``: "light", "full" or "none") and the requests to it; with
-    ``zygote_socket`` it also answers zygote clients there (:mod:`components.core.runtime.zygote`)."""
+    ``zygote_socket`` it also answers zygote clients there (:mod:`relaunch.components.core.runtime.zygote`)."""
 
     def __init__(self, imports: str, log, extra_imports: tuple[str, ...] = (), cwd: str | None = None,
                  zygote_socket: str | None = None):
         self.control, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._lock = threading.Lock()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "pipelines.local.warm_steps", str(server_end.fileno()), imports,
+            [sys.executable, "-m", "relaunch.pipelines.local.warm_steps", str(server_end.fileno()), imports,
              zygote_socket or "-", *extra_imports],
             pass_fds=(server_end.fileno(),), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
             env={**os.environ, **SINGLE_THREAD_ENV})
@@ -303,8 +303,8 @@ def serve(control: socket.socket, imports: tuple[str, ...], zygote_socket: str |
     """Import ``imports``, then fork a child per request until the control socket closes; then wait for
     the children still running (:data:`STOP_GRACE_SECONDS`, then kill them) and report how each ended.
     With ``zygote_socket``, also fork a worker per zygote client there; in such a fork, returns its
-    :class:`~components.core.runtime.zygote.Job`."""
-    from components.core.runtime.zygote import ForkServer, listen, single_threaded, warm_up
+    :class:`~relaunch.components.core.runtime.zygote.Job`."""
+    from relaunch.components.core.runtime.zygote import ForkServer, listen, single_threaded, warm_up
 
     running: dict[int, tuple[int, socket.socket, str | None]] = {}  # pidfd -> (pid, status socket, temp dir)
     workers = None
@@ -369,7 +369,7 @@ def serve(control: socket.socket, imports: tuple[str, ...], zygote_socket: str |
 
 def _fork(request: dict, output_fds: list[int]) -> tuple[int, str | None]:
     """Fork the child ``request`` asks for: its pid, and a directory to remove when it has ended."""
-    from components.core.runtime.warm import fork_module
+    from relaunch.components.core.runtime.warm import fork_module
 
     if request["kind"] == "kfp":  # what kfp's lightweight-component script does, in a fork
         source_dir = tempfile.mkdtemp()
@@ -392,7 +392,7 @@ def main(argv: list[str]) -> None:
         signal.signal(sig, signal.SIG_IGN)
     job = serve(control, (*SERVER_IMPORTS[argv[1]], *argv[3:]), None if argv[2] == "-" else argv[2])
     if job is not None:  # a zygote client's worker, forked: it ends as a cold interpreter does
-        from components.core.runtime.zygote import become_worker
+        from relaunch.components.core.runtime.zygote import become_worker
 
         become_worker(job)
         return

@@ -72,8 +72,8 @@ from typing import Any, Callable
 
 import torch
 
-from components.core.checkpoint import CheckpointManager
-from components.core.store import open_store
+from relaunch.components.core.checkpoint import CheckpointManager
+from relaunch.components.core.store import open_store
 from tests.bench import rawread
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -91,14 +91,14 @@ def _log(msg: str) -> None:
 def our_concurrency() -> tuple[int, int]:
     """(threads of our filesystem reader, GETs in flight of our S3 reader per rank), as the
     checkpoint package defines them (found in whichever of its modules holds them)."""
-    import components.core.checkpoint as package
+    import relaunch.components.core.checkpoint as package
 
     names = ["manager"] + [m.name for m in pkgutil.iter_modules(package.__path__) if m.name != "manager"]
     for name in names:
         module = importlib.import_module(f"{package.__name__}.{name}")
         if hasattr(module, "IO_THREADS") and hasattr(module, "READ_THREADS"):
             return int(module.IO_THREADS), int(module.READ_THREADS)
-    raise RuntimeError("IO_THREADS / READ_THREADS not found in components.core.checkpoint: update the bench")
+    raise RuntimeError("IO_THREADS / READ_THREADS not found in relaunch.components.core.checkpoint: update the bench")
 
 
 def _row(kind: str | None, metric: str, value: float, detail: str) -> dict[str, Any]:
@@ -520,7 +520,7 @@ def _optimizer_fraction(root: str, key: str) -> float:
     tensors of more than one element: what ``TrainingState.prepare_load`` allocates for the load)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from components.core.checkpoint.safe_pickle import load_metadata
+    from relaunch.components.core.checkpoint.safe_pickle import load_metadata
 
     metadata = load_metadata((open_store(root).path(key) / ".metadata").read_bytes())
     total = optim = 0

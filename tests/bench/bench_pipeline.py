@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipelines.spec import STEP_TABLE
+from relaunch.pipelines.spec import STEP_TABLE
 
 _TASK = re.compile(r"Executing task .*?'(?:\x1b\[[0-9;]*m)?([a-z-]+)")
 _IMPORT = re.compile(r"import time:\s+\d+ \|\s+(\d+) \| (\S.*)$")
@@ -47,7 +47,7 @@ def _relaunch_run(steps: int, *, source: str | None = None, import_times: bool =
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [source, env.get("PYTHONPATH")]))
     if import_times:
         env["PYTHONPROFILEIMPORTTIME"] = "1"
-    command = [sys.executable, "-c", "import sys; from pipelines.cli import main; sys.exit(main())",
+    command = [sys.executable, "-c", "import sys; from relaunch.pipelines.cli import main; sys.exit(main())",
                "run", "--set", f"train.max_steps={steps}", *(["--cold"] if cold else [])]
     with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from components.core.checkpoint import CheckpointManager
+from relaunch.components.core.checkpoint import CheckpointManager
 from tests.bench import on_emulator
 from tests.bench.bench_checkpoint import _interleaved, _state, our_concurrency
 

@@ -19,7 +19,7 @@ the last worker of the old group gone: torchrun noticing and stopping the surviv
 start + imports (-> its imports done), process-group init, task + data, model + optimiser (DDP's
 first broadcast; torch.optim imports torch._dynamo), lease + checkpoint load, first step (-> the first step of the
 resumed attempt done). The worker records its phases in its attempt record
-(:class:`components.core.tracking.goodput.Attempt`); the floor is a fresh interpreter importing
+(:class:`relaunch.components.core.tracking.goodput.Attempt`); the floor is a fresh interpreter importing
 torch and torch.distributed, timed before and after each training (the load drifts). torchrun's
 ``--monitor-interval`` is what the launch renders (``launch.monitor_interval_seconds``) unless
 ``BENCH_MONITOR_INTERVAL`` says otherwise. The ETTR rows carry the goodput categories;
@@ -77,8 +77,8 @@ PHASES = ("detection", "rendezvous", "process start + imports", "process-group i
           "model + optimiser", "lease + checkpoint load", "first step")
 
 
-def _children(pid: int, marker: bytes | None = b"components.train") -> list[int]:
-    """The worker processes among ``pid``'s children: torchrun's children running components.train
+def _children(pid: int, marker: bytes | None = b"relaunch.components.train") -> list[int]:
+    """The worker processes among ``pid``'s children: torchrun's children running relaunch.components.train
     (cold), or every child of the zygote (warm: its forks are the workers, torchrun's are their clients)."""
     out: list[int] = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
@@ -96,7 +96,7 @@ def _children(pid: int, marker: bytes | None = b"components.train") -> list[int]
 
 
 def monitor_interval() -> float:
-    from components.core.contract.config import LaunchConfig
+    from relaunch.components.core.contract.config import LaunchConfig
 
     return MONITOR_INTERVAL or LaunchConfig().monitor_interval_seconds
 
@@ -108,14 +108,14 @@ def _torchrun_env() -> dict[str, str]:
 
 
 def _torchrun(config: dict, log: Path, max_restarts: int, env: dict[str, str], worker: list[str]) -> subprocess.Popen:
-    """torchrun as the launch renders it, its workers ``python -u -m components.train`` (cold) or the
-    zygote client's ``--no-python python -I -S client.py -m components.train`` (warm, ``worker``)."""
+    """torchrun as the launch renders it, its workers ``python -u -m relaunch.components.train`` (cold) or the
+    zygote client's ``--no-python python -I -S client.py -m relaunch.components.train`` (warm, ``worker``)."""
     from tests.services import free_port
 
     argv = [str(BIN / "torchrun"), "--nnodes=1", "--nproc-per-node=2", f"--max-restarts={max_restarts}",
             f"--monitor-interval={monitor_interval():g}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
             f"--rdzv-id={uuid.uuid4().hex[:8]}", f"--rdzv-conf={RDZV_CONF}", "--shutdown-timeout=10",
-            *(("--no-python", *worker) if worker else ()), "-m", "components.train", "--config-json", json.dumps(config)]
+            *(("--no-python", *worker) if worker else ()), "-m", "relaunch.components.train", "--config-json", json.dumps(config)]
     return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 
@@ -123,11 +123,11 @@ def _torchrun(config: dict, log: Path, max_restarts: int, env: dict[str, str], w
 def _training(config: dict, workdir: Path, *, kill_every: float | None, kills: int, warm: bool = False) -> dict:
     """One training to its end, SIGKILLing a random worker every ``kill_every`` s once the previous
     restart completed a step. ``warm``: the workers are forks of a zygote the bench starts first, as a
-    pod's supervisor does (:func:`components.core.runtime.zygote.for_command`), and the kill hits the
+    pod's supervisor does (:func:`relaunch.components.core.runtime.zygote.for_command`), and the kill hits the
     forked worker itself (what the OOM killer would hit), not its client."""
-    from components.core.runtime.zygote import Zygote, client_command
-    from components.core.store import open_store, records
-    from components.core.tracking import goodput
+    from relaunch.components.core.runtime.zygote import Zygote, client_command
+    from relaunch.components.core.store import open_store, records
+    from relaunch.components.core.tracking import goodput
 
     rng = random.Random(0)
     store_root = Path(config["store"]["uri"])
@@ -137,7 +137,7 @@ def _training(config: dict, workdir: Path, *, kill_every: float | None, kills: i
     started = time.time()
     zygote = None
     if warm:
-        zygote = Zygote(str(workdir / f"{name}.sock"), ("components.tasks.digits",), log=(workdir / f"{name}.zygote.log").open("w"),
+        zygote = Zygote(str(workdir / f"{name}.sock"), ("relaunch.components.tasks.digits",), log=(workdir / f"{name}.zygote.log").open("w"),
                         env=env, cwd=str(ROOT))
         env = {**env, **zygote.env}
     try:
@@ -232,10 +232,10 @@ def _logging_overhead(tracking_uri: str, steps: int) -> dict:
     """Step time of the digits training loop with and without per-step MLflow logging (same process)."""
     import torch
 
-    from components.core.contract.config import RelaunchConfig
-    from components.core.tracking.runlogger import RunLogger
-    from components.core.tracking.client import ensure_run
-    from components.tasks.digits import make_task
+    from relaunch.components.core.contract.config import RelaunchConfig
+    from relaunch.components.core.tracking.runlogger import RunLogger
+    from relaunch.components.core.tracking.client import ensure_run
+    from relaunch.components.tasks.digits import make_task
 
     config = RelaunchConfig.model_validate({"tracking": {"uri": tracking_uri, "experiment": "bench-logging"}})
     task = make_task(config)
@@ -298,7 +298,7 @@ def plot_breakdown(killed: list[dict], plain: list[dict], floor: float, path: Pa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from components.core.tracking.goodput import BREAKDOWN
+    from relaunch.components.core.tracking.goodput import BREAKDOWN
 
     bars = [(f"{run['name'].split('-')[0]}, kill {i + 1}", phases) for run in killed for i, phases in enumerate(run["phases"])]
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 1.6 + 0.32 * max(len(bars), 4)),

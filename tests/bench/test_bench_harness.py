@@ -70,7 +70,7 @@ def test_our_reader_concurrency_is_found_where_the_checkpoint_package_defines_it
 
 @pytest.mark.parametrize("ranged", [False, True], ids=["whole GETs", "ranged GETs"])
 def test_the_s3_baseline_reads_the_bytes_of_the_objects_our_store_wrote(s3_env, ranged):
-    from components.core.store import open_store
+    from relaunch.components.core.store import open_store
     from tests.bench.bench_checkpoint import _presigned
 
     s3_env.create_bucket("bench-harness")

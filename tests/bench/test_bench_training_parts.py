@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from components.core.tracking.goodput import Attempt
+from relaunch.components.core.tracking.goodput import Attempt
 from tests.bench.bench_training import PHASES, plot_breakdown, restart_phases
 
 

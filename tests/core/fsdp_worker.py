@@ -26,9 +26,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from components.core.checkpoint import CheckpointManager
-from components.core.trainer.parallel import wrap_model
-from components.core.trainer.state import TrainingState
+from relaunch.components.core.checkpoint import CheckpointManager
+from relaunch.components.core.trainer.parallel import wrap_model
+from relaunch.components.core.trainer.state import TrainingState
 
 
 def full_state(state: TrainingState) -> dict:
@@ -88,7 +88,7 @@ def main() -> None:
     if args.resume:
         # What every process pays once whatever it loads (imports) is part of "kill -> state loaded",
         # not of the load: the load's time and peak RSS are measured from here on.
-        for module_name in ("torch.distributed.checkpoint.state_dict", "components.core.checkpoint.dcp_io"):
+        for module_name in ("torch.distributed.checkpoint.state_dict", "relaunch.components.core.checkpoint.dcp_io"):
             importlib.import_module(module_name)
         mgr.store.stats.clear()
         Path("/proc/self/clear_refs").write_text("5")  # peak RSS from here on (the load's own)

@@ -8,7 +8,8 @@ import uuid
 import numpy as np
 import torch
 
-from components.core.trainer.state import TrainingState
+from relaunch.components.core.checkpoint import CheckpointManager
+from relaunch.components.core.trainer.state import TrainingState
 
 
 def make_state(seed: int = 0, width: int = 8) -> TrainingState:
@@ -76,3 +77,14 @@ def backend_root(request, tmp_path, name: str) -> str:
     if request.param in ("gcs", "azure"):
         return request.getfixturevalue(f"{request.param}_env").root(name)
     return s3_root(request.getfixturevalue("s3_env"), name)
+
+
+def save_three_steps(uri: str, owner: str) -> dict[str, object]:
+    """Train and save steps 1-3 into ``uri`` (keep_last=2); the fingerprint of the state step 3 saved."""
+    state = make_state(seed=3)
+    writer = CheckpointManager(uri, keep_last=2, async_save=False, owner=owner)
+    for step in (1, 2, 3):
+        train_steps(state, 1)
+        writer.save(step, state)
+    writer.close()
+    return fingerprint(state)

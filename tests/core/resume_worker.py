@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from components.core.checkpoint import CheckpointManager
+from relaunch.components.core.checkpoint import CheckpointManager
 from tests.core.helpers import fingerprint, make_state, train_steps
 
 

@@ -1,4 +1,4 @@
-"""Wrappers of the external store interface (``components.core.store.Store``) that change its
+"""Wrappers of the external store interface (``relaunch.components.core.store.Store``) that change its
 timing, never its answers: a partition (every call waits while it lasts) and a slow link."""
 
 from __future__ import annotations

@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from components.core.checkpoint import CheckpointManager, step_key
-from components.core.contract.errors import BadInput
-from components.core.store import open_store
-from pipelines.cli import main
+from relaunch.components.core.checkpoint import CheckpointManager, step_key
+from relaunch.components.core.contract.errors import BadInput
+from relaunch.components.core.store import open_store
+from relaunch.pipelines.cli import main
 from tests.core.helpers import make_state, train_steps
 
 
@@ -49,7 +49,7 @@ def test_list_latest_and_verify_print_json(root, capsys):
     (["checkpoints", "verify", "--deep", "--store", "/nonexistent/relaunch-store"], "no such directory"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, message):
-    proc = subprocess.run([sys.executable, "-m", "pipelines.cli", *argv], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "relaunch.pipelines.cli", *argv], capture_output=True, text=True)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) <= 2
 
@@ -121,7 +121,7 @@ def _cli(*argv: str, columns: int = 80) -> subprocess.CompletedProcess:
     import os
 
     env = {**os.environ, "COLUMNS": str(columns)}
-    return subprocess.run([sys.executable, "-m", "pipelines.cli", *argv], capture_output=True, text=True, env=env)
+    return subprocess.run([sys.executable, "-m", "relaunch.pipelines.cli", *argv], capture_output=True, text=True, env=env)
 
 
 def test_list_of_a_store_root_shows_every_training_that_relaunch_run_wrote(trainings_root, capsys):
@@ -170,13 +170,13 @@ def test_the_list_table_fits_the_terminal_with_formatted_numbers_and_whole_uris(
 def test_locate_by_hand_agrees_with_the_newest_training_of_the_root(trainings_root):
     import os
 
-    proc = subprocess.run([sys.executable, "-m", "components.locate", "--set", f"store.uri={trainings_root}"],
+    proc = subprocess.run([sys.executable, "-m", "relaunch.components.locate", "--set", f"store.uri={trainings_root}"],
                           capture_output=True, text=True, env=dict(os.environ))
     assert proc.returncode == 0, proc.stderr
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     assert found["step"] == 60 and found["checkpoint_uri"].endswith("20261204-031502/checkpoints/step-000000000060")
     with CheckpointManager(str(trainings_root / "trainings" / "20261204-031502"), async_save=False) as mgr:
         assert mgr.latest().uri == found["checkpoint_uri"]  # what the pipeline's locate gives that training
-    older = subprocess.run([sys.executable, "-m", "components.locate", "--set", f"store.uri={trainings_root}",
+    older = subprocess.run([sys.executable, "-m", "relaunch.components.locate", "--set", f"store.uri={trainings_root}",
                             "--input", "training=20261204-030015"], capture_output=True, text=True)
     assert json.loads(older.stdout.strip().splitlines()[-1])["step"] == 40

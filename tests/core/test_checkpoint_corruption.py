@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from components.core.checkpoint import CheckpointManager, step_key
-from components.core.contract.errors import CorruptCheckpoint
-from components.core.store import open_store
+from relaunch.components.core.checkpoint import CheckpointManager, step_key
+from relaunch.components.core.contract.errors import CorruptCheckpoint
+from relaunch.components.core.store import open_store
 from tests.core.helpers import backend_root, make_state, train_steps
 
 

@@ -14,8 +14,8 @@ import time
 import pytest
 import torch
 
-from components.core.checkpoint import CheckpointManager, checkpoint_steps, step_key
-from components.core.store import open_store
+from relaunch.components.core.checkpoint import CheckpointManager, checkpoint_steps, step_key
+from relaunch.components.core.store import open_store
 from tests.core.faults import FaultyStore, InjectedCrash
 from tests.core.helpers import make_state, s3_root, train_steps
 

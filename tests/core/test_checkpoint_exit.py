@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from components.core.checkpoint import LEASE, CheckpointManager
-from components.core.checkpoint.readers import READERS
-from components.core.contract.exitcodes import ExitCode
-from components.core.store import open_store
+from relaunch.components.core.checkpoint import LEASE, CheckpointManager
+from relaunch.components.core.checkpoint.readers import READERS
+from relaunch.components.core.contract.exitcodes import ExitCode
+from relaunch.components.core.store import open_store
 from tests.core.helpers import s3_root
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,9 +32,9 @@ def _program(root: str, link: str) -> str:
     """Save step 1 in the background through a store link ``link``, then return from main."""
     return textwrap.dedent(f"""
         import time
-        from components.core.checkpoint import CheckpointManager
-        from components.core.contract.errors import TransientFailure
-        from components.core.store import open_store
+        from relaunch.components.core.checkpoint import CheckpointManager
+        from relaunch.components.core.contract.errors import TransientFailure
+        from relaunch.components.core.store import open_store
         from tests.core.helpers import make_state
 
         class SlowLink:  # the external store, slow to take a manifest (a big upload finishing)

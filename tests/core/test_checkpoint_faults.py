@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from components.core.store import s3 as s3_backend
-from components.core.checkpoint import CheckpointManager
+from relaunch.components.core.store import s3 as s3_backend
+from relaunch.components.core.checkpoint import CheckpointManager
 from tests.core.faults import FaultProxy
 from tests.core.helpers import make_state, s3_root, train_steps
 

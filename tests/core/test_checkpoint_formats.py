@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from components.core.checkpoint import FORMAT_VERSION, CheckpointManager, step_key
-from components.core.trainer.state import TrainingState
-from components.core.store import open_store
+from relaunch.components.core.checkpoint import FORMAT_VERSION, CheckpointManager, step_key
+from relaunch.components.core.trainer.state import TrainingState
+from relaunch.components.core.store import open_store
 from tests.core.helpers import s3_root
 
 FIXTURE = Path(__file__).parent / "fixtures" / "v1-store"
@@ -73,8 +73,8 @@ def test_a_version_2_checkpoint_with_16_mib_chunks_still_loads_and_deep_verifies
 
 
 def test_items_of_many_chunks_load_whatever_chunk_size_wrote_them_and_a_flip_in_one_is_caught(tmp_path, monkeypatch):
-    from components.core.checkpoint import verify
-    from components.core.contract.errors import CorruptCheckpoint
+    from relaunch.components.core.checkpoint import verify
+    from relaunch.components.core.contract.errors import CorruptCheckpoint
 
     monkeypatch.setattr(verify, "CHUNK_BYTES", 1000)  # items of many chunks, tensors cut mid-element
     root = str(tmp_path / "store")

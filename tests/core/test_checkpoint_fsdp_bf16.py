@@ -13,9 +13,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 _SCRIPT = """
 import json, torch, torch.distributed as dist
-from components.core.checkpoint import CheckpointManager
-from components.core.trainer.parallel import wrap_model
-from components.core.trainer.state import TrainingState
+from relaunch.components.core.checkpoint import CheckpointManager
+from relaunch.components.core.trainer.parallel import wrap_model
+from relaunch.components.core.trainer.state import TrainingState
 
 dist.init_process_group("gloo", init_method="file://{pg}", rank=0, world_size=1)
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from components.core.checkpoint import FORMAT_VERSION, CheckpointManager, step_key
-from components.core.store import open_store
-from pipelines.cli import main
+from relaunch.components.core.checkpoint import FORMAT_VERSION, CheckpointManager, step_key
+from relaunch.components.core.store import open_store
+from relaunch.pipelines.cli import main
 from tests.core.helpers import assert_bitwise_equal, make_state, train_steps
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,7 +61,7 @@ equal(wanted, state, "dcp.load")
 dcp_to_torch_save(folder, out)
 converted = torch.load(out, weights_only=False)
 equal(wanted, {k: converted[k] for k in wanted}, "dcp_to_torch_save")
-assert "components" not in sys.modules and "pipelines" not in sys.modules
+assert "relaunch" not in sys.modules
 print("STOCK-OK")
 '''
 

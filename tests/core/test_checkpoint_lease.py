@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from components.core.checkpoint import LEASE, CheckpointManager
-from components.core.checkpoint.layout import read_json
-from components.core.checkpoint.lease import LeaseLost
-from components.core.contract.errors import BadInput
-from components.core.store import open_store
+from relaunch.components.core.checkpoint import LEASE, CheckpointManager
+from relaunch.components.core.checkpoint.layout import read_json
+from relaunch.components.core.checkpoint.lease import LeaseLost
+from relaunch.components.core.contract.errors import BadInput
+from relaunch.components.core.store import open_store
 from tests.core.helpers import make_state, s3_root, train_steps
 from tests.core.store_hooks import Partition, key_of
 
@@ -83,7 +83,7 @@ def test_a_live_writer_of_the_same_owner_makes_the_second_wait_then_refuses_it(r
     orphan = subprocess.Popen(  # the first process of this training, still running and renewing
         [sys.executable, "-c", textwrap.dedent(f"""
             import sys
-            from components.core.checkpoint import CheckpointManager
+            from relaunch.components.core.checkpoint import CheckpointManager
             mgr = CheckpointManager({root!r}, owner="run-a", lease_seconds=1.5)
             mgr.take_lease()
             print("held", flush=True)
@@ -142,7 +142,7 @@ def test_a_later_torchelastic_attempt_takes_the_lease_over_at_once_and_fences_th
 def test_a_writer_whose_process_died_on_this_host_is_taken_over_at_once(root, tmp_path):
     script = textwrap.dedent(f"""
         import os, signal
-        from components.core.checkpoint import CheckpointManager
+        from relaunch.components.core.checkpoint import CheckpointManager
         from tests.core.helpers import make_state
         mgr = CheckpointManager({root!r}, owner="run-a", lease_seconds=300)
         mgr.save(1, make_state())
@@ -243,14 +243,14 @@ def test_readers_never_take_the_write_lease(root):
 
 
 def test_a_second_training_is_refused_before_it_trains(tmp_path):
-    from components.core.checkpoint import checkpoint_steps
+    from relaunch.components.core.checkpoint import checkpoint_steps
 
     store_uri = str(tmp_path / "store")
     holder = CheckpointManager(store_uri, owner="run-a", lease_seconds=60)  # the first training, alive
     holder.take_lease()
     config = {"store": {"uri": store_uri}, "train": {"max_steps": 4, "checkpoint_every_steps": 2}}
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_TRACKING_URI")}
-    result = subprocess.run([sys.executable, "-m", "components.train", "--config-json", json.dumps(config)],
+    result = subprocess.run([sys.executable, "-m", "relaunch.components.train", "--config-json", json.dumps(config)],
                             cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT), "RELAUNCH_OWNER": "run-b"},
                             capture_output=True, text=True, timeout=300)
     errors = [line for line in result.stderr.splitlines() if "error:" in line]

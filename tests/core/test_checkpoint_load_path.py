@@ -10,12 +10,12 @@ import time
 import pytest
 import torch
 
-import components.core.checkpoint.commit as commit
-import components.core.checkpoint.load as load
-import components.core.checkpoint.verify as verify
-from components.core.checkpoint import CheckpointManager, step_key
-from components.core.contract.errors import CorruptCheckpoint
-from components.core.store import open_store
+import relaunch.components.core.checkpoint.commit as commit
+import relaunch.components.core.checkpoint.load as load
+import relaunch.components.core.checkpoint.verify as verify
+from relaunch.components.core.checkpoint import CheckpointManager, step_key
+from relaunch.components.core.contract.errors import CorruptCheckpoint
+from relaunch.components.core.store import open_store
 from tests.core.helpers import make_state, train_steps
 
 TENSORS = {
@@ -122,7 +122,7 @@ def test_a_load_checks_the_manifest_once_and_agrees_once_on_what_to_read(tmp_pat
 
 @pytest.mark.parametrize("slack, requests", [(8000, 1), (0, 2)], ids=["within the slack: one", "no slack: two"])
 def test_a_file_read_whole_a_little_past_the_request_cap_is_one_request(tmp_path, monkeypatch, slack, requests):
-    import components.core.checkpoint.dcp_io as dcp_io
+    import relaunch.components.core.checkpoint.dcp_io as dcp_io
 
     root = str(tmp_path / "store")
     source = {f"w{i}": torch.randn(1000) for i in range(4)}  # 16000 tensor bytes plus archive records

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from components.core.checkpoint.commit import Committer
-from components.core.checkpoint.layout import INFLIGHT, MANIFEST, checkpoint_steps, step_key
-from components.core.checkpoint.leases import Leases
-from components.core.checkpoint.load import Loader
-from components.core.checkpoint.locate import Locator
-from components.core.checkpoint.ranks import Ranks
-from components.core.checkpoint.retention import Retention
-from components.core.contract.errors import BadInput
-from components.core.store import open_store
+from relaunch.components.core.checkpoint.commit import Committer
+from relaunch.components.core.checkpoint.layout import INFLIGHT, MANIFEST, checkpoint_steps, step_key
+from relaunch.components.core.checkpoint.leases import Leases
+from relaunch.components.core.checkpoint.load import Loader
+from relaunch.components.core.checkpoint.locate import Locator
+from relaunch.components.core.checkpoint.ranks import Ranks
+from relaunch.components.core.checkpoint.retention import Retention
+from relaunch.components.core.contract.errors import BadInput
+from relaunch.components.core.store import open_store
 from tests.core.helpers import assert_bitwise_equal, fingerprint, make_state, train_steps
 
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from components.core.checkpoint import CheckpointManager, step_key
-from components.core.checkpoint import quarantine
-from components.core.contract.errors import BadInput, CorruptCheckpoint
-from components.core.store import open_store
-from pipelines.cli import main
+from relaunch.components.core.checkpoint import CheckpointManager, step_key
+from relaunch.components.core.checkpoint import quarantine
+from relaunch.components.core.contract.errors import BadInput, CorruptCheckpoint
+from relaunch.components.core.store import open_store
+from relaunch.pipelines.cli import main
 from tests.core.helpers import make_state, s3_root, train_steps
 
 

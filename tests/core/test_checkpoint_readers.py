@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
-from components.core.checkpoint import CheckpointManager
-from components.core.checkpoint.readers import READERS, marker_key, readers_dir
-from components.core.store import open_store
+from relaunch.components.core.checkpoint import CheckpointManager
+from relaunch.components.core.checkpoint.readers import READERS, marker_key, readers_dir
+from relaunch.components.core.store import open_store
 from tests.core.helpers import make_state, s3_root, train_steps
 from tests.core.store_hooks import Slow, key_of
 

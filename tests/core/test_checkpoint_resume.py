@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from components.core.checkpoint import CheckpointManager
-from components.core.contract.errors import BadInput
+from relaunch.components.core.checkpoint import CheckpointManager
+from relaunch.components.core.contract.errors import BadInput
 from tests import warm_processes
 from tests.core.helpers import assert_bitwise_equal, make_state, s3_root, train_steps
 

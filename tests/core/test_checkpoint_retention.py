@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from components.core.checkpoint import CheckpointManager, parse_checkpoint_uri, step_key
-from components.core.contract.errors import BadInput, CorruptCheckpoint
-from components.core.store import open_store
+from relaunch.components.core.checkpoint import CheckpointManager, parse_checkpoint_uri, step_key
+from relaunch.components.core.contract.errors import BadInput, CorruptCheckpoint
+from relaunch.components.core.store import open_store
 from tests.core.helpers import make_state, train_steps
 
 
@@ -124,7 +124,7 @@ def test_load_by_uri_restores_that_checkpoint(tmp_path):
 
 
 def test_best_is_the_verified_checkpoint_with_the_best_metric_and_the_newer_wins_a_tie(tmp_path):
-    from components.core.contract.config import RelaunchConfig
+    from relaunch.components.core.contract.config import RelaunchConfig
 
     config = RelaunchConfig.model_validate({"store": {"uri": str(tmp_path)},
                                             "train": {"keep_last": 3, "keep_best": 0}})

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from components.core.checkpoint import step_key
-from components.core.store import open_store
+from relaunch.components.core.checkpoint import step_key
+from relaunch.components.core.store import open_store
 from tests import warm_processes
 from tests.core.helpers import assert_bitwise_equal, s3_root
 
@@ -135,7 +135,7 @@ def test_the_load_planners_shard_chunks_follow_dtensors_own_rule(global_shape, m
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset  # the reference
 
-    from components.core.checkpoint.dcp_io import shard_chunk
+    from relaunch.components.core.checkpoint.dcp_io import shard_chunk
 
     kinds = [Replicate() if p == "R" else Shard(int(p[1])) for p in placements.split(",")]
     for coordinate in itertools.product(*(range(n) for n in mesh_shape)):

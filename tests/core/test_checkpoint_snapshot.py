@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from components.core.checkpoint import CheckpointManager
-from components.core.trainer.state import TrainingState
+from relaunch.components.core.checkpoint import CheckpointManager
+from relaunch.components.core.trainer.state import TrainingState
 
 
 CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))
@@ -123,7 +123,7 @@ def test_with_a_deferred_copy_the_optimizers_next_step_waits_for_it_by_itself(tm
 
 
 def test_a_second_save_reuses_the_staging_buffers_and_holds_the_second_state_bitwise(tmp_path):
-    from components.core.checkpoint.snapshot import Snapshotter
+    from relaunch.components.core.checkpoint.snapshot import Snapshotter
 
     width = 512  # 1 MiB layers: several chunks of the parallel copy in all
     state = _state(seed=4, width=width)
@@ -157,7 +157,7 @@ def test_a_second_save_reuses_the_staging_buffers_and_holds_the_second_state_bit
 
 
 def test_a_snapshot_copied_in_chunks_by_several_threads_is_bitwise_for_every_kind_of_tensor():
-    from components.core.checkpoint.snapshot import COPY_CHUNK, Snapshotter
+    from relaunch.components.core.checkpoint.snapshot import COPY_CHUNK, Snapshotter
 
     g = torch.Generator().manual_seed(5)
     state = {"extra": {
@@ -188,8 +188,8 @@ def test_a_process_that_took_a_snapshot_winds_down_without_waiting_on_a_copy_thr
 
     script = (
         "import torch\n"
-        "from components.core.checkpoint.snapshot import COPY_CHUNK, Snapshotter\n"
-        "from components.core.runtime.stepcli import wind_down\n"
+        "from relaunch.components.core.checkpoint.snapshot import COPY_CHUNK, Snapshotter\n"
+        "from relaunch.components.core.runtime.stepcli import wind_down\n"
         "state = {'x': torch.randn(COPY_CHUNK)}\n"
         "assert torch.equal(Snapshotter().take(state)['x'], state['x'])\n"
         "wind_down()\n"

@@ -12,11 +12,11 @@ import threading
 
 import pytest
 
-from components.core.contract.classify import (CarriedError, as_error, classify, classify_pod, dcp_mismatch, dcp_original,
+from relaunch.components.core.contract.classify import (CarriedError, as_error, classify, classify_pod, dcp_mismatch, dcp_original,
                                       torchrun_exit)
-from components.core.contract.errors import (BadInput, CorruptCheckpoint, Diverged, Preempted, RelaunchError,
+from relaunch.components.core.contract.errors import (BadInput, CorruptCheckpoint, Diverged, Preempted, RelaunchError,
                                     TransientFailure)
-from components.core.contract.exitcodes import ExitCode
+from relaunch.components.core.contract.exitcodes import ExitCode
 from tests.core.faults import FaultProxy
 from tests.services import S3_ACCESS_KEY, S3_SECRET_KEY, free_port
 
@@ -124,7 +124,7 @@ def _mlflow_against_server_answering(status: int, monkeypatch):
 def test_a_real_mlflow_answer_is_classified_by_its_error_code_not_its_text(monkeypatch, status, expected):
     from mlflow.exceptions import MlflowException
 
-    from components.core.tracking.client import is_auth_error
+    from relaunch.components.core.tracking.client import is_auth_error
 
     err = _mlflow_against_server_answering(status, monkeypatch)
     assert isinstance(err, MlflowException), repr(err)
@@ -136,7 +136,7 @@ def test_a_missing_run_of_a_real_mlflow_store_is_bad_input_and_an_unreachable_se
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from components.core.tracking.client import is_auth_error
+    from relaunch.components.core.tracking.client import is_auth_error
 
     missing = raised(lambda: MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run("0" * 32))
     assert isinstance(missing, MlflowException) and missing.error_code == "RESOURCE_DOES_NOT_EXIST"
@@ -319,9 +319,9 @@ def test_a_carried_kind_whose_exit_code_differs_is_rebuilt_from_the_code():
 
 
 def test_a_peer_of_a_killed_worker_is_137_by_its_type_and_stays_so_when_carried_to_another_rank():
-    from components.core.contract.classify import CarriedError, classify
-    from components.core.contract.exitcodes import ExitCode
-    from components.train import PeerFailure
+    from relaunch.components.core.contract.classify import CarriedError, classify
+    from relaunch.components.core.contract.exitcodes import ExitCode
+    from relaunch.components.train import PeerFailure
 
     err = PeerFailure(RuntimeError("[/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1"))
     assert classify(err) == ExitCode.KILLED and "gloo" not in str(err)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from components.core.store.datasets import dataset_version, read_dataset, write_dataset
-from components.core.contract.errors import BadInput, CorruptCheckpoint
-from components.core.store import open_store
-from components.tasks.digits import digits_splits
+from relaunch.components.core.store.datasets import dataset_version, read_dataset, write_dataset
+from relaunch.components.core.contract.errors import BadInput, CorruptCheckpoint
+from relaunch.components.core.store import open_store
+from relaunch.components.tasks.digits import digits_splits
 
 
 def test_dataset_versions_are_content_addressed_written_once_and_read_back_equal(tmp_path):

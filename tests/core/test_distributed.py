@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from components.core.runtime.distributed import read_env
-from components.core.contract.errors import BadInput
+from relaunch.components.core.runtime.distributed import read_env
+from relaunch.components.core.contract.errors import BadInput
 
 
 def test_the_distributed_environment_comes_from_torchrun_and_training_operator_variables(monkeypatch):

@@ -13,8 +13,8 @@ import sys
 import pytest
 from rich.console import Console
 
-from components.core.contract import events
-from components.core.contract.events import Kind
+from relaunch.components.core.contract import events
+from relaunch.components.core.contract.events import Kind
 from tests.train.conftest import ROOT, train_config
 
 FIELDS = {Kind.STEP_START: {"step": "prepare", "warm": False},
@@ -81,15 +81,15 @@ def test_a_half_written_line_is_left_for_the_next_read(tmp_path):
 
 
 def test_a_real_trainings_events_reach_the_console_through_the_launcher_and_the_event_file(tmp_path):
-    """``python -m components.train`` (a world of one) prints its events; the local launcher's reader
+    """``python -m relaunch.components.train`` (a world of one) prints its events; the local launcher's reader
     passes them on to the event file; the console shows the attempt and every checkpoint it saved."""
-    from components.launchers.local import ProgressReporter, _Watch
-    from pipelines.local.console import RunView
+    from relaunch.components.launchers.local import ProgressReporter, _Watch
+    from relaunch.pipelines.local.console import RunView
 
     config = train_config(tmp_path, f"sqlite:///{tmp_path / 'mlflow.db'}", max_steps=20)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_TRACKING_URI", "RELAUNCH_"))}
     env.update({"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"})
-    done = subprocess.run([sys.executable, "-m", "components.train", "--config-json", json.dumps(config)], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "relaunch.components.train", "--config-json", json.dumps(config)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     path = tmp_path / "events.jsonl"

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from components.core.store import records
-from components.core.tracking import goodput
-from components.core.contract.classify import torchrun_exit
-from components.core.store import open_store
+from relaunch.components.core.store import records
+from relaunch.components.core.tracking import goodput
+from relaunch.components.core.contract.classify import torchrun_exit
+from relaunch.components.core.store import open_store
 
 
 def _attempt(n, start, loop, last_step, seen, resumed=-1, commits=None, end=None, stall=0.0, exit_code=None):

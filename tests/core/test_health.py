@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from components.core.trainer.health import PreemptionFlag, SpikeDetector, save_fits_grace
+from relaunch.components.core.trainer.health import PreemptionFlag, SpikeDetector, save_fits_grace
 
 
 def test_spike_detector_counts_spikes_without_letting_them_raise_the_mean():

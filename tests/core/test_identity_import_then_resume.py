@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipelines.cli import main
+from relaunch.pipelines.cli import main
 from tests.cli import RUN_TIMEOUT, TINY, relaunch_run
 
 TINY_SETS = [TINY[i + 1] for i in range(0, len(TINY), 2)]  # hidden_size 32: the model the import builds too
@@ -23,8 +23,8 @@ def _stock_folder(path: Path, *overrides: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from components.core.contract.config import load_config
-    from components.tasks.base import load_task
+    from relaunch.components.core.contract.config import load_config
+    from relaunch.components.tasks.base import load_task
 
     config = load_config(None, [*TINY_SETS, *overrides])
     task = load_task(config.train.task, config)
@@ -43,11 +43,11 @@ def _tree(root: Path) -> dict[str, bytes]:
 
 
 def test_an_imported_stock_model_and_optimizer_loads_into_the_tasks_training_state_at_its_step(tmp_path, capsys):
-    from components.core.checkpoint import CheckpointManager
-    from components.core.contract.config import load_config
-    from components.core.trainer import setup
-    from components.core.trainer.health import SpikeDetector
-    from components.tasks.base import load_task
+    from relaunch.components.core.checkpoint import CheckpointManager
+    from relaunch.components.core.contract.config import load_config
+    from relaunch.components.core.trainer import setup
+    from relaunch.components.core.trainer.health import SpikeDetector
+    from relaunch.components.tasks.base import load_task
 
     weights = _stock_folder(tmp_path / "stock")
     root = str(tmp_path / "store")
@@ -68,7 +68,7 @@ def test_an_imported_stock_model_and_optimizer_loads_into_the_tasks_training_sta
 
 
 def test_importing_a_model_that_does_not_fit_the_training_exits_2_in_one_line_and_changes_nothing(tmp_path, capsys):
-    from components.core.checkpoint import CheckpointManager
+    from relaunch.components.core.checkpoint import CheckpointManager
     from tests.core.helpers import make_state
 
     root = tmp_path / "store"
@@ -87,8 +87,8 @@ def test_importing_a_model_that_does_not_fit_the_training_exits_2_in_one_line_an
 @pytest.mark.slow
 @pytest.mark.timeout(RUN_TIMEOUT + 60)
 def test_a_training_resumes_from_an_imported_stock_dcp_save_of_the_default_model_and_optimizer(tmp_path):
-    from components.core.store import open_store
-    from components.core.tracking.goodput import load_attempts
+    from relaunch.components.core.store import open_store
+    from relaunch.components.core.tracking.goodput import load_attempts
     from tests.cli import newest_training
 
     _stock_folder(tmp_path / "stock")

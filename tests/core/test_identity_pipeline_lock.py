@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from components.core.store import open_store
-from components.core.store.holder import process_start
-from components.core.store.pipeline_lock import STALE_SECONDS, PipelineLock, TrainingInUse
-from components.core.store.records import PIPELINE_LOCK_KEY
+from relaunch.components.core.store import open_store
+from relaunch.components.core.store.holder import process_start
+from relaunch.components.core.store.pipeline_lock import STALE_SECONDS, PipelineLock, TrainingInUse
+from relaunch.components.core.store.records import PIPELINE_LOCK_KEY
 
 
 @pytest.fixture

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from components.core.trainer.injection import Injection, OutageStore, wrap_store
-from components.core.store import open_store
+from relaunch.components.core.trainer.injection import Injection, OutageStore, wrap_store
+from relaunch.components.core.store import open_store
 
 
 def test_an_injected_storage_outage_fires_once_per_training_and_only_on_rank_0(tmp_path):

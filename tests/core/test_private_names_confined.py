@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 GUARDED = {"components/core/checkpoint/torch_private.py", "components/core/runtime/stdlib_private.py",
            "pipelines/local/kfp_fixes.py", "components/core/store/s3.py"}
 PUBLIC = {("os", "_exit")}
-OURS = ("components", "pipelines", "tests")
+OURS = ("relaunch", "tests")
 
 
 def _private(name: str) -> bool:
@@ -79,7 +79,7 @@ def test_the_scan_finds_each_kind_of_private_use(tmp_path):
                       "import torch.distributed.checkpoint._traverse\n"
                       "from torch.distributed.checkpoint.filesystem import _StorageInfo\n"
                       "from kfp.local.orchestrator import enhanced_dag_orchestrator as edo\n"
-                      "from components.core.checkpoint.torch_private import storage_info\n"
+                      "from relaunch.components.core.checkpoint.torch_private import storage_info\n"
                       "atexit._run_exitfuncs()\n"
                       "edo.ConditionEvaluator._resolve_pipeline_channel\n"
                       "os._exit(0)\n"

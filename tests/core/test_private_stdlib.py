@@ -26,7 +26,7 @@ def test_a_process_that_ends_through_end_process_runs_every_atexit_handler_last_
     done = _run("import atexit\n"
                 f"log = open({str(log)!r}, 'a', buffering=1)\n"
                 "atexit.register(print, 'before-import', file=log)\n"
-                "from components.core.runtime.stepcli import end_process\n"
+                "from relaunch.components.core.runtime.stepcli import end_process\n"
                 "atexit.register(print, 'after-import', file=log)\n"
                 "atexit.register(lambda: 1 / 0)\n"
                 "end_process(3)\n")
@@ -41,7 +41,7 @@ def test_the_exit_handlers_run_once_even_when_the_interpreter_exits_normally_aft
     done = _run("import atexit\n"
                 f"log = open({str(log)!r}, 'a', buffering=1)\n"
                 "atexit.register(print, 'handler', file=log)\n"
-                "from components.core.runtime.stepcli import wind_down\n"
+                "from relaunch.components.core.runtime.stepcli import wind_down\n"
                 "wind_down()\n")
     assert done.returncode == 0, done.stderr
     assert log.read_text().splitlines() == ["handler"]
@@ -49,7 +49,7 @@ def test_the_exit_handlers_run_once_even_when_the_interpreter_exits_normally_aft
 
 def test_a_module_remembered_as_absent_fails_to_import_at_once_and_probes_as_not_installed():
     done = _run("import importlib.util, sys\n"
-                "from components.core.tracking.runlogger import remember_absent\n"
+                "from relaunch.components.core.tracking.runlogger import remember_absent\n"
                 "remember_absent(('relaunch_surely_not_installed', 'json'))\n"
                 "try:\n"
                 "    import relaunch_surely_not_installed\n"

@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import time
 
-from components.core.checkpoint.layout import LEASE
-from components.core.checkpoint.lease import WAIT_LINE_SECONDS, Lease
-from components.core.contract import events
-from components.core.contract.events import Kind
-from components.core.store import open_store
+from relaunch.components.core.checkpoint.layout import LEASE
+from relaunch.components.core.checkpoint.lease import WAIT_LINE_SECONDS, Lease
+from relaunch.components.core.contract import events
+from relaunch.components.core.contract.events import Kind
+from relaunch.components.core.store import open_store
 
 
 def test_waiting_for_a_live_holders_lease_says_who_holds_it_and_how_long_at_most_then_takes_it(

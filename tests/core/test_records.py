@@ -5,7 +5,8 @@ from __future__ import annotations
 import pathlib
 import re
 
-from components.core.store import open_store, records
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.store import open_store, records
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -60,3 +61,14 @@ def test_identity_changes_name_only_the_keys_asked_for_that_change_what_the_trai
     assert records.identity_changes(stored, {"train": {"epochs": 4, "lr": 0.05}}) == [("train.epochs", 8, 4)]
     assert records.identity_changes(stored, {"train": {"max_steps": None}}) == []
     assert records.identity_changes(stored, {"train": {"max_steps": 10}}) == [("train.max_steps", None, 10)]
+
+
+def test_a_training_stored_under_the_task_name_before_relaunch_moved_under_relaunch_resumes(tmp_path):
+    store = open_store(str(tmp_path))
+    records.write_training_config(store, {"train": {"task": "components.tasks.digits:make_task", "seed": 0}})
+    records.refuse_another_identity(store, {"train": {"task": "relaunch.components.tasks.digits:make_task"}})
+    assert RelaunchConfig.model_validate({"train": {"task": "components.tasks.digits:make_task"}}).train.task == \
+        "relaunch.components.tasks.digits:make_task"
+    assert records.identity_changes({"train": {"task": "components.tasks.digits:make_task"}},
+                                    {"train": {"task": "mine.task:make_task"}}) == \
+        [("train.task", "relaunch.components.tasks.digits:make_task", "mine.task:make_task")]

@@ -59,7 +59,7 @@ def test_the_plain_path_authenticates_exactly_as_mlflows_client(recorder, monkey
     from mlflow.utils.credentials import get_default_host_creds
     from mlflow.utils.rest_utils import http_request
 
-    from components.core.tracking.rest import LOG_BATCH, RestSession
+    from relaunch.components.core.tracking.rest import LOG_BATCH, RestSession
 
     uri, seen = recorder
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.mlflow/credentials of the machine's
@@ -78,7 +78,7 @@ def test_the_plain_path_authenticates_exactly_as_mlflows_client(recorder, monkey
 
 
 def test_a_proxy_in_the_environment_sends_through_mlflows_client_instead(monkeypatch):
-    from components.core.tracking.rest import RestSession
+    from relaunch.components.core.tracking.rest import RestSession
 
     for name in ("NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy", "HTTPS_PROXY", "https_proxy"):
         monkeypatch.delenv(name, raising=False)
@@ -94,9 +94,9 @@ def test_a_proxy_in_the_environment_sends_through_mlflows_client_instead(monkeyp
 
 @pytest.mark.slow
 def test_the_plain_path_raises_mlflows_errors_for_a_missing_run_and_an_oversized_batch(mlflow_server):
-    from components.core.tracking.client import ensure_run, is_not_found, is_rejected
-    from components.core.contract.config import RelaunchConfig
-    from components.core.tracking.rest import GET_RUN, LOG_BATCH, RestSession
+    from relaunch.components.core.tracking.client import ensure_run, is_not_found, is_rejected
+    from relaunch.components.core.contract.config import RelaunchConfig
+    from relaunch.components.core.tracking.rest import GET_RUN, LOG_BATCH, RestSession
 
     session = RestSession(mlflow_server.uri)
     assert session.plain
@@ -114,9 +114,9 @@ def test_the_plain_path_raises_mlflows_errors_for_a_missing_run_and_an_oversized
 def test_a_trainings_points_take_one_request_per_thousand_and_params_and_status_go_over_rest(mlflow_server):
     from mlflow.tracking import MlflowClient
 
-    from components.core.contract.config import RelaunchConfig
-    from components.core.tracking.client import ensure_run
-    from components.core.tracking.runlogger import RunLogger
+    from relaunch.components.core.contract.config import RelaunchConfig
+    from relaunch.components.core.tracking.client import ensure_run
+    from relaunch.components.core.tracking.runlogger import RunLogger
 
     run_id = ensure_run(RelaunchConfig.model_validate({"tracking": {"uri": mlflow_server.uri,
                                                                     "experiment": "rest-requests"}}))
@@ -142,9 +142,9 @@ def test_a_trainings_points_take_one_request_per_thousand_and_params_and_status_
 def test_a_step_that_straddles_the_thousand_point_limit_is_split_and_an_empty_call_sends_nothing(mlflow_server):
     from mlflow.tracking import MlflowClient
 
-    from components.core.contract.config import RelaunchConfig
-    from components.core.tracking.client import ensure_run
-    from components.core.tracking.runlogger import RunLogger
+    from relaunch.components.core.contract.config import RelaunchConfig
+    from relaunch.components.core.tracking.client import ensure_run
+    from relaunch.components.core.tracking.runlogger import RunLogger
 
     run_id = ensure_run(RelaunchConfig.model_validate({"tracking": {"uri": mlflow_server.uri,
                                                                     "experiment": "rest-split"}}))
@@ -163,7 +163,7 @@ def test_a_long_outage_keeps_only_the_newest_points_within_the_cap_and_every_par
     import json
     import time
 
-    from components.core.tracking.runlogger import RunLogger
+    from relaunch.components.core.tracking.runlogger import RunLogger
 
     uri, seen = recorder
     _Recorder.down.set()

@@ -9,10 +9,10 @@ import pickle
 import pytest
 import torch
 
-from components.core.checkpoint import CheckpointManager, step_key
-from components.core.contract.errors import CorruptCheckpoint
-from components.core.checkpoint.safe_pickle import load_metadata
-from components.core.store import open_store
+from relaunch.components.core.checkpoint import CheckpointManager, step_key
+from relaunch.components.core.contract.errors import CorruptCheckpoint
+from relaunch.components.core.checkpoint.safe_pickle import load_metadata
+from relaunch.components.core.store import open_store
 from tests.core.helpers import make_state, s3_root, train_steps
 
 
@@ -30,8 +30,8 @@ def _plant(store, key: str, payload: bytes) -> None:
     only the unpickler stands in the way."""
     import json
 
-    from components.core.checkpoint.layout import sealed_manifest_body
-    from components.core.checkpoint.verify import digest
+    from relaunch.components.core.checkpoint.layout import sealed_manifest_body
+    from relaunch.components.core.checkpoint.verify import digest
 
     store.write_bytes(f"{key}/.metadata", payload)
     manifest = json.loads(store.read_bytes(f"{key}/MANIFEST.json"))

@@ -11,15 +11,15 @@ import torch
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, RESOURCE_DOES_NOT_EXIST, TEMPORARILY_UNAVAILABLE
 
-from components import locate
-from components.core.checkpoint import CheckpointManager, step_key
-from components.core.checkpoint.start import start_point
-from components.core.contract.config import RelaunchConfig
-from components.core.contract.errors import BadInput, TransientFailure
-from components.core.tracking.warm_start import warm_start_checkpoint
-from components.core.trainer.setup import ModelParts, restore
-from components.core.trainer.state import ModelWeights
-from components.launchers.jobs import worker_config
+from relaunch.components import locate
+from relaunch.components.core.checkpoint import CheckpointManager, step_key
+from relaunch.components.core.checkpoint.start import start_point
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.errors import BadInput, TransientFailure
+from relaunch.components.core.tracking.warm_start import warm_start_checkpoint
+from relaunch.components.core.trainer.setup import ModelParts, restore
+from relaunch.components.core.trainer.state import ModelWeights
+from relaunch.components.launchers.jobs import worker_config
 from tests.core.helpers import make_state, train_steps
 
 
@@ -85,7 +85,7 @@ class _Registry:
     (ConnectionError("connection refused"), TransientFailure),
 ])
 def test_the_registry_answer_is_classified_by_its_error_code(monkeypatch, tmp_path, error, expected):
-    import components.core.tracking.client as tracking
+    import relaunch.components.core.tracking.client as tracking
 
     monkeypatch.setattr(tracking, "client", lambda uri: _Registry(error))
     with pytest.raises(expected):

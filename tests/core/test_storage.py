@@ -9,10 +9,10 @@ import stat
 
 import pytest
 
-from components.core.store import s3 as s3_backend
-from components.core.contract.errors import BadInput, TransientFailure
-from components.core.store import FileStore, PreconditionFailed, open_store
-from components.core.store.s3 import _MinioCalls
+from relaunch.components.core.store import s3 as s3_backend
+from relaunch.components.core.contract.errors import BadInput, TransientFailure
+from relaunch.components.core.store import FileStore, PreconditionFailed, open_store
+from relaunch.components.core.store.s3 import _MinioCalls
 from tests.core.helpers import s3_root
 
 
@@ -21,7 +21,7 @@ def store(request, tmp_path, monkeypatch):
     if request.param == "fs":
         return open_store(str(tmp_path / "root"))
     if request.param == "azure":
-        from components.core.store import azure as azure_backend
+        from relaunch.components.core.store import azure as azure_backend
 
         monkeypatch.setattr(azure_backend, "BLOCK_SIZE", 5 * 1024 * 1024)  # as the S3 tests set PART_SIZE
         return open_store(request.getfixturevalue("azure_env").root("storage"))

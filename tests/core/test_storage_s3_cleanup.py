@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from components.core.checkpoint import CheckpointManager
-from components.core.contract.errors import TransientFailure
-from components.core.store import FileStore, ObjectStore, S3Driver, open_store
+from relaunch.components.core.checkpoint import CheckpointManager
+from relaunch.components.core.contract.errors import TransientFailure
+from relaunch.components.core.store import FileStore, ObjectStore, S3Driver, open_store
 from tests.core.faults import ScriptedProxy
 from tests.core.helpers import s3_root
 
@@ -28,7 +28,7 @@ BUCKET = "relaunch-ckpt"
 # A writer process: one streamed file per "rank", each past its first part, then it waits to be killed.
 _WRITER = r"""
 import sys, time
-from components.core.store import open_store, s3
+from relaunch.components.core.store import open_store, s3
 s3.PART_SIZE = 5 * 1024 * 1024               # S3's smallest part
 store = open_store(sys.argv[1])
 writers = [store.open_writer(f"checkpoints/step-000000000010/__{rank}_0.distcp") for rank in range(2)]

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from components.core.contract.errors import BadInput, StoreUnwritable, TransientFailure
-from components.core.store import ObjectStore, PreconditionFailed, object_store, open_store, probe_writable
-from components.core.store import azure as azure_backend
+from relaunch.components.core.contract.errors import BadInput, StoreUnwritable, TransientFailure
+from relaunch.components.core.store import ObjectStore, PreconditionFailed, object_store, open_store, probe_writable
+from relaunch.components.core.store import azure as azure_backend
 from tests.azure_server import ACCOUNT, ACCOUNT_KEY
 from tests.core.faults import FaultProxy, ScriptedProxy
 
@@ -190,7 +190,7 @@ def test_a_sas_token_works_and_one_without_write_permission_cannot_write_exit_2(
 
 
 def test_an_unreachable_endpoint_is_a_transient_failure_after_bounded_retries(azurite, monkeypatch):
-    from components.core.runtime.net import free_port
+    from relaunch.components.core.runtime.net import free_port
 
     _no_azure_env(monkeypatch)
     monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from components.core.store import open_store
+from relaunch.components.core.store import open_store
 from tests.cli import relaunch_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

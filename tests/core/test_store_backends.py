@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from components.core.checkpoint import CheckpointManager
-from components.core.contract.config import load_config
-from components.core.contract.errors import BadInput
-from components.core.store import BACKENDS, PreconditionFailed, Segments, join_uri, open_store, register_backend
-from pipelines.cli import main
-from tests.core.helpers import assert_bitwise_equal, fingerprint, make_state, train_steps
+from relaunch.components.core.checkpoint import CheckpointManager
+from relaunch.components.core.contract.config import load_config
+from relaunch.components.core.contract.errors import BadInput
+from relaunch.components.core.store import BACKENDS, PreconditionFailed, Segments, join_uri, open_store, register_backend
+from relaunch.pipelines.cli import main
+from tests.core.helpers import assert_bitwise_equal, fingerprint, make_state, save_three_steps
 
 
 class MemStore:
@@ -141,13 +141,7 @@ def test_a_backend_registered_from_a_test_file_serves_a_checkpoint_save_latest_l
     store = open_store(uri)
     assert isinstance(store, MemStore) and store.uri == uri
 
-    state = make_state(seed=3)
-    writer = CheckpointManager(uri, keep_last=2, async_save=False, owner="seam-test")
-    for step in (1, 2, 3):
-        train_steps(state, 1)
-        writer.save(step, state)
-    writer.close()
-    saved = fingerprint(state)
+    saved = save_three_steps(uri, owner="seam-test")
 
     reader = CheckpointManager(open_store(uri), owner="seam-test")
     assert reader.latest().step == 3

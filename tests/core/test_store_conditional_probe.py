@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from components.core.checkpoint.layout import LEASE
-from components.core.checkpoint.lease import Lease
-from components.core.contract.errors import BadInput
-from components.core.store import open_store
-from components.core.store.conditional_probe import PROBE_PREFIX, require_conditional_writes
+from relaunch.components.core.checkpoint.layout import LEASE
+from relaunch.components.core.checkpoint.lease import Lease
+from relaunch.components.core.contract.errors import BadInput
+from relaunch.components.core.store import open_store
+from relaunch.components.core.store.conditional_probe import PROBE_PREFIX, require_conditional_writes
 from tests.core.helpers import backend_root
 
 

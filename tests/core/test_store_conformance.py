@@ -29,12 +29,12 @@ import numpy as np
 import pytest
 import torch
 
-from components.core.checkpoint import CheckpointManager
-from components.core.contract.errors import BadInput, StoreUnwritable
-from components.core.store import (BACKENDS, READ_BLOCK, FileStore, ObjectDriver, ObjectStore, PreconditionFailed,
+from relaunch.components.core.checkpoint import CheckpointManager
+from relaunch.components.core.contract.errors import BadInput, StoreUnwritable
+from relaunch.components.core.store import (BACKENDS, READ_BLOCK, FileStore, ObjectDriver, ObjectStore, PreconditionFailed,
                                    azure, gcs, open_store, register_backend, s3)
-from components.core.store.object_store import Fault
-from tests.core.helpers import assert_bitwise_equal, backend_root, fingerprint, make_state, train_steps
+from relaunch.components.core.store.object_store import Fault
+from tests.core.helpers import assert_bitwise_equal, backend_root, fingerprint, make_state, save_three_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 KiB = 1024
@@ -261,7 +261,7 @@ def test_a_streamed_object_shows_only_when_closed_and_an_aborted_one_leaves_noth
 
 _KILLED_WRITER = r"""
 import sys, time
-from components.core.store import open_store, {module}
+from relaunch.components.core.store import open_store, {module}
 {module}.{constant} = {part}
 store = open_store(sys.argv[1])
 writer = store.open_writer("k/__0_0.distcp")
@@ -342,13 +342,7 @@ def test_a_write_refused_for_good_is_unwritable_and_a_missing_key_not_found_on_a
 
 def test_a_provider_written_as_one_driver_serves_a_checkpoint_save_latest_load_round_trip(tmp_path):
     uri = f"memobj://space/ckpt-{uuid.uuid4().hex[:8]}"
-    state = make_state(seed=3)
-    writer = CheckpointManager(uri, keep_last=2, async_save=False, owner="conformance")
-    for step in (1, 2, 3):
-        train_steps(state, 1)
-        writer.save(step, state)
-    writer.close()
-    saved = fingerprint(state)
+    saved = save_three_steps(uri, owner="conformance")
     reader = CheckpointManager(uri, owner="conformance")
     restored = make_state(seed=99)
     assert reader.load(restored).step == 3

@@ -10,12 +10,12 @@ import json
 import pytest
 import torch
 
-from components.core.checkpoint import CheckpointManager, commit, step_key
-from components.core.contract.classify import CarriedError, as_error, classify, is_store_unwritable
-from components.core.contract.errors import StoreUnwritable
-from components.core.contract.exitcodes import ExitCode
-from components.core.store import FileStore, probe_writable
-from pipelines.cli import main
+from relaunch.components.core.checkpoint import CheckpointManager, commit, step_key
+from relaunch.components.core.contract.classify import CarriedError, as_error, classify, is_store_unwritable
+from relaunch.components.core.contract.errors import StoreUnwritable
+from relaunch.components.core.contract.exitcodes import ExitCode
+from relaunch.components.core.store import FileStore, probe_writable
+from relaunch.pipelines.cli import main
 from tests.core.helpers import assert_bitwise_equal, fingerprint, make_state, train_steps
 from tests.core.store_tmpfs import mounted_tmpfs
 

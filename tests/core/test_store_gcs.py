@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from components.core.contract.errors import BadInput, TransientFailure
-from components.core.store import GCSDriver, PreconditionFailed, open_store
-from components.core.store import gcs as gcs_backend
+from relaunch.components.core.contract.errors import BadInput, TransientFailure
+from relaunch.components.core.store import GCSDriver, PreconditionFailed, open_store
+from relaunch.components.core.store import gcs as gcs_backend
 from tests.core.faults import FaultProxy, ScriptedProxy
 
 

@@ -24,8 +24,8 @@ def _relaunch_run(cwd: Path, server, *args: str) -> subprocess.CompletedProcess:
 @pytest.mark.timeout(600)
 def test_a_worker_killed_at_step_25_of_40_on_a_gs_store_restarts_once_resumes_and_commits_step_40(tmp_path,
                                                                                                gcs_server):
-    from components.core.store import open_store
-    from components.core.store.records import read_summary
+    from relaunch.components.core.store import open_store
+    from relaunch.components.core.store.records import read_summary
 
     root = gcs_server.root("e2e")
     out = _relaunch_run(tmp_path, gcs_server, "--set", "train.max_steps=40", "--set", f"store.uri={root}",
@@ -33,7 +33,7 @@ def test_a_worker_killed_at_step_25_of_40_on_a_gs_store_restarts_once_resumes_an
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     os.environ["STORAGE_EMULATOR_HOST"] = gcs_server.endpoint
     try:
-        from components.core.checkpoint import CheckpointManager
+        from relaunch.components.core.checkpoint import CheckpointManager
 
         training = newest_training(root)
         first, resumed = read_summary(open_store(training))["resumed_from_steps"]  # two attempts: one restart

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from components.core.store.holder import process_running, process_start
+from relaunch.components.core.store.holder import process_running, process_start
 
 
 def test_a_killed_process_not_yet_reaped_is_not_running():

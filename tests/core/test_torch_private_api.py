@@ -39,7 +39,7 @@ def test_the_private_torch_names_relaunch_uses_have_the_shape_it_was_written_for
     from torch.distributed.checkpoint.state_dict import _get_fqns
     from torch.distributed.tensor import DTensor
 
-    from components.core.checkpoint.torch_private import storage_info
+    from relaunch.components.core.checkpoint.torch_private import storage_info
 
     info = storage_info("__0_0.distcp", 7, 11)
     # the module and name every .metadata written so far refers to (and safe_pickle admits)
@@ -56,8 +56,8 @@ _DTENSOR_LIKE = """
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from components.core.checkpoint.torch_private import dtensor_like
-from components.core.checkpoint.snapshot import local_part
+from relaunch.components.core.checkpoint.torch_private import dtensor_like
+from relaunch.components.core.checkpoint.snapshot import local_part
 
 dist.init_process_group("gloo", init_method="file://{pg}", rank=0, world_size=1)
 mesh = init_device_mesh("cpu", (1,))
@@ -90,14 +90,14 @@ def _state() -> dict:
 
 
 def _files_of(path: Path) -> dict[str, str]:
-    from components.core.checkpoint.legacy_v1 import read_metadata
+    from relaunch.components.core.checkpoint.legacy_v1 import read_metadata
 
     return {index.fqn: info.relative_path for index, info in read_metadata(path).storage_data.items()}
 
 
 def test_our_writer_deals_the_items_of_a_rank_into_files_as_dcps_filesystem_writer_does(tmp_path):
-    from components.core.checkpoint.dcp_io import StoreWriter
-    from components.core.store import FileStore
+    from relaunch.components.core.checkpoint.dcp_io import StoreWriter
+    from relaunch.components.core.store import FileStore
 
     dcp.save(_state(), storage_writer=FileSystemWriter(tmp_path / "stock", thread_count=3), no_dist=True)
     dcp.save(_state(), storage_writer=StoreWriter(FileStore(tmp_path / "ours"), "ckpt", files_per_rank=3),
@@ -110,7 +110,7 @@ def test_our_writer_deals_the_items_of_a_rank_into_files_as_dcps_filesystem_writ
 def test_the_safe_load_planner_puts_nested_values_where_dcps_default_planner_does(tmp_path):
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    from components.core.checkpoint.dcp_io import safe_load_planner
+    from relaunch.components.core.checkpoint.dcp_io import safe_load_planner
 
     saved = {"t": torch.arange(3.0), "rng": [{"seed": 7, "name": "a"}, [1, 2, {"deep": "z"}]], "opt": {"lr": 0.5}}
     dcp.save(saved, storage_writer=FileSystemWriter(tmp_path), no_dist=True)
@@ -126,8 +126,8 @@ def test_the_safe_load_planner_puts_nested_values_where_dcps_default_planner_doe
 
 
 def test_a_large_tensor_of_a_stock_checkpoint_is_found_in_its_archive_and_read_straight_into_place(tmp_path):
-    from components.core.checkpoint.legacy_v1 import DIRECT_MIN_BYTES, FileWindow, archive_payload, read_metadata
-    from components.core.checkpoint.legacy_v1 import safe_reader
+    from relaunch.components.core.checkpoint.legacy_v1 import DIRECT_MIN_BYTES, FileWindow, archive_payload, read_metadata
+    from relaunch.components.core.checkpoint.legacy_v1 import safe_reader
 
     big = torch.randn(DIRECT_MIN_BYTES // 4 + 1000)
     saved = {"big": big, "small": torch.arange(5, dtype=torch.int16), "n": 3}
@@ -145,7 +145,7 @@ def test_a_large_tensor_of_a_stock_checkpoint_is_found_in_its_archive_and_read_s
 
     loaded = {"big": torch.zeros_like(big), "small": torch.zeros(5, dtype=torch.int16), "n": 0}
     place = loaded["big"].data_ptr()
-    from components.core.checkpoint.dcp_io import safe_load_planner
+    from relaunch.components.core.checkpoint.dcp_io import safe_load_planner
 
     dcp.load(loaded, storage_reader=safe_reader(tmp_path), planner=safe_load_planner(), no_dist=True)
     assert torch.equal(loaded["big"], big) and loaded["big"].data_ptr() == place
@@ -154,7 +154,7 @@ def test_a_large_tensor_of_a_stock_checkpoint_is_found_in_its_archive_and_read_s
 
 def test_deterministic_training_on_cpu_turns_deterministic_kernels_on_without_importing_inductor():
     code = ("import sys, types, torch\n"
-            "from components.core.trainer.setup import seed\n"
+            "from relaunch.components.core.trainer.setup import seed\n"
             "seed(types.SimpleNamespace(train=types.SimpleNamespace(seed=1, deterministic=True)))\n"
             "print(torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),"
             " 'torch._inductor' in sys.modules)\n")

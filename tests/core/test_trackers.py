@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from components.core.checkpoint import CheckpointInfo, step_key
-from components.core.contract.config import RelaunchConfig
-from components.core.contract.errors import BadInput
-from components.core.store import open_store
-from components.core.tracking.trackers import TRACKERS, AttemptEnd, AttemptStart, Tracker, TrackerBase, register_tracker
+from relaunch.components.core.checkpoint import CheckpointInfo, step_key
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.errors import BadInput
+from relaunch.components.core.store import open_store
+from relaunch.components.core.tracking.trackers import TRACKERS, AttemptEnd, AttemptStart, Tracker, TrackerBase, register_tracker
 
 pytestmark = pytest.mark.slow
 
@@ -65,8 +65,8 @@ def test_a_registered_toy_tracker_is_fed_params_metrics_checkpoints_and_the_end_
         toy_tracker, mlflow_server, tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from components.core.tracking.client import ensure_run
-    from components.core.trainer.tracking import TrainingTracker
+    from relaunch.components.core.tracking.client import ensure_run
+    from relaunch.components.core.trainer.tracking import TrainingTracker
 
     config = RelaunchConfig.model_validate({"tracking": {"uri": mlflow_server.uri, "experiment": "toy-tracker"}})
     run_id = ensure_run(config, pipeline_run_id="toy-1")
@@ -95,7 +95,7 @@ def test_a_registered_toy_tracker_is_fed_params_metrics_checkpoints_and_the_end_
 
 
 def test_off_rank_0_no_tracker_is_opened(toy_tracker):
-    from components.core.trainer.tracking import TrainingTracker
+    from relaunch.components.core.trainer.tracking import TrainingTracker
 
     tracker = TrainingTracker(RelaunchConfig(), None, enabled=False, run_id=None, attempt=1)
     tracker.start(resumed_from=-1, resumed_uri=None, params={"a": 1}, world_size=2)
@@ -103,8 +103,8 @@ def test_off_rank_0_no_tracker_is_opened(toy_tracker):
 
 
 def test_tensorboard_is_opened_only_when_its_folder_is_set_and_a_missing_package_is_bad_input(tmp_path):
-    from components.core.tracking.tensorboard_tracker import TensorBoardTracker
-    from components.core.tracking.trackers import open_trackers
+    from relaunch.components.core.tracking.tensorboard_tracker import TensorBoardTracker
+    from relaunch.components.core.tracking.trackers import open_trackers
 
     plain = open_trackers(RelaunchConfig(), None, run_id="r", attempt=1)
     assert not any(isinstance(t, TensorBoardTracker) for t in plain)

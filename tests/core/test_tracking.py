@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from components.core.contract.config import RelaunchConfig
-from components.core.contract.errors import BadInput, TransientFailure
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.errors import BadInput, TransientFailure
 
 pytestmark = pytest.mark.slow
 
@@ -22,8 +22,8 @@ def _config(uri: str, experiment: str, **tracking) -> RelaunchConfig:
 def test_a_restarted_logger_never_logs_a_step_the_server_already_has(mlflow_server):
     from mlflow.tracking import MlflowClient
 
-    from components.core.tracking.runlogger import RunLogger
-    from components.core.tracking.client import ensure_run, mark_run_finished
+    from relaunch.components.core.tracking.runlogger import RunLogger
+    from relaunch.components.core.tracking.client import ensure_run, mark_run_finished
 
     config = _config(mlflow_server.uri, "logger-units")
     run_id = ensure_run(config, pipeline_run_id="units-1")
@@ -43,8 +43,8 @@ def test_a_restarted_logger_never_logs_a_step_the_server_already_has(mlflow_serv
 
 
 def test_a_call_submitted_again_while_queued_runs_once_after_everything_queued_before_it(mlflow_server):
-    from components.core.tracking.client import ensure_run
-    from components.core.tracking.runlogger import RunLogger
+    from relaunch.components.core.tracking.client import ensure_run
+    from relaunch.components.core.tracking.runlogger import RunLogger
 
     run_id = ensure_run(_config(mlflow_server.uri, "logger-coalesce"))
     seen: list[tuple[str, dict]] = []
@@ -70,8 +70,8 @@ def test_a_call_submitted_again_while_queued_runs_once_after_everything_queued_b
 def test_a_full_batch_of_points_with_tags_is_sent_whole_within_the_servers_limit(mlflow_server):
     from mlflow.tracking import MlflowClient
 
-    from components.core.tracking.client import ensure_run
-    from components.core.tracking.runlogger import RunLogger
+    from relaunch.components.core.tracking.client import ensure_run
+    from relaunch.components.core.tracking.runlogger import RunLogger
 
     run_id = ensure_run(_config(mlflow_server.uri, "logger-limit"))
     logger = RunLogger(mlflow_server.uri, run_id, defer_start=True)
@@ -88,8 +88,8 @@ def test_after_its_first_send_a_logger_no_longer_searches_for_databricks_modules
     import importlib.util
     import sys
 
-    from components.core.tracking.client import ensure_run
-    from components.core.tracking.runlogger import RunLogger
+    from relaunch.components.core.tracking.client import ensure_run
+    from relaunch.components.core.tracking.runlogger import RunLogger
 
     absent = [n for n in ("dbruntime", "IPython", "pyspark")  # None: an earlier logger recorded it as absent
               if (sys.modules[n] is None if n in sys.modules else importlib.util.find_spec(n) is None)]
@@ -118,7 +118,7 @@ def test_after_its_first_send_a_logger_no_longer_searches_for_databricks_modules
 
 
 def test_params_are_logged_once_and_a_changed_value_becomes_a_latest_tag(mlflow_server):
-    from components.core.tracking.client import client, ensure_run, find_pipeline_run, log_new_params
+    from relaunch.components.core.tracking.client import client, ensure_run, find_pipeline_run, log_new_params
 
     config = _config(mlflow_server.uri, "params-units")
     run_id = ensure_run(config, pipeline_run_id="params-1")
@@ -132,7 +132,7 @@ def test_params_are_logged_once_and_a_changed_value_becomes_a_latest_tag(mlflow_
 
 def test_a_missing_run_is_bad_input_by_its_error_code_and_an_unreachable_server_is_transient(mlflow_server,
                                                                                            monkeypatch):
-    from components.core.tracking.client import ensure_run
+    from relaunch.components.core.tracking.client import ensure_run
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
@@ -148,7 +148,7 @@ def test_an_unreachable_tracking_server_whose_url_contains_403_is_not_a_credenti
     from mlflow.protos.databricks_pb2 import PERMISSION_DENIED, UNAUTHENTICATED
     from mlflow.tracking import MlflowClient
 
-    from components.core.tracking.client import is_auth_error
+    from relaunch.components.core.tracking.client import is_auth_error
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
@@ -165,7 +165,7 @@ def test_not_found_is_mlflows_error_code_not_a_message_saying_not_found():
     from mlflow.exceptions import MlflowException
     from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, RESOURCE_DOES_NOT_EXIST
 
-    from components.core.tracking.client import is_not_found
+    from relaunch.components.core.tracking.client import is_not_found
 
     assert is_not_found(MlflowException("Run 'x' not found", error_code=RESOURCE_DOES_NOT_EXIST))
     assert not is_not_found(RuntimeError("upstream proxy: 404 page not found"))
@@ -176,13 +176,13 @@ def test_not_found_is_mlflows_error_code_not_a_message_saying_not_found():
 def test_the_checkpoint_history_is_one_artifact_that_marks_what_retention_deleted_and_health_waits_for_non_zero(mlflow_server, tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from components.core.checkpoint import CheckpointInfo, step_key
-    from components.core.store import open_store
-    from components.core.tracking.client import ensure_run
-    from components.core.tracking.mlflow_tracker import ATTEMPTS_ARTIFACT, CHECKPOINTS_ARTIFACT, DELETED_BY_RETENTION
-    from components.core.trainer.tracking import TrainingTracker
+    from relaunch.components.core.checkpoint import CheckpointInfo, step_key
+    from relaunch.components.core.store import open_store
+    from relaunch.components.core.tracking.client import ensure_run
+    from relaunch.components.core.tracking.mlflow_tracker import ATTEMPTS_ARTIFACT, CHECKPOINTS_ARTIFACT, DELETED_BY_RETENTION
+    from relaunch.components.core.trainer.tracking import TrainingTracker
 
-    from components.core.tracking import goodput
+    from relaunch.components.core.tracking import goodput
 
     config = _config(mlflow_server.uri, "checkpoint-tags")
     run_id = ensure_run(config, pipeline_run_id="tags-1")
@@ -229,7 +229,7 @@ def test_the_checkpoint_history_is_one_artifact_that_marks_what_retention_delete
 
 
 def test_off_rank_0_the_tracking_object_does_nothing(tmp_path, capsys):
-    from components.core.trainer.tracking import TrainingTracker
+    from relaunch.components.core.trainer.tracking import TrainingTracker
 
     tracker = TrainingTracker(RelaunchConfig(), None, enabled=False, run_id=None, attempt=3)
     tracker.start(resumed_from=-1, resumed_uri=None, params={"a": 1}, world_size=2)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from components import finalize, prepare
-from components.core.contract.config import RelaunchConfig
-from components.core.contract.errors import BadInput
-from components.core.tracking.client import KFP_TASK_RUN_TAG, PARENT_RUN_TAG, ensure_run
+from relaunch.components import finalize, prepare
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.errors import BadInput
+from relaunch.components.core.tracking.client import KFP_TASK_RUN_TAG, PARENT_RUN_TAG, ensure_run
 
 pytestmark = pytest.mark.slow
 

@@ -10,10 +10,10 @@ import threading
 import pytest
 from mlflow.tracking import MlflowClient
 
-from components.core.contract.config import RelaunchConfig
-from components.core.store import open_store, records
-from components.core.tracking.client import ensure_run
-from components.core.tracking.runlogger import RunLogger
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.store import open_store, records
+from relaunch.components.core.tracking.client import ensure_run
+from relaunch.components.core.tracking.runlogger import RunLogger
 from tests.tracking_switch import TrackingSwitch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -77,7 +77,7 @@ def test_a_flush_stops_waiting_for_a_server_lost_for_a_while_and_says_what_is_st
 
 def test_pending_points_stay_while_the_api_answers_500_and_reach_the_run_once_it_answers(
         tmp_path, switch, mlflow_server):
-    from components.core.tracking.mlflow_tracker import deliver_pending_metrics
+    from relaunch.components.core.tracking.mlflow_tracker import deliver_pending_metrics
 
     config, run_id = _run(switch.uri, "switch-pending")
     store = open_store(str(tmp_path / "store"))

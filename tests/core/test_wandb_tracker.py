@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from components.core.checkpoint import step_key
-from components.core.contract.config import RelaunchConfig
-from components.core.store import open_store
-from components.core.tracking.trackers import AttemptEnd, AttemptStart, open_trackers
-from components.core.tracking.wandb_tracker import WandbTracker, record_registered_version, wandb_run_id
+from relaunch.components.core.checkpoint import step_key
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.store import open_store
+from relaunch.components.core.tracking.trackers import AttemptEnd, AttemptStart, open_trackers
+from relaunch.components.core.tracking.wandb_tracker import WandbTracker, record_registered_version, wandb_run_id
 from tests.core.wandb_records import read_offline_runs
 
 pytest.importorskip("wandb")

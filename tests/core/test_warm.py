@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from components.core.contract.exitcodes import normalize
-from components.core.runtime.zygote import Zygote, client_command
-from pipelines.local.warm_steps import RemoteProcess, _reap
+from relaunch.components.core.contract.exitcodes import normalize
+from relaunch.components.core.runtime.zygote import Zygote, client_command
+from relaunch.pipelines.local.warm_steps import RemoteProcess, _reap
 
 ROOT = Path(__file__).resolve().parents[2]
 CHILD = ["-m", "tests.core.warm_child"]
@@ -148,7 +148,7 @@ def test_a_torchrun_worker_holds_no_descriptor_of_its_agent_or_the_c10d_store(tm
 
 _CTRL_C = textwrap.dedent("""
     import json, os, signal, sys, time
-    from pipelines.local.warm_steps import WarmServer
+    from relaunch.pipelines.local.warm_steps import WarmServer
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # this process stands for relaunch run, which handles its Ctrl-C
     server = WarmServer("none", sys.stderr)
     read_end, write_end = os.pipe()
@@ -181,7 +181,7 @@ def test_ctrl_c_during_a_warm_step_reads_130_and_nothing_is_left_running_after_c
 
 _LEFT_EARLY = textwrap.dedent("""
     import json, os, sys
-    from pipelines.local.warm_steps import WarmServer
+    from relaunch.pipelines.local.warm_steps import WarmServer
     server = WarmServer("none", sys.stderr)
     def start(*argv):
         read_end, write_end = os.pipe()
@@ -216,7 +216,7 @@ def test_an_exit_status_that_cannot_be_read_is_never_reported_as_success():
 
 _PRIORITY = textwrap.dedent("""
     import json, os, sys
-    from pipelines.local.warm_steps import WarmServer
+    from relaunch.pipelines.local.warm_steps import WarmServer
     server = WarmServer("light", sys.stderr)
     read_end, write_end = os.pipe()
     step = server.start({"kind": "module", "module": "tests.core.warm_child", "argv": ["exit", "0"],
@@ -239,18 +239,18 @@ def test_warm_steps_run_at_the_priority_of_the_run_as_cold_ones_do():
 
 
 def test_a_pods_torchrun_runs_its_workers_through_the_zygote_client_that_the_supervisor_provides():
-    from components.launchers.jobs import supervised
+    from relaunch.components.launchers.jobs import supervised
 
-    args = ["--nnodes=2", "--rdzv-backend=c10d", "-m", "components.train", "--config-json", "{}"]
+    args = ["--nnodes=2", "--rdzv-backend=c10d", "-m", "relaunch.components.train", "--config-json", "{}"]
     command = supervised(args)
-    assert command[:4] == ["python", "-m", "components.launchers.supervise", "torchrun"]
+    assert command[:4] == ["python", "-m", "relaunch.components.launchers.supervise", "torchrun"]
     assert command[4:] == [*args[:-4], "--no-python", "python", "-I", "-S", "/tmp/relaunch-zygote/client.py",
-                           "-m", "components.train", "--config-json", "{}"]
+                           "-m", "relaunch.components.train", "--config-json", "{}"]
     assert supervised(args, warm=False)[4:] == args
 
 
 def test_the_supervisors_zygote_serves_the_client_it_copied_and_ends_with_the_block(tmp_path, monkeypatch):
-    from components.core.runtime.zygote import for_command
+    from relaunch.components.core.runtime.zygote import for_command
 
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     client = tmp_path / "client.py"
@@ -261,5 +261,5 @@ def test_the_supervisors_zygote_serves_the_client_it_copied_and_ends_with_the_bl
         child = _report(proc)
         assert proc.wait(60) == 9 and child["warm"] and child["env"] == "pod", proc.stderr.read()
     assert not (tmp_path / "socket").exists()
-    with for_command(["torchrun", "-m", "components.train"], (), str(tmp_path / "unused")) as env:
+    with for_command(["torchrun", "-m", "relaunch.components.train"], (), str(tmp_path / "unused")) as env:
         assert "RELAUNCH_ZYGOTE" not in env or env["RELAUNCH_ZYGOTE"] == os.environ.get("RELAUNCH_ZYGOTE")

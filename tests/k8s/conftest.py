@@ -14,7 +14,7 @@ import pytest
 import kmock as kmock_lib
 import yaml
 
-from components.core.contract.config import RelaunchConfig, load_config
+from relaunch.components.core.contract.config import RelaunchConfig, load_config
 
 NAMESPACE = "relaunch-test"
 BACKENDS = ("pytorchjob", "trainjob")
@@ -60,7 +60,7 @@ class Operator:
         return terminated(code, reason, container=self.container)
 
     def build(self, config, **kwargs) -> dict:
-        module = importlib.import_module(f"components.launchers.{self.backend}")
+        module = importlib.import_module(f"relaunch.components.launchers.{self.backend}")
         return getattr(module, f"build_{self.backend}")(config, **kwargs)
 
 

@@ -8,10 +8,10 @@ import re
 import pytest
 from jsonschema import Draft7Validator, Draft202012Validator
 
-from components.core.contract.config import load_config
-from pipelines.spec import DELETE_JOB, EXIT_HANDLER_RETRY, RETRY_POLICIES, STEPS
-from components.core.contract.exitcodes import PERMANENT, RETRYABLE, argo_retry_expression
-from pipelines.argo import BUILDERS, to_dict
+from relaunch.components.core.contract.config import load_config
+from relaunch.pipelines.spec import DELETE_JOB, EXIT_HANDLER_RETRY, RETRY_POLICIES, STEPS
+from relaunch.components.core.contract.exitcodes import PERMANENT, RETRYABLE, argo_retry_expression
+from relaunch.pipelines.argo import BUILDERS, to_dict
 
 KINDS = {"argo": ("Workflow", "argoproj.io_workflows.yaml"),
          "argo-template": ("WorkflowTemplate", "argoproj.io_workflowtemplates.yaml"),
@@ -248,4 +248,4 @@ def test_the_backend_travels_in_the_workflows_configuration_to_launch_and_the_ex
     params = {p["name"]: p["value"] for p in doc["spec"]["arguments"]["parameters"]}
     assert json.loads(params["config_json"])["launch"]["backend"] == backend
     delete = templates(doc)[DELETE_JOB.name]["container"]
-    assert delete["command"] == ["python", "-m", "components.launchers.cluster"]
+    assert delete["command"] == ["python", "-m", "relaunch.components.launchers.cluster"]

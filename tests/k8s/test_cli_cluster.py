@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import yaml
 
-from pipelines.cli import main
+from relaunch.pipelines.cli import main
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
 

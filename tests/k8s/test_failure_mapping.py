@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from components.core.contract.exitcodes import PERMANENT, RETRYABLE, ExitCode
-from components.launchers.jobs import failure_exit_code as map_failure, unstartable_reason
-from components.launchers.pytorchjob import KIND, job_state
-from components.launchers.trainjob import KIND as TRAINJOB, job_state as trainjob_state
+from relaunch.components.core.contract.exitcodes import PERMANENT, RETRYABLE, ExitCode
+from relaunch.components.launchers.jobs import failure_exit_code as map_failure, unstartable_reason
+from relaunch.components.launchers.pytorchjob import KIND, job_state
+from relaunch.components.launchers.trainjob import KIND as TRAINJOB, job_state as trainjob_state
 from tests.k8s.conftest import condition, terminated
 
 FAILED = {"status": {"conditions": [condition("Running"), condition("Failed", "PyTorchJob failed")]}}

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from components.core.contract.config import load_config
-from components.launchers.pytorchjob import build_pytorchjob
-from components.launchers.trainjob import build_runtime, build_trainjob
+from relaunch.components.core.contract.config import load_config
+from relaunch.components.launchers.pytorchjob import build_pytorchjob
+from relaunch.components.launchers.trainjob import build_runtime, build_trainjob
 
 GS = ["store.uri=gs://relaunch-ckpt/exp"]
 
@@ -53,7 +53,7 @@ def test_the_trainjob_of_a_gs_store_names_the_key_file_its_runtime_mounts():
 def test_every_argo_step_of_a_gs_store_mounts_the_key_file_and_the_workflow_validates(crd_schema):
     from jsonschema import Draft7Validator
 
-    from pipelines.argo import BUILDERS, to_dict
+    from relaunch.pipelines.argo import BUILDERS, to_dict
 
     config = load_config(None, ["launch.backend=pytorchjob", *GS, "tracking.uri=http://mlflow.relaunch.svc:5000"])
     workflow = to_dict(BUILDERS["argo"](config))
@@ -74,7 +74,7 @@ def test_every_argo_step_of_a_gs_store_mounts_the_key_file_and_the_workflow_vali
 def test_every_kfp_task_of_a_gs_store_mounts_the_store_secret_and_names_the_key_file(tmp_path):
     import yaml
 
-    from pipelines.kfp_cluster import compile_for_cluster
+    from relaunch.pipelines.kfp_cluster import compile_for_cluster
 
     path = tmp_path / "pipeline.yaml"
     compile_for_cluster(path, load_config(None, ["launch.backend=pytorchjob", *GS]))

@@ -1,4 +1,4 @@
-"""One neutral job spec (components.launchers.jobs.JobSpec) and every launcher renders it: change one
+"""One neutral job spec (relaunch.components.launchers.jobs.JobSpec) and every launcher renders it: change one
 field of the spec and the change shows in the local torchrun commands, the PyTorchJob, the TrainJob,
 the ClusterTrainingRuntime and the Slurm script, each where that backend says it."""
 
@@ -10,12 +10,12 @@ import json
 import pytest
 import yaml
 
-from components.core.contract.config import RelaunchConfig, load_config
-from components.launchers.jobs import JobSpec, RestartPolicy, Resources, SecretEnv, job_spec
-from components.launchers.local import build_commands
-from components.launchers.pytorchjob import build_pytorchjob, render_pytorchjob
-from components.launchers.slurm import render_sbatch, render_spec
-from components.launchers.trainjob import build_runtime, build_trainjob, render_runtime, render_trainjob
+from relaunch.components.core.contract.config import RelaunchConfig, load_config
+from relaunch.components.launchers.jobs import JobSpec, RestartPolicy, Resources, SecretEnv, job_spec
+from relaunch.components.launchers.local import build_commands
+from relaunch.components.launchers.pytorchjob import build_pytorchjob, render_pytorchjob
+from relaunch.components.launchers.slurm import render_sbatch, render_spec
+from relaunch.components.launchers.trainjob import build_runtime, build_trainjob, render_runtime, render_trainjob
 
 CONFIG = RelaunchConfig()
 BASE = job_spec(CONFIG)

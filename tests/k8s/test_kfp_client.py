@@ -13,9 +13,9 @@ from google.protobuf import json_format
 from kfp.pipeline_spec import pipeline_spec_pb2
 from kfp_server_api.exceptions import ApiException
 
-from components.core.contract.config import RelaunchConfig
-from pipelines.cli import main
-from pipelines.commands.compile import render
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.pipelines.cli import main
+from relaunch.pipelines.commands.compile import render
 from tests.k8s.kfp_server import KfpServer
 from tests.services import S3_ACCESS_KEY, S3_SECRET_KEY
 

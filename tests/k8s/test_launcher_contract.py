@@ -17,8 +17,8 @@ import kmock
 import pytest
 import yaml
 
-from components.core.contract.exitcodes import ExitCode
-from components.launchers import backend_module
+from relaunch.components.core.contract.exitcodes import ExitCode
+from relaunch.components.launchers import backend_module
 from tests.k8s.conftest import BACKENDS, NAMESPACE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,8 +68,8 @@ async def test_a_409_on_create_adopts_the_existing_job_instead_of_making_a_secon
 
 async def test_a_launcher_killed_mid_wait_and_started_again_leaves_exactly_one_job(cluster, k8s_config):
     env = dict(os.environ, KUBECONFIG=str(cluster.kubeconfig))
-    code = ("import sys; from components.core.contract.config import RelaunchConfig; "
-            "from components.launchers import backend_module; c = RelaunchConfig.from_json(sys.argv[1]); "
+    code = ("import sys; from relaunch.components.core.contract.config import RelaunchConfig; "
+            "from relaunch.components.launchers import backend_module; c = RelaunchConfig.from_json(sys.argv[1]); "
             f"backend_module(c).launch(c, pipeline_run_id={RUN_ID!r}, resume_from=None)")
     first = subprocess.Popen([sys.executable, "-c", code, k8s_config.to_json()], env=env, cwd=ROOT,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -243,7 +243,7 @@ async def test_an_unreachable_api_server_is_a_retryable_failure(k8s_config, tmp_
 
 
 async def test_the_exit_handler_deletes_this_runs_job_and_succeeds_again_once_it_is_gone(cluster, k8s_config):
-    from components.launchers.cluster import delete_job
+    from relaunch.components.launchers.cluster import delete_job
 
     await cluster.put_job(cluster.op.build(k8s_config, pipeline_run_id=RUN_ID), cluster.op.running())
     await cluster.put_job(cluster.op.build(k8s_config, pipeline_run_id="another-run"), cluster.op.running())
@@ -255,8 +255,8 @@ async def test_the_exit_handler_deletes_this_runs_job_and_succeeds_again_once_it
 
 
 async def test_a_transient_api_error_in_the_exit_handler_is_retryable(cluster, k8s_config):
-    from components.core.contract.errors import TransientFailure
-    from components.launchers.cluster import delete_job
+    from relaunch.components.core.contract.errors import TransientFailure
+    from relaunch.components.launchers.cluster import delete_job
 
     name = cluster.op.build(k8s_config, pipeline_run_id=RUN_ID)["metadata"]["name"]
     cluster.kmock["get", f"{cluster.op.jobs_path}/{name}"] << 503

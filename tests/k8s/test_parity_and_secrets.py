@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from components.core.contract.config import load_config
-from pipelines.spec import RETRY_POLICIES, STEPS
-from components.launchers.pytorchjob import build_pytorchjob
-from components.launchers.trainjob import build_runtime, build_trainjob
-from pipelines.commands.compile import render
-from components.launchers.jobs import STORE_SECRET_KEYS, TRACKING_SECRET_KEYS
+from relaunch.components.core.contract.config import load_config
+from relaunch.pipelines.spec import RETRY_POLICIES, STEPS
+from relaunch.components.launchers.pytorchjob import build_pytorchjob
+from relaunch.components.launchers.trainjob import build_runtime, build_trainjob
+from relaunch.pipelines.commands.compile import render
+from relaunch.components.launchers.jobs import STORE_SECRET_KEYS, TRACKING_SECRET_KEYS
 from tests.services import S3_ACCESS_KEY, S3_SECRET_KEY
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from jsonschema import Draft7Validator
 
-from components.core.contract.config import load_config
-from components.launchers.k8s_naming import MAX_JOB_NAME, job_name
-from components.launchers.jobs import owner_from_env
-from components.launchers.pytorchjob import build_pytorchjob
+from relaunch.components.core.contract.config import load_config
+from relaunch.components.launchers.k8s_naming import MAX_JOB_NAME, job_name
+from relaunch.components.launchers.jobs import owner_from_env
+from relaunch.components.launchers.pytorchjob import build_pytorchjob
 
 OWNER = {"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow", "name": "relaunch-x7k2p", "uid": "5b0c-uid"}
 VARIANTS = {
@@ -48,8 +48,8 @@ def test_the_job_has_a_master_and_nodes_minus_one_workers_with_exit_code_restart
     assert job["spec"]["elasticPolicy"] == {"rdzvBackend": "c10d", "minReplicas": 2, "maxReplicas": 3,
                                             "maxRestarts": 5, "nProcPerNode": 1}
     command = replicas["Worker"]["template"]["spec"]["containers"][0]["command"]
-    assert command[:4] == ["python", "-m", "components.launchers.supervise", "torchrun"]
-    assert command[command.index("-m", 4) + 1] == "components.train"
+    assert command[:4] == ["python", "-m", "relaunch.components.launchers.supervise", "torchrun"]
+    assert command[command.index("-m", 4) + 1] == "relaunch.components.train"
     assert "--nnodes=2:3" in command
 
 

@@ -8,11 +8,11 @@ import pytest
 import yaml
 from jsonschema import Draft7Validator
 
-from components.core.contract.config import load_config
-from components.launchers.jobs import AZURE_SECRET_KEYS, STORE_SECRET_KEYS
-from components.launchers.pytorchjob import build_pytorchjob
-from components.launchers.trainjob import build_runtime, build_trainjob
-from pipelines.commands.compile import render
+from relaunch.components.core.contract.config import load_config
+from relaunch.components.launchers.jobs import AZURE_SECRET_KEYS, STORE_SECRET_KEYS
+from relaunch.components.launchers.pytorchjob import build_pytorchjob
+from relaunch.components.launchers.trainjob import build_runtime, build_trainjob
+from relaunch.pipelines.commands.compile import render
 from tests.k8s.test_parity_and_secrets import env_entries
 
 AZURE = ["store.uri=az://relaunch/store", "tracking.uri=http://mlflow.relaunch.svc:5000"]

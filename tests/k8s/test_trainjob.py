@@ -13,10 +13,10 @@ import pytest
 import yaml
 from jsonschema import Draft7Validator
 
-from components.core.contract.config import load_config
-from components.core.contract.exitcodes import MEANING, PERMANENT, RETRYABLE, ExitCode
-from components.launchers.trainjob import build_runtime, build_trainjob, jobset_action
-from pipelines.cli import main
+from relaunch.components.core.contract.config import load_config
+from relaunch.components.core.contract.exitcodes import MEANING, PERMANENT, RETRYABLE, ExitCode
+from relaunch.components.launchers.trainjob import build_runtime, build_trainjob, jobset_action
+from relaunch.pipelines.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_RUNTIME = ROOT / "manifests" / "trainer" / "relaunch-torch.yaml"
@@ -132,7 +132,7 @@ def test_the_runtime_keeps_the_shape_of_the_stock_torch_distributed_runtime(sche
 def test_the_runtime_runs_the_supervised_torchrun_with_shm_and_credentials_only_from_secrets():
     pod = build_runtime(config())["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    assert container["command"][:4] == ["python", "-m", "components.launchers.supervise", "torchrun"]
+    assert container["command"][:4] == ["python", "-m", "relaunch.components.launchers.supervise", "torchrun"]
     assert "--rdzv-endpoint=$(PET_MASTER_ADDR):$(PET_MASTER_PORT)" in container["command"]
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
     assert pod["volumes"] == [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}}]
@@ -169,7 +169,7 @@ def test_bad_trainjob_settings_are_refused_in_one_line_with_exit_code_2(override
 
 
 def test_the_retired_backend_name_kubernetes_is_refused_as_bad_input_naming_the_backends():
-    from components.core.contract.errors import BadInput
+    from relaunch.components.core.contract.errors import BadInput
 
     with pytest.raises(BadInput, match="launch.backend") as refused:
         load_config(None, ["launch.backend=kubernetes"])

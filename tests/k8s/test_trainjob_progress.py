@@ -14,9 +14,9 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from components.core.trainer.progress import (NAMESPACE_ENV, TRAINJOB_ENV, ApiSink, ProgressReporter, ServerSink,
+from relaunch.components.core.trainer.progress import (NAMESPACE_ENV, TRAINJOB_ENV, ApiSink, ProgressReporter, ServerSink,
                                               open_sink)
-from components.launchers.trainjob import JOBSET_LABEL, build_runtime
+from relaunch.components.launchers.trainjob import JOBSET_LABEL, build_runtime
 from tests.k8s.conftest import NAMESPACE
 from tests.k8s.test_launcher_contract import start_launch
 

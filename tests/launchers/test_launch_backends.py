@@ -1,15 +1,15 @@
 """The launch backends' seam: a backend is one module and one ``register_launch_backend`` line, and
-then the configuration accepts its name, ``components.launch`` finds its module and ``relaunch
+then the configuration accepts its name, ``relaunch.components.launch`` finds its module and ``relaunch
 render`` offers its kinds (components/launchers/__init__.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from components.core.contract.config import RelaunchConfig, load_config
-from components.core.contract.errors import BadInput
-from components.launchers import LAUNCH_BACKENDS, LaunchResult, backend_module, register_launch_backend
-from pipelines.cli import main
+from relaunch.components.core.contract.config import RelaunchConfig, load_config
+from relaunch.components.core.contract.errors import BadInput
+from relaunch.components.launchers import LAUNCH_BACKENDS, LaunchResult, backend_module, register_launch_backend
+from relaunch.pipelines.cli import main
 
 
 # The toy backend: this test module is its module (launch and one render function).

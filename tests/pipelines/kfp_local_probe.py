@@ -46,7 +46,7 @@ def probe(marker: str, code: int):
 def main() -> None:
     root, fixed = Path(sys.argv[1]), "--fixed" in sys.argv
     if fixed:
-        from pipelines.local.kfp_fixes import install_local_fixes
+        from relaunch.pipelines.local.kfp_fixes import install_local_fixes
 
         install_local_fixes()
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root / "kfp"), raise_on_error=False)

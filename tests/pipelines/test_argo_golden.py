@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from components.core.contract.config import RelaunchConfig
-from pipelines.argo import BUILDERS, to_yaml
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.pipelines.argo import BUILDERS, to_yaml
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 FILES = {"argo": "argo-workflow.yaml", "argo-template": "argo-template.yaml", "argo-cron": "argo-cron.yaml"}

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipelines.cli import main
+from relaunch.pipelines.cli import main
 from tests.services import free_port
 from tests.train.test_bad_input import authenticating_s3  # noqa: F401 - a moto that checks signatures
 
@@ -20,10 +20,10 @@ CLOSED = free_port()  # nothing listens there
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> Path:
     """A store holding a committed checkpoint of the default model, one of another model, and debris."""
-    from components.core.checkpoint import CheckpointManager
-    from components.core.contract.config import RelaunchConfig
-    from components.core.trainer.state import TrainingState
-    from components.tasks.base import load_task
+    from relaunch.components.core.checkpoint import CheckpointManager
+    from relaunch.components.core.contract.config import RelaunchConfig
+    from relaunch.components.core.trainer.state import TrainingState
+    from relaunch.components.tasks.base import load_task
 
     root = tmp_path_factory.mktemp("bad-inputs") / "store"
     config = RelaunchConfig()
@@ -65,7 +65,7 @@ CASES = [
     ("set-empty-key", ["--set", "=3"], {}, "empty key segment"),
     ("set-into-a-value", ["--set", "train.epochs.x=1"], {}, "train.epochs"),
     ("task-module-missing", ["--set", "train.task=nosuchmodule:make_task"], {}, "cannot import module 'nosuchmodule'"),
-    ("task-factory-missing", ["--set", "train.task=components.tasks.digits:nosuch"], {}, "no callable 'nosuch'"),
+    ("task-factory-missing", ["--set", "train.task=relaunch.components.tasks.digits:nosuch"], {}, "no callable 'nosuch'"),
     ("task-not-a-spec", ["--set", "train.task=notaspec"], {}, "is not package.module:factory"),
     ("task-not-a-task", ["--set", "train.task=collections:OrderedDict"], {}, "without build_splits"),
     ("name-not-kebab", ["--set", "name=Bad_Name"], {}, "name"),

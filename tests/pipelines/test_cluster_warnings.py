@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.cli import main
+from relaunch.pipelines.cli import main
 
 CLUSTER = str(Path(__file__).resolve().parents[2] / "configs" / "cluster.yaml")
 

@@ -11,15 +11,15 @@ import time
 
 from rich.console import Console
 
-from components.core.contract.config import RelaunchConfig
-from components.evaluate import EvaluateOutputs
-from components.finalize import FinalizeOutputs
-from components.launch import LaunchOutputs
-from components.locate import LocateOutputs
-from components.prepare import PrepareOutputs
-from components.register import RegisterOutputs
-from pipelines.local.console import RunView, render_summary
-from pipelines.local.runner import RunResult
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.evaluate import EvaluateOutputs
+from relaunch.components.finalize import FinalizeOutputs
+from relaunch.components.launch import LaunchOutputs
+from relaunch.components.locate import LocateOutputs
+from relaunch.components.prepare import PrepareOutputs
+from relaunch.components.register import RegisterOutputs
+from relaunch.pipelines.local.console import RunView, render_summary
+from relaunch.pipelines.local.runner import RunResult
 
 OUTPUTS = {
     "prepare": PrepareOutputs(config_json="{}", run_id="r1", dataset_version="ds-1", dataset_uri="/data/ds-1",
@@ -61,8 +61,8 @@ def test_the_step_lines_and_the_summary_come_from_each_steps_outputs_dataclass(t
 def test_a_failure_message_with_brackets_is_printed_as_text_and_the_retry_after_it_too(tmp_path):
     """gloo's errors name their source as ``[/path/pair.cc:553]``: rich must not read it as markup (the
     view's thread died on it and the retry line never came)."""
-    from components.core.contract import events
-    from components.core.contract.events import Kind
+    from relaunch.components.core.contract import events
+    from relaunch.components.core.contract.events import Kind
 
     path = tmp_path / "events.jsonl"
     message = "a peer rank failed: [/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed"
@@ -79,9 +79,9 @@ def test_a_failure_message_with_brackets_is_printed_as_text_and_the_retry_after_
 def test_each_attempts_end_is_shown_with_its_exit_code_and_its_reason_in_words(tmp_path):
     """The README's preempt row promises "SIGTERM: checkpoint, exit 143": the terminal shows it, and a
     killed worker's attempt (137), and an attempt whose rank 0 died without a summary."""
-    from components.core.contract import events
-    from components.core.contract.events import Kind
-    from components.train import PEER_KILLED
+    from relaunch.components.core.contract import events
+    from relaunch.components.core.contract.events import Kind
+    from relaunch.components.train import PEER_KILLED
 
     path = tmp_path / "events.jsonl"
     events.write(Kind.STEP_START, path, step="launch")

@@ -24,8 +24,8 @@ def _run_as_printed(cwd: Path, command: str) -> subprocess.CompletedProcess:
 
 
 def test_a_training_whose_mlflow_database_was_lost_continues_with_the_command_the_error_prints(tmp_path):
-    from components.core.store import open_store
-    from components.core.store.records import read_summary, stored_run_id
+    from relaunch.components.core.store import open_store
+    from relaunch.components.core.store.records import read_summary, stored_run_id
 
     # a training that trained to its end and whose register failed (a champion metric nobody reports)
     first = relaunch_run(tmp_path, "--set", "train.max_steps=20", "--set", "evaluate.gate_min=0",

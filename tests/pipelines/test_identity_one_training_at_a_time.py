@@ -35,8 +35,8 @@ def _sets(overrides: list[str]) -> list[str]:
 def _a_training_that_never_ran(tmp_path: Path) -> str:
     """A training ``relaunch run`` started and that stopped before its pipeline opened anything (its
     configuration stored, nothing else): ``--resume`` runs its whole pipeline. Its store URI."""
-    from components.core.contract.config import config_from_cli
-    from pipelines.commands.run import new_training, remember_config
+    from relaunch.components.core.contract.config import config_from_cli
+    from relaunch.pipelines.commands.run import new_training, remember_config
 
     tiny = [TINY[i + 1] for i in range(0, len(TINY), 2)]
     config = new_training(config_from_cli(None, None, [*tiny, *_overrides(tmp_path)]))
@@ -81,14 +81,14 @@ def test_two_resumes_at_once_run_one_pipeline_and_the_other_is_refused_naming_it
         [e.experiment_id for e in MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").search_experiments()])
     assert len(runs_of) == 1, [r.info.run_id for r in runs_of]
     assert runs_of[0].info.status == "FINISHED"
-    from components.core.store import open_store
-    from components.core.store.records import PIPELINE_LOCK_KEY
+    from relaunch.components.core.store import open_store
+    from relaunch.components.core.store.records import PIPELINE_LOCK_KEY
 
     assert not open_store(training).exists(PIPELINE_LOCK_KEY)  # released by the winner at its end
 
 
 def _prepare(config_yaml: Path, *inputs: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "components.prepare", "--config", str(config_yaml),
+    return subprocess.run([sys.executable, "-m", "relaunch.components.prepare", "--config", str(config_yaml),
                            *[a for i in inputs for a in ("--input", i)]], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env={**os.environ, **(env or {})})
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from components.core.contract.exitcodes import ExitCode
+from relaunch.components.core.contract.exitcodes import ExitCode
 from tests.cli import RELAUNCH
 
 SHORT = ["--set", "train.hidden_size=32", "--set", "train.max_steps=60", "--set", "train.step_sleep_seconds=0.2",
@@ -113,9 +113,9 @@ def test_resume_after_sigint_finishes_the_training_at_once(interrupted):
 def test_the_resumed_training_keeps_its_own_configuration_in_the_summary_and_mlflow(interrupted):
     from mlflow.tracking import MlflowClient
 
-    from components.core.store import open_store
-    from components.core.store.records import read_summary
-    from components.core.store.trainings import training_names, training_uri
+    from relaunch.components.core.store import open_store
+    from relaunch.components.core.store.records import read_summary
+    from relaunch.components.core.store.trainings import training_names, training_uri
 
     cwd = interrupted[-1][-1]
     root = str(cwd / ".relaunch" / "store")

@@ -1,5 +1,5 @@
 """What kfp.local 2.17 does with our pipeline's features, measured on a tiny pipeline, and what the two
-fixes of pipelines.local.kfp_fixes change. If an upgrade fixes kfp.local, the "as shipped" test fails: then
+fixes of relaunch.pipelines.local.kfp_fixes change. If an upgrade fixes kfp.local, the "as shipped" test fails: then
 drop the matching fix."""
 
 from __future__ import annotations

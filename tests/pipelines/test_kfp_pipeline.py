@@ -14,10 +14,10 @@ import yaml
 from google.protobuf import json_format
 from kfp.pipeline_spec import pipeline_spec_pb2
 
-from components.core.contract.config import PIPELINE_PARAMETERS, RelaunchConfig, pipeline_parameter_type
-from pipelines.spec import PARAMETERS, RETRY_POLICIES, STEP_TABLE, STEPS
-from pipelines import kfp_pipeline
-from pipelines.commands.compile import render
+from relaunch.components.core.contract.config import PIPELINE_PARAMETERS, RelaunchConfig, pipeline_parameter_type
+from relaunch.pipelines.spec import PARAMETERS, RETRY_POLICIES, STEP_TABLE, STEPS
+from relaunch.pipelines import kfp_pipeline
+from relaunch.pipelines.commands.compile import render
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "kfp-pipeline.yaml"
 

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from pipelines.spec import STEP_TABLE
-from components.core.contract.config import RelaunchConfig
-from components.core.contract.exitcodes import RETRYABLE, ExitCode
-from components.core.tracking.goodput import load_attempts
-from components.core.store import open_store
+from relaunch.pipelines.spec import STEP_TABLE
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.exitcodes import RETRYABLE, ExitCode
+from relaunch.components.core.tracking.goodput import load_attempts
+from relaunch.components.core.store import open_store
 from tests.cli import RUN_TIMEOUT, newest_training, relaunch_run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,8 +34,8 @@ def events(cwd: Path) -> list[dict]:
 
 
 def summary_of(store_uri: str) -> dict:
-    from components.core.store.records import read_summary
-    from components.core.store import open_store
+    from relaunch.components.core.store.records import read_summary
+    from relaunch.components.core.store import open_store
 
     return read_summary(open_store(store_uri))
 
@@ -337,7 +337,7 @@ def test_three_nodes_train_and_a_failed_launch_step_is_retried_and_resumes(tmp_p
 def test_a_last_attempt_killed_with_no_attempt_after_it_is_recorded_by_finalize(tmp_path, monkeypatch):
     """One node, one process, no restarts: the killed rank is rank 0, so no trainer is left to tag its
     attempt; the launch step fails (run by hand here: no pipeline retry follows) and finalize records it."""
-    from components import finalize, launch, prepare
+    from relaunch.components import finalize, launch, prepare
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("RELAUNCH_EVENTS", raising=False)
@@ -367,7 +367,7 @@ def test_a_last_attempt_killed_with_no_attempt_after_it_is_recorded_by_finalize(
 def _run_in_process(tmp_path, monkeypatch, cold=False, **overrides):
     from rich.console import Console
 
-    from pipelines.local.runner import run_pipeline
+    from relaunch.pipelines.local.runner import run_pipeline
 
     monkeypatch.chdir(tmp_path)
     config = RelaunchConfig.model_validate(overrides)
@@ -385,9 +385,9 @@ def test_a_bad_task_path_is_not_retried_and_stops_the_pipeline_with_exit_2(tmp_p
 def test_a_foreign_checkpoint_to_resume_from_stops_the_pipeline_at_locate(tmp_path, monkeypatch):
     import torch
 
-    from components.core.checkpoint import CheckpointManager
-    from components.core.trainer.state import TrainingState
-    from components.tasks.base import load_task
+    from relaunch.components.core.checkpoint import CheckpointManager
+    from relaunch.components.core.trainer.state import TrainingState
+    from relaunch.components.tasks.base import load_task
 
     other = RelaunchConfig.model_validate({"train": {"hidden_size": 3}})
     torch.manual_seed(0)

@@ -77,7 +77,7 @@ def _tree(root: Path) -> dict[str, str]:
 def workdir(tmp_path_factory) -> Path:
     """A directory as `relaunch run` leaves it: a training with committed checkpoints under
     .relaunch/store/trainings/<time>/, an empty store beside it, and a YAML file with a typo."""
-    from components.core.checkpoint import CheckpointManager
+    from relaunch.components.core.checkpoint import CheckpointManager
     from tests.core.helpers import make_state, train_steps
 
     work = tmp_path_factory.mktemp("newcomer")
@@ -97,7 +97,7 @@ def _typed(line: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("AWS_", "MINIO_", "MLFLOW_", "KF_PIPELINES", "ARGO_", "KUBE"))}
     env.update(PYTHONPATH=str(REPO), HOME=str(cwd), KUBECONFIG=str(cwd / "no-kubeconfig"), COLUMNS="80")
-    return subprocess.run([sys.executable, "-m", "pipelines.cli", *line.split()], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "relaunch.pipelines.cli", *line.split()], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
 
 

@@ -1,4 +1,4 @@
-"""The pipeline is written once (pipelines.spec.PIPELINE) and both renderers draw that DAG: each step's
+"""The pipeline is written once (relaunch.pipelines.spec.PIPELINE) and both renderers draw that DAG: each step's
 name, the source of each of its inputs, the steps it waits for, its condition and its retries are
 read back from the compiled KFP package and the compiled Argo Workflow and compared with the spec."""
 
@@ -9,10 +9,10 @@ import re
 import pytest
 import yaml
 
-from pipelines.spec import CONFIG, FINAL_STATUS, PARAMETERS, PIPELINE, RUN_ID, Source, Step
-from components.core.contract.config import PIPELINE_PARAMETERS, RelaunchConfig
-from pipelines.argo import build_workflow, to_dict
-from pipelines.commands.compile import render
+from relaunch.pipelines.spec import CONFIG, FINAL_STATUS, PARAMETERS, PIPELINE, RUN_ID, Source, Step
+from relaunch.components.core.contract.config import PIPELINE_PARAMETERS, RelaunchConfig
+from relaunch.pipelines.argo import build_workflow, to_dict
+from relaunch.pipelines.commands.compile import render
 
 STEP_CHANNEL = re.compile(r"^\{\{tasks\.([a-z0-9-]+)\.outputs\.parameters\.(\w+)\}\}$")
 

@@ -8,9 +8,9 @@ import io
 
 from rich.console import Console
 
-from components.core.contract import events
-from components.core.contract.events import Kind
-from pipelines.local.console import RunView
+from relaunch.components.core.contract import events
+from relaunch.components.core.contract.events import Kind
+from relaunch.pipelines.local.console import RunView
 
 
 def _shown(path, tmp_path, **kwargs) -> str:

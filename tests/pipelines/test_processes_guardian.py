@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="th
 
 RUN = textwrap.dedent("""
     import os, subprocess, sys, time
-    from pipelines.local.interrupt import interruptible
+    from relaunch.pipelines.local.interrupt import interruptible
 
     with interruptible():
         # a child that puts a grandchild in its own session and exits: an orphan no tree walk finds

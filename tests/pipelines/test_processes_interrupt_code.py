@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from components.core.contract.exitcodes import ExitCode
+from relaunch.components.core.contract.exitcodes import ExitCode
 from tests.cli import RELAUNCH, kill_agents
 from tests.pipelines.test_interrupt import RUN_TIMEOUT, SHORT
 
@@ -88,8 +88,8 @@ def interrupted(tmp_path_factory):
         time.sleep(0.1)
     os.kill(proc.pid, signal.SIGINT)
     stopped = _finish(proc, cwd)
-    from components.core.store import open_store
-    from components.core.store.records import read_json, read_summary, attempt_key
+    from relaunch.components.core.store import open_store
+    from relaunch.components.core.store.records import read_json, read_summary, attempt_key
     from tests.cli import newest_training
 
     store = open_store(newest_training(str(cwd / ".relaunch" / "store")))
@@ -124,7 +124,7 @@ def test_the_console_names_as_saved_only_the_checkpoints_that_committed(interrup
 
 
 def test_the_interrupted_training_is_killed_in_mlflow_with_its_reason_until_resume_finishes_it(interrupted):
-    from components.core.tracking.client import END_REASON_TAG
+    from relaunch.components.core.tracking.client import END_REASON_TAG
 
     (_, _, _), records, after_stop, (code, out, err), after_resume = interrupted
     run = after_stop["run"]
@@ -160,8 +160,8 @@ def test_ctrl_c_while_a_save_is_in_flight_still_commits_the_step_it_stopped_at_a
         time.sleep(0.02)
     os.kill(proc.pid, signal.SIGINT)
     code, out, err = _finish(proc, tmp_path)
-    from components.core.store import open_store
-    from components.core.store.records import read_summary
+    from relaunch.components.core.store import open_store
+    from relaunch.components.core.store.records import read_summary
     from tests.cli import newest_training
 
     summary = read_summary(open_store(newest_training(str(tmp_path / ".relaunch" / "store"))))

@@ -76,7 +76,7 @@ def test_sigkill_of_relaunch_run_leaves_no_process_of_the_run_and_the_training_i
             assert sum("zygote_client.py" in c and "torch.distributed.run" not in c for c in commands) == 2, commands
             assert len(commands) >= 9, commands
         else:  # kfp.local's sh, the launch step, the agents, their workers, and the guardian
-            assert sum("-m components.train " in c and "torch.distributed.run" not in c for c in commands) == 2, commands
+            assert sum("-m relaunch.components.train " in c and "torch.distributed.run" not in c for c in commands) == 2, commands
         os.kill(proc.pid, signal.SIGKILL)
         killed_at = time.monotonic()
         proc.wait()
@@ -95,8 +95,8 @@ def test_sigkill_of_relaunch_run_leaves_no_process_of_the_run_and_the_training_i
         kill_agents(tmp_path)
     (stopped,) = _trainings(tmp_path)
     assert stopped["state"] == "interrupted", stopped
-    from components.core.checkpoint import CheckpointManager
-    from components.core.store import open_store
+    from relaunch.components.core.checkpoint import CheckpointManager
+    from relaunch.components.core.store import open_store
 
     with CheckpointManager(open_store(stopped["uri"]), async_save=False) as manager:  # the newest commit is whole
         newest = manager.latest()

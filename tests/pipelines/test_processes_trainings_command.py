@@ -14,11 +14,11 @@ from dataclasses import asdict
 
 import pytest
 
-from components.core.checkpoint.layout import LATEST, LEASE
-from components.core.store import open_store
-from components.core.store import records
-from components.core.store.trainings import training_uri
-from components.core.tracking.goodput import Attempt
+from relaunch.components.core.checkpoint.layout import LATEST, LEASE
+from relaunch.components.core.store import open_store
+from relaunch.components.core.store import records
+from relaunch.components.core.store.trainings import training_uri
+from relaunch.components.core.tracking.goodput import Attempt
 from tests.cli import RELAUNCH
 
 TOTAL = 60

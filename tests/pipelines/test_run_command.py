@@ -8,13 +8,13 @@ from dataclasses import asdict
 
 import pytest
 
-from components.core.store import records
-from components.core.tracking import goodput
-from components.core.contract.config import RelaunchConfig, config_from_cli
-from components.core.contract.errors import BadInput
-from components.core.store import open_store
-from components.core.store.records import write_pipeline_finished
-from pipelines.commands.run import new_training, resume_training, trainings
+from relaunch.components.core.store import records
+from relaunch.components.core.tracking import goodput
+from relaunch.components.core.contract.config import RelaunchConfig, config_from_cli
+from relaunch.components.core.contract.errors import BadInput
+from relaunch.components.core.store import open_store
+from relaunch.components.core.store.records import write_pipeline_finished
+from relaunch.pipelines.commands.run import new_training, resume_training, trainings
 
 
 def _config(root) -> RelaunchConfig:
@@ -68,7 +68,7 @@ def test_resuming_a_training_that_reached_its_end_but_whose_pipeline_did_not_fin
 
 def _started(root, *overrides: str) -> str:
     """A new training started by `relaunch run --set ...` (its stored configuration); its name."""
-    from pipelines.commands.run import remember_config
+    from relaunch.pipelines.commands.run import remember_config
 
     config = new_training(config_from_cli(None, None, [f"store.uri={root}", *overrides]))
     remember_config(config)
@@ -103,7 +103,7 @@ def test_a_resume_that_would_change_what_the_training_is_is_refused_in_one_line(
 
 
 def test_the_cli_refuses_a_resume_that_changes_the_total_steps_with_exit_2_and_one_line(tmp_path, capsys):
-    from pipelines.cli import main
+    from relaunch.pipelines.cli import main
 
     _started(tmp_path, "train.epochs=8", "tracking.uri=sqlite:///" + str(tmp_path / "mlflow.db"))
     code = main(["run", "--resume", "--set", f"store.uri={tmp_path}", "--set", "train.epochs=4",

@@ -10,11 +10,11 @@ import time
 
 from rich.console import Console
 
-from components.core.contract.config import RelaunchConfig
-from components.evaluate import EvaluateOutputs
-from components.launch import LaunchOutputs
-from pipelines.local.console import RunView, render_summary
-from pipelines.local.runner import RunResult
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.evaluate import EvaluateOutputs
+from relaunch.components.launch import LaunchOutputs
+from relaunch.pipelines.local.console import RunView, render_summary
+from relaunch.pipelines.local.runner import RunResult
 from tests.pipelines.test_console import OUTPUTS
 
 

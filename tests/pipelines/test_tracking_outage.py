@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from components.core.contract.exitcodes import ExitCode
-from components.core.store import open_store
-from components.core.store.records import read_pending_metrics
-from components.core.tracking.client import TRIES
+from relaunch.components.core.contract.exitcodes import ExitCode
+from relaunch.components.core.store import open_store
+from relaunch.components.core.store.records import read_pending_metrics
+from relaunch.components.core.tracking.client import TRIES
 from tests.cli import RUN_TIMEOUT, newest_training, relaunch_run
 from tests.tracking_switch import TrackingSwitch
 

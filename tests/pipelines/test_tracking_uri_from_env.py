@@ -26,7 +26,7 @@ SCRIPT = [
 def _run(uri: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "MINIO_", "MLFLOW_", "KF_PIPELINES"))}
     env.update(PYTHONPATH=str(REPO), HOME=str(cwd), COLUMNS="80", MLFLOW_TRACKING_URI=uri)
-    return subprocess.run([sys.executable, "-m", "pipelines.cli", "run", "--set", "train.epochs=1"], cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "relaunch.pipelines.cli", "run", "--set", "train.epochs=1"], cwd=cwd,
                           env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -43,8 +43,8 @@ def test_a_malformed_mlflow_tracking_uri_is_one_line_exit_2_naming_the_variable_
 
 
 def test_a_well_formed_mlflow_tracking_uri_wins_over_the_config(monkeypatch):
-    from components.core.contract.config import RelaunchConfig
-    from components.core.tracking.client import tracking_uri
+    from relaunch.components.core.contract.config import RelaunchConfig
+    from relaunch.components.core.tracking.client import tracking_uri
 
     config = RelaunchConfig.model_validate({"tracking": {"uri": "sqlite:///from-config.db"}})
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from kfp import dsl
 
-from pipelines.spec import STEP_TABLE
-from pipelines.kfp_pipeline import COMPONENT_BODIES, build_components
-from pipelines.local.warm_steps import SERVER_IMPORTS, executor_call, server_for
+from relaunch.pipelines.spec import STEP_TABLE
+from relaunch.pipelines.kfp_pipeline import COMPONENT_BODIES, build_components
+from relaunch.pipelines.local.warm_steps import SERVER_IMPORTS, executor_call, server_for
 
 
 def _command(component) -> list[str]:
@@ -24,7 +24,7 @@ def test_kfps_lightweight_component_command_is_recognised_with_its_source_and_ar
 
 
 def test_a_command_that_is_not_kfps_script_runs_cold():
-    assert executor_call(["python3", "-m", "components.prepare", "--config-json", "{}"]) is None
+    assert executor_call(["python3", "-m", "relaunch.components.prepare", "--config-json", "{}"]) is None
     assert executor_call(["sh", "-ec", "pip install x && python3 -m kfp.dsl.executor_main \"$@\"", "src"]) is None
 
     @dsl.container_component

@@ -10,13 +10,13 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from components import evaluate, finalize, prepare, register
-from components.core.packaging import model as models
-from components.core.tracking import lineage
-from components.core.checkpoint import CheckpointManager
-from components.core.contract.config import RelaunchConfig
-from components.core.trainer.state import TrainingState
-from components.tasks.base import load_task
+from relaunch.components import evaluate, finalize, prepare, register
+from relaunch.components.core.packaging import model as models
+from relaunch.components.core.tracking import lineage
+from relaunch.components.core.checkpoint import CheckpointManager
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.trainer.state import TrainingState
+from relaunch.components.tasks.base import load_task
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +159,8 @@ def test_a_task_outside_components_is_bundled_with_the_model(tmp_path, monkeypat
     (tmp_path / "mypkg").mkdir()
     (tmp_path / "mypkg" / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert models.code_paths("components.tasks.digits:make_task")[1:] == []
-    assert models.code_paths("mytask:make_task")[1:] == [str(tmp_path / "mytask.py")]
-    assert models.code_paths("mypkg.sub:make_task")[1:] == [str(tmp_path / "mypkg")]
+    ours = models.code_paths("relaunch.components.tasks.digits:make_task", tmp_path / "a")
+    assert ours == [str(tmp_path / "a" / "relaunch")]
+    assert (tmp_path / "a" / "relaunch" / "components" / "core" / "packaging" / "model.py").is_file()
+    assert models.code_paths("mytask:make_task", tmp_path / "b")[1:] == [str(tmp_path / "mytask.py")]
+    assert models.code_paths("mypkg.sub:make_task", tmp_path / "c")[1:] == [str(tmp_path / "mypkg")]

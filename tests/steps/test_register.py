@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from components import register
-from components.core.checkpoint import CheckpointManager
-from components.core.contract.config import RelaunchConfig
-from components.core.trainer.state import TrainingState
-from components.core.tracking.client import ensure_run
-from components.tasks.base import load_task
+from relaunch.components import register
+from relaunch.components.core.checkpoint import CheckpointManager
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.trainer.state import TrainingState
+from relaunch.components.core.tracking.client import ensure_run
+from relaunch.components.tasks.base import load_task
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +145,7 @@ def test_the_registered_model_loads_and_predicts_without_unpickling(setup, histo
     files = [p.name for p in local.rglob("*") if p.is_file()]
     assert "model.safetensors" in files
     assert not [f for f in files if f.endswith((".pkl", ".pickle", ".pt", ".pth", ".cloudpickle"))]
-    assert "loader_module: components.core.packaging.model" in (local / "MLmodel").read_text()
+    assert "loader_module: relaunch.components.core.packaging.model" in (local / "MLmodel").read_text()
     x = load_task(config.train.task, config).build_splits()["test"]["x"][:5]
     assert model.predict(np.asarray(x)).shape == (5,)
 
@@ -217,8 +217,8 @@ class _BlipProxy:
 def test_a_champion_that_cannot_be_read_is_a_retryable_failure_not_no_champion(tmp_path, mlflow_server, monkeypatch):
     from mlflow.tracking import MlflowClient
 
-    from components.core.contract.errors import TransientFailure
-    from components.core.contract.exitcodes import ExitCode
+    from relaunch.components.core.contract.errors import TransientFailure
+    from relaunch.components.core.contract.exitcodes import ExitCode
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the 503 reaches our code at once
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -235,12 +235,12 @@ def test_a_champion_that_cannot_be_read_is_a_retryable_failure_not_no_champion(t
     first = register.run(config, _uri(mgr, 10), json.dumps({"accuracy": 0.9}))
     assert first.champion_version == "1"
 
-    from components import evaluate
+    from relaunch.components import evaluate
 
     assert evaluate.run(config).checkpoint_uri == _uri(mgr, 11)  # its LoggedModel, made directly
     # after challenger is set, the champion's read answers 503 on every try of the call (before the
     # fix that read was the alias lookup, now it is the registered model's)
-    from components.core.tracking.client import TRIES
+    from relaunch.components.core.tracking.client import TRIES
 
     proxy = _BlipProxy(mlflow_server.uri, arm_on=("POST", "registered-models/alias"),
                        fail_paths=("registered-models/alias", "registered-models/get"), times=TRIES)

@@ -8,13 +8,13 @@ import json
 import pytest
 import torch
 
-from pipelines.spec import EVALUATE, LAUNCH, PIPELINE, REGISTER, output
-from components.core.checkpoint import CheckpointManager
-from components.core.contract.config import RelaunchConfig
-from components.core.trainer.state import TrainingState
-from components import evaluate
-from components.launch import completed
-from components.tasks.base import load_task
+from relaunch.pipelines.spec import EVALUATE, LAUNCH, PIPELINE, REGISTER, output
+from relaunch.components.core.checkpoint import CheckpointManager
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.trainer.state import TrainingState
+from relaunch.components import evaluate
+from relaunch.components.launch import completed
+from relaunch.components.tasks.base import load_task
 
 
 @pytest.fixture

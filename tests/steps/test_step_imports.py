@@ -11,15 +11,15 @@ from pathlib import Path
 
 import torch
 
-from components.core.checkpoint import CheckpointManager
-from components.core.contract.config import RelaunchConfig
+from relaunch.components.core.checkpoint import CheckpointManager
+from relaunch.components.core.contract.config import RelaunchConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
 _LOCATE = """
 import json, sys
-from components.core.contract.config import RelaunchConfig
-import components.locate as locate
+from relaunch.components.core.contract.config import RelaunchConfig
+import relaunch.components.locate as locate
 out = locate.run(RelaunchConfig.from_json(sys.argv[1]))
 print(json.dumps({"step": out.step, "heavy": sorted(m for m in ("torch", "mlflow") if m in sys.modules)}))
 """

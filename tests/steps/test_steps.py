@@ -9,14 +9,14 @@ import json
 import pytest
 import torch
 
-from components import evaluate, locate, prepare
-from components.core.checkpoint import CheckpointManager
-from components.core.contract.config import RelaunchConfig
-from components.core.contract.errors import BadInput
-from components.core.trainer.state import TrainingState
-from components.launchers.jobs import job_spec
-from components.launchers.local import build_commands
-from components.tasks.base import load_task
+from relaunch.components import evaluate, locate, prepare
+from relaunch.components.core.checkpoint import CheckpointManager
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.errors import BadInput
+from relaunch.components.core.trainer.state import TrainingState
+from relaunch.components.launchers.jobs import job_spec
+from relaunch.components.launchers.local import build_commands
+from relaunch.components.tasks.base import load_task
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ def test_prepare_reuses_the_dataset_version_and_the_run_of_the_same_pipeline_run
 
 
 def test_prepare_of_a_resume_reopens_a_run_an_interrupted_pipeline_marked_killed(config):
-    from components.core.tracking.client import END_REASON_TAG, client, mark_run_finished, tracking_uri
+    from relaunch.components.core.tracking.client import END_REASON_TAG, client, mark_run_finished, tracking_uri
 
     first = prepare.run(config)
     mark_run_finished(config, first.run_id, "KILLED", "interrupted: stopped by Ctrl-C at step 31")
@@ -102,14 +102,14 @@ def test_the_local_launcher_starts_one_torchrun_agent_per_simulated_node(nodes, 
         assert f"--nnodes={nnodes}" in cmd and f"--nproc-per-node={procs}" in cmd
         assert "--rdzv-backend=c10d" in cmd and "--rdzv-endpoint=127.0.0.1:29555" in cmd
         assert f"--rdzv-conf=is_host={'true' if node == 0 else 'false'}" in cmd
-        assert "--max-restarts=3" in cmd and cmd[-4:] == ["-m", "components.train", "--config-json", config.to_json()]
+        assert "--max-restarts=3" in cmd and cmd[-4:] == ["-m", "relaunch.components.train", "--config-json", config.to_json()]
 
 
 @pytest.mark.parametrize("path", ["configs/local.yaml"])
 def test_the_example_configs_are_valid(path):
     from pathlib import Path
 
-    from components.core.contract.config import load_config
+    from relaunch.components.core.contract.config import load_config
 
     root = Path(__file__).resolve().parents[2]
     assert load_config(root / path) == RelaunchConfig()  # local.yaml spells out the embedded defaults
@@ -121,8 +121,8 @@ def test_a_rank_0_that_failed_before_writing_its_exit_record_gives_the_launch_it
     import io
     import time
 
-    from components.core.contract import events
-    from components.launchers.local import ProgressReporter, _outcome, _Watch
+    from relaunch.components.core.contract import events
+    from relaunch.components.launchers.local import ProgressReporter, _outcome, _Watch
 
     def line(kind, **fields) -> str:  # as rank 0 prints it, behind torchrun's prefix
         out = io.StringIO()

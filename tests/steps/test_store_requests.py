@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.config import RelaunchConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,8 +22,8 @@ def test_a_process_checks_an_s3_bucket_once_however_often_its_steps_open_the_sto
     s3_env.create_bucket(bucket)
     config = RelaunchConfig.model_validate({"store": {"uri": f"s3://{bucket}/exp"},
                                             "tracking": {"uri": f"sqlite:///{tmp_path}/mlflow.db"}})
-    script = ("import sys; from components.core.contract.config import RelaunchConfig; "
-              "from components import locate, prepare; from components.core.store import open_store; "
+    script = ("import sys; from relaunch.components.core.contract.config import RelaunchConfig; "
+              "from relaunch.components import locate, prepare; from relaunch.components.core.store import open_store; "
               "config = RelaunchConfig.from_json(sys.argv[1]); "
               "prepare.check_inputs(config); locate.run(config); locate.run(config); "
               "open_store(config.store.uri).list('checkpoints/')")
@@ -34,7 +34,7 @@ def test_a_process_checks_an_s3_bucket_once_however_often_its_steps_open_the_sto
 
 
 def test_other_credentials_or_another_bucket_are_checked_again(s3_env, monkeypatch):
-    from components.core.store import open_store
+    from relaunch.components.core.store import open_store
 
     bucket = "relaunch-checked-again"
     s3_env.create_bucket(bucket)

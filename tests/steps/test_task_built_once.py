@@ -4,10 +4,10 @@
 
 from __future__ import annotations
 
-from components import prepare
-from components.core.checkpoint import CheckpointManager
-from components.core.contract.config import RelaunchConfig
-from components.core.trainer.state import TrainingState
+from relaunch.components import prepare
+from relaunch.components.core.checkpoint import CheckpointManager
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.trainer.state import TrainingState
 from tests.tasks import counting
 
 

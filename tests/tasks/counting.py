@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from components.tasks.digits import make_task as _digits_task
+from relaunch.components.tasks.digits import make_task as _digits_task
 
 built = 0
 

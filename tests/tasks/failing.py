@@ -1,5 +1,5 @@
 """A task factory that fails the way ``RELAUNCH_TEST_FAILURE`` names, for the entry points' test: the same
-failure raised inside a real step (prepare) and a real training worker (``components.train``)."""
+failure raised inside a real step (prepare) and a real training worker (``relaunch.components.train``)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def failure(kind: str) -> BaseException:
     if kind == "keyerror":
         return KeyError("a bug of the task's")
     if kind == "bad-input":
-        from components.core.contract.errors import BadInput
+        from relaunch.components.core.contract.errors import BadInput
 
         return BadInput("train.task: the failing task refuses its configuration")
     raise ValueError(f"RELAUNCH_TEST_FAILURE={kind!r}")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from components.core.contract.config import RelaunchConfig
-from components.core.contract.errors import BadInput
-from components.tasks.base import load_task
-from components.tasks.digits import digits_splits, load_digits_arrays
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.errors import BadInput
+from relaunch.components.tasks.base import load_task
+from relaunch.components.tasks.digits import digits_splits, load_digits_arrays
 
 
 def test_the_digits_task_reads_exactly_what_sklearn_load_digits_returns():
@@ -24,9 +24,9 @@ def test_the_digits_task_reads_exactly_what_sklearn_load_digits_returns():
 @pytest.mark.parametrize("spec,words", [
     ("no_colon", "package.module:factory"),
     ("no.such.module:make", "cannot import module"),
-    ("components.tasks.digits:nope", "no callable 'nope'"),
-    ("components.core.contract.config:RelaunchConfig", "cannot be called as factory"),
-    ("components.core.contract.errors:BadInput", "without build_splits"),
+    ("relaunch.components.tasks.digits:nope", "no callable 'nope'"),
+    ("relaunch.components.core.contract.config:RelaunchConfig", "cannot be called as factory"),
+    ("relaunch.components.core.contract.errors:BadInput", "without build_splits"),
 ])
 def test_load_task_refuses_a_bad_spec_with_one_line_naming_it(spec, words):
     with pytest.raises(BadInput, match=words):

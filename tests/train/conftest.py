@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.local.warm_steps import RemoteProcess
+from relaunch.pipelines.local.warm_steps import RemoteProcess
 from tests import warm_processes
 from tests.services import free_port
 
@@ -36,7 +36,7 @@ def train_config(tmp_path: Path, tracking_uri: str, **train) -> dict:
 
 @dataclass
 class Torchrun:
-    """A running ``torchrun -m components.train`` with its combined output in a file."""
+    """A running ``torchrun -m relaunch.components.train`` with its combined output in a file."""
 
     proc: subprocess.Popen | RemoteProcess
     log: Path
@@ -54,9 +54,9 @@ class Torchrun:
         return self.log.read_text(errors="replace")
 
     def records(self, kind: str) -> list[dict]:
-        """The fields of every event of ``kind`` (a :class:`components.core.contract.events.Kind` name, e.g.
+        """The fields of every event of ``kind`` (a :class:`relaunch.components.core.contract.events.Kind` name, e.g.
         ``SAVING``) printed so far, read with the one reader."""
-        from components.core.contract import events
+        from relaunch.components.core.contract import events
 
         found = (events.read(line) for line in self.output().splitlines())
         return [e.fields for e in found if e is not None and e.kind == events.Kind[kind]]
@@ -85,7 +85,7 @@ def start_torchrun(config: dict, tmp_path: Path, *, nproc: int = 2, max_restarts
     argv = [*(prefix or []), str(BIN / "torchrun"), "--nnodes=1", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
             "--monitor-interval=0.2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
             f"--rdzv-id={uuid.uuid4().hex[:8]}", f"--rdzv-conf={RDZV_CONF}", "--shutdown-timeout=20",
-            *(extra_args or []), "-m", "components.train", "--config-json", json.dumps(config)]
+            *(extra_args or []), "-m", "relaunch.components.train", "--config-json", json.dumps(config)]
     with log.open("w") as out:
         proc = warm_processes.start(argv, cwd=ROOT, env=child_env, stdout=out, stderr=out, new_session=True)
     return Torchrun(proc, log)
@@ -99,10 +99,10 @@ def run_torchrun(config: dict, tmp_path: Path, **kwargs) -> Torchrun:
 
 def final_params(store_uri: str, hidden_size: int = 32) -> dict:
     """The model parameters of the latest committed checkpoint, loaded in this process."""
-    from components.core.checkpoint import CheckpointManager
-    from components.core.contract.config import RelaunchConfig
-    from components.core.trainer.state import TrainingState
-    from components.tasks.digits import make_task
+    from relaunch.components.core.checkpoint import CheckpointManager
+    from relaunch.components.core.contract.config import RelaunchConfig
+    from relaunch.components.core.trainer.state import TrainingState
+    from relaunch.components.tasks.digits import make_task
 
     config = RelaunchConfig.model_validate({"train": {"hidden_size": hidden_size}})
     model = make_task(config).build_model()

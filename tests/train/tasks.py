@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from components.tasks.digits import DigitsTask
+from relaunch.components.tasks.digits import DigitsTask
 
 
 class TracingTask(DigitsTask):

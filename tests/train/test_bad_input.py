@@ -9,13 +9,13 @@ import sys
 
 import pytest
 
-from components.core.store import records
-from components.core.checkpoint import CheckpointManager
-from components.core.contract.classify import torchrun_exit
-from components.core.contract.config import RelaunchConfig
-from components.core.trainer.state import TrainingState
-from components.core.store import open_store
-from components.tasks.digits import make_task
+from relaunch.components.core.store import records
+from relaunch.components.core.checkpoint import CheckpointManager
+from relaunch.components.core.contract.classify import torchrun_exit
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.trainer.state import TrainingState
+from relaunch.components.core.store import open_store
+from relaunch.components.tasks.digits import make_task
 from tests.train.conftest import ROOT, run_torchrun, train_config
 
 pytestmark = pytest.mark.slow
@@ -27,7 +27,7 @@ def _listing(path) -> list[str]:
 
 def _train(config: dict, env: dict) -> subprocess.CompletedProcess:
     child = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_TRACKING_URI")}
-    return subprocess.run([sys.executable, "-m", "components.train", "--config-json", json.dumps(config)],
+    return subprocess.run([sys.executable, "-m", "relaunch.components.train", "--config-json", json.dumps(config)],
                           cwd=ROOT, env={**child, **env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
                           timeout=120)
 

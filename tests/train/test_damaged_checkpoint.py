@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from components.core.checkpoint import CheckpointManager, step_key
-from components.core.store import open_store
+from relaunch.components.core.checkpoint import CheckpointManager, step_key
+from relaunch.components.core.store import open_store
 from tests.train.conftest import final_params, run_torchrun, train_config
 
 pytestmark = pytest.mark.slow

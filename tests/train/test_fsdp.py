@@ -32,8 +32,8 @@ def test_an_fsdp_training_killed_mid_run_resumes_bitwise_equal_to_an_uninterrupt
 
 _UNSHARDABLE = """
 import torch, torch.distributed as dist
-from components.core.contract.errors import BadInput
-from components.core.trainer.parallel import wrap_model
+from relaunch.components.core.contract.errors import BadInput
+from relaunch.components.core.trainer.parallel import wrap_model
 dist.init_process_group("gloo", init_method="file://{path}", rank=0, world_size=1)
 try:
     wrap_model(torch.nn.Sequential(torch.nn.Tanh()), parallelism="fsdp", device=torch.device("cpu"))

@@ -6,10 +6,10 @@ import uuid
 
 import pytest
 
-from components.core.store import records
-from components.core.checkpoint import CheckpointManager
-from components.core.contract.classify import torchrun_exit
-from components.core.store import open_store
+from relaunch.components.core.store import records
+from relaunch.components.core.checkpoint import CheckpointManager
+from relaunch.components.core.contract.classify import torchrun_exit
+from relaunch.components.core.store import open_store
 from tests.services import MlflowServer
 from tests.train.conftest import metric_steps, mlflow_runs, run_torchrun, start_torchrun, train_config
 
@@ -49,8 +49,8 @@ def test_training_continues_while_mlflow_is_down_and_its_metrics_arrive_after_it
         assert "lost contact with the tracking server" in run.output()
         # what the trainer had not sent when it stopped waiting for the server is in the store: the
         # pipeline's finalize (or prepare of a --resume) sends it, as here
-        from components.core.contract.config import RelaunchConfig
-        from components.core.tracking.mlflow_tracker import deliver_pending_metrics
+        from relaunch.components.core.contract.config import RelaunchConfig
+        from relaunch.components.core.tracking.mlflow_tracker import deliver_pending_metrics
 
         store = open_store(config["store"]["uri"])
         assert deliver_pending_metrics(RelaunchConfig.model_validate(config), store, records.stored_run_id(store),

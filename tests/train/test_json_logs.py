@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from components.core.contract.config import RelaunchConfig
-from components.core.runtime.logs import training_id
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.runtime.logs import training_id
 from tests.train.conftest import ROOT, run_torchrun, train_config
 
 pytestmark = pytest.mark.slow
@@ -57,7 +57,7 @@ def test_a_step_process_writes_json_lines_on_stderr(tmp_path):
     config = {"store": {"uri": str(tmp_path / "store")}, "logging": {"format": "json"}}
     env = {k: v for k, v in os.environ.items() if not k.startswith("RELAUNCH_")}
     env["PYTHONPATH"] = str(ROOT)
-    done = subprocess.run([sys.executable, "-m", "components.locate", "--config-json", json.dumps(config),
+    done = subprocess.run([sys.executable, "-m", "relaunch.components.locate", "--config-json", json.dumps(config),
                            "--set", "train.resume_from=/nonexistent/checkpoints/step-000000000001"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     err = tmp_path / "stderr.log"
@@ -76,9 +76,9 @@ def test_in_a_container_the_supervisor_makes_the_torchrun_agents_lines_json_too(
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_TRACKING_URI", "RELAUNCH_"))}
     env.update({"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "LOGLEVEL": "INFO"})  # torchrun's agent talks
     done = subprocess.run(
-        [sys.executable, "-m", "components.launchers.supervise", str(BIN / "torchrun"), "--nnodes=1",
+        [sys.executable, "-m", "relaunch.components.launchers.supervise", str(BIN / "torchrun"), "--nnodes=1",
          "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=logs",
-         f"--rdzv-conf={RDZV_CONF}", "-m", "components.train", "--config-json", json.dumps(config)],
+         f"--rdzv-conf={RDZV_CONF}", "-m", "relaunch.components.train", "--config-json", json.dumps(config)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     err = tmp_path / "stderr.log"
     err.write_text(done.stderr)

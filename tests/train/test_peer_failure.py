@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from components.core.contract.classify import classify
-from components.core.contract.errors import BadInput
-from components.core.contract.exitcodes import ExitCode
-from components.train import PeerFailure, waiting_on_peers
+from relaunch.components.core.contract.classify import classify
+from relaunch.components.core.contract.errors import BadInput
+from relaunch.components.core.contract.exitcodes import ExitCode
+from relaunch.components.train import PeerFailure, waiting_on_peers
 
 
 def test_a_runtime_error_while_waiting_on_peers_is_a_peer_of_a_killed_worker_137_without_gloos_text():

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from components.core.store import records
-from components.core.contract.classify import torchrun_exit
-from components.core.store import open_store
+from relaunch.components.core.store import records
+from relaunch.components.core.contract.classify import torchrun_exit
+from relaunch.components.core.store import open_store
 from tests.train.conftest import (final_params, metric_steps, mlflow_runs, run_torchrun, start_torchrun,
                                   train_config)
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from components.core.contract.config import RelaunchConfig
-from components.core.trainer.checkpoints import SaveCadence
-from components.core.trainer.setup import TrainData
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.trainer.checkpoints import SaveCadence
+from relaunch.components.core.trainer.setup import TrainData
 
 
 def _train(**fields):

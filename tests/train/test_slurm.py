@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from components.core.contract.config import RelaunchConfig
-from components.launchers.slurm import render_sbatch
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.launchers.slurm import render_sbatch
 from tests.services import free_port
 from tests.train.conftest import ROOT, Torchrun, train_config
 
@@ -38,7 +38,7 @@ def test_the_rendered_sbatch_script_requeues_forwards_usr1_and_runs_srun_torchru
                      "srun --kill-on-bad-exit=0", "torchrun --nnodes=", "--nproc-per-node=8",
                      'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
                      '--rdzv-endpoint="$head_node:$rdzv_port"', "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
-                     "-m components.train --config-json", "s3://bucket/exp", 'scontrol requeue "$SLURM_JOB_ID"']:
+                     "-m relaunch.components.train --config-json", "s3://bucket/exp", 'scontrol requeue "$SLURM_JOB_ID"']:
         assert expected in text, expected
     assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
 

@@ -1,6 +1,6 @@
 """A worker's start-up path: what it imports before its first step, and what starts after it.
 
-Real worker processes (``python -m components.train``, a world of one) against the session's real
+Real worker processes (``python -m relaunch.components.train``, a world of one) against the session's real
 MLflow server; the import order comes from the interpreter's own ``-X importtime`` lines, which it
 writes to the same pipe as the worker's events, in order.
 """
@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from components.core.contract import events
+from relaunch.components.core.contract import events
 from tests.train.conftest import ROOT, train_config
 
 # What the first step of a restarted worker does not need: each loads after it, off the training thread.
@@ -28,7 +28,7 @@ def _worker(config: dict, *, importtime: bool = False, env: dict | None = None) 
     """Run one world-of-one worker to its end; its stdout and stderr lines, interleaved as written."""
     child_env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "RELAUNCH_"))}
     child_env.update({"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})})
-    argv = [sys.executable, *(["-X", "importtime"] if importtime else []), "-m", "components.train",
+    argv = [sys.executable, *(["-X", "importtime"] if importtime else []), "-m", "relaunch.components.train",
             "--config-json", json.dumps(config)]
     proc = subprocess.run(argv, cwd=ROOT, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=300)
@@ -39,8 +39,8 @@ def _worker(config: dict, *, importtime: bool = False, env: dict | None = None) 
 def _with_run(config: dict) -> dict:
     """The config with its MLflow run made beforehand, as the pipeline's launch step passes it (a
     restarted worker finds the run id in the store: neither creates a run before the first step)."""
-    from components.core.contract.config import RelaunchConfig
-    from components.core.tracking.client import ensure_run
+    from relaunch.components.core.contract.config import RelaunchConfig
+    from relaunch.components.core.tracking.client import ensure_run
 
     config["tracking"]["run_id"] = ensure_run(RelaunchConfig.model_validate(config))
     return config
@@ -105,8 +105,8 @@ def test_the_zygote_preloads_every_module_a_worker_imports_before_its_first_step
     _, lines = worker
     first = _first_step(lines)
     # what the preload lacks and imports (-X importtime also lists the optional imports that failed)
-    probe = ("import importlib, json, sys; from components.core.runtime import zygote as z; "
-             "z.preload_modules([*z.PRELOAD, 'components.tasks.digits']); have = set(sys.modules); "
+    probe = ("import importlib, json, sys; from relaunch.components.core.runtime import zygote as z; "
+             "z.preload_modules([*z.PRELOAD, 'relaunch.components.tasks.digits']); have = set(sys.modules); "
              "needed = json.loads(sys.stdin.read()); missing = []\n"
              "for name in needed:\n"
              "    try:\n"
@@ -144,8 +144,8 @@ def test_the_first_step_event_carries_the_start_up_phases_in_order(worker):
 
 
 def test_the_attempt_record_keeps_the_loop_start_it_writes_with_the_first_step(worker):
-    from components.core.store import open_store
-    from components.core.tracking import goodput
+    from relaunch.components.core.store import open_store
+    from relaunch.components.core.tracking import goodput
 
     config, _ = worker
     [attempt] = goodput.load_attempts(open_store(config["store"]["uri"]))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from components.core.trainer.state import TrainingState, _holds_model_memory
+from relaunch.components.core.trainer.state import TrainingState, _holds_model_memory
 
 
 def _state(seed: int) -> TrainingState:

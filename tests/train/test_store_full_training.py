@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from components.core.checkpoint.layout import LATEST, PREFIX, read_json
-from components.core.store import FileStore
+from relaunch.components.core.checkpoint.layout import LATEST, PREFIX, read_json
+from relaunch.components.core.store import FileStore
 from tests.cli import RELAUNCH, RUN_TIMEOUT, TINY, kill_agents
 from tests.core.store_tmpfs import Tmpfs, mounted_tmpfs
 from tests.train.conftest import ROOT, final_params, start_torchrun, train_config

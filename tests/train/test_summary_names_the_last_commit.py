@@ -8,14 +8,14 @@ import contextlib
 
 import torch
 
-from components.core.checkpoint import CheckpointManager
-from components.core.contract.config import RelaunchConfig
-from components.core.runtime.distributed import read_env
-from components.core.trainer.checkpoints import TrainerCheckpoints
-from components.core.store import open_store
-from components.core.tracking.goodput import AttemptLog, claim_attempt
-from components.core.trainer.state import TrainingState
-from components.tasks.base import load_task
+from relaunch.components.core.checkpoint import CheckpointManager
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.runtime.distributed import read_env
+from relaunch.components.core.trainer.checkpoints import TrainerCheckpoints
+from relaunch.components.core.store import open_store
+from relaunch.components.core.tracking.goodput import AttemptLog, claim_attempt
+from relaunch.components.core.trainer.state import TrainingState
+from relaunch.components.tasks.base import load_task
 
 
 def test_a_save_that_commits_while_the_trainer_closes_after_a_failure_is_the_last_committed(tmp_path, monkeypatch):

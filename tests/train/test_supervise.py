@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from components.core.contract.exitcodes import ExitCode, is_retryable
+from relaunch.components.core.contract.exitcodes import ExitCode, is_retryable
 from tests.train.conftest import start_torchrun, train_config
 
-SUPERVISE = [sys.executable, "-m", "components.launchers.supervise"]
+SUPERVISE = [sys.executable, "-m", "relaunch.components.launchers.supervise"]
 pytestmark = pytest.mark.slow
 
 

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from components.core.tracking.wandb_tracker import wandb_run_id
+from relaunch.components.core.tracking.wandb_tracker import wandb_run_id
 from tests.core.wandb_records import read_offline_runs
 from tests.train.conftest import mlflow_runs, run_torchrun, train_config
 

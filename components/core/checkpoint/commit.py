@@ -18,22 +18,22 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
-from components.core.checkpoint import load as reading
-from components.core.checkpoint import quarantine
-from components.core.checkpoint.fingerprint import model_fingerprint
-from components.core.checkpoint.layout import (FORMAT_VERSION, INFLIGHT, LATEST, MANIFEST, CheckpointInfo, info_of,
+from relaunch.components.core.checkpoint import load as reading
+from relaunch.components.core.checkpoint import quarantine
+from relaunch.components.core.checkpoint.fingerprint import model_fingerprint
+from relaunch.components.core.checkpoint.layout import (FORMAT_VERSION, INFLIGHT, LATEST, MANIFEST, CheckpointInfo, info_of,
                                                now, read_manifest_bytes, sealed_manifest_body, step_key, versions,
                                                write_conditional)
-from components.core.checkpoint.leases import Leases
-from components.core.checkpoint.locate import Locator
-from components.core.checkpoint.ranks import Ranks
-from components.core.checkpoint.readers import deletion_done
-from components.core.checkpoint.retention import Retention
-from components.core.checkpoint.snapshot import Snapshotter, copy_deferred, optimizers_of, state_bytes
-from components.core.checkpoint.verify import CHUNK_BYTES, DIGEST
-from components.core.contract.classify import CarriedError, dcp_original, is_store_unwritable
-from components.core.contract.errors import BadInput, CorruptCheckpoint
-from components.core.store import PreconditionFailed, Store
+from relaunch.components.core.checkpoint.leases import Leases
+from relaunch.components.core.checkpoint.locate import Locator
+from relaunch.components.core.checkpoint.ranks import Ranks
+from relaunch.components.core.checkpoint.readers import deletion_done
+from relaunch.components.core.checkpoint.retention import Retention
+from relaunch.components.core.checkpoint.snapshot import Snapshotter, copy_deferred, optimizers_of, state_bytes
+from relaunch.components.core.checkpoint.verify import CHUNK_BYTES, DIGEST
+from relaunch.components.core.contract.classify import CarriedError, dcp_original, is_store_unwritable
+from relaunch.components.core.contract.errors import BadInput, CorruptCheckpoint
+from relaunch.components.core.store import PreconditionFailed, Store
 
 if TYPE_CHECKING:
     import torch
@@ -213,7 +213,7 @@ class Committer:
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
-        from components.core.checkpoint.dcp_io import StoreWriter
+        from relaunch.components.core.checkpoint.dcp_io import StoreWriter
 
         self.ranks.agree(self.ranks.rank0(lambda: self._preflight(job.step)))
         files_per_rank = max(1, -(-state_bytes(job.snapshot) // FILE_BYTES))

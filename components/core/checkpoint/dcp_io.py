@@ -38,12 +38,12 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, SavePlan, WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
-from components.core.checkpoint import verify
-from components.core.checkpoint.layout import METADATA
-from components.core.checkpoint.torch_private import storage_info
-from components.core.checkpoint.verify import REQUEST_BYTES, ChunkDigests, digest
-from components.core.contract.errors import CorruptCheckpoint
-from components.core.store import Store
+from relaunch.components.core.checkpoint import verify
+from relaunch.components.core.checkpoint.layout import METADATA
+from relaunch.components.core.checkpoint.torch_private import storage_info
+from relaunch.components.core.checkpoint.verify import REQUEST_BYTES, ChunkDigests, digest
+from relaunch.components.core.contract.errors import CorruptCheckpoint
+from relaunch.components.core.store import Store
 
 DCP_SUFFIX = ".distcp"
 PACK_BYTES = 1 << 20  # shared items smaller than this are broadcast packed together
@@ -594,8 +594,8 @@ def safe_load_planner():
 
     class SafeLoadPlanner(DefaultLoadPlanner):
         def create_local_plan(self):
-            from components.core.contract.classify import dcp_mismatch
-            from components.core.contract.errors import BadInput
+            from relaunch.components.core.contract.classify import dcp_mismatch
+            from relaunch.components.core.contract.errors import BadInput
 
             # DCP says "Missing key"/"Size mismatch" only in a bare RuntimeError/ValueError's text
             why = None if self.allow_partial_load else dcp_mismatch(self.state_dict, self.metadata)

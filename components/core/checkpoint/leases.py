@@ -16,11 +16,11 @@ import threading
 import weakref
 from typing import Callable, TypeVar
 
-from components.core.checkpoint.layout import LEASE, PREFIX, read_json
-from components.core.checkpoint.lease import Lease, LeaseLost
-from components.core.checkpoint.readers import ReadLeases, claim_for_deletion
-from components.core.contract.errors import RelaunchError
-from components.core.store import Store
+from relaunch.components.core.checkpoint.layout import LEASE, PREFIX, read_json
+from relaunch.components.core.checkpoint.lease import Lease, LeaseLost
+from relaunch.components.core.checkpoint.readers import ReadLeases, claim_for_deletion
+from relaunch.components.core.contract.errors import RelaunchError
+from relaunch.components.core.store import Store
 
 T = TypeVar("T")
 
@@ -31,7 +31,7 @@ class Leases:
 
     Args:
         store: the store written (its write lease).
-        owner: the logical writer (:func:`~components.core.checkpoint.lease.default_owner`).
+        owner: the logical writer (:func:`~relaunch.components.core.checkpoint.lease.default_owner`).
         seconds: how long the write lease and the read leases last without a renewal; the heartbeat
             renews them every third of it once a lease is held.
         wait_seconds: how long taking the write lease waits for a live holder of the same owner.

@@ -16,14 +16,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from components.core.checkpoint.fingerprint import model_fingerprint
-from components.core.checkpoint.layout import METADATA, CheckpointInfo, parse_checkpoint_uri
-from components.core.checkpoint.locate import Locator
-from components.core.checkpoint.ranks import Ranks
-from components.core.checkpoint.verify import ChunkDigests
-from components.core.contract.classify import dcp_original
-from components.core.contract.errors import BadInput, CorruptCheckpoint, RelaunchError
-from components.core.store import FileStore, Store, open_store
+from relaunch.components.core.checkpoint.fingerprint import model_fingerprint
+from relaunch.components.core.checkpoint.layout import METADATA, CheckpointInfo, parse_checkpoint_uri
+from relaunch.components.core.checkpoint.locate import Locator
+from relaunch.components.core.checkpoint.ranks import Ranks
+from relaunch.components.core.checkpoint.verify import ChunkDigests
+from relaunch.components.core.contract.classify import dcp_original
+from relaunch.components.core.contract.errors import BadInput, CorruptCheckpoint, RelaunchError
+from relaunch.components.core.store import FileStore, Store, open_store
 
 IO_THREADS = max(1, min(4, os.cpu_count() or 1))
 READ_THREADS = 8  # ranged reads (GETs) in flight per rank on S3; on a filesystem IO_THREADS, each one
@@ -113,10 +113,10 @@ class Loader:
               metadata_bytes: bytes | None) -> None:
         """Load the checkpoint into ``state`` with DCP (every rank); ``metadata_bytes``: its checked
         ``.metadata`` (formats 2 and 3)."""
-        from components.core.checkpoint.safe_pickle import load_metadata
+        from relaunch.components.core.checkpoint.safe_pickle import load_metadata
 
         if manifest["format_version"] == 1:
-            from components.core.checkpoint import legacy_v1
+            from relaunch.components.core.checkpoint import legacy_v1
 
             cache = None if type(store) is FileStore else self._cache()  # a local store is read in place
             local = self.ranks.agree(self.ranks.catch(lambda: str(legacy_v1.materialize(
@@ -124,7 +124,7 @@ class Loader:
             metadata = legacy_v1.read_metadata(local)
             reader = legacy_v1.safe_reader(local)
         else:
-            from components.core.checkpoint.dcp_io import StoreReader, payload_offsets
+            from relaunch.components.core.checkpoint.dcp_io import StoreReader, payload_offsets
 
             digests = ChunkDigests(info.uri, manifest["files"])
             metadata = load_metadata(metadata_bytes, source=f"{info.uri}/{METADATA}")
@@ -151,7 +151,7 @@ class Loader:
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.stateful import Stateful
 
-        from components.core.checkpoint.dcp_io import safe_load_planner
+        from relaunch.components.core.checkpoint.dcp_io import safe_load_planner
 
         template = state.state_dict() if wrapped else dict(state)
         if isinstance(template.get("rng"), dict):  # another world size: a rank's stream may be absent

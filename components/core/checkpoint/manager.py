@@ -27,15 +27,15 @@ import warnings
 import weakref
 from typing import Any
 
-from components.core.checkpoint.commit import Committer
-from components.core.checkpoint.layout import CheckpointInfo, pin_key
-from components.core.checkpoint.lease import Lease, default_owner
-from components.core.checkpoint.leases import Leases
-from components.core.checkpoint.load import Loader, source_of
-from components.core.checkpoint.locate import Locator
-from components.core.checkpoint.ranks import Ranks
-from components.core.checkpoint.retention import Retention
-from components.core.store import Store, open_store
+from relaunch.components.core.checkpoint.commit import Committer
+from relaunch.components.core.checkpoint.layout import CheckpointInfo, pin_key
+from relaunch.components.core.checkpoint.lease import Lease, default_owner
+from relaunch.components.core.checkpoint.leases import Leases
+from relaunch.components.core.checkpoint.load import Loader, source_of
+from relaunch.components.core.checkpoint.locate import Locator
+from relaunch.components.core.checkpoint.ranks import Ranks
+from relaunch.components.core.checkpoint.retention import Retention
+from relaunch.components.core.store import Store, open_store
 
 # A single process is a supported use (tests, evaluation, the CLI): DCP's note about it is noise.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")
@@ -67,12 +67,12 @@ class CheckpointManager:
             read once per node and broadcast to the others. ``world_size`` reads it once per job.
 
     The manager wires collaborators that each own their state and work alone on a store:
-    :class:`~components.core.checkpoint.ranks.Ranks` (the collectives),
-    :class:`~components.core.checkpoint.leases.Leases` (write and read leases, the heartbeat),
-    :class:`~components.core.checkpoint.locate.Locator` (latest, list, best, verify, pins, damage),
-    :class:`~components.core.checkpoint.load.Loader`,
-    :class:`~components.core.checkpoint.retention.Retention` and
-    :class:`~components.core.checkpoint.commit.Committer` (save, commit, latest.json, retention). A
+    :class:`~relaunch.components.core.checkpoint.ranks.Ranks` (the collectives),
+    :class:`~relaunch.components.core.checkpoint.leases.Leases` (write and read leases, the heartbeat),
+    :class:`~relaunch.components.core.checkpoint.locate.Locator` (latest, list, best, verify, pins, damage),
+    :class:`~relaunch.components.core.checkpoint.load.Loader`,
+    :class:`~relaunch.components.core.checkpoint.retention.Retention` and
+    :class:`~relaunch.components.core.checkpoint.commit.Committer` (save, commit, latest.json, retention). A
     public method checks here, once, that the manager is open (and waits for the pending save where
     its answer depends on it), then asks its collaborator.
     """
@@ -115,7 +115,7 @@ class CheckpointManager:
     @property
     def group(self) -> Any:
         """The manager's own gloo process group (None without ``torch.distributed``): the group of
-        its collectives, e.g. :func:`~components.core.runtime.distributed.agree` of a rank-0 decision."""
+        its collectives, e.g. :func:`~relaunch.components.core.runtime.distributed.agree` of a rank-0 decision."""
         return self.ranks.group
 
     @property

@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Any, Callable, TypeVar
 
-from components.core.runtime.distributed import Outcome, agree, catch, node_groups, on_rank0
+from relaunch.components.core.runtime.distributed import Outcome, agree, catch, node_groups, on_rank0
 
 T = TypeVar("T")
 
@@ -50,7 +50,7 @@ class Ranks:
         return cls(group, dist.get_rank(group), world_size, node_group, node_ranks)
 
     def catch(self, fn: Callable[[], T]) -> Outcome:
-        """``fn``'s outcome on this rank (:func:`~components.core.runtime.distributed.catch`)."""
+        """``fn``'s outcome on this rank (:func:`~relaunch.components.core.runtime.distributed.catch`)."""
         return catch(fn)
 
     def rank0(self, fn: Callable[[], T]) -> Outcome:
@@ -58,5 +58,5 @@ class Ranks:
         return on_rank0(self.rank, fn)
 
     def agree(self, outcome: Outcome, share: bool = True) -> Any:
-        """Every rank's outcome agreed over the group (:func:`~components.core.runtime.distributed.agree`)."""
+        """Every rank's outcome agreed over the group (:func:`~relaunch.components.core.runtime.distributed.agree`)."""
         return agree(outcome, self.group, self.rank, self.world_size, share=share)

@@ -23,11 +23,11 @@ import time
 import uuid
 from typing import Callable, TypeVar
 
-from components.core.checkpoint.layout import LEASE, PINS, PREFIX, now, parse_pin, read_json
-from components.core.checkpoint.lease import holder_alive
-from components.core.contract.classify import is_store_unwritable
-from components.core.contract.errors import BadInput, CorruptCheckpoint, RelaunchError
-from components.core.store import PreconditionFailed, Store
+from relaunch.components.core.checkpoint.layout import LEASE, PINS, PREFIX, now, parse_pin, read_json
+from relaunch.components.core.checkpoint.lease import holder_alive
+from relaunch.components.core.contract.classify import is_store_unwritable
+from relaunch.components.core.contract.errors import BadInput, CorruptCheckpoint, RelaunchError
+from relaunch.components.core.store import PreconditionFailed, Store
 
 T = TypeVar("T")
 

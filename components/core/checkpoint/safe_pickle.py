@@ -4,7 +4,7 @@
 storage can be written by anyone with write access to it, so loading it with ``pickle.load`` would
 run whatever code the file names. :func:`load_metadata` admits only DCP's own metadata dataclasses,
 ``torch.Size``, torch dtypes and layouts, ``pathlib`` paths and builtin containers; anything else
-raises :class:`~components.core.contract.errors.CorruptCheckpoint` before a single object is built.
+raises :class:`~relaunch.components.core.contract.errors.CorruptCheckpoint` before a single object is built.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import io
 import pickle
 from typing import IO, Any
 
-from components.core.contract.errors import CorruptCheckpoint
+from relaunch.components.core.contract.errors import CorruptCheckpoint
 
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
                 "torch.distributed.checkpoint.planner", "torch.distributed.checkpoint._extension")

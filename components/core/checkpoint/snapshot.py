@@ -22,7 +22,7 @@ import queue
 import threading
 from typing import TYPE_CHECKING, Any
 
-from components.core.checkpoint.torch_private import dtensor_like
+from relaunch.components.core.checkpoint.torch_private import dtensor_like
 
 if TYPE_CHECKING:
     import torch

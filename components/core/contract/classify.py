@@ -1,11 +1,11 @@
-"""The one classifier: ``classify(exc) -> ExitCode``, the code of :mod:`components.core.contract.exitcodes`
+"""The one classifier: ``classify(exc) -> ExitCode``, the code of :mod:`relaunch.components.core.contract.exitcodes`
 a failure ends the process with.
 
 Every source of failures has one adapter here that reads the failure's *type* and the *code* its
 source gave it, never its message (a URL's port or a run id can hold "401"; a proxy's 404 page says
 "not found"):
 
-- the contract's own errors (:class:`~components.core.contract.errors.RelaunchError`) carry their code;
+- the contract's own errors (:class:`~relaunch.components.core.contract.errors.RelaunchError`) carry their code;
 - torch DCP's ``CheckpointException`` wraps each rank's original error: that one is classified;
 - S3 (minio): an ``S3Error`` by its S3 error code, minio's ``ServerError``/``InvalidResponseError``
   and urllib3's transport errors as transient;
@@ -14,7 +14,7 @@ source gave it, never its message (a URL's port or a run id can hold "401"; a pr
 - torch.distributed: ``DistError`` (backend, network, store) and the elastic rendezvous errors;
 - the Kubernetes API: an ``ApiException`` by its HTTP status;
 - Python: Ctrl-C, ``ConnectionError`` and ``TimeoutError``; an ``OSError`` of a full or read-only
-  store (ENOSPC, EDQUOT, EROFS) is :class:`~components.core.contract.errors.StoreUnwritable` (2).
+  store (ENOSPC, EDQUOT, EROFS) is :class:`~relaunch.components.core.contract.errors.StoreUnwritable` (2).
 
 Anything else is a bug (1). A library's types are looked up only when that library is already
 imported (an exception of it cannot exist otherwise), so classifying costs no import.
@@ -30,8 +30,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from components.core.contract.errors import CorruptCheckpoint, RelaunchError, StoreUnwritable, error_for
-from components.core.contract.exitcodes import PERMANENT, ExitCode, normalize, unrecorded_end
+from relaunch.components.core.contract.errors import CorruptCheckpoint, RelaunchError, StoreUnwritable, error_for
+from relaunch.components.core.contract.exitcodes import PERMANENT, ExitCode, normalize, unrecorded_end
 
 S3_CREDENTIAL_CODES = frozenset({"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken",
                                  "ExpiredToken", "AllAccessDisabled", "AccountProblem"})
@@ -55,7 +55,7 @@ POD_PREEMPTION_REASONS = frozenset({"Evicted", "Preempting", "NodeLost", "NodeSh
 """A pod's ``status.reason`` when it was taken away with its node: preempted (143), retryable."""
 UNWRITABLE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 """``OSError`` codes of a store that cannot take a write (full, over quota, read-only): the contract's
-:class:`~components.core.contract.errors.StoreUnwritable` (2)."""
+:class:`~relaunch.components.core.contract.errors.StoreUnwritable` (2)."""
 
 
 def classify(exc: BaseException) -> ExitCode:
@@ -280,7 +280,7 @@ def torchrun_exit(returncode: int, record: dict | None, started_at: float) -> in
     """The contract's code of a torchrun that ended with ``returncode`` (every launcher's one mapping).
 
     torchrun exits 1 whenever a worker failed, whatever the worker's own code; ``record`` (the
-    training's ``runs/exit.json``, see :mod:`components.core.tracking.goodput`), when written after
+    training's ``runs/exit.json``, see :mod:`relaunch.components.core.tracking.goodput`), when written after
     ``started_at``, says what really happened; a failure without such a record is a worker that died
     without control (SIGKILL, OOM): 137. A torchrun killed by a signal maps to 128 + signal.
     """
@@ -295,7 +295,7 @@ def dcp_mismatch(flat_state: dict[str, Any], metadata: Any) -> str | None:
     """Why DCP cannot load a checkpoint whose ``metadata`` (DCP's ``Metadata``) into ``flat_state``
     (FQN -> tensor or value, as a load planner holds it): a key the checkpoint lacks, or a tensor of
     another size; None when it fits. DCP itself raises a bare ``RuntimeError``/``ValueError`` for
-    these, so a loader checks first and raises :class:`~components.core.contract.errors.BadInput` (a checkpoint
+    these, so a loader checks first and raises :class:`~relaunch.components.core.contract.errors.BadInput` (a checkpoint
     of another model) with this reason."""
     stored = metadata.state_dict_metadata
     missing = sorted(k for k in flat_state if k not in stored)

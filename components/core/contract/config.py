@@ -3,7 +3,7 @@ run and the KFP/Argo definitions.
 
 Sources, later ones winning: the defaults below, a YAML file, ``--set dotted.key=value`` overrides.
 Unknown keys and wrong types are refused; every error names the field and the bad value in one line
-(:class:`~components.core.contract.errors.BadInput`, exit code 2). Credentials never live here: they come from
+(:class:`~relaunch.components.core.contract.errors.BadInput`, exit code 2). Credentials never live here: they come from
 the environment (or Kubernetes Secrets mapped into it).
 """
 
@@ -18,9 +18,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from components.core.contract.errors import BadInput
-from components.core.contract.registry import launch_backend, launch_backend_names
-from components.core.contract.registry import parse_store_uri  # noqa: F401 - validators' rule, also imported from here
+from relaunch.components.core.contract.errors import BadInput
+from relaunch.components.core.contract.registry import launch_backend, launch_backend_names
+from relaunch.components.core.contract.registry import parse_store_uri  # noqa: F401 - validators' rule, also imported from here
 
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<version>\d+)|@(?P<alias>[A-Za-z0-9_-]+))$")
@@ -44,6 +44,16 @@ def expand_home(path: str) -> str:
                          f"write the absolute path")
     return expanded
 
+
+
+RENAMED_TASKS = {"components.tasks.digits:make_task": "relaunch.components.tasks.digits:make_task"}
+"""relaunch's own tasks under the names they had before relaunch installed under ``relaunch.*``: a
+training started then stored its ``train.task`` so, and resumes under the new name."""
+
+
+def current_task_spec(spec: Any) -> Any:
+    """``spec`` under the name relaunch's own task has now (:data:`RENAMED_TASKS`), else unchanged."""
+    return RENAMED_TASKS.get(spec, spec) if isinstance(spec, str) else spec
 
 TRACKING_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "file", "databricks")
 """Tracking URI schemes MLflow serves (a database one may name its driver: ``postgresql+psycopg2``)."""
@@ -185,7 +195,7 @@ class DataConfig(_Model):
 
 
 class TrainConfig(_Model):
-    task: str = Field("components.tasks.digits:make_task", description="package.module:factory returning the Task.")
+    task: str = Field("relaunch.components.tasks.digits:make_task", description="package.module:factory returning the Task.")
     epochs: int = Field(4, ge=1, description="Passes over the training split.")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (overrides epochs).")
     global_batch_size: int = Field(64, ge=1, description="Samples per optimizer step across all ranks.")
@@ -215,6 +225,11 @@ class TrainConfig(_Model):
     process_group_timeout_seconds: float = Field(120.0, gt=0, description="torch.distributed collective timeout.")
     resume_from: str | None = Field(None, description="Checkpoint URI to start from instead of the latest of this run.")
     warm_start_model: str | None = Field(None, description="models:/name/version or models:/name@alias to initialise weights from.")
+
+    @field_validator("task")
+    @classmethod
+    def _current_task_name(cls, v: str) -> str:
+        return current_task_spec(v)
 
     @field_validator("warm_start_model")
     @classmethod
@@ -572,8 +587,8 @@ def config_reference_markdown() -> str:
 
 
 def exit_code_markdown() -> str:
-    """The README's exit-code table, generated from :mod:`components.core.contract.exitcodes`."""
-    from components.core.contract.exitcodes import MEANING, RETRYABLE
+    """The README's exit-code table, generated from :mod:`relaunch.components.core.contract.exitcodes`."""
+    from relaunch.components.core.contract.exitcodes import MEANING, RETRYABLE
 
     rows = ["| code | meaning | retried |", "|---|---|---|"]
     for code, meaning in sorted(MEANING.items()):
@@ -581,7 +596,7 @@ def exit_code_markdown() -> str:
     return "\n".join(rows)
 
 
-if __name__ == "__main__":  # python -m components.core.contract.config  → the README tables
+if __name__ == "__main__":  # python -m relaunch.components.core.contract.config  → the README tables
     print(config_reference_markdown())
     print()
     print(exit_code_markdown())

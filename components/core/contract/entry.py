@@ -1,9 +1,9 @@
 """The one entry wrapper: how every entry point ends on a failure.
 
-Each step's ``python -m components.<step>`` (what the Argo workflow runs), the KFP component body
-(:mod:`pipelines.kfp_entry`), the training worker (``python -m components.train``) and the
+Each step's ``python -m relaunch.components.<step>`` (what the Argo workflow runs), the KFP component body
+(:mod:`relaunch.pipelines.kfp_entry`), the training worker (``python -m relaunch.components.train``) and the
 ``relaunch`` command line end a failure the same way: the exception's exit code from the one
-classifier (:func:`~components.core.contract.classify.classify`, by type and source code, never by
+classifier (:func:`~relaunch.components.core.contract.classify.classify`, by type and source code, never by
 message) and one line on stderr. A failure therefore means the same thing, and gets the same retry
 decision, on Argo, KFP, a pod and a laptop: an ``MlflowException`` for a 503 or a store SDK's
 connection error is 138 everywhere, a ``KeyError`` from a bug is 1 everywhere (its traceback kept
@@ -18,9 +18,9 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable
 
-from components.core.contract.classify import as_error, classify
-from components.core.contract.errors import RelaunchError
-from components.core.contract.exitcodes import ExitCode
+from relaunch.components.core.contract.classify import as_error, classify
+from relaunch.components.core.contract.errors import RelaunchError
+from relaunch.components.core.contract.exitcodes import ExitCode
 
 
 @dataclass(frozen=True)

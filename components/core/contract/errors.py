@@ -1,10 +1,10 @@
-"""Exceptions that carry an exit code of the contract in :mod:`components.core.contract.exitcodes`."""
+"""Exceptions that carry an exit code of the contract in :mod:`relaunch.components.core.contract.exitcodes`."""
 
 from __future__ import annotations
 
 from typing import ClassVar
 
-from components.core.contract.exitcodes import ExitCode
+from relaunch.components.core.contract.exitcodes import ExitCode
 
 _KINDS: dict[str, type["RelaunchError"]] = {}
 

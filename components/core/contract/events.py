@@ -3,11 +3,11 @@
 
 Who writes what, and where it goes:
 
-- the pipeline's steps (:mod:`pipelines.kfp_entry`, :mod:`pipelines.local.kfp_fixes`): ``step-start``,
+- the pipeline's steps (:mod:`relaunch.pipelines.kfp_entry`, :mod:`relaunch.pipelines.local.kfp_fixes`): ``step-start``,
   ``step-end``, ``attempt-end``, ``retry`` (and ``tracking``, from a step's calls to MLflow), appended
   to the run's event file (``$RELAUNCH_EVENTS``, one JSON object a line, which ``relaunch run`` sets
-  and :mod:`pipelines.local.console` tails);
-- the training's rank 0 (:mod:`components.train` and its helpers): ``resumed``, ``first-step``,
+  and :mod:`relaunch.pipelines.local.console` tails);
+- the training's rank 0 (:mod:`relaunch.components.train` and its helpers): ``resumed``, ``first-step``,
   ``progress``, ``saving``, ``summary``, ``exit``, ``tracking``, ``store``, printed on stdout as
   ``RELAUNCH_EVENT {json}``; the local launcher reads its workers' output with :func:`read` and
   passes every event on to the event file.

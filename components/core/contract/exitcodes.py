@@ -1,6 +1,6 @@
 """The exit-code contract and how a retry is described: the one place both pipelines, the local
 runner, the PyTorchJob ``restartPolicy: ExitCode`` and the launchers' failure mapping read (each
-step's retries are in the pipeline spec, :data:`pipelines.spec.PIPELINE`).
+step's retries are in the pipeline spec, :data:`relaunch.pipelines.spec.PIPELINE`).
 
 Codes follow the Kubeflow Training Operator's ExitCode restart policy: 1, 2, 126-128 and 139 are
 permanent (a bug, bad input, a binary that cannot run, a segfault); 130, 137 and 143 are signals

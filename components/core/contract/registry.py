@@ -1,6 +1,6 @@
 """What the configuration validates against but the layers above it own: the store URI rules
-(registered by :mod:`components.core.store`, one per backend) and the launch backends (registered by
-:mod:`components.launchers`). The contract holds the tables; the owners fill them when imported, and
+(registered by :mod:`relaunch.components.core.store`, one per backend) and the launch backends (registered by
+:mod:`relaunch.components.launchers`). The contract holds the tables; the owners fill them when imported, and
 the package root (``components/__init__.py``) imports both owners, so every entry point validates a
 configuration against the full tables while no module of the contract imports a layer above it.
 """
@@ -23,13 +23,13 @@ def register_store_uri_parser(parse: StoreUriParser) -> None:
 def parse_store_uri(uri: str) -> tuple[str, str, str]:
     """Split a store URI into ``(scheme, location, prefix)`` (``("file", path, "")``, ``("s3", bucket,
     prefix)``, ...) by the registered store's rules: the one set of rules the configuration and
-    :func:`components.core.store.open_store` apply.
+    :func:`relaunch.components.core.store.open_store` apply.
 
     Raises:
         ValueError: one line saying what is wrong and how to write it.
     """
     if not _store_uri_parsers:
-        raise RuntimeError("no store URI rules registered: import components.core.store first")
+        raise RuntimeError("no store URI rules registered: import relaunch.components.core.store first")
     return _store_uri_parsers[0](uri)
 
 
@@ -45,7 +45,7 @@ class LaunchBackend:
 
 
 LAUNCH_BACKENDS: dict[str, LaunchBackend] = {}
-"""The registered backends by name (:func:`components.launchers.register_launch_backend`)."""
+"""The registered backends by name (:func:`relaunch.components.launchers.register_launch_backend`)."""
 
 
 def launch_backend_names() -> list[str]:

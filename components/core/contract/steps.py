@@ -1,5 +1,5 @@
 """Each step's name: the same on KFP and Argo, in events and on the console, and in the names of the
-Kubernetes jobs a step creates. The pipeline (:mod:`pipelines.spec`) wires the steps under these
+Kubernetes jobs a step creates. The pipeline (:mod:`relaunch.pipelines.spec`) wires the steps under these
 names; a step reports under its own."""
 
 PREPARE = "prepare"

@@ -1,3 +1,3 @@
 """The task's model as relaunch ships it: an MLflow pyfunc model built from a committed checkpoint
-(:mod:`components.core.packaging.model`). Above the trainer: it rebuilds the task's model and loads a
+(:mod:`relaunch.components.core.packaging.model`). Above the trainer: it rebuilds the task's model and loads a
 checkpoint into it; the evaluate and register steps use it."""

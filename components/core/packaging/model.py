@@ -10,16 +10,17 @@ and the task's own top-level module or package, with this module as the ``loader
 from __future__ import annotations
 
 import importlib.util
+import shutil
 from pathlib import Path
 
-from components.core.checkpoint import CheckpointManager, parse_checkpoint_uri
-from components.core.checkpoint.fingerprint import model_fingerprint
-from components.core.checkpoint.start import checked_step
-from components.core.contract.config import RelaunchConfig
-from components.core.contract.errors import BadInput
-from components.core.store import open_store
-from components.core.trainer.state import TrainingState
-from components.tasks.base import load_task
+from relaunch.components.core.checkpoint import CheckpointManager, parse_checkpoint_uri
+from relaunch.components.core.checkpoint.fingerprint import model_fingerprint
+from relaunch.components.core.checkpoint.start import checked_step
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.errors import BadInput
+from relaunch.components.core.store import open_store
+from relaunch.components.core.trainer.state import TrainingState
+from relaunch.components.tasks.base import load_task
 
 
 def load_model(task, mgr, step: int):
@@ -58,28 +59,34 @@ def save_model(config: RelaunchConfig, checkpoint_uri: str, path: Path, task=Non
         with CheckpointManager(open_store(store_uri), async_save=False) as mgr:
             model = load_model(task, mgr, step)
     x = np.asarray(task.build_splits()["test"]["x"][:2])
-    with tempfile.TemporaryDirectory(prefix="relaunch-model-") as tmp:  # save_model copies it into ``path``
+    # save_model copies both into ``path``
+    with tempfile.TemporaryDirectory(prefix="relaunch-model-") as tmp, \
+            tempfile.TemporaryDirectory(prefix="relaunch-code-") as code:
         data = Path(tmp)
         save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(data / "model.safetensors"))
         (data / "config.json").write_text(config.to_json())
         mlflow.pyfunc.save_model(
             str(path), loader_module=__name__, data_path=str(data),
-            code_paths=code_paths(config.train.task),
+            code_paths=code_paths(config.train.task, Path(code)),
             signature=infer_signature(x, task.predict(model, x)),
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "safetensors", "numpy", "pydantic>=2",
                               "pyyaml", "scikit-learn"])
 
 
-def code_paths(task_spec: str) -> list[str]:
-    """What a loader needs besides mlflow and torch: ``components/`` and the top-level module (a
-    file) or package (a folder) of the task, unless that is ``components`` itself.
+def code_paths(task_spec: str, staging: Path) -> list[str]:
+    """What a loader needs besides mlflow and torch: relaunch's ``components/``, staged under
+    ``staging`` as ``relaunch/components`` (the name it imports under), and the top-level module (a
+    file) or package (a folder) of the task, unless the task is relaunch's own.
 
     Raises:
         BadInput: the task's module cannot be found.
     """
-    paths = [str(Path(__file__).resolve().parents[2])]  # components/
+    ours = staging / "relaunch"
+    shutil.copytree(Path(__file__).resolve().parents[2], ours / "components",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    paths = [str(ours)]
     top = task_spec.split(":")[0].split(".")[0]
-    if top == "components":
+    if top == "relaunch":
         return paths
     spec = importlib.util.find_spec(top)
     if spec is None:

@@ -5,7 +5,7 @@ broadcast to every rank; every rank's outcome agreed on, errors crossing ranks a
 torchrun sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
 ``MASTER_ADDR``/``MASTER_PORT``, ``TORCHELASTIC_RESTART_COUNT`` and ``TORCHELASTIC_RUN_ID``; the
 Training Operator sets ``PET_NNODES``, ``PET_NPROC_PER_NODE``, ``PET_NODE_RANK``, ``PET_MASTER_ADDR``,
-``PET_MASTER_PORT`` for torchrun to read. A plain ``python -m components.train`` is a world of one.
+``PET_MASTER_PORT`` for torchrun to read. A plain ``python -m relaunch.components.train`` is a world of one.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
-from components.core.contract.classify import CarriedError
-from components.core.contract.errors import BadInput, TransientFailure
-from components.core.runtime.net import free_port
+from relaunch.components.core.contract.classify import CarriedError
+from relaunch.components.core.contract.errors import BadInput, TransientFailure
+from relaunch.components.core.runtime.net import free_port
 
 if TYPE_CHECKING:
     import torch
@@ -203,7 +203,7 @@ def on_rank0(rank: int, fn: Callable[[], T]) -> Outcome:
 def agree(outcome: Outcome, group: Any, rank: int, world_size: int, *, share: bool = True) -> Any:
     """Gather every rank's outcome over ``group`` (collective: every rank calls it); raise the first
     error on every rank (a rank's own as it is, another rank's rebuilt from its
-    :class:`~components.core.contract.classify.CarriedError`, with the same type and exit code), else
+    :class:`~relaunch.components.core.contract.classify.CarriedError`, with the same type and exit code), else
     return rank 0's value (``share``) or this rank's own.
 
     Args:

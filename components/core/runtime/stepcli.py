@@ -1,10 +1,10 @@
-"""The thin CLI every step shares: ``python -m components.<step> --config FILE | --config-json JSON
+"""The thin CLI every step shares: ``python -m relaunch.components.<step> --config FILE | --config-json JSON
 [--set key=value ...] [--input name=value ...] [--outputs-dir DIR]``.
 
 It parses, calls the step's ``run(config, **inputs)``, and writes each output field to
 ``DIR/<field>`` (strings as they are, anything else as JSON) for Argo output parameters, plus the
 whole outputs object as one JSON line on stdout. Any error ends as the exit-code contract says, through
-the one entry wrapper (:mod:`components.core.contract.entry`), as on KFP and in the training worker.
+the one entry wrapper (:mod:`relaunch.components.core.contract.entry`), as on KFP and in the training worker.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, NoReturn
 
-from components.core.contract.config import config_from_cli
-from components.core.contract.entry import exit_on_error
-from components.core.contract.errors import BadInput
-from components.core.runtime import logs
-from components.core.runtime.stdlib_private import run_exit_handlers
+from relaunch.components.core.contract.config import config_from_cli
+from relaunch.components.core.contract.entry import exit_on_error
+from relaunch.components.core.contract.errors import BadInput
+from relaunch.components.core.runtime import logs
+from relaunch.components.core.runtime.stdlib_private import run_exit_handlers
 
 
 def outputs_as_dict(outputs: Any) -> dict[str, Any]:
@@ -46,11 +46,11 @@ def write_outputs(outputs: dict[str, Any], directory: Path) -> None:
 
 
 def step_main(step: str, run: Callable[..., Any], argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m components.<step>``; returns the process exit code."""
+    """Entry point of ``python -m relaunch.components.<step>``; returns the process exit code."""
 
     @exit_on_error(step)
     def main() -> int:
-        parser = argparse.ArgumentParser(prog=f"python -m components.{step.replace('-', '_')}")
+        parser = argparse.ArgumentParser(prog=f"python -m relaunch.components.{step.replace('-', '_')}")
         parser.add_argument("--config", help="YAML configuration file")
         parser.add_argument("--config-json", help="the whole configuration as JSON (what pipelines pass)")
         parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")

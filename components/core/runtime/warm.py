@@ -1,11 +1,11 @@
 """Warm steps: run a ``python -m`` module as a fork of a process that already imported what it needs.
 
 A local ``relaunch run`` is mostly interpreter start-up: every step is a fresh Python that imports kfp,
-MLflow (and its SQL store) and torch again, seconds each on a small machine. :mod:`pipelines.local.warm_steps`
+MLflow (and its SQL store) and torch again, seconds each on a small machine. :mod:`relaunch.pipelines.local.warm_steps`
 imports them once in single-threaded server processes and forks every kfp.local step from one of them with
 :func:`fork_module`; a step forked that way is *warm* (:data:`forked` is true). Torchrun agents and workers
 are never forked from a step: the local launcher starts them through per-node zygotes
-(:mod:`components.core.runtime.zygote`), as a pod does.
+(:mod:`relaunch.components.core.runtime.zygote`), as a pod does.
 
 The fork is a real child of the server: its own stdout/stderr, environment, working directory and
 ``sys.argv``, default signal handlers and mask, no descriptor of the server but the ones it is given,
@@ -151,7 +151,7 @@ def _run_main(module: str, argv: list[str]) -> int:
     except BaseException:  # noqa: BLE001 - what the interpreter does with an uncaught exception
         traceback.print_exc()
         code = 1
-    from components.core.runtime.stepcli import wind_down
+    from relaunch.components.core.runtime.stepcli import wind_down
 
     wind_down()
     if interrupted:

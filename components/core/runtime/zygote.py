@@ -2,22 +2,22 @@
 
 A restarted worker spends most of its start importing torch, torch.distributed, the task and the checkpoint
 reader. The zygote imports them once, before any thread, CUDA context or NCCL communicator exists, and then
-only waits on a unix socket; each worker command (:mod:`components.core.runtime.zygote_client`, what
-torchrun starts instead of ``python -m components.train``) asks it to fork ``python -m MODULE ARGS``. The
+only waits on a unix socket; each worker command (:mod:`relaunch.components.core.runtime.zygote_client`, what
+torchrun starts instead of ``python -m relaunch.components.train``) asks it to fork ``python -m MODULE ARGS``. The
 fork gets the client's stdin/stdout/stderr, argv, environment and working directory, its own session,
 default signal dispositions, no other descriptor of the zygote, and dies with the zygote (PDEATHSIG); it
 runs MODULE as ``__main__`` and ends through the interpreter's own exit, as a cold process does. Its wait
 status goes back to the client, which ends with it. See docs/warm-runtime.md for why this is safe and
 what would break it.
 
-    python -m components.core.runtime.zygote serve --socket PATH [--preload MODULE ...]   # one node's zygote
-    python -m components.core.runtime.zygote run [--preload MODULE ...] -- COMMAND ...    # a pod's command
+    python -m relaunch.components.core.runtime.zygote serve --socket PATH [--preload MODULE ...]   # one node's zygote
+    python -m relaunch.components.core.runtime.zygote run [--preload MODULE ...] -- COMMAND ...    # a pod's command
 
 ``run`` starts the zygote, waits until it listens, runs COMMAND with ``RELAUNCH_ZYGOTE`` set and the
 client at :data:`CLIENT_PATH`, forwards SIGTERM/SIGINT/SIGUSR1 to it, stops the zygote when COMMAND ended,
 and exits with COMMAND's status. A pod does the same inside its supervisor (:func:`for_command`, called by
-:mod:`components.launchers.supervise`), whose torchrun runs ``--no-python python -I -S CLIENT_PATH -m
-components.train ...`` (:func:`components.launchers.jobs.supervised`).
+:mod:`relaunch.components.launchers.supervise`), whose torchrun runs ``--no-python python -I -S CLIENT_PATH -m
+relaunch.components.train ...`` (:func:`relaunch.components.launchers.jobs.supervised`).
 
 Before each fork the zygote checks it is still single-threaded (Python threads and OS threads): if an
 import started a thread it refuses, and every worker starts cold (the client says so).
@@ -47,16 +47,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from components.core.runtime.warm import die_with_parent
-from components.core.runtime.zygote_client import HEADER, ZYGOTE_ENV
+from relaunch.components.core.runtime.warm import die_with_parent
+from relaunch.components.core.runtime.zygote_client import HEADER, ZYGOTE_ENV
 
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.run", "torch.distributed.checkpoint",
-           "torch.distributed.checkpoint.state_dict", "components.train", "components.core.checkpoint.manager",
-           "components.core.checkpoint.start", "components.core.checkpoint.load", "components.core.trainer.parallel",
-           "components.core.trainer.state", "components.core.tracking.client", "components.core.tracking.runlogger",
-           "components.core.tracking.mlflow_tracker", "components.core.tracking.tensorboard_tracker",
-           "components.core.tracking.wandb_tracker", "components.core.checkpoint.dcp_io",
-           "components.core.checkpoint.safe_pickle", "components.core.runtime.stepcli", "components.launchers", "numpy.ma",
+           "torch.distributed.checkpoint.state_dict", "relaunch.components.train", "relaunch.components.core.checkpoint.manager",
+           "relaunch.components.core.checkpoint.start", "relaunch.components.core.checkpoint.load", "relaunch.components.core.trainer.parallel",
+           "relaunch.components.core.trainer.state", "relaunch.components.core.tracking.client", "relaunch.components.core.tracking.runlogger",
+           "relaunch.components.core.tracking.mlflow_tracker", "relaunch.components.core.tracking.tensorboard_tracker",
+           "relaunch.components.core.tracking.wandb_tracker", "relaunch.components.core.checkpoint.dcp_io",
+           "relaunch.components.core.checkpoint.safe_pickle", "relaunch.components.core.runtime.stepcli", "relaunch.components.launchers", "numpy.ma",
            "xxhash", "torch.utils.serialization")
 """What a worker imports before its first step (measured: the modules new in a forked worker at its
 ``first-step`` event), MLflow excepted, which loads after it; a task module is added per job."""
@@ -67,7 +67,7 @@ CLIENT_SOURCE = Path(__file__).with_name("zygote_client.py")
 SINGLE_THREAD_ENV = {"OPENBLAS_NUM_THREADS": "1", "JE_ARROW_MALLOC_CONF": "background_thread:false"}
 """Threads an import starts unless told not to, which a process that forks must not have: numpy's OpenBLAS
 pool, and pyarrow's jemalloc background thread (MLflow imports pyarrow)."""
-MODULE = "components.core.runtime.zygote"
+MODULE = "relaunch.components.core.runtime.zygote"
 
 
 def client_command(python: str = sys.executable, client: str | os.PathLike = CLIENT_SOURCE) -> list[str]:
@@ -169,7 +169,7 @@ def _refusal(request: dict) -> str | None:
 
 class ForkServer:
     """The zygote's side of the client protocol, for any single-threaded select loop: the zygote's own
-    (:func:`serve`) and the warm step server's (:mod:`pipelines.local.warm_steps`), which answers the
+    (:func:`serve`) and the warm step server's (:mod:`relaunch.pipelines.local.warm_steps`), which answers the
     clients of a warm local run with forks of itself."""
 
     def __init__(self, listener: socket.socket, others: Callable[[], list[socket.socket]] = list):
@@ -368,7 +368,7 @@ class Zygote:
 
     def __init__(self, socket_path: str, preload: tuple[str, ...] = (), *, log=None, ready_timeout: float = 30.0,
                  env: dict[str, str] | None = None, cwd: str | None = None):
-        """Start ``python -m components.core.runtime.zygote serve`` and wait until it listens.
+        """Start ``python -m relaunch.components.core.runtime.zygote serve`` and wait until it listens.
 
         Args:
             socket_path: where it listens (a path short enough for a unix socket).
@@ -409,7 +409,7 @@ class Zygote:
 @contextlib.contextmanager
 def for_command(command: list[str], preload: tuple[str, ...] = (), directory: str = ZYGOTE_DIR):
     """The environment to run ``command`` in: when its workers are the zygote client at :data:`CLIENT_PATH`
-    (what :func:`components.launchers.jobs.supervised` renders for a pod), a zygote in ``directory`` with
+    (what :func:`relaunch.components.launchers.jobs.supervised` renders for a pod), a zygote in ``directory`` with
     the client beside it, for as long as the block runs; otherwise this process's environment."""
     if CLIENT_PATH.replace(ZYGOTE_DIR, directory) not in command:
         yield dict(os.environ)
@@ -441,7 +441,7 @@ def run(command: list[str], preload: tuple[str, ...], directory: str = ZYGOTE_DI
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m components.core.runtime.zygote", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m relaunch.components.core.runtime.zygote", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="mode", required=True)
     serve_parser = sub.add_parser("serve", help="be one node's zygote")
     serve_parser.add_argument("--socket", required=True)

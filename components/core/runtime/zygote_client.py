@@ -1,11 +1,11 @@
 """The worker command of a warm node: ask the node's zygote to fork ``python -m MODULE ARGS`` and be that
 process for whoever started us (torchrun's agent, the local launcher).
 
-    RELAUNCH_ZYGOTE=/tmp/relaunch-zygote/socket python -I -S zygote_client.py -m components.train --config-json J
+    RELAUNCH_ZYGOTE=/tmp/relaunch-zygote/socket python -I -S zygote_client.py -m relaunch.components.train --config-json J
 
 Standard library only, run isolated (``-I -S``: no site, no user paths, ~30 ms): it must not cost what it
 saves. It passes its stdin, stdout and stderr (SCM_RIGHTS), argv, environment and working directory to the
-zygote (:mod:`components.core.runtime.zygote`), forwards SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 to the
+zygote (:mod:`relaunch.components.core.runtime.zygote`), forwards SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 to the
 worker, and ends exactly as the worker did: the same exit code, or death by the same signal (so torchrun
 sees -9 for a SIGKILLed worker and 143 for a preempted one, as cold). If it is killed itself, the zygote
 kills the worker. With no zygote (unset, gone, refusing) it replaces itself with the cold worker,

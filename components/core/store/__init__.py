@@ -29,9 +29,9 @@ import re
 import secrets
 from typing import Any, Callable, ClassVar, Iterable, Protocol, TypeVar, runtime_checkable
 
-from components.core.contract.classify import is_store_unwritable
-from components.core.contract.errors import BadInput, StoreUnwritable
-from components.core.contract.registry import register_store_uri_parser
+from relaunch.components.core.contract.classify import is_store_unwritable
+from relaunch.components.core.contract.errors import BadInput, StoreUnwritable
+from relaunch.components.core.contract.registry import register_store_uri_parser
 
 # A ranged read fills its buffers in blocks of this size and reports each (``sink``): small enough
 # that a check of the block (a digest) finds it still in the CPU's cache, which made the digest
@@ -305,11 +305,11 @@ def check_key(key: str) -> str:
 
 
 # -- the backends: one line each (importing the module registers its class)
-from components.core.store.file import FileStore  # noqa: E402
-from components.core.store.object_store import ObjectDriver, ObjectStore  # noqa: E402 - the object stores' core
-from components.core.store.s3 import S3Driver  # noqa: E402
-from components.core.store.gcs import GCSDriver  # noqa: E402
-from components.core.store.azure import AzureDriver  # noqa: E402
+from relaunch.components.core.store.file import FileStore  # noqa: E402
+from relaunch.components.core.store.object_store import ObjectDriver, ObjectStore  # noqa: E402 - the object stores' core
+from relaunch.components.core.store.s3 import S3Driver  # noqa: E402
+from relaunch.components.core.store.gcs import GCSDriver  # noqa: E402
+from relaunch.components.core.store.azure import AzureDriver  # noqa: E402
 
 __all__ = ["BACKENDS", "Backend", "AzureDriver", "FileStore", "GCSDriver", "ObjectDriver", "ObjectStore", "PreconditionFailed",
            "READ_BLOCK", "S3Driver", "Segments", "Store",

@@ -1,8 +1,8 @@
 """The Azure Blob driver, ``az://container/prefix``, through the official ``azure-storage-blob``.
 
-The protocol is :class:`~components.core.store.object_store.ObjectStore`'s; this module turns its
+The protocol is :class:`~relaunch.components.core.store.object_store.ObjectStore`'s; this module turns its
 requests into Blob service calls and the SDK's errors into
-:class:`~components.core.store.object_store.Fault` by their type, error code and status: no answer,
+:class:`~relaunch.components.core.store.object_store.Fault` by their type, error code and status: no answer,
 a body cut short, 408, 429 and 5xx are transient; rejected credentials, a missing container and other
 4xx answers are bad input; a write answered 403 means the store cannot be written.
 
@@ -30,9 +30,9 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from components.core.contract.errors import BadInput
-from components.core.store import register_backend
-from components.core.store.object_store import Fault, ObjectDriver, readinto_of
+from relaunch.components.core.contract.errors import BadInput
+from relaunch.components.core.store import register_backend
+from relaunch.components.core.store.object_store import Fault, ObjectDriver, readinto_of
 
 SINGLE_PUT_LIMIT = 64 * 1024 * 1024  # the SDK's own splitting of one upload_blob call (ours stay below a block)
 BLOCK_SIZE = 32 * 1024 * 1024

@@ -11,8 +11,8 @@ import contextlib
 import threading
 import uuid
 
-from components.core.contract.errors import BadInput
-from components.core.store import PreconditionFailed, Store
+from relaunch.components.core.contract.errors import BadInput
+from relaunch.components.core.store import PreconditionFailed, Store
 
 PROBE_PREFIX = ".relaunch-probe/"
 """Where the probe writes its key (unique per probe, deleted after it)."""

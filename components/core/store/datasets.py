@@ -15,7 +15,7 @@ import json
 
 import numpy as np
 
-from components.core.contract.errors import BadInput, CorruptCheckpoint
+from relaunch.components.core.contract.errors import BadInput, CorruptCheckpoint
 
 Splits = dict[str, dict[str, np.ndarray]]
 _PREFIX = "datasets"

@@ -1,9 +1,9 @@
 """The Google Cloud Storage driver, ``gs://bucket/prefix``, through the official ``google-cloud-storage``
 client (and its ``google-auth`` session for ranged reads, uploads and resumable sessions).
 
-The protocol is :class:`~components.core.store.object_store.ObjectStore`'s; this module turns its
+The protocol is :class:`~relaunch.components.core.store.object_store.ObjectStore`'s; this module turns its
 requests into GCS calls and the client's errors into
-:class:`~components.core.store.object_store.Fault` by their type: connection errors, timeouts, 429
+:class:`~relaunch.components.core.store.object_store.Fault` by their type: connection errors, timeouts, 429
 and 5xx are transient; refused credentials, a missing bucket and other 4xx answers are bad input.
 Conditional writes are generation preconditions: ``ifGenerationMatch=0`` creates only, the
 generation read before (``etag``) replaces only that version. An object that goes up in one request
@@ -34,9 +34,9 @@ import urllib.parse
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from components.core.contract.errors import BadInput, TransientFailure
-from components.core.store import register_backend
-from components.core.store.object_store import Fault, ObjectDriver
+from relaunch.components.core.contract.errors import BadInput, TransientFailure
+from relaunch.components.core.store import register_backend
+from relaunch.components.core.store.object_store import Fault, ObjectDriver
 
 CHUNK_SIZE = 16 * 1024 * 1024
 """Resumable upload chunk (a multiple of 256 KiB, as GCS requires); smaller objects go up in one request."""

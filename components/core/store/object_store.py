@@ -1,6 +1,6 @@
 """The object stores' one protocol (S3, GCS, Azure Blob and any other), over thin provider drivers.
 
-:class:`ObjectStore` is the :class:`~components.core.store.Store` of every object store: the check
+:class:`ObjectStore` is the :class:`~relaunch.components.core.store.Store` of every object store: the check
 once per process at open, bounded retries with full-jitter backoff, ranged reads into the caller's
 buffers, sizes and listings, conditional writes and their read-back after a retried 412, the
 streaming writer (parts in parallel, nothing visible before ``close``, ``abort`` drops what went up)
@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, ClassVar, ContextManager, Iterable, TypeVar
 
-from components.core.contract.errors import BadInput, TransientFailure
-from components.core.store import (READ_BLOCK, WRITE_OPS, PreconditionFailed, Segments, StreamWriter, byte_view,
+from relaunch.components.core.contract.errors import BadInput, TransientFailure
+from relaunch.components.core.store import (READ_BLOCK, WRITE_OPS, PreconditionFailed, Segments, StreamWriter, byte_view,
                                    check_key, join_uri, refused_write)
 
 T = TypeVar("T")
@@ -195,7 +195,7 @@ class ObjectDriver:
 
 
 class ObjectStore:
-    """The :class:`~components.core.store.Store` of an object store: the protocol, once, over ``driver``."""
+    """The :class:`~relaunch.components.core.store.Store` of an object store: the protocol, once, over ``driver``."""
 
     def __init__(self, driver: ObjectDriver, prefix: str = "", *, retries: int | None = None,
                  backoff: float | None = None):

@@ -1,7 +1,7 @@
 """One pipeline at a time per training: the lock ``relaunch run`` holds on the training it runs
-(``runs/pipeline-lock.json``, spelled in :mod:`components.core.store.records`).
+(``runs/pipeline-lock.json``, spelled in :mod:`relaunch.components.core.store.records`).
 
-The checkpoint write lease (:mod:`components.core.checkpoint.lease`) keeps two *trainers* from
+The checkpoint write lease (:mod:`relaunch.components.core.checkpoint.lease`) keeps two *trainers* from
 interleaving checkpoints, but it is taken by the workers, long after a pipeline opened its MLflow run;
 two ``relaunch run --resume`` started a moment apart would both open, evaluate and register. This lock
 is taken first, before anything of the pipeline is written: a create-if-absent record (the store's
@@ -24,10 +24,10 @@ import threading
 import time
 import uuid
 
-from components.core.contract.errors import BadInput, RelaunchError
-from components.core.store import PreconditionFailed, Store
-from components.core.store.records import PIPELINE_LOCK_KEY, read_json
-from components.core.store.holder import on_this_host, pid_namespace, process_running, process_start
+from relaunch.components.core.contract.errors import BadInput, RelaunchError
+from relaunch.components.core.store import PreconditionFailed, Store
+from relaunch.components.core.store.records import PIPELINE_LOCK_KEY, read_json
+from relaunch.components.core.store.holder import on_this_host, pid_namespace, process_running, process_start
 
 HEARTBEAT_SECONDS = 10.0
 STALE_SECONDS = 60.0  # six missed heartbeats: a holder on another host is taken for gone

@@ -1,12 +1,12 @@
 """Every key under ``runs/`` in the store, and the small JSON records kept there.
 
-As :mod:`components.core.checkpoint.layout` owns ``checkpoints/``, this module owns ``runs/``: a
+As :mod:`relaunch.components.core.checkpoint.layout` owns ``checkpoints/``, this module owns ``runs/``: a
 key is spelled here and nowhere else, and the other modules read and write these records through
 the helpers below. All keys are relative to the store root.
 
     runs/config.json                 the training's configuration (:func:`write_training_config`)
     runs/mlflow-run.json             the training's MLflow run (:func:`remember_run`, :func:`stored_run_id`)
-    runs/attempts/attempt-<nnnn>.json one record per attempt (:mod:`components.core.tracking.goodput`)
+    runs/attempts/attempt-<nnnn>.json one record per attempt (:mod:`relaunch.components.core.tracking.goodput`)
     runs/exit.json                   how the latest attempt ended under our control (:func:`write_exit_record`)
     runs/summary.json                the training summary (:func:`write_summary`, :func:`read_summary`)
     runs/metrics-pending.json        metric points (and outage tags) the tracking server had not confirmed
@@ -14,7 +14,7 @@ the helpers below. All keys are relative to the store root.
     runs/injected/<kind>-step-<n>    a fault of ``launch.inject_failure`` that already fired
     runs/pipeline-finished.json      a pipeline of this training went through to its end (finalize)
     runs/pipeline-lock.json          the process running a pipeline of this training now
-                                     (:mod:`components.core.store.pipeline_lock`)
+                                     (:mod:`relaunch.components.core.store.pipeline_lock`)
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import re
 import time
 from typing import Any
 
-from components.core.contract.errors import BadInput
+from relaunch.components.core.contract.config import current_task_spec
+from relaunch.components.core.contract.errors import BadInput
 
 RUNS_PREFIX = "runs/"
 CONFIG_KEY = RUNS_PREFIX + "config.json"
@@ -133,6 +134,8 @@ def identity_changes(stored: dict[str, Any], asked: dict[str, Any]) -> list[tupl
         if new is None and not _sets(asked, key):
             continue
         old = dotted(stored, key)
+        if key == "train.task":
+            old, new = current_task_spec(old), current_task_spec(new)
         if new != old:
             changes.append((key, old, new))
     return changes
@@ -209,12 +212,12 @@ def write_exit_record(store, attempt: int, exit_code: int, reason: str, elastic_
 
 def read_exit_record(store) -> dict[str, Any] | None:
     """How the latest attempt ended under control, or None; what
-    :func:`components.core.contract.classify.torchrun_exit` reads."""
+    :func:`relaunch.components.core.contract.classify.torchrun_exit` reads."""
     return read_json(store, EXIT_KEY)
 
 
 def write_summary(store, summary: dict[str, Any]) -> None:
-    """The training summary (a :class:`components.core.tracking.goodput.TrainSummary` as a dict)."""
+    """The training summary (a :class:`relaunch.components.core.tracking.goodput.TrainSummary` as a dict)."""
     write_json(store, SUMMARY_KEY, summary, indent=2)
 
 

@@ -1,8 +1,8 @@
 """The S3 driver: any S3-compatible server through the ``minio`` client, ``s3://bucket/prefix``.
 
 The protocol (retries, ranged reads, conditional writes, uploads in parts) is
-:class:`~components.core.store.object_store.ObjectStore`'s; this module turns its requests into S3
-calls and S3's errors into :class:`~components.core.store.object_store.Fault` by their error code:
+:class:`~relaunch.components.core.store.object_store.ObjectStore`'s; this module turns its requests into S3
+calls and S3's errors into :class:`~relaunch.components.core.store.object_store.Fault` by their error code:
 SlowDown, 5xx and broken connections are transient (retried, then exit 138); refused credentials,
 NoSuchBucket and other 4xx answers are bad input (exit 2); a write refused for good (AccessDenied,
 a quota) means the store cannot be written.
@@ -27,10 +27,10 @@ import urllib.parse
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from components.core.contract.classify import S3_CREDENTIAL_CODES, S3_TRANSIENT_CODES
-from components.core.contract.errors import BadInput
-from components.core.store import register_backend
-from components.core.store.object_store import Fault, ObjectDriver
+from relaunch.components.core.contract.classify import S3_CREDENTIAL_CODES, S3_TRANSIENT_CODES
+from relaunch.components.core.contract.errors import BadInput
+from relaunch.components.core.store import register_backend
+from relaunch.components.core.store.object_store import Fault, ObjectDriver
 
 S3_REFUSED_WRITE_CODES = frozenset({"AccessDenied", "QuotaExceeded", "XMinioStorageFull",
                                     "XMinioAdminBucketQuotaExceeded", "XMinioBucketQuotaExceeded"})

@@ -1,15 +1,15 @@
 """The trainings of a store root: ``relaunch run`` gives each training its own namespace
 ``<store.uri>/trainings/<UTC start time>/`` (dataset, checkpoints, ``runs/`` records); a cluster
 pipeline uses ``store.uri`` itself. The inspection commands (``relaunch checkpoints``,
-``python -m components.locate`` by hand) find a training from the root with these helpers.
+``python -m relaunch.components.locate`` by hand) find a training from the root with these helpers.
 """
 
 from __future__ import annotations
 
 import difflib
 
-from components.core.contract.errors import BadInput
-from components.core.store import Store, join_uri
+from relaunch.components.core.contract.errors import BadInput
+from relaunch.components.core.store import Store, join_uri
 
 TRAININGS = "trainings"
 """The folder under a store root that holds one folder per training."""

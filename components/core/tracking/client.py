@@ -3,10 +3,10 @@
 One MLflow run per training: :func:`ensure_run` finds or creates it before the first attempt (the
 pipeline's prepare step, or the trainer on its first start, which stores the id beside the
 checkpoints); every attempt logs into it, through the asynchronous logger of
-:mod:`components.core.tracking.runlogger`; the exit task ends it with :func:`mark_run_finished`. Only rank 0
+:mod:`relaunch.components.core.tracking.runlogger`; the exit task ends it with :func:`mark_run_finished`. Only rank 0
 talks to the server.
 
-Errors are classified by :func:`components.core.contract.classify.classify` from what the server answered,
+Errors are classified by :func:`relaunch.components.core.contract.classify.classify` from what the server answered,
 never by message text: MLflow's error code (``RESOURCE_DOES_NOT_EXIST``, ``PERMISSION_DENIED``, ...;
 MLflow itself turns a bare HTTP 401/403 into ``UNAUTHENTICATED``/``PERMISSION_DENIED``). :func:`call`
 turns refused credentials and a request the server refused into :class:`BadInput` (exit 2), and
@@ -32,10 +32,10 @@ import threading
 import time
 from typing import Any
 
-from components.core.contract import classify as classifier
-from components.core.contract.errors import BadInput, TransientFailure
-from components.core.contract.events import Kind, write
-from components.core.contract.exitcodes import ExitCode
+from relaunch.components.core.contract import classify as classifier
+from relaunch.components.core.contract.errors import BadInput, TransientFailure
+from relaunch.components.core.contract.events import Kind, write
+from relaunch.components.core.contract.exitcodes import ExitCode
 
 PIPELINE_RUN_TAG = "relaunch.pipeline_run_id"
 PARENT_RUN_TAG = "mlflow.parentRunId"  # what makes a run nested, in MLflow's UI and API
@@ -60,7 +60,7 @@ def tracking_uri(config) -> str:
     from_env = os.environ.get("MLFLOW_TRACKING_URI")
     if not from_env:
         return config.tracking.uri
-    from components.core.contract.config import check_tracking_uri
+    from relaunch.components.core.contract.config import check_tracking_uri
 
     try:
         return check_tracking_uri(from_env)
@@ -104,7 +104,7 @@ def client(uri: str):
     from mlflow.tracking import MlflowClient
 
     if uri.startswith("sqlite:"):
-        from components.core.tracking.localdb import use_write_ahead_log
+        from relaunch.components.core.tracking.localdb import use_write_ahead_log
 
         use_write_ahead_log()
     return MlflowClient(tracking_uri=uri)

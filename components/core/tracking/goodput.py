@@ -14,7 +14,7 @@ ratio (ETTR = productive time / wall time from the first start to the last end) 
 
 :func:`record_ending` writes ``runs/exit.json`` (how the latest attempt ended, under our control)
 and ``runs/summary.json`` (the training summary, :class:`TrainSummary`). Every ``runs/`` key and its
-JSON helpers live in :mod:`components.core.store.records`.
+JSON helpers live in :mod:`relaunch.components.core.store.records`.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from components.core.contract.exitcodes import ExitCode, unrecorded_end
-from components.core.store import records
-from components.core.store.records import write_exit_record  # train.py writes it through goodput too
+from relaunch.components.core.contract.exitcodes import ExitCode, unrecorded_end
+from relaunch.components.core.store import records
+from relaunch.components.core.store.records import write_exit_record  # train.py writes it through goodput too
 
 @dataclass
 class Attempt:
@@ -265,8 +265,8 @@ def record_ending(store, summary: TrainSummary, elastic_run_id: str = "") -> Non
 def refuse_permanent_restart(store, restart_count: int, elastic_run_id: str) -> None:
     """torchrun restarts a worker group whatever its exit code; a permanent failure (bad input, a
     divergence, a bug) of this same torchrun run ends the restart at once with the same code."""
-    from components.core.contract.errors import error_for
-    from components.core.contract.exitcodes import PERMANENT
+    from relaunch.components.core.contract.errors import error_for
+    from relaunch.components.core.contract.exitcodes import PERMANENT
 
     if restart_count == 0 or not elastic_run_id:
         return

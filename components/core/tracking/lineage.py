@@ -145,7 +145,7 @@ def describe_run(config, run_id: str, dataset_version: str, dataset_uri: str) ->
     when it has none. Idempotent (a retried prepare writes the same). Returns the run's experiment id."""
     from mlflow.entities import RunTag
 
-    from components.core.tracking.client import call, client as tracking_client, tracking_uri
+    from relaunch.components.core.tracking.client import call, client as tracking_client, tracking_uri
 
     client = tracking_client(tracking_uri(config))
     run = call("read the run", client.get_run, run_id)
@@ -166,7 +166,7 @@ def describe_run(config, run_id: str, dataset_version: str, dataset_uri: str) ->
 
 def describe_outcome(config, run_id: str, status: str) -> None:
     """Append what the pipeline did to the run's description (finalize)."""
-    from components.core.tracking.client import call, client as tracking_client, tracking_uri
+    from relaunch.components.core.tracking.client import call, client as tracking_client, tracking_uri
 
     client = tracking_client(tracking_uri(config))
     run = call("read the run", client.get_run, run_id)
@@ -184,10 +184,10 @@ def record_attempts(config, run_id: str) -> None:
     the side that survives: finalize. Idempotent: an ended attempt's record no longer changes."""
     from mlflow.entities import RunTag
 
-    from components.core.tracking import goodput
-    from components.core.store import open_store
-    from components.core.tracking.client import call, client as tracking_client, tracking_uri
-    from components.core.tracking.mlflow_tracker import (ATTEMPTS_ARTIFACT, CHECKPOINTS_ARTIFACT, attempt_summary_tags,
+    from relaunch.components.core.tracking import goodput
+    from relaunch.components.core.store import open_store
+    from relaunch.components.core.tracking.client import call, client as tracking_client, tracking_uri
+    from relaunch.components.core.tracking.mlflow_tracker import (ATTEMPTS_ARTIFACT, CHECKPOINTS_ARTIFACT, attempt_summary_tags,
                                                          attempts_table, checkpoint_history)
 
     store = open_store(config.store.uri)
@@ -202,8 +202,8 @@ def record_attempts(config, run_id: str) -> None:
 
 
 def _training_summary(config) -> dict | None:
-    from components.core.store.records import read_summary
-    from components.core.store import open_store
+    from relaunch.components.core.store.records import read_summary
+    from relaunch.components.core.store import open_store
 
     try:
         return read_summary(open_store(config.store.uri))
@@ -215,7 +215,7 @@ def run_url(config, run_id: str, experiment_id: str) -> str:
     """The run's page in MLflow 3's "Model training" view: the server's own address for an
     ``http(s)://`` tracking URI, else ``make ui``'s http://127.0.0.1:5000; the experiments list when
     the experiment is not known."""
-    from components.core.tracking.client import tracking_uri
+    from relaunch.components.core.tracking.client import tracking_uri
 
     uri = tracking_uri(config)
     base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
@@ -251,11 +251,11 @@ def log_dataset_input(config, run_id: str, splits: dict, version: str, uri: str)
     import numpy as np
     from mlflow.entities import DatasetInput, InputTag
 
-    from components.core.tracking.client import call, client as tracking_client, tracking_uri
+    from relaunch.components.core.tracking.client import call, client as tracking_client, tracking_uri
 
     train = splits["train"]
     if uri.startswith("az://"):  # MLflow resolves Azure dataset sources by their wasbs:// name only
-        from components.core.store.azure import wasbs_uri
+        from relaunch.components.core.store.azure import wasbs_uri
 
         uri = wasbs_uri(uri)
     dataset = mlflow.data.from_numpy(np.asarray(train["x"]), targets=np.asarray(train["y"]), source=uri,
@@ -292,8 +292,8 @@ def logged_model(config, checkpoint_uri: str, step: int, write_model: Callable[[
 
     from mlflow.entities import LoggedModelOutput, LoggedModelStatus
 
-    from components.core.contract.errors import BadInput
-    from components.core.tracking.client import call, client as tracking_client, tracking_uri
+    from relaunch.components.core.contract.errors import BadInput
+    from relaunch.components.core.tracking.client import call, client as tracking_client, tracking_uri
 
     run_id = config.tracking.run_id
     if not run_id:
@@ -319,7 +319,7 @@ def logged_model(config, checkpoint_uri: str, step: int, write_model: Callable[[
 
 def find_logged_model(config, checkpoint_uri: str):
     """The LoggedModel this run made of ``checkpoint_uri`` (READY ones first), or None."""
-    from components.core.tracking.client import call, client as tracking_client, tracking_uri
+    from relaunch.components.core.tracking.client import call, client as tracking_client, tracking_uri
 
     client = tracking_client(tracking_uri(config))
     run = call("read the run", client.get_run, config.tracking.run_id)
@@ -334,7 +334,7 @@ def log_model_metrics(config, model_id: str, metrics: dict[str, float], step: in
     """Log ``metrics`` to the run linked to ``model_id`` and to the dataset input."""
     from mlflow.entities import Metric
 
-    from components.core.tracking.client import call, client as tracking_client, tracking_uri
+    from relaunch.components.core.tracking.client import call, client as tracking_client, tracking_uri
 
     now = int(time.time() * 1000)
     linked = {"model_id": model_id}

@@ -1,5 +1,5 @@
-"""The MLflow tracker (:class:`~components.core.tracking.trackers.Tracker`): the training's MLflow run,
-fed through the asynchronous :class:`~components.core.tracking.runlogger.RunLogger`, and the
+"""The MLflow tracker (:class:`~relaunch.components.core.tracking.trackers.Tracker`): the training's MLflow run,
+fed through the asynchronous :class:`~relaunch.components.core.tracking.runlogger.RunLogger`, and the
 pending-metrics record that carries unsent metric points across a crash.
 
 What the run holds, kept true across restarts, in a form a person reads on the run page:
@@ -22,7 +22,7 @@ An unreachable server never stops the training: the logger buffers and retries o
 with one line on the console (a ``tracking`` event) when contact is lost and one when it is back;
 only what retrying cannot help (refused credentials, :attr:`RunLogger.fatal`) is raised, as bad input.
 What the server has not confirmed when the attempt ends (it waits for a lost server only
-:data:`~components.core.tracking.runlogger.WAIT_WHILE_LOST_SECONDS`) stays in the pending-metrics
+:data:`~relaunch.components.core.tracking.runlogger.WAIT_WHILE_LOST_SECONDS`) stays in the pending-metrics
 record, with the outage's ``relaunch.tracking.*`` tags; :func:`deliver_pending_metrics` sends it
 (finalize, and prepare of the next ``--resume``), as does the next attempt.
 """
@@ -36,11 +36,11 @@ import tempfile
 import time
 from typing import Any
 
-from components.core.contract.errors import BadInput
-from components.core.contract.events import Kind, emit
-from components.core.store import records
-from components.core.tracking import goodput
-from components.core.tracking.trackers import AttemptEnd, AttemptStart, TrackerBase
+from relaunch.components.core.contract.errors import BadInput
+from relaunch.components.core.contract.events import Kind, emit
+from relaunch.components.core.store import records
+from relaunch.components.core.tracking import goodput
+from relaunch.components.core.tracking.trackers import AttemptEnd, AttemptStart, TrackerBase
 
 DELETED_BY_RETENTION = "deleted by retention"
 FLUSH_SECONDS_BEFORE_PLOT = 30.0
@@ -69,7 +69,7 @@ def attempt_summary_tags(attempts: list[goodput.Attempt], *, current: int | None
 def attempts_table(attempts: list[goodput.Attempt], *, current: int | None = None) -> list[dict[str, Any]]:
     """Every attempt as a row of ``relaunch/attempts.json``; ``current`` (still running) without an end.
     An attempt killed without a word ends at its last heartbeat with exit 137 and ``end_recorded`` false."""
-    from components.core.contract.exitcodes import MEANING
+    from relaunch.components.core.contract.exitcodes import MEANING
 
     rows = []
     for a in attempts:
@@ -87,7 +87,7 @@ def checkpoint_history(store, attempts: list[goodput.Attempt], extra: dict[int, 
     """Every checkpoint this training committed, oldest first, as rows of ``relaunch/checkpoints.json``:
     step, URI, the attempt that committed it, when, and its state ("kept", or "deleted by retention"
     when its folder is gone). ``extra``: step -> attempt of commits not yet in the attempt records."""
-    from components.core.checkpoint import checkpoint_steps, step_key
+    from relaunch.components.core.checkpoint import checkpoint_steps, step_key
 
     existing = set(checkpoint_steps(store))
     committed: dict[int, tuple[int, float | None]] = {}
@@ -125,8 +125,8 @@ class MlflowTracker(TrackerBase):
     def start(self, start: AttemptStart) -> None:
         """Open the logger (sending starts after the first step), requeue the points an earlier attempt
         left unsent, reopen the run, and set the attempt's tags (earlier attempts' included)."""
-        from components.core.tracking.client import tracking_uri
-        from components.core.tracking.runlogger import RunLogger
+        from relaunch.components.core.tracking.client import tracking_uri
+        from relaunch.components.core.tracking.runlogger import RunLogger
 
         self._resumed_from = start.resumed_from
         self.logger = RunLogger(tracking_uri(self.config), self.run_id, defer_start=True, announce=_announce)
@@ -325,7 +325,7 @@ def deliver_pending_metrics(config, store, run_id: str, *, who: str) -> bool:
     """Send the metric points, tags and run status an attempt left in the pending-metrics record (the
     tracking server was away when it ended) into ``run_id``, skipping the points the server holds; empty
     the record once the server took them all. Never raises: what is not sent stays for the next try.
-    One line either way (:func:`~components.core.tracking.client.say`).
+    One line either way (:func:`~relaunch.components.core.tracking.client.say`).
 
     Args:
         who: the step that delivers, for its line ("prepare", "finalize").
@@ -333,8 +333,8 @@ def deliver_pending_metrics(config, store, run_id: str, *, who: str) -> bool:
     Returns:
         Whether nothing is left pending.
     """
-    from components.core.tracking.client import say, tracking_uri
-    from components.core.tracking.runlogger import RunLogger
+    from relaunch.components.core.tracking.client import say, tracking_uri
+    from relaunch.components.core.tracking.runlogger import RunLogger
 
     try:
         pending = records.read_pending(store)

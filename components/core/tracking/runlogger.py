@@ -8,11 +8,11 @@ after any failed send (the failed request may have been applied), so neither a r
 duplicates a point.
 
 To an http(s) server everything but artifact uploads and submitted calls goes through
-:mod:`components.core.tracking.rest` (MLflow's REST API over one kept-alive connection, MLflow's
+:mod:`relaunch.components.core.tracking.rest` (MLflow's REST API over one kept-alive connection, MLflow's
 credentials): a tenth of the CPU of MLflow's client per request, on a thread that shares the GIL
 with the training.
 
-The run itself (find or create, end) is :mod:`components.core.tracking.client`'s.
+The run itself (find or create, end) is :mod:`relaunch.components.core.tracking.client`'s.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from components.core.tracking.client import client as tracking_client
-from components.core.tracking.client import (TAGS_PER_REQUEST, bound_requests, describe, import_mlflow, is_auth_error,
+from relaunch.components.core.tracking.client import client as tracking_client
+from relaunch.components.core.tracking.client import (TAGS_PER_REQUEST, bound_requests, describe, import_mlflow, is_auth_error,
                                              is_not_found, is_rejected, log_new_params, set_run_status)
-from components.core.tracking.rest import GET_RUN, LOG_BATCH, UPDATE_RUN, RestSession
+from relaunch.components.core.tracking.rest import GET_RUN, LOG_BATCH, UPDATE_RUN, RestSession
 
 _BATCH = 1000  # MLflow's log_batch limit on metrics (and tags) per request
 WAIT_WHILE_LOST_SECONDS = 10.0
@@ -534,9 +534,9 @@ class RunLogger:
                                           f'"tags":{tag_list}{extra}}}')
 
     def _rest_params(self, params: dict[str, str]) -> None:
-        """:func:`~components.core.tracking.client.log_new_params` over REST: the params the run does
+        """:func:`~relaunch.components.core.tracking.client.log_new_params` over REST: the params the run does
         not hold yet; one it holds with another value becomes the tag ``param.<key>.latest``."""
-        from components.core.tracking.client import PARAMS_PER_REQUEST
+        from relaunch.components.core.tracking.client import PARAMS_PER_REQUEST
 
         data = self._rest.get(GET_RUN, run_id=self.run_id).get("run", {}).get("data", {})
         existing = {p["key"]: p.get("value", "") for p in data.get("params", [])}
@@ -549,9 +549,9 @@ class RunLogger:
             self._post_batch("", dict(items[i:i + TAGS_PER_REQUEST]))
 
     def _rest_status(self, status: str) -> None:
-        """:func:`~components.core.tracking.client.set_run_status` over REST (``runs/update``): RUNNING
+        """:func:`~relaunch.components.core.tracking.client.set_run_status` over REST (``runs/update``): RUNNING
         reopens the run, a terminal status ends it now."""
-        from components.core.tracking.client import STATUSES
+        from relaunch.components.core.tracking.client import STATUSES
 
         if status not in STATUSES:
             raise ValueError(f"run status {status!r} is not one of {', '.join(STATUSES)}")

@@ -1,10 +1,10 @@
-"""The TensorBoard tracker (:class:`~components.core.tracking.trackers.Tracker`): every metric point as a
+"""The TensorBoard tracker (:class:`~relaunch.components.core.tracking.trackers.Tracker`): every metric point as a
 scalar in ``tracking.tensorboard_dir``; used only when that folder is set."""
 
 from __future__ import annotations
 
-from components.core.contract.errors import BadInput
-from components.core.tracking.trackers import AttemptStart, TrackerBase
+from relaunch.components.core.contract.errors import BadInput
+from relaunch.components.core.tracking.trackers import AttemptStart, TrackerBase
 
 
 def open_tracker(config, store, *, run_id: str | None, attempt: int) -> "TensorBoardTracker | None":

@@ -4,7 +4,7 @@ A tracker is one module with a class implementing :class:`Tracker` (subclass :cl
 for no-op defaults) and a factory ``open(config, store, *, run_id, attempt) -> Tracker | None``
 that returns None when the configuration does not ask for it. It is registered by one
 :func:`register_tracker` line at the end of this file (a ``"module:factory"`` string, imported only
-when a training opens its trackers). :class:`components.core.trainer.tracking.TrainingTracker`
+when a training opens its trackers). :class:`relaunch.components.core.trainer.tracking.TrainingTracker`
 fans every call out to the trackers :func:`open_trackers` returns, on rank 0 only.
 
     mlflow        components/core/tracking/mlflow_tracker.py       always (the run of the training)
@@ -133,6 +133,6 @@ def open_trackers(config, store, *, run_id: str | None, attempt: int) -> list[Tr
     return out
 
 
-register_tracker("mlflow", "components.core.tracking.mlflow_tracker:open_tracker")
-register_tracker("tensorboard", "components.core.tracking.tensorboard_tracker:open_tracker")
-register_tracker("wandb", "components.core.tracking.wandb_tracker:open_tracker")
+register_tracker("mlflow", "relaunch.components.core.tracking.mlflow_tracker:open_tracker")
+register_tracker("tensorboard", "relaunch.components.core.tracking.tensorboard_tracker:open_tracker")
+register_tracker("wandb", "relaunch.components.core.tracking.wandb_tracker:open_tracker")

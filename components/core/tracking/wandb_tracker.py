@@ -1,4 +1,4 @@
-"""The Weights & Biases tracker (:class:`~components.core.tracking.trackers.Tracker`), used when
+"""The Weights & Biases tracker (:class:`~relaunch.components.core.tracking.trackers.Tracker`), used when
 ``tracking.wandb`` is set: rank 0's W&B run beside the MLflow run.
 
 What the W&B run holds, kept true across restarts:
@@ -27,8 +27,8 @@ import os
 import sys
 from typing import Any
 
-from components.core.contract.errors import BadInput
-from components.core.tracking.trackers import AttemptEnd, AttemptStart, TrackerBase
+from relaunch.components.core.contract.errors import BadInput
+from relaunch.components.core.tracking.trackers import AttemptEnd, AttemptStart, TrackerBase
 
 INIT_TIMEOUT_SECONDS = 60.0  # an unreachable server costs the attempt at most this once, at its start
 FINISH_TIMEOUT_SECONDS = 30.0

@@ -1,6 +1,6 @@
 """The registry's side of a warm start: the checkpoint behind ``train.warm_start_model``.
 
-The start-point rule (:mod:`components.core.checkpoint.start`) is given :func:`warm_start_checkpoint`
+The start-point rule (:mod:`relaunch.components.core.checkpoint.start`) is given :func:`warm_start_checkpoint`
 as its lookup by the steps and the trainer, so that the checkpoint room imports nothing of tracking.
 """
 
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from components.core.contract.config import MODEL_URI
-from components.core.contract.errors import BadInput
-from components.core.tracking import client as tracking
+from relaunch.components.core.contract.config import MODEL_URI
+from relaunch.components.core.contract.errors import BadInput
+from relaunch.components.core.tracking import client as tracking
 
 
 def warm_start_checkpoint(config: Any) -> str:

@@ -13,11 +13,11 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from components.core.contract.errors import BadInput
+from relaunch.components.core.contract.errors import BadInput
 
 
 def training_state(folder: dict[str, Any], config: Any, step: int, source: str) -> Any:
-    """The :class:`~components.core.trainer.state.TrainingState` of ``config``'s task at ``step``
+    """The :class:`~relaunch.components.core.trainer.state.TrainingState` of ``config``'s task at ``step``
     holding the model (and optimizer, when the folder has one) of ``folder`` (a stock DCP folder's
     state, nested as saved).
 
@@ -28,10 +28,10 @@ def training_state(folder: dict[str, Any], config: Any, step: int, source: str) 
     import torch
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-    from components.core.trainer import setup
-    from components.core.trainer.health import SpikeDetector
-    from components.core.trainer.state import TrainingState
-    from components.tasks.base import load_task
+    from relaunch.components.core.trainer import setup
+    from relaunch.components.core.trainer.health import SpikeDetector
+    from relaunch.components.core.trainer.state import TrainingState
+    from relaunch.components.tasks.base import load_task
 
     task = load_task(config.train.task, config)
     data = setup.load_data(config, task, None)

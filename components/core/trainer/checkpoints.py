@@ -3,7 +3,7 @@
 attempt record and tagged on the MLflow run; the last save on preemption when it fits the grace).
 
 A save that fails because the store cannot be written (full, read-only: see
-:func:`~components.core.contract.classify.is_store_unwritable`) does not stop the training: every rank
+:func:`~relaunch.components.core.contract.classify.is_store_unwritable`) does not stop the training: every rank
 has the same error (the save's steps agree on it), rank 0 says so in one line, and the next
 checkpoint point tries again; ``train.store_unwritable_saves`` failures in a row, or a failed last
 save (the training's end has no next point), stop it with :class:`StoreUnwritable` (exit 2). The
@@ -16,11 +16,11 @@ import sys
 import time
 from typing import Any, Callable
 
-from components.core.trainer.health import save_fits_grace
-from components.core.contract.classify import as_error, is_store_unwritable
-from components.core.contract.errors import StoreUnwritable
-from components.core.contract.events import Kind, emit
-from components.core.store import UNWRITABLE_ADVICE
+from relaunch.components.core.trainer.health import save_fits_grace
+from relaunch.components.core.contract.classify import as_error, is_store_unwritable
+from relaunch.components.core.contract.errors import StoreUnwritable
+from relaunch.components.core.contract.events import Kind, emit
+from relaunch.components.core.store import UNWRITABLE_ADVICE
 
 
 def say_store(line: str) -> None:
@@ -193,7 +193,7 @@ class TrainerCheckpoints:
     def save_on_preemption(self, step: int, grace_left_seconds: float) -> bool:
         """Save ``step`` if rank 0 finds that a save fits the grace left (every rank gets its answer),
         else only let the pending save commit; whether it saved."""
-        from components.core.runtime import distributed as distr
+        from relaunch.components.core.runtime import distributed as distr
 
         fits = True
         if self.env.is_main:

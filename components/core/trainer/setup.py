@@ -2,9 +2,9 @@
 
 Build, then act: :func:`check_world_size`, :func:`seed`, :func:`load_data` (the splits, the global-batch arithmetic and the data
 order), :func:`build_model` (model, parallel wrapper, optimiser, scheduler, AMP scaler and the
-checkpointed :class:`~components.core.trainer.state.TrainingState`), :func:`open_checkpoints` (the manager,
+checkpointed :class:`~relaunch.components.core.trainer.state.TrainingState`), :func:`open_checkpoints` (the manager,
 one writer identity per training) and :func:`restore` (the start point every rank agrees on, loaded).
-The loop itself is :class:`components.train.Training`'s.
+The loop itself is :class:`relaunch.components.train.Training`'s.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from components.core.checkpoint import CheckpointManager
-from components.core.checkpoint.fingerprint import model_fingerprint
-from components.core.checkpoint.start import start_point
-from components.core.contract.errors import BadInput
-from components.core.tracking.warm_start import warm_start_checkpoint
+from relaunch.components.core.checkpoint import CheckpointManager
+from relaunch.components.core.checkpoint.fingerprint import model_fingerprint
+from relaunch.components.core.checkpoint.start import start_point
+from relaunch.components.core.contract.errors import BadInput
+from relaunch.components.core.tracking.warm_start import warm_start_checkpoint
 
 
 def seed(config) -> None:
@@ -83,7 +83,7 @@ def load_data(config, task, store) -> TrainData:
     """
     t = config.train
     if config.data.version:
-        from components.core.store.datasets import read_dataset
+        from relaunch.components.core.store.datasets import read_dataset
 
         splits = read_dataset(store, config.data.version)
     else:
@@ -128,8 +128,8 @@ class ModelParts:
 
 def build_model(config, task, device, total_steps: int, health: Any) -> ModelParts:
     """The task's model on ``device``, wrapped for ``train.parallelism``, its optimiser and schedule."""
-    from components.core.trainer.parallel import wrap_model
-    from components.core.trainer.state import TrainingState
+    from relaunch.components.core.trainer.parallel import wrap_model
+    from relaunch.components.core.trainer.state import TrainingState
 
     t = config.train
     module = task.build_model().to(device)
@@ -172,10 +172,10 @@ class Restored:
 def restore(config, manager, parts: ModelParts, peers: Callable[[], Any]) -> Restored:
     """Decide the start point and load it on every rank: the whole training state, or the model's
     weights alone for a warm start. The decision is this, at this moment (rank 0 decides, every rank
-    gets it): :func:`~components.core.checkpoint.start.start_point`'s rule, so a group torchrun restarted
+    gets it): :func:`~relaunch.components.core.checkpoint.start.start_point`'s rule, so a group torchrun restarted
     resumes from the newest commit, whatever the locate step reported before. ``peers()`` wraps the
     collectives (a peer dying in them is a retryable failure)."""
-    from components.core.trainer.state import ModelWeights
+    from relaunch.components.core.trainer.state import ModelWeights
 
     with peers():
         start = start_point(config, manager, warm_start_lookup=warm_start_checkpoint)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from components.core.checkpoint.torch_private import parameter_fqns
+from relaunch.components.core.checkpoint.torch_private import parameter_fqns
 
 
 def _rank() -> int:

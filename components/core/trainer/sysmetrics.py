@@ -4,7 +4,7 @@ A :class:`SystemSampler` starts after the attempt's first step (neither psutil n
 restarted worker's critical path), samples CPU and memory every ``interval`` seconds on a daemon
 thread and stops at the attempt's end with one last sample. The points go into the run as MLflow's
 system metrics do (``system/node-<node rank>/cpu_utilization_percentage`` ...: the UI's "System
-metrics" tab), through a :class:`~components.core.tracking.runlogger.RunLogger` of their own, at the
+metrics" tab), through a :class:`~relaunch.components.core.tracking.runlogger.RunLogger` of their own, at the
 training step they were taken at: a recomputed step after a restart does not log a point twice.
 
 psutil's CPU figure is the utilisation since its previous call; the sampler calls it once when it
@@ -65,7 +65,7 @@ class SystemSampler:
         try:
             import psutil
 
-            from components.core.tracking.runlogger import RunLogger
+            from relaunch.components.core.tracking.runlogger import RunLogger
 
             self._psutil = psutil
             self._process = psutil.Process()

@@ -1,9 +1,9 @@
 """Everything the training tells the outside world besides its checkpoints. One object,
 :class:`TrainingTracker`, fans each call out to the configured trackers
-(:mod:`components.core.tracking.trackers`: MLflow, TensorBoard, any registered one) and emits the
+(:mod:`relaunch.components.core.tracking.trackers`: MLflow, TensorBoard, any registered one) and emits the
 ``resumed`` and ``progress`` events; every method is a no-op off rank 0, so the training loop calls
 it unconditionally. What the MLflow run holds is described in
-:mod:`components.core.tracking.mlflow_tracker`.
+:mod:`relaunch.components.core.tracking.mlflow_tracker`.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import os
 import sys
 from typing import Any
 
-from components.core.contract.errors import Preempted, RelaunchError
-from components.core.contract.events import Kind, emit
-from components.core.store import records
-from components.core.tracking.trackers import AttemptEnd, AttemptStart, Tracker, open_trackers
+from relaunch.components.core.contract.errors import Preempted, RelaunchError
+from relaunch.components.core.contract.events import Kind, emit
+from relaunch.components.core.store import records
+from relaunch.components.core.tracking.trackers import AttemptEnd, AttemptStart, Tracker, open_trackers
 
 # How long the logger may flush before the process exits, by how the attempt ends. Told to go (a peer
 # died, torchrun is stopping the group): torchrun's SIGKILL follows shortly; unsent points of committed
@@ -34,7 +34,7 @@ def resolve_run_id(config, store) -> str:
     stored = records.stored_run_id(store)
     if stored:
         return stored
-    from components.core.tracking.client import ensure_run, tracking_uri
+    from relaunch.components.core.tracking.client import ensure_run, tracking_uri
 
     return records.remember_run(store, ensure_run(config), tracking_uri=tracking_uri(config),
                                 experiment=config.tracking.experiment)  # another start may have won the race
@@ -46,7 +46,7 @@ def run_params(config, env) -> dict[str, Any]:
 
     import torch
 
-    from components.core.runtime import distributed as distr
+    from relaunch.components.core.runtime import distributed as distr
 
     commit = os.environ.get("RELAUNCH_GIT_COMMIT")
     if not commit:
@@ -127,7 +127,7 @@ class TrainingTracker:
             tracker.log_metrics(metrics, step)
 
     def checkpoint_committed(self, info) -> None:
-        """A committed checkpoint (a :class:`~components.core.checkpoint.CheckpointInfo`)."""
+        """A committed checkpoint (a :class:`~relaunch.components.core.checkpoint.CheckpointInfo`)."""
         for tracker in self.trackers:
             tracker.checkpoint_committed(info.step, info.uri, info.key)
 
