@@ -14,8 +14,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from relaunch.components.core.checkpoint import CheckpointManager
 from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.core.contract.errors import BadInput
+from relaunch.components.core.store import open_store
+from relaunch.components.core.tracking.client import call, client as tracking_client, tracking_uri
+from relaunch.components.core.tracking.lineage import log_model_metrics, logged_model
 
 
 @dataclass
@@ -36,7 +40,6 @@ def run(config: RelaunchConfig, training_completed: bool | str = True) -> Evalua
     Raises:
         BadInput: there is no committed checkpoint, or the gate metric is not one the task computes.
     """
-    from relaunch.components.core.checkpoint import CheckpointManager
     from relaunch.components.core.packaging.model import load_model, save_model
     from relaunch.components.tasks.base import load_task
 
@@ -67,7 +70,6 @@ def run(config: RelaunchConfig, training_completed: bool | str = True) -> Evalua
 def _split(config: RelaunchConfig, task) -> dict:
     if config.data.version:
         from relaunch.components.core.store.datasets import read_dataset
-        from relaunch.components.core.store import open_store
 
         return read_dataset(open_store(config.store.uri), config.data.version)[config.evaluate.split]
     return task.build_splits()[config.evaluate.split]
@@ -75,9 +77,6 @@ def _split(config: RelaunchConfig, task) -> dict:
 
 def _log(config: RelaunchConfig, metrics: dict, step: int, predicted, actual, checkpoint_uri: str,
          write_model) -> None:
-    from relaunch.components.core.tracking.lineage import log_model_metrics, logged_model
-    from relaunch.components.core.tracking.client import call, client as tracking_client, tracking_uri
-
     client, run_id = tracking_client(tracking_uri(config)), config.tracking.run_id
     model_id = logged_model(config, checkpoint_uri, step, write_model)
     log_model_metrics(config, model_id, metrics, step, prefix=f"eval_{config.evaluate.split}_")

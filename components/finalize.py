@@ -17,6 +17,11 @@ from dataclasses import dataclass
 
 from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.core.contract.errors import RelaunchError
+from relaunch.components.core.store import open_store
+from relaunch.components.core.store.records import PIPELINE_FINISHED_KEY, write_pipeline_finished
+from relaunch.components.core.tracking.client import find_pipeline_run, mark_run_finished
+from relaunch.components.core.tracking.lineage import describe_outcome, record_attempts
+from relaunch.components.core.tracking.mlflow_tracker import deliver_pending_metrics
 
 
 @dataclass
@@ -27,10 +32,6 @@ class FinalizeOutputs:
 
 def run(config: RelaunchConfig, pipeline_run_id: str = "", state: str = "SUCCEEDED", error: str = "") -> FinalizeOutputs:
     """Mark the run FINISHED (``state`` SUCCEEDED) or FAILED; a no-op when no run was opened."""
-    from relaunch.components.core.store.records import PIPELINE_FINISHED_KEY, write_pipeline_finished
-    from relaunch.components.core.tracking.lineage import describe_outcome, record_attempts
-    from relaunch.components.core.tracking.client import find_pipeline_run, mark_run_finished
-
     run_id = config.tracking.run_id or ""
     if not run_id and pipeline_run_id:
         run_id = find_pipeline_run(config, pipeline_run_id) or ""
@@ -46,8 +47,6 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", state: str = "SUCCEED
     mark_run_finished(config, run_id, status, "" if status == "FINISHED" else f"pipeline {state}: {error}".strip())
     if status == "FINISHED":
         try:
-            from relaunch.components.core.store import open_store
-
             write_pipeline_finished(open_store(config.store.uri), run_id, pipeline_run_id)
         except (RelaunchError, OSError) as err:  # costs only a repeated evaluate/register on --resume
             print(f"finalize: {PIPELINE_FINISHED_KEY} not written: {err}", file=sys.stderr)
@@ -56,9 +55,6 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", state: str = "SUCCEED
 
 def _deliver_pending_metrics(config: RelaunchConfig, run_id: str) -> None:
     """The metric points the training kept while the tracking server was away, sent now that it may be back."""
-    from relaunch.components.core.store import open_store
-    from relaunch.components.core.tracking.mlflow_tracker import deliver_pending_metrics
-
     try:
         store = open_store(config.store.uri)
     except (RelaunchError, OSError) as err:  # the store is away: they stay for the next --resume

@@ -18,6 +18,9 @@ from dataclasses import dataclass
 
 from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.core.contract.errors import RelaunchError
+from relaunch.components.core.store import open_store
+from relaunch.components.core.store.records import read_summary as read
+from relaunch.components.core.tracking.goodput import TrainSummary
 from relaunch.components.launchers import backend_module
 
 
@@ -72,8 +75,6 @@ def run(config: RelaunchConfig, resume_from: str = "", pipeline_run_id: str = ""
 
 def reached_its_end(summary: dict | None) -> bool:
     """Whether the trainer's summary says the training trained its last step and ended well."""
-    from relaunch.components.core.tracking.goodput import TrainSummary
-
     if not summary:
         return False
     return TrainSummary(**{k: v for k, v in summary.items() if k in TrainSummary.__dataclass_fields__}).reached_the_end
@@ -107,9 +108,6 @@ def finished_training(config: RelaunchConfig) -> LaunchOutputs | None:
 
 def read_summary(config: RelaunchConfig) -> dict:
     """The trainer's ``runs/summary.json`` in the store ({} when it wrote none)."""
-    from relaunch.components.core.store.records import read_summary as read
-    from relaunch.components.core.store import open_store
-
     return read(open_store(config.store.uri)) or {}
 
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from relaunch.components.core.checkpoint import CheckpointManager
 from relaunch.components.core.checkpoint.start import start_point
 from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.store import open_store
+from relaunch.components.core.store.trainings import pick_training, resolve_trainings
 from relaunch.components.core.tracking.warm_start import warm_start_checkpoint
 
 
@@ -55,9 +57,6 @@ def run_by_hand(config: RelaunchConfig, training: str = "") -> LocateOutputs:
     Raises:
         BadInput: as :func:`run`; also an unknown ``training``.
     """
-    from relaunch.components.core.store import open_store
-    from relaunch.components.core.store.trainings import pick_training, resolve_trainings
-
     store = open_store(config.store.uri)
     found = [(training, pick_training(store, training, "--input training="))] if training else resolve_trainings(store)
     name, uri = found[-1]

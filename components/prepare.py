@@ -16,8 +16,18 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from relaunch.components.core.checkpoint.layout import LEASE, read_json
+from relaunch.components.core.checkpoint.lease import holder_alive
 from relaunch.components.core.contract.config import RelaunchConfig, with_pipeline_parameters
 from relaunch.components.core.contract.errors import BadInput, TransientFailure
+from relaunch.components.core.store import open_store, probe_writable
+from relaunch.components.core.store.conditional_probe import require_conditional_writes
+from relaunch.components.core.store.records import refuse_another_identity, remember_run, stored_run_id
+from relaunch.components.core.tracking import lineage
+from relaunch.components.core.tracking.client import (call, check_api, client as tracking_client, ensure_run,
+                                                      log_new_params, reopen_run, tracking_uri)
+from relaunch.components.core.tracking.lineage import backend_params
+from relaunch.components.core.tracking.mlflow_tracker import deliver_pending_metrics
 
 @dataclass
 class PrepareOutputs:
@@ -41,11 +51,7 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", **overrides: Any) -> 
         BadInput: an override, the task, the store or the tracking URI is wrong.
         TransientFailure: the store or tracking server could not be reached.
     """
-    from relaunch.components.core.tracking import lineage
     from relaunch.components.core.store.datasets import dataset_uri, write_dataset
-    from relaunch.components.core.store.records import refuse_another_identity, remember_run
-    from relaunch.components.core.store import open_store, probe_writable
-    from relaunch.components.core.tracking.client import ensure_run, reopen_run, tracking_uri
     from relaunch.components.tasks.base import load_task
 
     config = with_pipeline_parameters(config, overrides)
@@ -68,7 +74,6 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", **overrides: Any) -> 
     uri = dataset_uri(store, version)
     lineage.log_dataset_input(resolved, run_id, splits, version, uri)
     experiment_id = lineage.describe_run(resolved, run_id, version, uri)
-    from relaunch.components.core.tracking.mlflow_tracker import deliver_pending_metrics
 
     deliver_pending_metrics(resolved, store, run_id, who="prepare")  # a resume: what an outage left unsent
     return PrepareOutputs(config_json=resolved.to_json(), run_id=run_id, dataset_version=version, dataset_uri=uri,
@@ -80,10 +85,6 @@ def _refuse_a_second_pipeline(store, pipeline_run_id: str) -> None:
     writer of another pipeline holds (on a cluster: the same ``store.uri`` submitted twice). A holder
     of this training's own (a retry of this pipeline run, an orphan of its earlier attempt) is left to
     the lease, which waits for it."""
-    from relaunch.components.core.checkpoint.layout import LEASE, read_json
-    from relaunch.components.core.checkpoint.lease import holder_alive
-    from relaunch.components.core.store.records import stored_run_id
-
     record = read_json(store, LEASE)
     if not record or not holder_alive(record, collect=False):
         return
@@ -107,8 +108,6 @@ def check_inputs(config: RelaunchConfig) -> None:
         BadInput: one line naming the field and what is wrong.
         TransientFailure: the tracking server answers /health but not its API (a line per try before).
     """
-    from relaunch.components.core.store import open_store, probe_writable
-    from relaunch.components.core.store.conditional_probe import require_conditional_writes
     from relaunch.components.tasks.base import load_task
 
     task = load_task(config.train.task, config)
@@ -142,8 +141,6 @@ def _check_tracking(config: RelaunchConfig) -> None:
     import urllib.request
     from pathlib import Path
 
-    from relaunch.components.core.tracking.client import check_api, tracking_uri
-
     uri = tracking_uri(config)
     if uri.startswith(("http://", "https://")):
         try:
@@ -176,10 +173,6 @@ def _check_tracking(config: RelaunchConfig) -> None:
 
 def _log_config(config: RelaunchConfig) -> None:
     """The resolved configuration as MLflow params (flattened) and a JSON artifact-free tag."""
-    from relaunch.components.core.tracking.client import call, client as tracking_client, log_new_params, tracking_uri
-
-    from relaunch.components.core.tracking.lineage import backend_params
-
     client = tracking_client(tracking_uri(config))
     flat = backend_params(_flatten(json.loads(config.to_json())), config.launch.backend)
     call("log params", log_new_params, client, config.tracking.run_id, flat)

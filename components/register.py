@@ -21,11 +21,15 @@ import os
 import sys
 from dataclasses import dataclass
 
+from relaunch.components.core.checkpoint import CheckpointManager, parse_checkpoint_uri
 from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.core.contract.errors import BadInput
 from relaunch.components.core.tracking.lineage import git_commit, logged_model, version_description
 from relaunch.components.core.packaging.model import _load_pyfunc  # noqa: F401 - the loader_module of models saved before 0.2
 from relaunch.components.core.packaging.model import save_model
+from relaunch.components.core.store import open_store
+from relaunch.components.core.tracking.client import call, client as tracking_client, tracking_uri
+from relaunch.components.core.tracking.wandb_tracker import record_registered_version
 
 TAG = "relaunch."
 
@@ -45,8 +49,6 @@ def run(config: RelaunchConfig, checkpoint_uri: str, metrics_json: str) -> Regis
     Raises:
         BadInput: the metrics lack ``registry.champion_metric``, or there is no MLflow run.
     """
-    from relaunch.components.core.tracking.client import call, client as tracking_client, tracking_uri
-
     metrics = json.loads(metrics_json)
     name, metric = config.registry.model_name, config.registry.champion_metric
     if metric not in metrics:
@@ -63,7 +65,6 @@ def run(config: RelaunchConfig, checkpoint_uri: str, metrics_json: str) -> Regis
     champion, decision = _decide_champion(client, config, version, float(metrics[metric]))
     call("tag the version", client.set_model_version_tag, name, version, TAG + "champion_decision", decision)
     _pin(checkpoint_uri, f"registered as {name} v{version}")
-    from relaunch.components.core.tracking.wandb_tracker import record_registered_version  # W&B, when tracking.wandb is set
     record_registered_version(config, run_id=config.tracking.run_id, store_uri=config.store.uri, model_name=name, version=version)
     aliases = call("read the version", client.get_model_version, name, version).aliases
     return RegisterOutputs(model_name=name, version=version, aliases=json.dumps(sorted(aliases)),
@@ -73,23 +74,17 @@ def run(config: RelaunchConfig, checkpoint_uri: str, metrics_json: str) -> Regis
 def _existing_version(client, config: RelaunchConfig, checkpoint_uri: str) -> str | None:
     """The version already registered for this checkpoint (a retried register step, or a re-run of a
     finished training): one checkpoint, one version."""
-    from relaunch.components.core.tracking.client import call
-
     found = call("search model versions", client.search_model_versions, f"name = '{config.registry.model_name}'")
     return next((str(v.version) for v in sorted(found, key=lambda v: int(v.version))
                  if v.tags.get(TAG + "checkpoint_uri") == checkpoint_uri), None)
 
 
 def _step(checkpoint_uri: str) -> int:
-    from relaunch.components.core.checkpoint import parse_checkpoint_uri
-
     return parse_checkpoint_uri(checkpoint_uri)[1]
 
 
 def _register(client, config: RelaunchConfig, checkpoint_uri: str, model_id: str, metrics: dict) -> str:
     """A new version of ``registry.model_name`` made from the LoggedModel ``model_id``."""
-    from relaunch.components.core.tracking.client import call, tracking_uri
-
     name, run_id = config.registry.model_name, config.tracking.run_id
     tags = {TAG + "checkpoint_uri": checkpoint_uri, TAG + "dataset_version": config.data.version or "",
             TAG + "git_commit": git_commit(), TAG + "task": config.train.task,
@@ -112,8 +107,6 @@ def _register(client, config: RelaunchConfig, checkpoint_uri: str, model_id: str
 def _link_version_to_logged_model(client, model_id: str, name: str, version: str) -> None:
     """The logged model's ``mlflow.modelVersions`` tag, as ``mlflow.register_model`` writes it: the
     UI's "Registered models" column of the run's logged models."""
-    from relaunch.components.core.tracking.client import call
-
     model = call("read the logged model", client.get_logged_model, model_id)
     versions = json.loads(model.tags.get("mlflow.modelVersions") or "[]")
     if {"name": name, "version": version} not in versions:
@@ -144,8 +137,6 @@ def _process_tracking_uri(uri: str):
 
 def _decide_champion(client, config: RelaunchConfig, version: str, value: float) -> tuple[str, str]:
     """Move ``champion`` to ``version`` when it beats the current one by the margin; say why either way."""
-    from relaunch.components.core.tracking.client import call
-
     reg = config.registry
     current = _current_champion(client, reg.model_name)
     if current is not None and str(current.version) == version:
@@ -167,8 +158,6 @@ def _current_champion(client, name: str):
     """The version holding ``champion``, or None when the model or the alias does not exist. Any
     other failure to read it (a 5xx, a lost connection) is retryable: guessing "no champion" would
     hand the alias to a model that may be worse."""
-    from relaunch.components.core.tracking.client import call
-
     def read():
         from mlflow.exceptions import MlflowException
 
@@ -186,9 +175,6 @@ def _current_champion(client, name: str):
 
 
 def _pin(checkpoint_uri: str, reason: str) -> None:
-    from relaunch.components.core.checkpoint import CheckpointManager, parse_checkpoint_uri
-    from relaunch.components.core.store import open_store
-
     store_uri, step = parse_checkpoint_uri(checkpoint_uri)
     with CheckpointManager(open_store(store_uri), async_save=False) as mgr:
         mgr.pin(step, reason)

@@ -69,7 +69,7 @@ import torch  # noqa: E402
 
 from relaunch.components.core.runtime import distributed as distr  # noqa: E402
 from relaunch.components.core.runtime import logs  # noqa: E402
-from relaunch.components.core.store import records  # noqa: E402
+from relaunch.components.core.store import HintWrites, UNWRITABLE_ADVICE, open_store, probe_writable, records
 from relaunch.components.core.tracking import goodput  # noqa: E402
 from relaunch.components.core.trainer import setup  # noqa: E402
 from relaunch.components.core.contract.config import RelaunchConfig, config_from_cli  # noqa: E402
@@ -78,11 +78,14 @@ from relaunch.components.core.contract.classify import as_error, is_store_unwrit
 from relaunch.components.core.contract.entry import report  # noqa: E402
 from relaunch.components.core.contract.events import Kind, emit  # noqa: E402
 from relaunch.components.core.contract.exitcodes import PERMANENT, RETRYABLE, ExitCode  # noqa: E402
+from relaunch.components.core.tracking.client import tracking_uri
 from relaunch.components.core.tracking.goodput import TrainSummary  # noqa: E402
 from relaunch.components.core.trainer.health import PreemptionFlag, SpikeDetector, Watchdog, is_finite  # noqa: E402
 from relaunch.components.core.trainer.injection import Injection, wrap_store  # noqa: E402
 from relaunch.components.core.trainer.checkpoints import TrainerCheckpoints  # noqa: E402
 from relaunch.components.core.trainer import progress  # noqa: E402
+from relaunch.components.core.trainer.parallel import total_grad_norm
+from relaunch.components.core.trainer.sysmetrics import SystemSampler
 from relaunch.components.core.trainer.tracking import (CLOSE_SECONDS_FAILED, CLOSE_SECONDS_PREEMPTED,  # noqa: E402
                                               TrainingTracker, resolve_run_id, run_params)
 from relaunch.components.tasks.base import load_task  # noqa: E402
@@ -206,8 +209,6 @@ class Training:
     # ---- set-up: build everything, then act (each part kept as soon as it exists: fail() cleans up)
 
     def setup(self) -> None:
-        from relaunch.components.core.store import UNWRITABLE_ADVICE, HintWrites, open_store, probe_writable
-
         self.env = env = distr.read_env()
         setup.check_world_size(self.config, env.world_size)
         refuse_restart_recorded_locally(env)  # every rank of the node, before any of them waits on another
@@ -328,9 +329,6 @@ class Training:
                          "exec": round(_PROCESS_START - _PROCESS_CREATED, 4)})
         release_startup_gc()
         if self.run_id and self.env.local_rank == 0:
-            from relaunch.components.core.tracking.client import tracking_uri
-            from relaunch.components.core.trainer.sysmetrics import SystemSampler
-
             self.system_metrics = SystemSampler(tracking_uri(self.config), self.run_id, self.env.node_rank,
                                                 lambda: self.step).start()
 
@@ -359,8 +357,6 @@ class Training:
         return err
 
     def _forward_backward(self, batch) -> tuple[float, float]:
-        from relaunch.components.core.trainer.parallel import total_grad_norm
-
         p = self.parts
         # Every part waits on the peers: FSDP gathers parameters in forward, DDP and FSDP reduce the
         # gradients in backward, and the norm of sharded gradients is a collective.

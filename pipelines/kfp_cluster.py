@@ -20,6 +20,8 @@ from pathlib import Path
 import yaml
 
 from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.errors import BadInput
+from relaunch.components.launchers.jobs import secret_env_sources, store_secret_files
 
 
 def secret_env_config(config: RelaunchConfig) -> dict:
@@ -29,8 +31,6 @@ def secret_env_config(config: RelaunchConfig) -> dict:
     kfp-kubernetes emits, not a copy of its format.
     """
     from kfp import compiler, dsl, kubernetes
-
-    from relaunch.components.launchers.jobs import secret_env_sources, store_secret_files
 
     k8s = config.launch.kubernetes
 
@@ -57,7 +57,6 @@ def secret_env_config(config: RelaunchConfig) -> dict:
 
 def compile_for_cluster(path: str | Path, config: RelaunchConfig | None = None) -> None:
     """Compile the KFP pipeline to ``path`` with secrets-as-env and the store endpoint on every executor."""
-    from relaunch.components.launchers.jobs import store_secret_files
     from relaunch.pipelines.kfp_pipeline import compile_pipeline, to_yaml
 
     config = config or RelaunchConfig()
@@ -96,8 +95,6 @@ def client(host: str | None = None, namespace: str | None = None):
 def typed_arguments(package: str | Path, arguments: dict[str, str] | None) -> dict:
     """``--param NAME=VALUE`` strings as the types the pipeline declares (the API server refuses a
     string for an integer input); an unknown name or a value of the wrong type is bad input."""
-    from relaunch.components.core.contract.errors import BadInput
-
     declared = next(yaml.safe_load_all(Path(package).read_text()))["root"]["inputDefinitions"]["parameters"]
     typed: dict = {}
     for name, raw in (arguments or {}).items():

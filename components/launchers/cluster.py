@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from relaunch.components.core.contract.classify import classify
 from relaunch.components.core.contract.steps import DELETE_JOB
 from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.core.contract.errors import BadInput, TransientFailure
@@ -306,8 +307,6 @@ def launch_job(kind: JobKind, build: Callable[[str | None], dict], config: Relau
     except BadInput as err:
         return LaunchResult(exit_code=int(ExitCode.BAD_INPUT), message=str(err))
     except ApiException as err:
-        from relaunch.components.core.contract.classify import classify
-
         return LaunchResult(exit_code=int(classify(err)),
                             message=f"Kubernetes API refused the request: {err.status} {err.reason}")
     except (*_stream_errors(), OSError) as err:  # connection refused, DNS, TLS: the cluster may come back

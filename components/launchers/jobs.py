@@ -21,6 +21,7 @@ from relaunch.components.core.contract.steps import LAUNCH
 from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.core.contract.classify import classify_pod
 from relaunch.components.core.contract.exitcodes import PERMANENT, RETRYABLE, ExitCode
+from relaunch.components.core.runtime.zygote import CLIENT_PATH, client_command
 from relaunch.components.launchers.k8s_naming import job_name, run_hash
 
 RUN_LABEL = "relaunch.dev/pipeline-run"
@@ -309,8 +310,6 @@ def supervised(torchrun_args: list[str], *, warm: bool = True) -> list[str]:
 def with_zygote_worker(torchrun_args: list[str], python: str = "python") -> list[str]:
     """``torchrun_args`` (what :meth:`JobSpec.torchrun_args` returns, ending ``-m MODULE --config-json J``)
     with the pod zygote's client as the worker command."""
-    from relaunch.components.core.runtime.zygote import CLIENT_PATH, client_command
-
     if len(torchrun_args) < 4 or torchrun_args[-4] != "-m" or torchrun_args[-2] != "--config-json":
         raise ValueError(f"not JobSpec.torchrun_args: {torchrun_args[-4:]}")
     if "--no-python" in torchrun_args:

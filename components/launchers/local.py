@@ -38,6 +38,7 @@ from typing import Callable
 
 from relaunch.components.core.contract import events
 from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.errors import Preempted
 from relaunch.components.core.contract.events import Kind
 from relaunch.components.core.contract.exitcodes import ExitCode, is_retryable
 from relaunch.components.core.runtime import warm as runtime_warm
@@ -158,8 +159,6 @@ def _wait(agents: list[subprocess.Popen], timeout: float, stop_grace: float = AG
 
 
 def _raise_preempted(signum, frame) -> None:
-    from relaunch.components.core.contract.errors import Preempted
-
     raise Preempted("the launch step was sent SIGTERM; stopped the training (its last checkpoint stands)")
 
 

@@ -20,6 +20,7 @@ from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.core.contract.entry import exit_on_error
 from relaunch.components.core.contract.errors import BadInput
 from relaunch.components.core.runtime import logs
+from relaunch.components.core.runtime.zygote import for_command
 from relaunch.components.launchers.torchrun import exit_code
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -35,8 +36,6 @@ def config_of(command: list[str]) -> RelaunchConfig:
 
 def supervise(command: list[str]) -> int:
     """Run ``command`` to its end, forwarding signals; return the contract's exit code."""
-    from relaunch.components.core.runtime.zygote import for_command
-
     config = config_of(command)
     started = time.time()
     json_logs = logs.configure(config, role="agent") == "json"  # logging.format: the agent's lines too

@@ -13,8 +13,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.classify import torchrun_exit
+from relaunch.components.core.contract.config import RelaunchConfig, config_from_cli
+from relaunch.components.core.contract.entry import exit_on_error
+from relaunch.components.core.contract.errors import RelaunchError
 from relaunch.components.core.contract.exitcodes import ExitCode, normalize
+from relaunch.components.core.store import open_store
+from relaunch.components.core.store.records import read_exit_record
 
 def exit_code(config: RelaunchConfig, returncode: int, started_at: float, *, reported: int | None = None) -> int:
     """The contract's exit code of a torchrun of ``config`` that ended with ``returncode``.
@@ -29,13 +34,8 @@ def exit_code(config: RelaunchConfig, returncode: int, started_at: float, *, rep
         recorded (137 when it recorded none: a worker that died without control); 138 (or
         ``reported``) when the store cannot be read, rather than guessing a permanent code.
     """
-    from relaunch.components.core.contract.classify import torchrun_exit
-
     if normalize(returncode) != ExitCode.BUG:  # 0, or a signal: no record needed
         return torchrun_exit(returncode, None, started_at)
-    from relaunch.components.core.contract.errors import RelaunchError
-    from relaunch.components.core.store.records import read_exit_record
-    from relaunch.components.core.store import open_store
 
     try:
         record = read_exit_record(open_store(config.store.uri))
@@ -47,9 +47,6 @@ def exit_code(config: RelaunchConfig, returncode: int, started_at: float, *, rep
 
 def main(argv: list[str] | None = None) -> int:
     """``--map-exit RC``: exit with the contract's code for a torchrun that ended with RC (Slurm script)."""
-    from relaunch.components.core.contract.config import config_from_cli
-    from relaunch.components.core.contract.entry import exit_on_error
-
     parser = argparse.ArgumentParser(prog="python -m relaunch.components.launchers.torchrun", description=main.__doc__)
     parser.add_argument("--config", help="YAML configuration file")
     parser.add_argument("--config-json", help="the whole configuration as JSON")

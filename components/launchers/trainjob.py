@@ -20,6 +20,7 @@ import re
 from typing import Any
 
 from relaunch.components.core.contract.config import KubernetesConfig, RelaunchConfig, TrainJobConfig
+from relaunch.components.core.trainer.progress import NAMESPACE_ENV, TRAINJOB_ENV
 from relaunch.components.launchers import LaunchResult
 from relaunch.components.launchers.cluster import launch_job
 from relaunch.components.launchers.jobs import (
@@ -216,8 +217,6 @@ def progress_env() -> list[dict[str, Any]]:
     """The runtime's pods learn their TrainJob (its JobSet has the TrainJob's name) from the downward API,
     for rank 0's progress reports into the TrainJob's ``status`` (components/core/trainer/progress.py)
     when Trainer's progress server is not offered; the TrainJob itself stays env-equal to a PyTorchJob."""
-    from relaunch.components.core.trainer.progress import NAMESPACE_ENV, TRAINJOB_ENV
-
     return [{"name": TRAINJOB_ENV, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{JOBSET_LABEL}']"}}},
             {"name": NAMESPACE_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]
 

@@ -32,7 +32,12 @@ from __future__ import annotations
 import argparse
 import json
 
+from relaunch.components.core.checkpoint import CheckpointManager, step_key
+from relaunch.components.core.checkpoint.interop import export_checkpoint, import_checkpoint
 from relaunch.components.core.contract.errors import BadInput, CorruptCheckpoint
+from relaunch.components.core.store import FileStore, open_store
+from relaunch.components.core.store.trainings import pick_training, resolve_trainings
+from relaunch.components.core.trainer.adopt import training_state
 from relaunch.pipelines.commands import Subcommands
 
 
@@ -62,8 +67,6 @@ def add_parser(sub: Subcommands, help_text: str) -> None:
 
 def checkpoints(args: argparse.Namespace) -> int:
     """Run one ``relaunch checkpoints`` action; returns the exit code."""
-    from relaunch.components.core.checkpoint import CheckpointManager
-
     if args.action in INTEROP or args.source is not None:
         return _interop(args)
     targets = _targets(args)
@@ -81,9 +84,6 @@ def checkpoints(args: argparse.Namespace) -> int:
 
 def _targets(args: argparse.Namespace) -> list[tuple[str | None, str]]:
     """``[(training, store URI), ...]`` the action reads: ``--training``'s, the root's trainings, or the store."""
-    from relaunch.components.core.store import FileStore, open_store
-    from relaunch.components.core.store.trainings import pick_training, resolve_trainings
-
     store = open_store(args.store)
     if isinstance(store, FileStore) and not store.root.is_dir():  # a typo, not an empty store
         raise BadInput(f"--store {args.store!r}: no such directory; pass the store root (e.g. ./.relaunch/store)")
@@ -141,9 +141,6 @@ INTEROP = ("export", "import")
 def _interop(args: argparse.Namespace) -> int:
     """``export`` (one checkpoint to a torch.save or safetensors file) and ``import`` (a stock
     ``dcp.save`` folder adopted as a committed checkpoint); returns the exit code."""
-    from relaunch.components.core.checkpoint import CheckpointManager
-    from relaunch.components.core.checkpoint.interop import export_checkpoint, import_checkpoint
-
     if args.action != "import" and args.source is not None:
         raise BadInput(f"unexpected argument {args.source!r}: only import takes a folder")
     if args.action == "import" and args.source is None:
@@ -174,8 +171,6 @@ def _adopt(args: argparse.Namespace):
     config = load_config(args.config, args.overrides)
 
     def adopt(state: dict, step: int, source: str):
-        from relaunch.components.core.trainer.adopt import training_state
-
         return training_state(state, config, step, source)
 
     return adopt
@@ -183,8 +178,6 @@ def _adopt(args: argparse.Namespace):
 
 def _damaged_row(mgr, record: dict, pins: dict) -> dict:
     """A ``list`` row of a quarantined checkpoint (still in place, or moved aside)."""
-    from relaunch.components.core.checkpoint import step_key
-
     step = int(record["step"])
     return {"step": step, "status": "damaged", "reason": record.get("reason", ""),
             "found_at": record.get("found_at", ""), "found_by": record.get("found_by", ""),

@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 
-from relaunch.components.core.contract.config import config_from_cli
+from relaunch.components.core.contract.config import config_from_cli, parse_store_uri
 from relaunch.components.core.contract.errors import BadInput
 from relaunch.pipelines.commands import Subcommands
 
@@ -68,8 +68,6 @@ def local_services(config) -> list[str]:
     """What in ``config`` points at this machine and would not work from a cluster's pods: a store that
     is a path (each pod's own disk, unless a shared volume is mounted there), a sqlite or file tracking
     URI (a database file per pod). One line each; empty when the configuration is fit for a cluster."""
-    from relaunch.components.core.contract.config import parse_store_uri
-
     found = []
     if parse_store_uri(config.store.uri)[0] == "file":
         found.append(f"store.uri {config.store.uri!r}, a path: each pod would write its own disk unless a shared "

@@ -12,7 +12,7 @@ import argparse
 import yaml
 
 from relaunch.components.core.contract.config import RelaunchConfig, config_from_cli
-from relaunch.components.launchers import renderers
+from relaunch.components.launchers import LAUNCH_BACKENDS, renderers
 from relaunch.pipelines.commands import Subcommands
 from relaunch.pipelines.commands.compile import add_config_args, warn_local_services, write_output
 
@@ -36,8 +36,6 @@ def render(args: argparse.Namespace) -> int:
 
 def cluster_kinds() -> set[str]:
     """The render kinds of cluster launch backends (pytorchjob, trainjob, ...): documents for pods."""
-    from relaunch.components.launchers import LAUNCH_BACKENDS
-
     return {kind for backend in LAUNCH_BACKENDS.values() if backend.cluster for kind in backend.renders}
 
 

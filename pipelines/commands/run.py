@@ -39,8 +39,20 @@ import json
 import sys
 import time
 
-from relaunch.components.core.contract.config import RelaunchConfig, config_from_cli, with_pipeline_parameters
-from relaunch.components.core.contract.errors import BadInput
+from relaunch.components.core.checkpoint.layout import LATEST, read_json
+from relaunch.components.core.contract.config import (RelaunchConfig, config_from_cli, expand_home,
+                                                      with_pipeline_parameters)
+from relaunch.components.core.contract.errors import BadInput, RelaunchError
+from relaunch.components.core.contract.exitcodes import ExitCode
+from relaunch.components.core.store import open_store
+from relaunch.components.core.store.pipeline_lock import PipelineLock, TrainingInUse
+from relaunch.components.core.store.records import (identity_changes, pipeline_finished, read_exit_record, read_summary,
+                                                    read_training_config, replace_run, stored_run_id,
+                                                    write_training_config)
+from relaunch.components.core.store.trainings import training_names, training_uri
+from relaunch.components.core.tracking.client import ensure_run, mark_run_finished, run_exists, tracking_uri
+from relaunch.components.launch import reached_its_end
+from relaunch.components.prepare import check_inputs
 from relaunch.pipelines.commands import Subcommands
 
 
@@ -87,11 +99,6 @@ def interrupted(config: RelaunchConfig | None, stop) -> tuple[int, str]:
     (so the training's records are final): 143 when the training committed a checkpoint at the step it
     stopped at after the signal (its preemption checkpoint), else 130. The training's MLflow run is
     marked KILLED with the line as its reason (``relaunch.end_reason``) until a resume reopens it."""
-    from relaunch.components.core.contract.errors import RelaunchError
-    from relaunch.components.core.contract.exitcodes import ExitCode
-    from relaunch.components.core.store import open_store
-    from relaunch.components.core.store.records import read_exit_record, read_summary
-
     name = "Ctrl-C (SIGINT)" if stop.signum == 2 else "SIGTERM"
     if config is None:
         return ExitCode.INTERRUPTED, f"relaunch: stopped by {name} before a training started"
@@ -125,17 +132,12 @@ def _mark_interrupted(config: RelaunchConfig, store, summary: dict, reason: str)
     :data:`MARK_SECONDS`; a server that does not answer in time leaves it as it was."""
     import threading
 
-    from relaunch.components.core.contract.errors import RelaunchError
-    from relaunch.components.core.store.records import pipeline_finished, stored_run_id
-
     with contextlib.suppress(RelaunchError, OSError, ValueError):
         run_id = config.tracking.run_id or summary.get("run_id") or stored_run_id(store)
         if not run_id or pipeline_finished(store, run_id):
             return
 
         def mark() -> None:
-            from relaunch.components.core.tracking.client import mark_run_finished
-
             with contextlib.suppress(Exception):  # the line is printed whatever the server says
                 mark_run_finished(config, run_id, "KILLED", f"interrupted: {reason}")
 
@@ -147,7 +149,6 @@ def _mark_interrupted(config: RelaunchConfig, store, summary: dict, reason: str)
 def _run(args: argparse.Namespace, config: RelaunchConfig, training: list[RelaunchConfig]) -> int:
     from rich.console import Console
 
-    from relaunch.components.prepare import check_inputs
     from relaunch.pipelines.local.interrupt import Interrupted
 
     if args.inject_failure:  # typed, like the pipeline parameter of the same name
@@ -202,8 +203,6 @@ def _run_pipeline(args: argparse.Namespace, config: RelaunchConfig, training: li
 
 def _state_dir(path: str) -> str:
     """``--state-dir`` with a leading ``~`` expanded (never a folder named ``~``)."""
-    from relaunch.components.core.contract.config import expand_home
-
     try:
         return expand_home(path)
     except ValueError as err:
@@ -211,8 +210,6 @@ def _state_dir(path: str) -> str:
 
 
 def _namespaced(config: RelaunchConfig, training: str) -> RelaunchConfig:
-    from relaunch.components.core.store.trainings import training_uri
-
     out = config.model_copy(deep=True)
     out.store.uri = training_uri(config.store.uri, training)
     return out
@@ -220,9 +217,6 @@ def _namespaced(config: RelaunchConfig, training: str) -> RelaunchConfig:
 
 def trainings(config: RelaunchConfig) -> list[str]:
     """The trainings of ``config.store.uri``, oldest first (their names sort by start time)."""
-    from relaunch.components.core.store import open_store
-    from relaunch.components.core.store.trainings import training_names
-
     return training_names(open_store(config.store.uri))
 
 
@@ -231,8 +225,6 @@ def new_training(config: RelaunchConfig, held: contextlib.ExitStack | None = Non
     start time (a suffix when two start in the same second). With ``held``, its pipeline lock is taken
     into it: the first thing written (two runs started in the same second get two names); without,
     nothing is written until prepare runs."""
-    from relaunch.components.core.store.pipeline_lock import TrainingInUse
-
     existing = set(trainings(config))
     name = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     candidate, n = name, 1
@@ -256,17 +248,11 @@ def _pipeline_lock(config: RelaunchConfig, training: str):
     Raises:
         TrainingInUse: a live ``relaunch run`` holds it (one line naming its pid and host, exit 2).
     """
-    from relaunch.components.core.store import open_store
-    from relaunch.components.core.store.pipeline_lock import PipelineLock
-
     return PipelineLock(open_store(config.store.uri), training).take()
 
 
 def remember_config(config: RelaunchConfig) -> None:
     """Store ``config`` with its training (``runs/config.json``): what ``--resume`` continues with."""
-    from relaunch.components.core.store import open_store
-    from relaunch.components.core.store.records import write_training_config
-
     write_training_config(open_store(config.store.uri), json.loads(config.to_json()))
 
 
@@ -284,9 +270,6 @@ def stored_configuration(config: RelaunchConfig, training: str, store) -> Relaun
         BadInput: an explicit key of :data:`~relaunch.components.core.store.records.TRAINING_IDENTITY` differs
             from the training's; the line names the key, both values and how to start a new training.
     """
-    from relaunch.components.core.contract.errors import BadInput
-    from relaunch.components.core.store.records import identity_changes, read_training_config
-
     stored = read_training_config(store)
     if stored is None:  # a training from before relaunch stored its configuration
         return _namespaced(config, training)
@@ -326,11 +309,6 @@ def resume_training(config: RelaunchConfig,
         BadInput: the store holds no training to resume, or the command line changes what it is.
         TrainingInUse: a live ``relaunch run`` runs a pipeline of it (the line names its pid and host).
     """
-    from relaunch.components.core.contract.errors import BadInput
-    from relaunch.components.core.store.records import pipeline_finished, read_summary, stored_run_id
-    from relaunch.components.core.store import open_store
-    from relaunch.components.launch import reached_its_end
-
     names = trainings(config)
     if not names:
         raise BadInput(f"--resume: {config.store.uri} holds no training to resume; `relaunch run` starts one")
@@ -351,7 +329,6 @@ def resume_training(config: RelaunchConfig,
                              f"{summary['last_step']} of {summary['total_steps']}) but its pipeline did not finish; "
                              f"finishing it: evaluate and register its last checkpoint in MLflow run "
                              f"{summary.get('run_id')}, without training")
-    from relaunch.components.core.store.records import read_training_config
 
     unknown = "" if read_training_config(store) is not None else \
         " (it stored no configuration, from before relaunch kept one: continuing with the command line's)"
@@ -368,9 +345,6 @@ def training_run(config: RelaunchConfig, *, new_run: bool = False) -> RelaunchCo
             continues the training: this one with ``--new-run``), or ``new_run`` when it does or when
             the training has none yet.
     """
-    from relaunch.components.core.store import open_store
-    from relaunch.components.core.tracking.client import run_exists, tracking_uri
-
     run_id, training = config.tracking.run_id, config.store.uri.rstrip("/").rsplit("/", 1)[-1]
     if not run_id:
         if new_run:
@@ -404,10 +378,6 @@ def continue_in_a_new_run(config: RelaunchConfig, store, training: str) -> str:
     """Open a new MLflow run for the training in ``store`` whose own run is gone, tagged with the old
     run's id and the checkpoint the training continues from, and store it as the training's run
     (``runs/mlflow-run.json``, the old id kept in its record); its id."""
-    from relaunch.components.core.checkpoint.layout import LATEST, read_json
-    from relaunch.components.core.store.records import replace_run
-    from relaunch.components.core.tracking.client import ensure_run, tracking_uri
-
     old = config.tracking.run_id
     fresh = config.model_copy(deep=True)
     fresh.tracking.run_id = None

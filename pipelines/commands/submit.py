@@ -20,8 +20,9 @@ from typing import Callable
 
 import yaml
 
-from relaunch.components.core.contract.config import config_from_cli
+from relaunch.components.core.contract.config import check_http_url, config_from_cli
 from relaunch.components.core.contract.errors import BadInput
+from relaunch.components.launchers.cluster import kube_api_client
 from relaunch.pipelines.commands import Subcommands
 from relaunch.pipelines.commands.compile import add_config_args, render, warn_local_services
 
@@ -78,8 +79,6 @@ def create_argo_object(doc: dict, namespace: str) -> str:
             raise BadInput(f"Argo server refused the {doc['kind']}: {resp.status_code} {resp.text[:300]}")
         return resp.json()["metadata"]["name"]
     from kubernetes import client
-
-    from relaunch.components.launchers.cluster import kube_api_client
 
     api = client.CustomObjectsApi(kube_api_client())
     try:
@@ -147,8 +146,6 @@ def kfp_endpoint(args: argparse.Namespace) -> str:
     Raises:
         BadInput: neither is set, or the value is not http(s)://host.
     """
-    from relaunch.components.core.contract.config import check_http_url
-
     endpoint = getattr(args, "endpoint", None) or os.environ.get("KF_PIPELINES_ENDPOINT", "")
     if not endpoint:
         raise BadInput(f"{args.command} --target kfp needs the Kubeflow Pipelines API: pass --endpoint "

@@ -25,7 +25,13 @@ import sys
 import threading
 from dataclasses import asdict, dataclass
 
+from relaunch.components.core.checkpoint.layout import LATEST, LEASE, read_json as read_object
+from relaunch.components.core.checkpoint.lease import holder_alive as lease_alive
+from relaunch.components.core.contract.errors import BadInput
 from relaunch.components.core.contract.exitcodes import MEANING, ExitCode, is_retryable
+from relaunch.components.core.store import open_store
+from relaunch.components.core.store.trainings import resolve_trainings
+from relaunch.components.core.tracking.client import client
 from relaunch.pipelines.commands import Subcommands
 
 REGISTRY_SECONDS = 15.0
@@ -60,9 +66,6 @@ class TrainingState:
 def trainings(args: argparse.Namespace) -> int:
     """List the trainings of the store with their state; exit 0 (2 when the store holds none)."""
     from relaunch.components.core.contract.config import config_from_cli
-    from relaunch.components.core.contract.errors import BadInput
-    from relaunch.components.core.store import open_store
-    from relaunch.components.core.store.trainings import resolve_trainings
 
     root = args.store or config_from_cli(args.config, None, []).store.uri
     found = resolve_trainings(open_store(root))
@@ -95,9 +98,6 @@ def _holds_a_training(store) -> bool:
 
 def training_state(name: str, uri: str) -> TrainingState:
     """Where the training at ``uri`` stands, from its records alone (reads only)."""
-    from relaunch.components.core.checkpoint.layout import LATEST, LEASE, read_json as read_object
-    from relaunch.components.core.checkpoint.lease import holder_alive as lease_alive
-    from relaunch.components.core.store import open_store
     from relaunch.components.core.store.pipeline_lock import holder_alive as lock_alive
     from relaunch.components.core.store.records import (PIPELINE_LOCK_KEY, pipeline_finished, read_json, read_summary,
                                                read_training_config, stored_run_id)
@@ -154,7 +154,6 @@ def registered_version(store, run_id: str | None) -> str | None:
 
     def look_up() -> None:
         with contextlib.suppress(Exception):  # the server is away: the state stands without the version
-            from relaunch.components.core.tracking.client import client
 
             versions = client(record["tracking_uri"]).search_model_versions(f"run_id = '{run_id}'")
             if versions:

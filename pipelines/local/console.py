@@ -14,10 +14,12 @@ from typing import Any, Callable
 
 from rich.markup import escape
 
+from relaunch.components.core.checkpoint import CheckpointManager
 from relaunch.pipelines.spec import EVALUATE, FINALIZE, LAUNCH, LOCATE, PREPARE, REGISTER, STEP_TABLE
 from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.core.contract.events import Event, Kind, read_file
 from relaunch.components.core.contract.exitcodes import MEANING, ExitCode, is_retryable, unrecorded_end
+from relaunch.components.core.tracking.lineage import run_url
 
 STEPS = tuple(STEP_TABLE)  # the five steps and the exit task
 
@@ -252,8 +254,6 @@ def render_summary(config: RelaunchConfig, result, console) -> None:
     console.rule("summary")
     rows: list[tuple[str, str]] = []
     if prep is not None and prep.run_id:
-        from relaunch.components.core.tracking.lineage import run_url
-
         browse = "open" if config.tracking.uri.startswith(("http://", "https://")) else "make ui, then open"
         rows.append(("MLflow run", f"{prep.run_id} in experiment {config.tracking.experiment!r} at "
                                    f"{config.tracking.uri} — {browse} {run_url(config, prep.run_id, prep.experiment_id)}"))
@@ -291,8 +291,6 @@ def render_summary(config: RelaunchConfig, result, console) -> None:
 
 def _committed(config: RelaunchConfig) -> list[str]:
     try:
-        from relaunch.components.core.checkpoint import CheckpointManager
-
         with CheckpointManager.from_config(config, async_save=False) as mgr:
             return [c.uri for c in mgr.list()]
     except Exception:  # the summary must not fail a finished run

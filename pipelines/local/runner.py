@@ -19,6 +19,8 @@ from typing import Any
 from relaunch.pipelines.spec import FINALIZE
 from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.core.contract.exitcodes import ExitCode
+from relaunch.components.core.store import open_store
+from relaunch.components.core.store.records import attempt_key, read_json
 from relaunch.pipelines.local.interrupt import STOP_MARGIN_SECONDS, Interrupted, stop_descendants
 from relaunch.pipelines.local.console import STEPS, RunView, StepRecord, render_summary
 from relaunch.pipelines.local.kfp_fixes import install_local_fixes, use_warm_steps
@@ -119,9 +121,6 @@ def _run_on_kfp_local(config: RelaunchConfig, console, state_dir: Path, run_dir:
 def _committed_steps(config: RelaunchConfig):
     """``attempt -> the steps it committed`` as the store's attempt record says (None when unreadable)."""
     def committed(attempt: int) -> set[int] | None:
-        from relaunch.components.core.store import open_store
-        from relaunch.components.core.store.records import attempt_key, read_json
-
         try:
             record = read_json(open_store(config.store.uri), attempt_key(attempt))
         except Exception:  # noqa: BLE001 - the store is away: the view falls back to the attempt's summary

@@ -44,8 +44,9 @@ import time
 from pathlib import Path
 
 from relaunch.pipelines.spec import STEP_MODULES, STEP_TABLE
-from relaunch.components.core.runtime.warm import SignalledByPid
-from relaunch.components.core.runtime.zygote import SINGLE_THREAD_ENV, Job
+from relaunch.components.core.runtime.warm import SignalledByPid, fork_module
+from relaunch.components.core.runtime.zygote import (ForkServer, Job, SINGLE_THREAD_ENV, become_worker, listen,
+                                                     single_threaded, warm_up)
 from relaunch.components.core.runtime.zygote_client import ZYGOTE_ENV
 
 LIGHT_IMPORTS = (
@@ -304,8 +305,6 @@ def serve(control: socket.socket, imports: tuple[str, ...], zygote_socket: str |
     the children still running (:data:`STOP_GRACE_SECONDS`, then kill them) and report how each ended.
     With ``zygote_socket``, also fork a worker per zygote client there; in such a fork, returns its
     :class:`~relaunch.components.core.runtime.zygote.Job`."""
-    from relaunch.components.core.runtime.zygote import ForkServer, listen, single_threaded, warm_up
-
     running: dict[int, tuple[int, socket.socket, str | None]] = {}  # pidfd -> (pid, status socket, temp dir)
     workers = None
     if zygote_socket:  # listening before the imports: an early client waits in the backlog
@@ -369,8 +368,6 @@ def serve(control: socket.socket, imports: tuple[str, ...], zygote_socket: str |
 
 def _fork(request: dict, output_fds: list[int]) -> tuple[int, str | None]:
     """Fork the child ``request`` asks for: its pid, and a directory to remove when it has ended."""
-    from relaunch.components.core.runtime.warm import fork_module
-
     if request["kind"] == "kfp":  # what kfp's lightweight-component script does, in a fork
         source_dir = tempfile.mkdtemp()
         path = Path(source_dir, "ephemeral_component.py")
@@ -392,7 +389,6 @@ def main(argv: list[str]) -> None:
         signal.signal(sig, signal.SIG_IGN)
     job = serve(control, (*SERVER_IMPORTS[argv[1]], *argv[3:]), None if argv[2] == "-" else argv[2])
     if job is not None:  # a zygote client's worker, forked: it ends as a cold interpreter does
-        from relaunch.components.core.runtime.zygote import become_worker
 
         become_worker(job)
         return

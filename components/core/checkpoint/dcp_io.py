@@ -42,7 +42,8 @@ from relaunch.components.core.checkpoint import verify
 from relaunch.components.core.checkpoint.layout import METADATA
 from relaunch.components.core.checkpoint.torch_private import storage_info
 from relaunch.components.core.checkpoint.verify import REQUEST_BYTES, ChunkDigests, digest
-from relaunch.components.core.contract.errors import CorruptCheckpoint
+from relaunch.components.core.contract.classify import dcp_mismatch
+from relaunch.components.core.contract.errors import BadInput, CorruptCheckpoint
 from relaunch.components.core.store import Store
 
 DCP_SUFFIX = ".distcp"
@@ -594,9 +595,6 @@ def safe_load_planner():
 
     class SafeLoadPlanner(DefaultLoadPlanner):
         def create_local_plan(self):
-            from relaunch.components.core.contract.classify import dcp_mismatch
-            from relaunch.components.core.contract.errors import BadInput
-
             # DCP says "Missing key"/"Size mismatch" only in a bare RuntimeError/ValueError's text
             why = None if self.allow_partial_load else dcp_mismatch(self.state_dict, self.metadata)
             if why:

@@ -22,7 +22,7 @@ from typing import Any
 
 from relaunch.components.core.checkpoint.layout import step_key
 from relaunch.components.core.contract.errors import CorruptCheckpoint
-from relaunch.components.core.store import Store
+from relaunch.components.core.store import Segments, Store
 
 DIGEST = "xxh3_128"
 # An item is digested in chunks of at most this size. Reads are larger (REQUEST_BYTES) and check
@@ -118,8 +118,6 @@ class _Verifier:
 
     def __init__(self, digests: ChunkDigests, name: str, start: int, buffer: Any):
         import xxhash
-
-        from relaunch.components.core.store import Segments
 
         self.digests, self.name, self.start = digests, name, start
         self.segments = Segments(buffer)

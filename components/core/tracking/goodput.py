@@ -23,7 +23,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from relaunch.components.core.contract.exitcodes import ExitCode, unrecorded_end
+from relaunch.components.core.contract.errors import error_for
+from relaunch.components.core.contract.exitcodes import ExitCode, PERMANENT, unrecorded_end
 from relaunch.components.core.store import records
 from relaunch.components.core.store.records import write_exit_record  # train.py writes it through goodput too
 
@@ -265,9 +266,6 @@ def record_ending(store, summary: TrainSummary, elastic_run_id: str = "") -> Non
 def refuse_permanent_restart(store, restart_count: int, elastic_run_id: str) -> None:
     """torchrun restarts a worker group whatever its exit code; a permanent failure (bad input, a
     divergence, a bug) of this same torchrun run ends the restart at once with the same code."""
-    from relaunch.components.core.contract.errors import error_for
-    from relaunch.components.core.contract.exitcodes import PERMANENT
-
     if restart_count == 0 or not elastic_run_id:
         return
     record = records.read_exit_record(store)

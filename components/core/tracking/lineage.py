@@ -22,6 +22,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from relaunch.components.core.contract.errors import BadInput
+from relaunch.components.core.store import open_store
+from relaunch.components.core.store.azure import wasbs_uri
+
 EXPERIMENT_KIND = "custom_model_development"  # MLflow 3's "Model training" experiment kind
 DESCRIPTION_TAG = "mlflow.note.content"  # the run's / experiment's description in the UI
 CHECKPOINT_TAG = "relaunch.checkpoint_uri"
@@ -185,7 +189,6 @@ def record_attempts(config, run_id: str) -> None:
     from mlflow.entities import RunTag
 
     from relaunch.components.core.tracking import goodput
-    from relaunch.components.core.store import open_store
     from relaunch.components.core.tracking.client import call, client as tracking_client, tracking_uri
     from relaunch.components.core.tracking.mlflow_tracker import (ATTEMPTS_ARTIFACT, CHECKPOINTS_ARTIFACT, attempt_summary_tags,
                                                          attempts_table, checkpoint_history)
@@ -203,7 +206,6 @@ def record_attempts(config, run_id: str) -> None:
 
 def _training_summary(config) -> dict | None:
     from relaunch.components.core.store.records import read_summary
-    from relaunch.components.core.store import open_store
 
     try:
         return read_summary(open_store(config.store.uri))
@@ -255,7 +257,6 @@ def log_dataset_input(config, run_id: str, splits: dict, version: str, uri: str)
 
     train = splits["train"]
     if uri.startswith("az://"):  # MLflow resolves Azure dataset sources by their wasbs:// name only
-        from relaunch.components.core.store.azure import wasbs_uri
 
         uri = wasbs_uri(uri)
     dataset = mlflow.data.from_numpy(np.asarray(train["x"]), targets=np.asarray(train["y"]), source=uri,
@@ -292,7 +293,6 @@ def logged_model(config, checkpoint_uri: str, step: int, write_model: Callable[[
 
     from mlflow.entities import LoggedModelOutput, LoggedModelStatus
 
-    from relaunch.components.core.contract.errors import BadInput
     from relaunch.components.core.tracking.client import call, client as tracking_client, tracking_uri
 
     run_id = config.tracking.run_id

@@ -36,8 +36,10 @@ import tempfile
 import time
 from typing import Any
 
+from relaunch.components.core.checkpoint import checkpoint_steps, step_key
 from relaunch.components.core.contract.errors import BadInput
 from relaunch.components.core.contract.events import Kind, emit
+from relaunch.components.core.contract.exitcodes import MEANING
 from relaunch.components.core.store import records
 from relaunch.components.core.tracking import goodput
 from relaunch.components.core.tracking.trackers import AttemptEnd, AttemptStart, TrackerBase
@@ -69,8 +71,6 @@ def attempt_summary_tags(attempts: list[goodput.Attempt], *, current: int | None
 def attempts_table(attempts: list[goodput.Attempt], *, current: int | None = None) -> list[dict[str, Any]]:
     """Every attempt as a row of ``relaunch/attempts.json``; ``current`` (still running) without an end.
     An attempt killed without a word ends at its last heartbeat with exit 137 and ``end_recorded`` false."""
-    from relaunch.components.core.contract.exitcodes import MEANING
-
     rows = []
     for a in attempts:
         row: dict[str, Any] = {"attempt": a.attempt, "start": _iso(a.start), "world_size": a.world_size,
@@ -87,8 +87,6 @@ def checkpoint_history(store, attempts: list[goodput.Attempt], extra: dict[int, 
     """Every checkpoint this training committed, oldest first, as rows of ``relaunch/checkpoints.json``:
     step, URI, the attempt that committed it, when, and its state ("kept", or "deleted by retention"
     when its folder is gone). ``extra``: step -> attempt of commits not yet in the attempt records."""
-    from relaunch.components.core.checkpoint import checkpoint_steps, step_key
-
     existing = set(checkpoint_steps(store))
     committed: dict[int, tuple[int, float | None]] = {}
     for a in attempts:

@@ -20,6 +20,7 @@ from relaunch.components.core.trainer.health import save_fits_grace
 from relaunch.components.core.contract.classify import as_error, is_store_unwritable
 from relaunch.components.core.contract.errors import StoreUnwritable
 from relaunch.components.core.contract.events import Kind, emit
+from relaunch.components.core.runtime import distributed as distr
 from relaunch.components.core.store import UNWRITABLE_ADVICE
 
 
@@ -193,8 +194,6 @@ class TrainerCheckpoints:
     def save_on_preemption(self, step: int, grace_left_seconds: float) -> bool:
         """Save ``step`` if rank 0 finds that a save fits the grace left (every rank gets its answer),
         else only let the pending save commit; whether it saved."""
-        from relaunch.components.core.runtime import distributed as distr
-
         fits = True
         if self.env.is_main:
             last_save = float(getattr(self.manager, "last_save_seconds", 0.0) or 0.0)

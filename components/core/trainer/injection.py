@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 
+from relaunch.components.core.contract.config import parse_failure_spec
 from relaunch.components.core.store.records import injected_key
 
 OUTAGE_SECONDS = 3.0  # long enough for several backoff rounds, short enough for a demo
@@ -26,8 +27,6 @@ class Injection:
     """``launch.inject_failure`` on one rank; :meth:`before_step` fires it at its step."""
 
     def __init__(self, spec: str | None, store, rank: int, world: int, pids: list[int]):
-        from relaunch.components.core.contract.config import parse_failure_spec
-
         self.kind, self.step = parse_failure_spec(spec)  # validated by the config model
         self.store, self.rank, self.world, self.pids = store, rank, world, pids
         self.outage_until = 0.0

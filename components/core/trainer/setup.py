@@ -21,6 +21,7 @@ from relaunch.components.core.checkpoint import CheckpointManager
 from relaunch.components.core.checkpoint.fingerprint import model_fingerprint
 from relaunch.components.core.checkpoint.start import start_point
 from relaunch.components.core.contract.errors import BadInput
+from relaunch.components.core.store.datasets import read_dataset
 from relaunch.components.core.tracking.warm_start import warm_start_checkpoint
 
 
@@ -83,8 +84,6 @@ def load_data(config, task, store) -> TrainData:
     """
     t = config.train
     if config.data.version:
-        from relaunch.components.core.store.datasets import read_dataset
-
         splits = read_dataset(store, config.data.version)
     else:
         splits = task.build_splits()

@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Callable
 
+from relaunch.components.core.tracking.runlogger import RunLogger
+
 SAMPLE_SECONDS = 2.0
 """The sampling interval; ``MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL`` (MLflow's own knob) wins."""
 
@@ -64,8 +66,6 @@ class SystemSampler:
     def _run(self) -> None:
         try:
             import psutil
-
-            from relaunch.components.core.tracking.runlogger import RunLogger
 
             self._psutil = psutil
             self._process = psutil.Process()

@@ -14,7 +14,9 @@ from typing import Any
 
 from relaunch.components.core.contract.errors import Preempted, RelaunchError
 from relaunch.components.core.contract.events import Kind, emit
+from relaunch.components.core.runtime import distributed as distr
 from relaunch.components.core.store import records
+from relaunch.components.core.tracking.client import ensure_run, tracking_uri
 from relaunch.components.core.tracking.trackers import AttemptEnd, AttemptStart, Tracker, open_trackers
 
 # How long the logger may flush before the process exits, by how the attempt ends. Told to go (a peer
@@ -34,7 +36,6 @@ def resolve_run_id(config, store) -> str:
     stored = records.stored_run_id(store)
     if stored:
         return stored
-    from relaunch.components.core.tracking.client import ensure_run, tracking_uri
 
     return records.remember_run(store, ensure_run(config), tracking_uri=tracking_uri(config),
                                 experiment=config.tracking.experiment)  # another start may have won the race
@@ -45,8 +46,6 @@ def run_params(config, env) -> dict[str, Any]:
     import subprocess
 
     import torch
-
-    from relaunch.components.core.runtime import distributed as distr
 
     commit = os.environ.get("RELAUNCH_GIT_COMMIT")
     if not commit:
