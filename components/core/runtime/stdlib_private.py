@@ -3,7 +3,8 @@
 Python whose ``atexit`` lacks it, or no longer runs every handler through it, fails there by name.
 
 Why no public way: a process that ends through ``os._exit`` (to skip the interpreter freeing torch and
-MLflow module by module, about a second of CPU) must first run every ``atexit`` handler (a pending async
+MLflow module by module: measured 941 ms against 39 ms from a step's end to its process gone, median of
+5, with torch and MLflow imported) must first run every ``atexit`` handler (a pending async
 save's, MLflow's, ``weakref.finalize``'s temporary-directory cleanups), and a warm step server's child
 must run them and then return to its server. The public ``atexit`` only registers and unregisters;
 the public alternative, a handler registered first that calls ``os._exit`` last (what
