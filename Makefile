@@ -24,9 +24,11 @@ run: $(STAMP) ## run the whole pipeline locally: 2 torchrun "nodes" on CPU, loca
 	$(BIN)/relaunch run $(ARGS)
 
 test: $(STAMP) ## run the whole test suite (starts its own S3, PostgreSQL and MLflow servers)
+	@$(BIN)/python -c "import ray" 2>/dev/null || $(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e '.[ray]'
 	$(BIN)/python -m pytest $(ARGS)
 
 bench: $(STAMP) ## run the benchmarks; prints tables and writes bench-results/*.json
+	@$(BIN)/python -c "import ray" 2>/dev/null || $(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e '.[ray]'
 	$(BIN)/python -m tests.bench $(ARGS)
 
 ui: $(STAMP) ## open the local MLflow UI on http://127.0.0.1:5000 (one worker, no job runner)

@@ -82,6 +82,8 @@ from relaunch.components.core.tracking.client import tracking_uri
 from relaunch.components.core.tracking.goodput import TrainSummary  # noqa: E402
 from relaunch.components.core.trainer.health import PreemptionFlag, SpikeDetector, Watchdog, is_finite  # noqa: E402
 from relaunch.components.core.trainer.injection import Injection, wrap_store  # noqa: E402
+from relaunch.components.core.trainer import inplace  # noqa: E402
+from relaunch.components.core.trainer.inplace import InPlace  # noqa: E402
 from relaunch.components.core.trainer.checkpoints import TrainerCheckpoints  # noqa: E402
 from relaunch.components.core.trainer import progress  # noqa: E402
 from relaunch.components.core.trainer.parallel import total_grad_norm
@@ -190,6 +192,7 @@ class Training:
         self.parts: setup.ModelParts | None = None
         self.spikes = SpikeDetector(self.t.loss_spike_factor)
         self.checkpoints: TrainerCheckpoints | None = None
+        self.inplace: InPlace | None = None  # train.memory_tier under the in-place agent
         self.log: goodput.AttemptLog | None = None  # rank 0's attempt record
         self.tracker = TrainingTracker(config, None, enabled=False, run_id=None, attempt=0)
         self.preempt = PreemptionFlag()
@@ -219,7 +222,8 @@ class Training:
         raw_store = open_store(self.config.store.uri)
         goodput.refuse_permanent_restart(raw_store, env.restart_count, env.elastic_run_id)
         self.injection = Injection.for_world(self.config.launch.inject_failure, raw_store, env)
-        self.store = wrap_store(raw_store, self.injection)
+        self.inplace = InPlace.for_worker(self.config, env, raw_store)
+        self.store = wrap_store(self.inplace.store if self.inplace else raw_store, self.injection)
         setup.seed(self.config)
         self.data = setup.load_data(self.config, self.task, self.store)
         self.phases["data"] = time.time() - _PROCESS_START
@@ -247,13 +251,23 @@ class Training:
         self.tracker = TrainingTracker(self.config, HintWrites(self.store), enabled=env.is_main, run_id=self.run_id,
                                        attempt=self.attempt)
         manager = setup.open_checkpoints(self.config, self.store, self.run_id, self.parts.module)
+        if self.inplace is not None:
+            self.inplace.attach(manager)
         self.checkpoints = TrainerCheckpoints(
             self.config, env, manager, self.parts.state, self.tracker, self.log, self.attempt,
             lambda: self.task.evaluate(self.parts.module, self.data.splits["val"]), self._peers,
             self.data.steps_per_epoch, self.total_steps)
 
     def resume(self) -> None:
-        restored = setup.restore(self.config, self.checkpoints.manager, self.parts, self._peers)
+        warm_up = inplace.ddp_warm_up(self)  # every start alike: DDP's buckets as an uninterrupted run's
+        if self.inplace is not None:  # memory when every rank can serve it, else the store
+            restored = self.inplace.restore(self.config, self.checkpoints.manager, self.parts, self._peers,
+                                            warm_up).restored
+        else:
+            if warm_up is not None:
+                with self._peers():
+                    warm_up()
+            restored = setup.restore(self.config, self.checkpoints.manager, self.parts, self._peers)
         self.checkpoints.last_committed = restored.committed
         if restored.step >= 0:
             self.step = self.resumed_from = self.checkpoints.last_saved = restored.step
@@ -269,12 +283,12 @@ class Training:
     def loop(self) -> None:
         self.preempt.install()
         watchdog = Watchdog(self.t.hang_timeout_seconds, on_hang=self._record_hang).start()
-        if self.log:  # written with the first step's record: a store write (fsync) must not delay that step
-            self.log.record.loop_start = time.time()
+        if self.log and self.log.record.loop_start is None:  # once per attempt: a recovery in place goes on in it;
+            self.log.record.loop_start = time.time()  # written with the first step's record (no fsync before that step)
         cadence = self.checkpoints.cadence
         cadence.restart_clock()
         perm_epoch, perm = -1, None
-        loop_started = time.monotonic()
+        loop_started = time.monotonic() - self.train_seconds  # a survivor's loop resumed in place adds to its time
         try:
             while self.step < self.total_steps:
                 epoch = self.step // self.data.steps_per_epoch
@@ -483,7 +497,13 @@ def run(config: RelaunchConfig) -> TrainSummary:
     try:
         training.setup()
         training.resume()
-        training.loop()
+        while True:
+            try:
+                training.loop()
+                break
+            except PeerFailure as err:  # a killed peer: a survivor recovers in place when it can
+                if training.inplace is None or not training.inplace.recover(training, err):
+                    raise
         return training.finish()
     except RelaunchError as err:
         return training.fail(err)

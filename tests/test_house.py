@@ -24,6 +24,7 @@ LAYERS = (
     "relaunch.components.core.tracking",    # MLflow and the other trackers, lineage, goodput
     "relaunch.components.core.trainer",     # the training loop's parts
     "relaunch.components.core.packaging",   # the task's model as an MLflow pyfunc model
+    "relaunch.components.core.tuning",      # a study of trainings: its Optuna storage, trials and their folders
     "relaunch.components.launchers",        # torchrun locally, PyTorchJob, TrainJob, Slurm
     "relaunch.components",                  # the package root: registers the store rules and the launch backends
     "relaunch.components.<step>",           # the steps, one module each

@@ -1,4 +1,4 @@
-"""The launch backends (``local``, ``pytorchjob``, ``trainjob``; ``slurm`` renders only). Each is one
+"""The launch backends (``local``, ``pytorchjob``, ``trainjob``, ``ray``, ``rayjob``; ``slurm`` renders only). Each is one
 module implementing
 
     launch(config: RelaunchConfig, *, pipeline_run_id: str, resume_from: str | None) -> LaunchResult
@@ -7,8 +7,11 @@ and, for each ``relaunch render`` kind it offers, a function ``(config, run_id) 
 dict is written as YAML). :data:`LAUNCH_BACKENDS` is the one table of them: the config accepts a
 ``launch.backend`` it lists, ``relaunch.components.launch`` runs its module, ``relaunch render`` offers its
 kinds. Adding a backend is its module plus one :func:`register_launch_backend` line at the end of
-this file. The two cluster backends share one contract, :mod:`relaunch.components.launchers.cluster`; every
-backend runs the one torchrun command of :meth:`relaunch.components.launchers.jobs.JobSpec.torchrun_args`.
+this file. The cluster backends share one contract, :mod:`relaunch.components.launchers.cluster`. Every
+backend runs the one training entrypoint of the neutral :class:`relaunch.components.launchers.jobs.JobSpec`:
+under torchrun (:meth:`~relaunch.components.launchers.jobs.JobSpec.torchrun_args`), under relaunch's in-place
+agent (``train.memory_tier``, :mod:`~relaunch.components.launchers.inplace`), or in Ray actors that give it
+torchrun's environment (:mod:`~relaunch.components.launchers.ray`).
 """
 
 from __future__ import annotations
@@ -67,3 +70,5 @@ register_launch_backend("pytorchjob", cluster=True, renders={"pytorchjob": "rend
 register_launch_backend("trainjob", cluster=True,
                         renders={"trainjob": "render", "trainingruntime": "render_training_runtime"})
 register_launch_backend("slurm", launches=False, renders={"slurm": "render"})
+register_launch_backend("ray")
+register_launch_backend("rayjob", cluster=True, renders={"rayjob": "render"})

@@ -158,9 +158,12 @@ class Launcher:
     """Create-or-adopt, wait, map: one instance per launch attempt, for either backend."""
 
     def __init__(self, jobs: JobClient, *, timeout_seconds: float, say: Callable[[str], None] | None = None,
-                 poll_seconds: float = 1.0) -> None:
+                 poll_seconds: float = 1.0,
+                 failure: Callable[[dict, list[dict]], tuple[int, str]] | None = None) -> None:
         self.jobs = jobs
         self.kind = jobs.kind
+        # how a failed job maps to the contract (default: its pods' codes; a RayJob reads the training's record)
+        self.failure = failure or (lambda job, pods: failure_exit_code(self.kind, job, pods))
         self.timeout_seconds = timeout_seconds
         self.say = say or (lambda message: print(f"launch[{self.kind.plural}]: {message}", file=sys.stderr, flush=True))
         self.poll_seconds = poll_seconds
@@ -178,7 +181,7 @@ class Launcher:
             state = self.kind.state(job)
             self.say(f"found {self.kind.kind} {name} from an earlier attempt: {state.phase}")
             if state.phase == "Failed":
-                code, why = failure_exit_code(self.kind, job, self.jobs.pods(name))
+                code, why = self.failure(job, self.jobs.pods(name))
                 if code not in RETRYABLE:
                     return LaunchResult(exit_code=code, message=f"job {name} failed: {why}", job_name=name)
                 self.say(f"earlier job failed with retryable {code} ({why}); deleting and creating it again")
@@ -261,7 +264,7 @@ class Launcher:
         state = self.kind.state(job)
         if state.phase == "Succeeded":
             return LaunchResult(exit_code=0, message=f"job {name} succeeded", restarts=state.restarts)
-        code, why = failure_exit_code(self.kind, job, self.jobs.pods(name))
+        code, why = self.failure(job, self.jobs.pods(name))
         return LaunchResult(exit_code=code, message=f"job {name} failed: {why}", restarts=state.restarts)
 
     def _start_log(self, name: str) -> None:
@@ -290,7 +293,8 @@ def _stream_errors() -> tuple[type[BaseException], ...]:
 
 
 def launch_job(kind: JobKind, build: Callable[[str | None], dict], config: RelaunchConfig,
-               resume_from: str | None) -> LaunchResult:
+               resume_from: str | None,
+               failure: Callable[[dict, list[dict]], tuple[int, str]] | None = None) -> LaunchResult:
     """Create or adopt the job ``build(resume_from)`` describes and wait for it; the contract of
     every backend.
 
@@ -303,7 +307,8 @@ def launch_job(kind: JobKind, build: Callable[[str | None], dict], config: Relau
     k8s = config.launch.kubernetes
     try:
         jobs = JobClient(kube_api_client(), kind, k8s.namespace)
-        return Launcher(jobs, timeout_seconds=k8s.wait_timeout_seconds).run(build(resume_from), lambda: build(None))
+        return Launcher(jobs, timeout_seconds=k8s.wait_timeout_seconds, failure=failure).run(
+            build(resume_from), lambda: build(None))
     except BadInput as err:
         return LaunchResult(exit_code=int(ExitCode.BAD_INPUT), message=str(err))
     except ApiException as err:

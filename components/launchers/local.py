@@ -14,6 +14,9 @@ having imported torch, MLflow and the task already): torchrun's worker command b
 restarted, is a fork of a single-threaded pre-imported process: the mechanism a pod uses
 (:func:`relaunch.components.launchers.jobs.supervised`). The agents themselves are plain processes.
 
+With ``train.memory_tier`` on one node the agent is :mod:`relaunch.components.launchers.inplace` instead of
+torchrun (cold workers): a killed worker is replaced while its peers keep their processes and their memory.
+
 It streams the agents' output, reads rank 0's events (:mod:`relaunch.components.core.contract.events`) from it, passes
 them on to the run's event file (or draws a progress bar), and maps the outcome to the exit-code
 contract: torchrun exits 1 for any worker failure, so the code of the worker that ended the attempt
@@ -46,6 +49,7 @@ from relaunch.components.core.runtime.net import free_port
 from relaunch.components.core.runtime.zygote import Zygote, client_command
 from relaunch.components.core.runtime.zygote_client import ZYGOTE_ENV
 from relaunch.components.launchers import LaunchResult
+from relaunch.components.launchers.inplace import agent_args, runs_in_place
 from relaunch.components.launchers.jobs import JobSpec, job_spec
 from relaunch.components.launchers.torchrun import exit_code
 
@@ -60,9 +64,13 @@ COLD_ENV = "RELAUNCH_COLD"
 """Set (to anything but empty) to start every agent and worker as a fresh interpreter, as ``--cold`` does."""
 
 
-def build_commands(spec: JobSpec, *, job_id: str, port: int, warm: bool = False) -> list[list[str]]:
+def build_commands(spec: JobSpec, *, job_id: str, port: int, warm: bool = False,
+                   in_place: bool = False) -> list[list[str]]:
     """The torchrun command of each simulated node of ``spec`` (side-effect free); ``warm``: its workers
-    through the zygote client."""
+    through the zygote client. ``in_place`` (``train.memory_tier`` on one node): the in-place agent
+    instead (:mod:`relaunch.components.launchers.inplace`), which keeps the survivors of a killed worker."""
+    if in_place:
+        return [[sys.executable, "-m", "relaunch.components.launchers.inplace", *agent_args(spec, job_id, warm=warm)]]
     return [[sys.executable, "-m", "torch.distributed.run",
              *spec.torchrun_args(rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=job_id,
                                  rdzv_conf=f"is_host={'true' if node == 0 else 'false'}", extra=["--local-addr=127.0.0.1"],
@@ -77,16 +85,18 @@ def launch(config: RelaunchConfig, *, pipeline_run_id: str, resume_from: str | N
         config.train.resume_from = resume_from
     job_id = re.sub(r"[^a-zA-Z0-9-]", "-", f"{config.name}-{pipeline_run_id or 'manual'}")[:60]
     spec = job_spec(config)
+    in_place = runs_in_place(config)
     warm = runtime_warm.forked and not os.environ.get(COLD_ENV)
-    commands = build_commands(spec, job_id=job_id, port=config.launch.rdzv_port or free_port(), warm=warm)
+    commands = build_commands(spec, job_id=job_id, port=config.launch.rdzv_port or free_port(), warm=warm,
+                              in_place=in_place)
     started = time.time()
-    watch = _Watch(ProgressReporter.for_environment())
+    watch = AgentWatch(ProgressReporter.for_environment())
     with _zygotes(spec.nodes if warm else 0, config.train.task.split(":")[0]) as zygote_envs:
-        agents = [_start(cmd, node, zygote_envs[node] if warm else {}) for node, cmd in enumerate(commands)]
+        agents = [start_agent(cmd, node, zygote_envs[node] if warm else {}) for node, cmd in enumerate(commands)]
         for node, agent in enumerate(agents):
             threading.Thread(target=watch.follow, args=(agent, node), daemon=True, name=f"agent-{node}-reader").start()
         try:
-            codes, timed_out = _wait(agents, config.launch.timeout_seconds,
+            codes, timed_out = wait_agents(agents, config.launch.timeout_seconds,
                                      config.train.preempt_grace_seconds + STOP_MARGIN_SECONDS, watch.ended_for_good)
         finally:  # stopped too: the agents' last lines (the preempted attempt's summary) still go out
             watch.close()
@@ -115,7 +125,8 @@ def _zygotes(nodes: int, task_module: str):
                 zygote.close()
 
 
-def _start(cmd: list[str], node: int, zygote_env: dict[str, str]) -> subprocess.Popen:
+def start_agent(cmd: list[str], node: int, zygote_env: dict[str, str]) -> subprocess.Popen:
+    """Start one agent command (a torchrun or a Ray driver) in its own session, its output piped."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RELAUNCH_NODE": str(node), **zygote_env}
     env.setdefault("OMP_NUM_THREADS", "1")
     # A fresh worker store per rendezvous round: with torchrun's shared store, a restart can pair ranks
@@ -126,7 +137,7 @@ def _start(cmd: list[str], node: int, zygote_env: dict[str, str]) -> subprocess.
                             start_new_session=True)
 
 
-def _wait(agents: list[subprocess.Popen], timeout: float, stop_grace: float = AGENT_STOP_SECONDS,
+def wait_agents(agents: list[subprocess.Popen], timeout: float, stop_grace: float = AGENT_STOP_SECONDS,
           ended_for_good: Callable[[], bool] = lambda: False) -> tuple[list[int], bool]:
     """Wait for every agent; once one fails, the others get a grace period, then are stopped; once
     ``ended_for_good`` (rank 0 said it ended with a permanent code, which torchrun would restart
@@ -173,7 +184,7 @@ def _stop(agents: list[subprocess.Popen], grace: float) -> None:
             time.sleep(0.1)
 
 
-def _outcome(config: RelaunchConfig, codes: list[int], watch: "_Watch", started: float) -> int:
+def _outcome(config: RelaunchConfig, codes: list[int], watch: "AgentWatch", started: float) -> int:
     if all(c == 0 for c in codes):
         return ExitCode.OK
     code = exit_code(config, next(c for c in codes if c != 0), started, reported=watch.worker_exit_code)
@@ -183,7 +194,7 @@ def _outcome(config: RelaunchConfig, codes: list[int], watch: "_Watch", started:
 
 
 @dataclass
-class _Watch:
+class AgentWatch:
     """Reads every agent's output: echoes it, feeds the progress bar, remembers restarts and failures."""
 
     reporter: "ProgressReporter"

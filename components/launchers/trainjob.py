@@ -22,6 +22,7 @@ from typing import Any
 from relaunch.components.core.contract.config import KubernetesConfig, RelaunchConfig, TrainJobConfig
 from relaunch.components.core.trainer.progress import NAMESPACE_ENV, TRAINJOB_ENV
 from relaunch.components.launchers import LaunchResult
+from relaunch.components.launchers import inplace
 from relaunch.components.launchers.cluster import launch_job
 from relaunch.components.launchers.jobs import (
     JobKind, JobSpec, JobState, RestartPolicy, describe_conditions, job_metadata, job_spec, owner_from_env,
@@ -104,7 +105,10 @@ def jobset_action(runtime: dict, exit_code: int) -> str:
 
 
 def command(spec: JobSpec, name: str) -> list[str]:
-    """The supervised torchrun, with the c10d rendezvous on the address Trainer gives node 0."""
+    """The supervised torchrun, with the c10d rendezvous on the address Trainer gives node 0; a one-node
+    job with ``train.memory_tier``: the supervised in-place agent (its survivors keep their processes)."""
+    if spec.nodes == 1 and inplace.memory_tier(spec):
+        return inplace.pod_command(spec, name)
     return supervised(spec.torchrun_args(rdzv_endpoint=RDZV_ENDPOINT, rdzv_id=name))
 
 
@@ -156,7 +160,10 @@ def render_runtime(spec: JobSpec, k8s: KubernetesConfig, trainjob: TrainJobConfi
             ml_policy=t.TrainerV1alpha1MLPolicy(num_nodes=spec.nodes,
                                                 torch=t.TrainerV1alpha1TorchMLPolicySource()),
             template=t.TrainerV1alpha1JobSetTemplateSpec(spec=t.JobsetV1alpha2JobSetSpec(
-                failure_policy=t.JobsetV1alpha2FailurePolicy.from_dict(jobset_failure_policy(trainjob.max_restarts)),
+                failure_policy=t.JobsetV1alpha2FailurePolicy.from_dict(
+                    {**jobset_failure_policy(trainjob.max_restarts),
+                     # JobSet's in-place restart (alpha, Kubernetes >= 1.35): the pods stay, only failed containers restart
+                     **({"restartStrategy": "InPlaceRestart"} if inplace.memory_tier(spec) else {})}),
                 ttl_seconds_after_finished=k8s.ttl_seconds_after_finished,
                 replicated_jobs=[t.JobsetV1alpha2ReplicatedJob(
                     name=NODE,

@@ -19,7 +19,9 @@ from relaunch.pipelines.spec import EVALUATE, FINALIZE, LAUNCH, LOCATE, PREPARE,
 from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.core.contract.events import Event, Kind, read_file
 from relaunch.components.core.contract.exitcodes import MEANING, ExitCode, is_retryable, unrecorded_end
+from relaunch.components.core.store import open_store, records
 from relaunch.components.core.tracking.lineage import run_url
+from relaunch.components.launchers.inplace import runs_in_place
 
 STEPS = tuple(STEP_TABLE)  # the five steps and the exit task
 
@@ -116,6 +118,10 @@ class RunView:
             self._attempts_ended_without_a_word(int(ev.get("attempt", 0) or 0))
             self.resumed.append({"time": ev.time, **ev.fields})
             where = f"resumed from step {ev['step']}" if int(ev.get("step", -1)) >= 0 else "started from scratch"
+            if ev.get("in_place"):  # train.memory_tier: a killed worker replaced, its peers kept their processes
+                where = (f"recovered in place from {ev.get('source', '?')} at step {ev['step']} (a worker lost at step "
+                         f"{ev.get('lost_at_step', '?')}; {float(ev.get('recovery_seconds', 0)):.2f}s, "
+                         f"{ev.get('store_bytes_read', '?')} bytes read from the store)")
             self._print(f"    [cyan]↳[/] training attempt {ev.get('attempt', '?')} {where}")
         elif kind == Kind.SAVING:
             self.saved.append({"time": ev.time, **ev.fields})
@@ -281,12 +287,27 @@ def render_summary(config: RelaunchConfig, result, console) -> None:
             rows.append(("training", f"nothing launched: trained earlier ({lau.train_seconds:.1f}s of training); "
                                      f"ETTR {lau.ettr:.3f}"))
         launch_retries = max(0, s[LAUNCH.name].attempts - 1)
-        rows.append(("fault tolerance", f"{lau.restarts} torchrun restart(s), {launch_retries} launch retr"
+        restarter = ("Ray round" if config.launch.backend == "ray" else
+                     "in-place agent" if config.launch.backend == "local" and runs_in_place(config) else "torchrun")
+        rows.append(("fault tolerance", f"{lau.restarts} {restarter} restart(s), {launch_retries} launch retr"
                                         f"{'y' if launch_retries == 1 else 'ies'}; "
                                         + (f"resumed from step {', '.join(map(str, resumed))}" if resumed else "no resume")))
+        for r in _in_place_recoveries(config):
+            rows.append(("recovered", f"in place from {r['source']}: a worker lost at step {r['lost_at_step']}, "
+                                      f"resumed at step {r['resumed_step']} in {float(r['seconds']):.2f}s "
+                                      f"(its peers kept their processes)"))
     rows.append(("took", f"{result.seconds:.1f}s; log {result.run_dir / 'pipeline.log'}"))
     for key, value in rows:
         console.print(f"  [bold]{key:<16}[/] {value}", highlight=False, soft_wrap=True)
+
+
+def _in_place_recoveries(config: RelaunchConfig) -> list[dict[str, Any]]:
+    """The training's recoveries of a lost worker inside an attempt (``train.memory_tier``), from its summary."""
+    try:
+        summary = records.read_summary(open_store(config.store.uri)) or {}
+    except Exception:  # the summary must not fail a finished run
+        return []
+    return list((summary.get("goodput") or {}).get("in_place") or [])
 
 
 def _committed(config: RelaunchConfig) -> list[str]:

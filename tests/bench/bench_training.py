@@ -5,7 +5,13 @@ checkpoints every few seconds) once undisturbed and once with one worker SIGKILL
 (torchrun restarts the group; the trainer resumes from the latest committed checkpoint), each pair
 twice: cold (torchrun's workers are fresh interpreters) and warm (its workers are the zygote client,
 ``--no-python python -I -S zygote_client.py``, and each worker a fork of a zygote the bench starts
-first, as a pod's supervisor does; the SIGKILL hits the forked worker itself). ETTR is
+first, as a pod's supervisor does; the SIGKILL hits the forked worker itself); and twice more with
+recovery from memory (``train.memory_tier``, issue 30): the in-place agent replaces only the killed
+worker, the survivor keeps its process and restores from its own snapshot, the replacement from its
+peer's replica ("inplace": the replacement a fresh interpreter; "inplace-warm": a fork of the zygote).
+For those, MTTR is kill -> the first step after the recovery (the attempt record's ``in_place`` entry,
+or a new attempt's first step when rank 0 was the one killed). ``BENCH_HOWS`` picks a subset
+(e.g. ``inplace,inplace-warm``). ETTR is
 the trainer's own goodput report (productive time / wall time, from its per-attempt records in the
 store), projected to a kill every 60 s twice: against the undisturbed run as measured (its first start
 included) and for a training long enough to amortise its first start; ``wall ratio`` is the undisturbed wall time over the disturbed one for the same work. MTTR is
@@ -71,6 +77,11 @@ FIGURE = Path("bench-results") / "training-breakdown.png"
 GOAL_MTTR_WARM = 1.0  # s, p95, a warm restart
 GOAL_COLD_OVER_FLOOR = 2.0  # p95 of a cold restart over the floor (fresh interpreter importing torch + torch.distributed)
 GOAL_ETTR = 0.97  # with a SIGKILL every 60 s
+# issue 30's goals: recovery from memory
+GOAL_MTTR_INPLACE_WARM = 0.3  # s, p95, the replacement a warm fork
+GOAL_INPLACE_COLD_OVER_FLOOR = 1.0  # p95 over the floor, the replacement a fresh interpreter
+GOAL_ETTR_INPLACE = 0.995  # with a SIGKILL every 60 s
+HOWS = tuple(os.environ.get("BENCH_HOWS", "cold,warm,inplace,inplace-warm").split(","))
 GOAL_LOGGING = 0.01  # MLflow logging / step time on rank 0
 
 PHASES = ("detection", "rendezvous", "process start + imports", "process-group init", "task + data",
@@ -120,7 +131,17 @@ def _torchrun(config: dict, log: Path, max_restarts: int, env: dict[str, str], w
                             start_new_session=True)
 
 
-def _training(config: dict, workdir: Path, *, kill_every: float | None, kills: int, warm: bool = False) -> dict:
+def _inplace_agent(config: dict, log: Path, max_restarts: int, env: dict[str, str], warm: bool) -> subprocess.Popen:
+    """The in-place agent as the local launch renders it for ``train.memory_tier`` on one node."""
+    config = {**config, "train": {**config["train"], "memory_tier": True}}
+    argv = [sys.executable, "-m", "relaunch.components.launchers.inplace", "--nproc-per-node=2",
+            f"--max-restarts={max_restarts}", *(("--warm",) if warm else ()),
+            "-m", "relaunch.components.train", "--config-json", json.dumps(config)]
+    return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _training(config: dict, workdir: Path, *, kill_every: float | None, kills: int, how: str = "cold") -> dict:
     """One training to its end, SIGKILLing a random worker every ``kill_every`` s once the previous
     restart completed a step. ``warm``: the workers are forks of a zygote the bench starts first, as a
     pod's supervisor does (:func:`relaunch.components.core.runtime.zygote.for_command`), and the kill hits the
@@ -131,7 +152,8 @@ def _training(config: dict, workdir: Path, *, kill_every: float | None, kills: i
 
     rng = random.Random(0)
     store_root = Path(config["store"]["uri"])
-    name = f"{'warm' if warm else 'cold'}-{'killed' if kill_every else 'plain'}"
+    warm, in_place = how.endswith("warm"), how.startswith("inplace")
+    name = f"{how}-{'killed' if kill_every else 'plain'}"
     log = workdir / f"{name}.log"
     env = _torchrun_env()
     started = time.time()
@@ -141,7 +163,8 @@ def _training(config: dict, workdir: Path, *, kill_every: float | None, kills: i
                         env=env, cwd=str(ROOT))
         env = {**env, **zygote.env}
     try:
-        proc = _torchrun(config, log, kills + 3, env, client_command() if warm else [])
+        proc = (_inplace_agent(config, log, kills + 3, env, warm) if in_place
+                else _torchrun(config, log, kills + 3, env, client_command() if warm else []))
         kill_times: list[float] = []
         gone_times: list[float] = []  # when the last worker of the killed group was gone
         old: list[int] = []
@@ -169,7 +192,11 @@ def _training(config: dict, workdir: Path, *, kill_every: float | None, kills: i
     mttr, breakdowns = [], []
     for i, t in enumerate(kill_times):
         after = [a for a in attempts if a.start > t and a.first_step_time]
-        if after:
+        kept = sorted(r["first_step_time"] for a in attempts for r in a.in_place
+                      if r["lost_at"] > t and r.get("first_step_time"))
+        if kept and (not after or kept[0] < after[0].first_step_time):  # the survivors went on: no new attempt
+            mttr.append(kept[0] - t)
+        elif after:
             mttr.append(after[0].first_step_time - t)
             gone = next((g for g in gone_times if g >= t), None)
             breakdowns.append(restart_phases(t, gone, after[0]))
@@ -217,6 +244,8 @@ def _recovered(store_root: Path, since: float) -> bool:
         except (OSError, ValueError):
             continue
         if (record.get("first_step_time") or 0) > since:
+            return True
+        if any((r.get("first_step_time") or 0) > since for r in record.get("in_place", [])):
             return True
     return False
 
@@ -356,21 +385,26 @@ def long_run_ettr(killed: dict, plain: dict) -> float:
 def restart_rows(run: dict, plain: dict, floor: float, kill_every: float) -> list[dict]:
     """The rows of one SIGKILLed training (cold or warm): ETTR, its projection to a kill every 60 s,
     MTTR p50/p95 against its goal, and each phase's p50/p95."""
-    how = run["name"].split("-")[0]
+    how = run["name"].rsplit("-", 1)[0]
     lost = lost_per_kill(run, plain)
     p95 = _percentile(run["mttr"], 0.95)
-    goal = GOAL_MTTR_WARM if how == "warm" else GOAL_COLD_OVER_FLOOR * floor
-    goal_text = f"<= {GOAL_MTTR_WARM:g}" if how == "warm" else f"<= {GOAL_COLD_OVER_FLOOR:g} x floor = {goal:.2f}"
+    goal, goal_text = {
+        "warm": (GOAL_MTTR_WARM, f"<= {GOAL_MTTR_WARM:g}"),
+        "inplace-warm": (GOAL_MTTR_INPLACE_WARM, f"<= {GOAL_MTTR_INPLACE_WARM:g}"),
+        "inplace": (GOAL_INPLACE_COLD_OVER_FLOOR * floor,
+                    f"<= {GOAL_INPLACE_COLD_OVER_FLOOR:g} x floor = {GOAL_INPLACE_COLD_OVER_FLOOR * floor:.2f}"),
+    }.get(how, (GOAL_COLD_OVER_FLOOR * floor, f"<= {GOAL_COLD_OVER_FLOOR:g} x floor = {GOAL_COLD_OVER_FLOOR * floor:.2f}"))
+    goal_ettr = GOAL_ETTR_INPLACE if how.startswith("inplace") else GOAL_ETTR
     at60 = "" if kill_every == 60 else " (at 60 s)"
     rows = [
         {"metric": f"ETTR, {how}, SIGKILL every {kill_every:.0f}s ({run['kills']} kills)", "value": run["report"]["ettr"],
-         "goal": f">= {GOAL_ETTR}{at60}", "detail": _categories(run["report"])},
+         "goal": f">= {goal_ettr}{at60}", "detail": _categories(run["report"])},
         {"metric": f"ETTR, {how}, projected to a SIGKILL every 60 s", "value": plain["report"]["ettr"] * max(0.0, 1 - lost / 60),
-         "goal": f">= {GOAL_ETTR}", "detail": f"undisturbed ETTR x (1 - {lost:.2f} s lost per kill / 60 s); the "
+         "goal": f">= {goal_ettr}", "detail": f"undisturbed ETTR x (1 - {lost:.2f} s lost per kill / 60 s); the "
                                           f"undisturbed run's first start ({plain['report'].get('startup', 0.0):.1f} s) "
                                           f"in a {plain['report']['wall']:.0f} s training"},
         {"metric": f"ETTR, {how}, a long training with a SIGKILL every 60 s", "value": long_run_ettr(run, plain),
-         "goal": f">= {GOAL_ETTR}", "detail": f"1 - {lost:.2f} s lost per kill / 60 s - the undisturbed run's steady "
+         "goal": f">= {goal_ettr}", "detail": f"1 - {lost:.2f} s lost per kill / 60 s - the undisturbed run's steady "
                                           f"loss (checkpoint stalls, evaluation; its first start amortised); "
                                           f"checkpoints every {CHECKPOINT_EVERY:g} s"},
         {"metric": f"MTTR p50, {how} (kill -> first step after resume, s)", "value": _percentile(run["mttr"], 0.5),
@@ -379,7 +413,7 @@ def restart_rows(run: dict, plain: dict, floor: float, kill_every: float) -> lis
          "detail": f"{p95 / floor:.2f} x floor; {'met' if p95 <= goal else 'missed'}; torchrun --monitor-interval="
                    f"{monitor_interval():g}, rdzv {RDZV_CONF}" + (f"; {run['cold_starts']} workers started cold" if how == "warm" else "")},
     ]
-    for name in PHASES:
+    for name in PHASES if run["phases"] else ():  # torchrun's restarts; a recovery in place has no new attempt
         values = [b[name] for b in run["phases"]]
         rows.append({"metric": f"MTTR phase, {how}: {name}, p50 (s)", "value": _percentile(values, 0.5), "goal": "-",
                      "detail": f"p95 {_percentile(values, 0.95):.3f} s; each: {json.dumps([round(v, 3) for v in values])}"})
@@ -414,19 +448,18 @@ def run(quick: bool) -> list[dict]:
 
         floors: list[float] = []
         plain, killed = {}, []
-        for how in ("cold", "warm"):  # the floor before each training: a busy machine's load drifts
+        for how in HOWS:  # the floor before each training: a busy machine's load drifts
             floors += import_floor(1)
-            plain[how] = _training(config(f"{how}-plain"), workdir, kill_every=None, kills=0, warm=how == "warm")
+            plain[how] = _training(config(f"{how}-plain"), workdir, kill_every=None, kills=0, how=how)
             floors += import_floor(2)
-            killed.append(_training(config(f"{how}-killed"), workdir, kill_every=kill_every, kills=kills,
-                                    warm=how == "warm"))
+            killed.append(_training(config(f"{how}-killed"), workdir, kill_every=kill_every, kills=kills, how=how))
         floors += import_floor(1)
         logging = _logging_overhead(server.uri, 300 if quick else 2000)
     finally:
         server.stop()
     floor = statistics.median(floors)
     figure = plot_breakdown(killed, list(plain.values()), floor, FIGURE)
-    tracking = plain["cold"]["tracking"]
+    tracking = plain[HOWS[0]]["tracking"]
     wall_overhead = (logging["logged_step_seconds"] - logging["step_seconds"]) / logging["step_seconds"]
     cpu_overhead = (logging["main_thread_seconds_per_call"] + logging["sender_cpu_seconds_per_step"]) \
         / logging["step_seconds"]
@@ -435,7 +468,7 @@ def run(quick: bool) -> list[dict]:
          "detail": json.dumps([round(f, 2) for f in floors])},
     ]
     for run_ in killed:
-        how = run_["name"].split("-")[0]
+        how = run_["name"].rsplit("-", 1)[0]
         rows.append({"metric": f"ETTR, {how}, undisturbed", "value": plain[how]["report"]["ettr"], "goal": "-",
                      "detail": _categories(plain[how]["report"])})
         rows += restart_rows(run_, plain[how], floor, kill_every)

@@ -140,6 +140,35 @@ def test_a_file_read_whole_a_little_past_the_request_cap_is_one_request(tmp_path
     assert len([key for key, _ in ranges if key.endswith(".distcp")]) == requests, ranges
 
 
+@pytest.mark.parametrize("store_kind", ["fs", "s3"])
+def test_a_file_holding_a_tensor_over_the_request_cap_is_read_as_one_range_with_its_leading_items(
+        tmp_path, monkeypatch, store_kind, request):
+    """A large tensor behind a few small ones in the same file: one ranged read of the file, not a
+    small range for the leading items and another for the payload (each a request on S3)."""
+    import relaunch.components.core.checkpoint.dcp_io as dcp_io
+
+    if store_kind == "s3":
+        server = request.getfixturevalue("s3_env")
+        server.create_bucket("one-range")
+        root = "s3://one-range/ckpt"
+    else:
+        root = str(tmp_path / "store")
+    source = {"a_small": torch.randn(10), "b_small": torch.randn(20), "c_large": torch.randn(20000)}
+    _save(root, {"m": source})
+    monkeypatch.setattr(dcp_io, "REQUEST_BYTES", 16000)  # the large tensor's 80000 bytes are over the cap
+    monkeypatch.setattr(dcp_io, "REQUEST_SLACK", 4000)  # more than the leading items and their records
+    store = open_store(root)
+    ranges: list[tuple[str, int]] = []
+    read_into = store.read_into
+    monkeypatch.setattr(store, "read_into", lambda key, offset, buffer, **kw: ranges.append((key, offset))
+                        or read_into(key, offset, buffer, **kw))
+    target = {"m": {k: torch.zeros_like(v) for k, v in source.items()}}
+    CheckpointManager(store).load(target)
+    assert all(torch.equal(target["m"][k], v) for k, v in source.items())
+    data = [key for key, _ in ranges if key.endswith(".distcp")]
+    assert len(data) == len(set(data)), ranges  # each data file one range
+
+
 class _Remote:
     """A filesystem store seen through a latency, as the checkpoint code sees S3, GCS or Azure (not a
     FileStore, so it takes the object-store path): every request but the data reads sleeps 0.2 s."""

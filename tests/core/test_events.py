@@ -83,7 +83,7 @@ def test_a_half_written_line_is_left_for_the_next_read(tmp_path):
 def test_a_real_trainings_events_reach_the_console_through_the_launcher_and_the_event_file(tmp_path):
     """``python -m relaunch.components.train`` (a world of one) prints its events; the local launcher's reader
     passes them on to the event file; the console shows the attempt and every checkpoint it saved."""
-    from relaunch.components.launchers.local import ProgressReporter, _Watch
+    from relaunch.components.launchers.local import ProgressReporter, AgentWatch
     from relaunch.pipelines.local.console import RunView
 
     config = train_config(tmp_path, f"sqlite:///{tmp_path / 'mlflow.db'}", max_steps=20)
@@ -94,7 +94,7 @@ def test_a_real_trainings_events_reach_the_console_through_the_launcher_and_the_
     assert done.returncode == 0, done.stderr[-3000:]
     path = tmp_path / "events.jsonl"
     path.touch()
-    watch = _Watch(ProgressReporter(str(path)))
+    watch = AgentWatch(ProgressReporter(str(path)))
     for line in done.stdout.splitlines():
         watch.handle(line, 0)
     watch.close()

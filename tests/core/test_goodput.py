@@ -44,6 +44,28 @@ def test_the_goodput_figure_is_one_png_with_the_breakdown_and_the_marked_loss_cu
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
+def test_a_worker_recovered_in_place_counts_its_recovery_as_a_gap_and_its_lost_steps_as_recomputed(tmp_path):
+    one = _attempt(1, 0.0, 2.0, 100, 30.0, commits={"20": [6.0, 0.0]}, end=30.0, exit_code=0)
+    one.in_place = [{"lost_at_step": 30, "resumed_step": 20, "lost_at": 9.0, "seconds": 0.5, "source": "memory"}]
+    report = goodput.goodput_report([one])
+    assert report["attempts"] == 1
+    assert report["restart_gaps"] == pytest.approx(0.5)  # lost at 9 s, training again 0.5 s later
+    assert report["recomputed"] == pytest.approx(3.0)    # steps 21..30 done again: committed at 6 s, lost at 9 s
+    assert report["productive"] == pytest.approx(30.0 - 2.0 - 0.5 - 3.0)
+    assert report["in_place"][0]["source"] == "memory"
+    path = goodput.plot_goodput(report, [(s, 2.0 / s) for s in range(1, 101)], str(tmp_path / "goodput.png"))
+    assert open(path, "rb").read()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_an_attempt_log_keeps_an_in_place_recovery_in_the_stored_record(tmp_path):
+    store = open_store(str(tmp_path / "store"))
+    log = goodput.AttemptLog(store, goodput.claim_attempt(store, 0.0, 2))
+    log.recovered_in_place(lost_at_step=30, resumed_step=20, lost_at=9.0, seconds=0.5, source="memory")
+    (stored,) = goodput.load_attempts(store)
+    assert stored.in_place == [{"lost_at_step": 30, "resumed_step": 20, "lost_at": 9.0, "seconds": 0.5,
+                                "source": "memory"}]
+
+
 @pytest.mark.parametrize("rc,record,expected", [
     (0, None, 0),
     (1, {"exit_code": 143, "time": 10.0}, 143),

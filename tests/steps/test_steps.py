@@ -122,7 +122,7 @@ def test_a_rank_0_that_failed_before_writing_its_exit_record_gives_the_launch_it
     import time
 
     from relaunch.components.core.contract import events
-    from relaunch.components.launchers.local import ProgressReporter, _outcome, _Watch
+    from relaunch.components.launchers.local import ProgressReporter, AgentWatch, _outcome
 
     def line(kind, **fields) -> str:  # as rank 0 prints it, behind torchrun's prefix
         out = io.StringIO()
@@ -130,7 +130,7 @@ def test_a_rank_0_that_failed_before_writing_its_exit_record_gives_the_launch_it
         return "[default0]:" + out.getvalue().rstrip("\n")
 
     config = RelaunchConfig.model_validate({"store": {"uri": str(tmp_path / "store")}})
-    watch = _Watch(ProgressReporter(None))
+    watch = AgentWatch(ProgressReporter(None))
     started = time.time()
     watch.handle(line(events.Kind.EXIT, exit_code=2, reason="train.global_batch_size=64 is not divisible"), 0)
     watch.handle("  exitcode  : 2 (pid: 1)", 1)

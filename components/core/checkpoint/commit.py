@@ -83,6 +83,9 @@ class Committer:
         self._step_hooks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its hook's handle
         self._pending: SaveJob | None = None
         self._last_info: CheckpointInfo | None = None
+        # called on the save's thread once a save committed, with (step, its CPU snapshot): the memory
+        # tier keeps that snapshot; its failure is said, never the save's
+        self.on_commit: Callable[[int, Any], None] | None = None
 
     def save(self, step: int, state: Any, metrics: dict | None = None, epoch: int = 0, *, defer_copy: bool = False,
              take_lease: Callable[[], None] | None = None, keep_alive: Any = None) -> None:
@@ -160,6 +163,17 @@ class Committer:
         """Read the etag of ``latest.json`` again before the next commit (after a load)."""
         self._latest_known = False
 
+    def abandon(self, wait_seconds: float) -> None:
+        """The process group broke (an in-place recovery): give up the pending save, whose collectives
+        cannot complete, waiting up to ``wait_seconds`` for its thread to end (its failure is not
+        raised), and stop making optimizers wait for copies."""
+        job, self._pending = self._pending, None
+        if job is not None and job.thread is not None:
+            job.thread.join(wait_seconds)
+        for handle in list(self._step_hooks.values()):
+            handle.remove()
+        self._step_hooks.clear()
+
     def close(self) -> None:
         """Wait for the pending save (its error raised) and stop making optimizers wait for copies."""
         try:
@@ -187,6 +201,12 @@ class Committer:
             copy_deferred(job)
             job.info = self._persist(job)
             self.last_save_seconds = time.perf_counter() - job.started
+            if self.on_commit is not None:
+                try:
+                    self.on_commit(job.step, job.snapshot)
+                except Exception as err:  # noqa: BLE001 - the tier is a cache: the store has the commit
+                    print(f"relaunch: memory tier: step {job.step} not kept in memory: {err}", file=sys.stderr,
+                          flush=True)
         except BaseException as err:  # noqa: BLE001 - surfaces at the next save()/wait()
             job.error = err
             if self.ranks.rank == 0:  # every rank has the error now (the save's steps agree on it)

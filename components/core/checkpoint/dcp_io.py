@@ -462,7 +462,8 @@ class StoreReader(StorageReader):
 
     def _read_all(self, parts: list[_Part]) -> None:
         """Each file's parts, by offset, merged into ranged reads of whole chunks (at most
-        REQUEST_BYTES + REQUEST_SLACK, or one part) whose bytes between and around the parts go to scratch."""
+        REQUEST_BYTES + REQUEST_SLACK, or the largest part's + REQUEST_SLACK when one part is over the
+        cap) whose bytes between and around the parts go to scratch."""
         by_file: dict[str, list[_Part]] = {}
         for p in parts:
             if (p.extent or (p.start, p.end))[1] > (p.extent or (p.start, p.end))[0]:
@@ -471,19 +472,22 @@ class StoreReader(StorageReader):
         for name, file_parts in by_file.items():
             file_parts.sort(key=lambda p: (p.start, p.end))
             current: list[Any] = []
-            first = data_end = chunk_end = 0
+            first = data_end = chunk_end = largest = 0
             for p in file_parts:
                 chunks = self.digests.covering(name, *(p.extent or (p.start, p.end)))
                 lo, hi = chunks[0][0], chunks[-1][0] + chunks[-1][1]
-                fits = max(hi, chunk_end) - first <= REQUEST_BYTES + REQUEST_SLACK
+                # a part over the cap is one request anyway: the small items around it ride along in it
+                # (one range for a file's leading records and its payload, not a small one and a large one)
+                fits = max(hi, chunk_end) - first <= max(REQUEST_BYTES, largest, hi - lo) + REQUEST_SLACK
                 if current and lo <= chunk_end and p.start >= data_end and fits:
                     current += [bytearray(p.start - data_end), p.buf]
                     chunk_end = max(chunk_end, hi)
+                    largest = max(largest, hi - lo)
                 else:
                     if current:
                         current.append(bytearray(chunk_end - data_end))
                         reads.append((name, first, current))
-                    current, first, chunk_end = [bytearray(p.start - lo), p.buf], lo, hi
+                    current, first, chunk_end, largest = [bytearray(p.start - lo), p.buf], lo, hi, hi - lo
                 data_end = p.end
             if current:
                 current.append(bytearray(chunk_end - data_end))

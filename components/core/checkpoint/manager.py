@@ -302,6 +302,26 @@ class CheckpointManager:
             self.leases.close(release=self.ranks.rank == 0)
             self.loader.close()
 
+    def on_commit(self, callback: Any) -> None:
+        """Call ``callback(step, snapshot)`` on the save's thread once each save committed, with the CPU
+        snapshot it wrote (the memory tier keeps it); its failure is printed, never the save's."""
+        self.committer.on_commit = callback
+
+    def abandon(self, wait_seconds: float = 30.0) -> None:
+        """Close after the process group broke under the manager (a peer was killed and the survivors
+        recover in place): the pending save, whose collectives cannot complete, is given up (its thread
+        waited for up to ``wait_seconds``, its error not raised), the leases released (rank 0); the
+        survivors open a new manager over the new group."""
+        if self._closed:
+            return
+        self._closed = True
+        _OPEN.discard(self)
+        try:
+            self.committer.abandon(wait_seconds)
+        finally:
+            self.leases.close(release=self.ranks.rank == 0)
+            self.loader.close()
+
     def __enter__(self) -> "CheckpointManager":
         return self
 

@@ -212,6 +212,7 @@ class TrainConfig(_Model):
     checkpoint_every_seconds: float | None = Field(None, gt=0, description="Save at most every T seconds.")
     checkpoint_at_epoch_end: bool = Field(True, description="Save when an epoch ends.")
     async_save: bool = Field(True, description="Persist checkpoints in the background.")
+    memory_tier: bool = Field(False, description="Recover from memory: each rank keeps its last committed snapshot and a replica of one peer's (2x its shard of host memory); a killed worker is replaced in place, the survivors keep their processes (one node: the local launcher's in-place agent; pods: launch.in_place_restart).")
     store_unwritable_saves: int = Field(3, ge=1, description="Failed saves in a row, the store full or read-only, after which the training stops (exit 2); it goes on past fewer.")
     keep_last: int = Field(3, ge=1, description="Committed checkpoints kept by recency.")
     keep_best: int = Field(1, ge=0, description="Committed checkpoints kept by best_metric.")
@@ -225,6 +226,7 @@ class TrainConfig(_Model):
     process_group_timeout_seconds: float = Field(120.0, gt=0, description="torch.distributed collective timeout.")
     resume_from: str | None = Field(None, description="Checkpoint URI to start from instead of the latest of this run.")
     warm_start_model: str | None = Field(None, description="models:/name/version or models:/name@alias to initialise weights from.")
+    task_options: dict[str, Any] = Field(default_factory=dict, description="A user task's own settings (its factory reads config.train.task_options); a tune.space key may name one as train.task_options.<name>.")
 
     @field_validator("task")
     @classmethod
@@ -357,6 +359,114 @@ class LoggingConfig(_Model):
         "step (for Loki or Elasticsearch); passed to child processes as RELAUNCH_LOG_FORMAT.")
 
 
+TUNABLE_TYPES = ("uniform", "log_uniform", "int", "categorical")
+
+
+class TuneParameter(_Model):
+    """How one configuration field is searched."""
+
+    type: Literal["uniform", "log_uniform", "int", "categorical"] = Field(
+        ..., description="uniform and log_uniform draw a float in [low, high]; int an integer in [low, high] "
+                         "(log-spaced with log: true); categorical one of choices.")
+    low: float | None = Field(None, description="Lowest value (uniform, log_uniform, int).")
+    high: float | None = Field(None, description="Highest value (uniform, log_uniform, int).")
+    step: float | None = Field(None, gt=0, description="Spacing of the values (uniform, int); none: continuous / 1.")
+    log: bool = Field(False, description="int only: draw on a log scale.")
+    choices: list[Any] | None = Field(None, description="The values to choose from (categorical).")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "TuneParameter":
+        if self.type == "categorical":
+            if not self.choices:
+                raise ValueError("a categorical parameter needs a non-empty choices list, e.g. choices: [32, 64]")
+            if self.low is not None or self.high is not None:
+                raise ValueError("a categorical parameter takes choices, not low/high")
+            return self
+        if self.choices is not None:
+            raise ValueError(f"a {self.type} parameter takes low and high, not choices (or use type: categorical)")
+        if self.low is None or self.high is None:
+            raise ValueError(f"a {self.type} parameter needs both low and high, e.g. low: 0.001, high: 0.1")
+        if self.low >= self.high:
+            raise ValueError(f"low={self.low:g} must be below high={self.high:g}")
+        if (self.type == "log_uniform" or self.log) and self.low <= 0:
+            raise ValueError(f"a log scale needs bounds above 0 (got low={self.low:g}); raise low or use type: uniform")
+        if self.type == "int" and not (float(self.low).is_integer() and float(self.high).is_integer()):
+            raise ValueError(f"an int parameter needs whole bounds (got low={self.low:g}, high={self.high:g})")
+        if self.step is not None and self.type == "log_uniform":
+            raise ValueError("a log_uniform parameter takes no step")
+        return self
+
+
+class TuneObjective(_Model):
+    metric: str = Field("val_loss", min_length=1, description="Validation metric the study optimises (val_loss, val_accuracy, ...), reported at each validation.")
+    direction: Literal["minimize", "maximize"] = Field("minimize", description="Whether lower or higher metric is better.")
+
+
+class TuneSampler(_Model):
+    name: Literal["tpe", "random"] = Field("tpe", description="Optuna sampler; Katib and OptimizationJob render the nearest algorithm.")
+    seed: int = Field(0, ge=0, description="Seed of the sampler: the same study suggests the same trials.")
+
+
+class TunePruner(_Model):
+    name: Literal["median", "none"] = Field("median", description="Stop a trial whose intermediate metric is worse than the median of earlier trials at the same step.")
+    startup_trials: int = Field(2, ge=0, description="Trials that complete before any is pruned.")
+    warmup_steps: int = Field(0, ge=0, description="Steps of a trial before it may be pruned.")
+
+
+class TuneConfig(_Model):
+    """A study of trainings over a search space (``relaunch tune``; Katib / OptimizationJob on a cluster)."""
+
+    study: str | None = Field(None, description="Study name (kebab-case); defaults to the pipeline name. Trials go to studies/<study>/trials/<n>/ of the store.")
+    space: dict[str, TuneParameter] = Field(default_factory=dict, description="Configuration field (train.lr, train.task_options.<name>, ...) -> how it is searched.")
+    objective: TuneObjective = Field(default_factory=TuneObjective)
+    trials: int = Field(8, ge=1, description="Trials that complete (or are pruned) before the study ends.")
+    parallel: int = Field(2, ge=1, description="Trials running at once.")
+    sampler: TuneSampler = Field(default_factory=TuneSampler)
+    pruner: TunePruner = Field(default_factory=TunePruner)
+    storage: str | None = Field(None, description="Optuna storage URL; default: a sqlite database in the study's local folder (a PostgreSQL URL on a cluster).")
+    trial_retries: int = Field(2, ge=0, description="Times a failed trial is retried (it resumes from its own checkpoints); a user error is never retried.")
+    cluster: Literal["katib", "optimizationjob"] = Field("katib", description="What a cluster study renders: a Katib Experiment, or a Trainer OptimizationJob (its CRD is on the Trainer's main branch, in no release and without a controller yet).")
+
+    @field_validator("study")
+    @classmethod
+    def _kebab_study(cls, v: str | None) -> str | None:
+        if v is not None and (not _NAME.match(v) or len(v) > 40):
+            raise ValueError(f"{v!r} must be kebab-case (a-z, 0-9, '-'), at most 40 characters")
+        return v
+
+    @field_validator("space", mode="before")
+    @classmethod
+    def _dotted_keys(cls, v: Any) -> Any:
+        """``{train: {lr: {...}}}`` (what ``--set tune.space.train.lr=...`` builds) -> ``{"train.lr": {...}}``."""
+        if not isinstance(v, dict):
+            return v
+        flat: dict[str, Any] = {}
+
+        def walk(node: dict[str, Any], prefix: str) -> None:
+            for key, value in node.items():
+                path = f"{prefix}{key}"
+                if isinstance(value, dict) and "type" not in value and value:
+                    walk(value, f"{path}.")
+                else:
+                    flat[path] = value
+
+        walk(v, "")
+        return flat
+
+    @field_validator("space")
+    @classmethod
+    def _tunable_fields(cls, v: dict[str, TuneParameter]) -> dict[str, TuneParameter]:
+        for path, parameter in v.items():
+            check_tunable(path, parameter)
+        return v
+
+    @model_validator(mode="after")
+    def _parallel_within_trials(self) -> "TuneConfig":
+        if self.parallel > self.trials:
+            raise ValueError(f"parallel={self.parallel} exceeds trials={self.trials}; lower tune.parallel")
+        return self
+
+
 class RelaunchConfig(_Model):
     """The whole pipeline's configuration."""
 
@@ -369,6 +479,7 @@ class RelaunchConfig(_Model):
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    tune: TuneConfig = Field(default_factory=TuneConfig)
 
     @field_validator("name")
     @classmethod
@@ -376,6 +487,10 @@ class RelaunchConfig(_Model):
         if not _NAME.match(v) or len(v) > 40:
             raise ValueError(f"{v!r} must be kebab-case (a-z, 0-9, '-'), at most 40 characters")
         return v
+
+    @property
+    def study_name(self) -> str:
+        return self.tune.study or self.name
 
     def to_json(self) -> str:
         return self.model_dump_json()
@@ -412,6 +527,52 @@ def _field(path: str):
     for section in sections:
         model = model.model_fields[section].annotation
     return model.model_fields[name]
+
+
+def check_tunable(path: str, parameter: TuneParameter) -> None:
+    """Refuse a ``tune.space`` key that names no scalar configuration field (with the nearest name),
+    or a parameter whose type the field cannot hold (a float drawn for an int field).
+
+    Raises:
+        ValueError: one line, raised inside validation (reported as ``config: tune.space: ...``).
+    """
+    parts = path.split(".")
+    if parts[:2] == ["train", "task_options"] and len(parts) == 3 and parts[2]:
+        return
+    if parts[0] == "tune":
+        raise ValueError(f"key {path!r}: the study's own settings cannot be tuned")
+    try:
+        field = _field(path)
+    except (KeyError, AttributeError):
+        guess = _did_you_mean(parts)
+        hint = f"did you mean {guess!r}?" if guess else "name a field such as train.lr (README: configuration)"
+        raise ValueError(f"key {path!r} is not a configuration field; {hint}") from None
+    annotation = field.annotation
+    kinds = {t for t in (int, float, str, bool) if t is annotation or t in getattr(annotation, "__args__", ())}
+    if not kinds:
+        raise ValueError(f"key {path!r} is a section or a collection, not a value; name one of its fields")
+    if parameter.type in ("uniform", "log_uniform") and float not in kinds:
+        raise ValueError(f"key {path!r} holds {'/'.join(sorted(k.__name__ for k in kinds))}, "
+                         f"so it cannot take a {parameter.type} float; use type: int or categorical")
+
+
+def apply_suggestions(config: RelaunchConfig, values: dict[str, Any]) -> RelaunchConfig:
+    """A copy of ``config`` with each ``dotted.path -> value`` of a trial set and validated by its field.
+
+    Raises:
+        BadInput: a value its field refuses (named in one line).
+    """
+    data = json.loads(config.model_dump_json())
+    for path, value in values.items():
+        *sections, name = path.split(".")
+        node = data
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[name] = value
+    try:
+        return RelaunchConfig.model_validate(data)
+    except ValidationError as err:
+        raise BadInput(describe_validation_error(err)) from None
 
 
 def pipeline_parameter_type(name: str) -> type:

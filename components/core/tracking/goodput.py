@@ -10,7 +10,8 @@ ratio (ETTR = productive time / wall time from the first start to the last end) 
     wall = productive + start-up + checkpoint stall + evaluation + recomputed steps + restart gaps
 
 ``recomputed`` is work done after the checkpoint the next attempt resumed from (lost, done again);
-``restart gaps`` is the time between an attempt's end and the next one's start.
+``restart gaps`` is the time between an attempt's end and the next one's start, and, for a worker
+recovered in place (``train.memory_tier``: the attempt goes on), the time from its loss to the resume.
 
 :func:`record_ending` writes ``runs/exit.json`` (how the latest attempt ended, under our control)
 and ``runs/summary.json`` (the training summary, :class:`TrainSummary`). Every ``runs/`` key and its
@@ -48,6 +49,7 @@ class Attempt:
     exit_code: int | None = None
     phases: dict[str, float] = field(default_factory=dict)  # start-up phase -> seconds after start
     created: float | None = None  # when the worker process was created (``start`` is its first line's time)
+    in_place: list[dict[str, Any]] = field(default_factory=list)  # recoveries of a lost worker inside this attempt
 
     @property
     def ended(self) -> float:
@@ -124,6 +126,9 @@ class AttemptLog:
         if r.first_step_time is None:
             r.first_step_time = now
             self.write()
+        elif r.in_place and "first_step_time" not in r.in_place[-1]:  # the first step after a recovery in place
+            r.in_place[-1]["first_step_time"] = now
+            self.write()
         elif time.monotonic() - self._written >= self.heartbeat_seconds:
             self.write()
 
@@ -131,6 +136,15 @@ class AttemptLog:
         r = self.record
         r.last_committed_step = max(r.last_committed_step, step)
         r.commits[str(step)] = [step_time, overhead]
+        self.write()
+
+    def recovered_in_place(self, *, lost_at_step: int, resumed_step: int, lost_at: float, seconds: float,
+                           source: str) -> None:
+        """A worker was lost at ``lost_at`` (time) after step ``lost_at_step``; the survivors and its
+        replacement went on from ``resumed_step`` (from ``source``: memory or the store) ``seconds`` later,
+        inside this attempt (``train.memory_tier``)."""
+        self.record.in_place.append({"lost_at_step": int(lost_at_step), "resumed_step": int(resumed_step),
+                                     "lost_at": float(lost_at), "seconds": float(seconds), "source": source})
         self.write()
 
     def finish(self, exit_code: int) -> None:
@@ -162,6 +176,11 @@ def goodput_report(attempts: list[Attempt]) -> dict[str, Any]:
         startup += max(0.0, loop_start - a.start)
         stall += a.stall_seconds
         evaluation += a.eval_seconds
+        for r in a.in_place:
+            gaps += r["seconds"]
+            resumed_at = a.commits.get(str(r["resumed_step"]), [None])[0]
+            if resumed_at is not None:
+                recomputed += max(0.0, r["lost_at"] - resumed_at)
         if i + 1 < len(attempts):
             nxt = attempts[i + 1]
             gaps += max(0.0, nxt.start - a.ended)
@@ -178,6 +197,7 @@ def goodput_report(attempts: list[Attempt]) -> dict[str, Any]:
         "evaluation": evaluation, "recomputed": recomputed, "restart_gaps": gaps,
         "attempts": len(attempts), "resumed_from_steps": [a.resumed_from_step for a in attempts],
         "last_steps": [a.last_step for a in attempts], "exit_codes": [a.outcome for a in attempts],
+        "in_place": [r for a in attempts for r in a.in_place],
     }
 
 
@@ -232,6 +252,13 @@ def plot_goodput(report: dict[str, Any], loss_curve: list[tuple[int, float]], pa
         if again >= 0:
             loss.axvline(again, color="tab:green", linestyle="--", linewidth=1,
                          label=f"attempt {i + 2} resumed from step {again}")
+    for r in report.get("in_place", []):
+        lost, again = int(r["lost_at_step"]), int(r["resumed_step"])
+        loss.axvline(lost, color="tab:purple", linewidth=1.5,
+                     label=f"worker lost at step {lost}: recovered in place from {r['source']} "
+                           f"in {float(r['seconds']):.2f} s")
+        if 0 <= again < lost:
+            loss.axvspan(again, lost, color="tab:purple", alpha=0.15, label=f"recomputed: steps {again + 1}-{lost}")
     loss.set_xlabel("step")
     loss.set_ylabel("train loss")
     loss.set_title("loss, restarts and recomputed steps")

@@ -96,6 +96,21 @@ class TrainerCheckpoints:
             if self.env.is_main and self.log:
                 self.log.record.last_committed_step = max(self.log.record.last_committed_step, committed.step)
 
+    def rejoin(self, manager, state, restored, attempt: int) -> None:
+        """After an in-place recovery: the new group's ``manager``, the ``state`` it saves, the step
+        ``restored`` (a :class:`~relaunch.components.core.trainer.setup.Restored`); a save pending
+        when the peer died was given up with the old manager."""
+        self.manager, self.state, self.attempt = manager, state, attempt
+        self._saving = None
+        if restored.step in self._pending and self.log:  # it committed; the old manager died before it said so
+            done_at, overhead = self._pending[restored.step]
+            self.log.committed(restored.step, done_at, overhead)
+        self._pending.clear()
+        if restored.committed is not None:
+            self.last_committed = restored.committed
+        self.last_saved = restored.step
+        self.cadence.restart_clock()
+
     def evaluate(self) -> dict[str, float]:
         """Validation metrics (``val_*``), timed as overhead."""
         began = time.perf_counter()

@@ -1,0 +1,332 @@
+"""The in-memory tier of the checkpoints: each rank's last committed snapshot in host memory, and a
+replica of one peer's, so that a killed worker's replacement and its survivors restore without the store.
+
+    tier = MemoryTier(rank, world_size, registry)      # registry: a key-value store every rank reaches
+    tier.committed(step, snapshot, fingerprint)        # after each commit (the save's background thread)
+    own = tier.own_or_from_holder()                    # at a (re)start: this rank's committed state, or None
+    state.load_state_dict(fill(state.state_dict(), unpack(*own)[1]))
+
+Ring replication: rank ``r`` holds the replica of rank ``(r - 1) mod W``'s shard, so its holder is
+``(r + 1) mod W`` (:func:`holder_of`). A rank and its holder lost together leave the tier unable to
+serve that rank: the store is read then. The replica goes over plain TCP, to a small server thread of
+each rank (:class:`ReplicaServer`) whose address is published in the job's rendezvous store: the
+transfer does not depend on the process group, which is broken exactly when a replica is needed.
+
+Memory, per rank, bounded: its own snapshot and one peer's replica, each one packed payload (the tensor
+bytes of its shard of model, optimizer, RNG and counters; no pickling: a JSON tree of plain values plus
+raw tensor bytes), reused in place from commit to commit when its size is unchanged: 2x the shard. Only
+committed state is served: a snapshot is packed after its checkpoint committed, tagged with its step and
+the checkpoint's model fingerprint, and the ranks agree on one step before any of them restores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import struct
+import sys
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from relaunch.components.core.checkpoint.snapshot import local_part
+
+ALIGN = 64  # every tensor's bytes start at a multiple of this in the payload
+_HEAD = struct.Struct("!cI")  # op ('P' put, 'G' get), owner rank
+_LEN = struct.Struct("!Q")
+SOCKET_TIMEOUT_SECONDS = 30.0
+
+
+def holder_of(rank: int, world_size: int) -> int:
+    """The rank that holds ``rank``'s replica: the next one on the ring."""
+    return (rank + 1) % world_size
+
+
+def registry_key(rank: int) -> str:
+    return f"relaunch/memory-tier/rank{rank}"
+
+
+# ------------------------------------------------------------------------------------ packing
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"memory tier: unknown tensor dtype {name!r}")
+    return dtype
+
+
+def _tree(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """``obj`` as JSON-able values, each tensor (its local part) replaced by its index in ``tensors``."""
+    if isinstance(obj, torch.Tensor):
+        local = local_part(obj).detach()
+        if local.device.type != "cpu":
+            local = local.cpu()
+        tensors.append(local.contiguous())
+        return {"x": len(tensors) - 1, "dtype": str(local.dtype), "shape": list(local.shape)}
+    if isinstance(obj, dict):
+        return {"d": [[_tree(k, tensors), _tree(v, tensors)] for k, v in obj.items()]}
+    if isinstance(obj, list):
+        return {"l": [_tree(v, tensors) for v in obj]}
+    if isinstance(obj, tuple):
+        return {"t": [_tree(v, tensors) for v in obj]}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise ValueError(f"memory tier: cannot hold a {type(obj).__name__} of the training state")
+
+
+def pack(snapshot: Any, into: bytearray | None = None) -> tuple[dict, bytearray]:
+    """The tree of ``snapshot`` (JSON-able) and its tensors' bytes, written into ``into`` when it has
+    the very size needed (no new allocation), else into a new buffer."""
+    tensors: list[torch.Tensor] = []
+    tree = _tree(snapshot, tensors)
+    offsets, size = [], 0
+    for t in tensors:
+        offsets.append(size)
+        size += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    payload = into if into is not None and len(into) == size else bytearray(size)
+    view = np.frombuffer(payload, dtype=np.uint8) if size else None
+    for t, at in zip(tensors, offsets):
+        n = t.numel() * t.element_size()
+        if n:
+            view[at:at + n] = t.reshape(-1).view(torch.uint8).numpy()
+    return {"tree": tree, "offsets": offsets, "bytes": size}, payload
+
+
+def unpack(header: dict, payload: bytearray | memoryview) -> Any:
+    """The state :func:`pack` packed, its tensors viewing ``payload`` (no copy)."""
+    offsets = header["offsets"]
+
+    def build(node: Any) -> Any:
+        if isinstance(node, dict):
+            if "x" in node:
+                dtype, shape = _dtype(node["dtype"]), node["shape"]
+                count = int(np.prod(shape)) if shape else 1
+                if count == 0:
+                    return torch.empty(shape, dtype=dtype)
+                flat = torch.frombuffer(payload, dtype=dtype, count=count, offset=offsets[node["x"]])
+                return flat.reshape(shape)
+            if "d" in node:
+                return {build(k): build(v) for k, v in node["d"]}
+            if "l" in node:
+                return [build(v) for v in node["l"]]
+            if "t" in node:
+                return tuple(build(v) for v in node["t"])
+            raise ValueError("memory tier: a malformed packed state")
+        return node
+
+    return build(header["tree"])
+
+
+def fill(template: Any, saved: Any) -> Any:
+    """``saved`` shaped for ``load_state_dict``: each of its tensors copied into the tensor at the same
+    place of ``template`` (a ``state_dict()`` of the live state: the memory the state already holds,
+    DTensors keeping their layout), anything else taken from ``saved``."""
+    if isinstance(saved, torch.Tensor):
+        if isinstance(template, torch.Tensor):
+            local = local_part(template)
+            if local.shape != saved.shape or local.dtype != saved.dtype:
+                raise ValueError(f"memory tier: a tensor of shape {tuple(saved.shape)} {saved.dtype} does not fit "
+                                 f"{tuple(local.shape)} {local.dtype}")
+            with torch.no_grad():
+                local.copy_(saved)
+            return template
+        return saved.clone()
+    if isinstance(saved, dict):
+        inner = template if isinstance(template, dict) else {}
+        return {k: fill(inner.get(k), v) for k, v in saved.items()}
+    if isinstance(saved, (list, tuple)):
+        inner = template if isinstance(template, (list, tuple)) and len(template) == len(saved) else [None] * len(saved)
+        items = [fill(t, v) for t, v in zip(inner, saved)]
+        return items if isinstance(saved, list) else tuple(items)
+    return saved
+
+
+# ------------------------------------------------------------------------------------ transport
+
+
+def _recv_exact(sock: socket.socket, n: int, into: memoryview | None = None) -> memoryview:
+    buf = into if into is not None else memoryview(bytearray(n))
+    got = 0
+    while got < n:
+        k = sock.recv_into(buf[got:], n - got)
+        if not k:
+            raise ConnectionError("memory tier: the peer closed the connection mid-transfer")
+        got += k
+    return buf
+
+
+def _send_blob(sock: socket.socket, header: dict, payload: bytearray) -> None:
+    raw = json.dumps(header).encode()
+    sock.sendall(_LEN.pack(len(raw)) + raw)
+    sock.sendall(memoryview(payload))
+
+
+def _recv_blob(sock: socket.socket, reuse: bytearray | None = None) -> tuple[dict, bytearray]:
+    raw = bytes(_recv_exact(sock, _LEN.unpack(bytes(_recv_exact(sock, _LEN.size)))[0]))
+    header = json.loads(raw)
+    size = int(header["bytes"])
+    payload = reuse if reuse is not None and len(reuse) == size else bytearray(size)
+    if size:
+        _recv_exact(sock, size, memoryview(payload))
+    return header, payload
+
+
+class ReplicaServer:
+    """This rank's listener: holds the replica a peer puts, and hands it back to whoever asks (the
+    peer's replacement). One connection at a time, on a daemon thread."""
+
+    def __init__(self, host: str = "127.0.0.1"):
+        self.sock = socket.create_server((host, 0))
+        self.address = f"{host}:{self.sock.getsockname()[1]}"
+        self.replica: tuple[dict, bytearray] | None = None  # (header with the owner's tag, payload)
+        self.lock = threading.Lock()
+        threading.Thread(target=self._serve, name="memory-tier-replica", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                try:
+                    conn.settimeout(SOCKET_TIMEOUT_SECONDS)
+                    self._answer(conn)
+                except (OSError, ValueError, ConnectionError) as err:
+                    print(f"relaunch: memory tier: a replica transfer failed: {err}", file=sys.stderr, flush=True)
+
+    def _answer(self, conn: socket.socket) -> None:
+        op, owner = _HEAD.unpack(bytes(_recv_exact(conn, _HEAD.size)))
+        if op == b"P":
+            with self.lock:  # received into the old replica's memory when it fits: never two of them
+                old, self.replica = self.replica, None
+            header, payload = _recv_blob(conn, old[1] if old is not None else None)
+            header["owner"] = owner
+            with self.lock:
+                self.replica = (header, payload)
+            conn.sendall(b"k")
+        elif op == b"G":
+            with self.lock:
+                held = self.replica
+            if held is None or held[0].get("owner") != owner:
+                conn.sendall(_LEN.pack(0))
+                return
+            _send_blob(conn, held[0], held[1])
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):  # wakes the accept() of the server thread, which then ends
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+def _connect(address: str) -> socket.socket:
+    host, port = address.rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=SOCKET_TIMEOUT_SECONDS)
+
+
+def put_replica(address: str, owner: int, header: dict, payload: bytearray) -> None:
+    """Hand ``owner``'s packed snapshot to the replica server at ``address``."""
+    with _connect(address) as sock:
+        sock.sendall(_HEAD.pack(b"P", owner))
+        _send_blob(sock, header, payload)
+        if _recv_exact(sock, 1).tobytes() != b"k":
+            raise ConnectionError("memory tier: the holder did not take the replica")
+
+
+def get_replica(address: str, owner: int) -> tuple[dict, bytearray] | None:
+    """``owner``'s replica from the server at ``address``, or None when it holds none of it."""
+    with _connect(address) as sock:
+        sock.sendall(_HEAD.pack(b"G", owner))
+        size = _LEN.unpack(bytes(_recv_exact(sock, _LEN.size)))[0]
+        if size == 0:
+            return None
+        header = json.loads(bytes(_recv_exact(sock, size)))
+        payload = bytearray(int(header["bytes"]))
+        if payload:
+            _recv_exact(sock, len(payload), memoryview(payload))
+        return header, payload
+
+
+# ------------------------------------------------------------------------------------ the tier
+
+
+class MemoryTier:
+    """One rank's side of the tier: its own last committed snapshot, its server holding a peer's
+    replica, and the registry where every rank finds the others' servers.
+
+    Args:
+        rank, world_size: this rank in the job.
+        registry: the job's key-value store (``set(key, bytes)``, ``check([key])``, ``get(key)``: a
+            ``torch.distributed.Store``); ranks publish their server's address there.
+    """
+
+    def __init__(self, rank: int, world_size: int, registry: Any, host: str = "127.0.0.1"):
+        self.rank, self.world_size, self.registry = rank, world_size, registry
+        self.server = ReplicaServer(host)
+        self.own: tuple[dict, bytearray] | None = None
+        self.lock = threading.Lock()
+        self.pushed_step = -1
+        registry.set(registry_key(rank), self.server.address)
+
+    def _address(self, rank: int) -> str | None:
+        key = registry_key(rank)
+        if not self.registry.check([key]):
+            return None
+        return self.registry.get(key).decode()
+
+    def committed(self, step: int, snapshot: Any, fingerprint: str | None) -> None:
+        """Checkpoint ``step`` committed with ``snapshot`` (this rank's CPU copy): keep it as this
+        rank's own, packed into the memory of the previous one, and hand it to this rank's holder."""
+        with self.lock:
+            old, self.own = self.own, None
+        header, payload = pack(snapshot, old[1] if old is not None else None)
+        header.update(step=int(step), fingerprint=fingerprint, rank=self.rank, world_size=self.world_size)
+        with self.lock:
+            self.own = (header, payload)
+        if self.world_size > 1:
+            address = self._address(holder_of(self.rank, self.world_size))
+            if address is not None:
+                put_replica(address, self.rank, header, payload)
+                self.pushed_step = int(step)
+
+    def adopt(self, header: dict, payload: bytearray) -> None:
+        """Take a replica fetched from the holder as this rank's own snapshot (a replacement's)."""
+        with self.lock:
+            self.own = (header, payload)
+
+    def own_or_from_holder(self) -> tuple[tuple[dict, bytearray] | None, str]:
+        """This rank's committed snapshot: its own when it has one (a survivor), else the replica its
+        holder keeps (a replacement), else None; and where it came from."""
+        with self.lock:
+            own = self.own
+        if own is not None:
+            return own, "own"
+        if self.world_size == 1:
+            return None, "none"
+        holder = holder_of(self.rank, self.world_size)
+        address = self._address(holder)
+        if address is None or address == self.server.address:
+            return None, "none"
+        try:
+            fetched = get_replica(address, self.rank)
+        except OSError:  # the holder is gone too: the store serves
+            return None, "none"
+        if fetched is None:
+            return None, "none"
+        self.adopt(*fetched)
+        return fetched, f"replica on rank {holder}"
+
+    def bytes_held(self) -> dict[str, int]:
+        """Host memory the tier holds now: this rank's own snapshot and the peer replica it keeps."""
+        with self.lock:
+            own = len(self.own[1]) if self.own is not None else 0
+        with self.server.lock:
+            replica = len(self.server.replica[1]) if self.server.replica is not None else 0
+        return {"own": own, "replica": replica}
+
+    def close(self) -> None:
+        self.server.close()

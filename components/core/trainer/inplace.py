@@ -1,0 +1,242 @@
+"""The worker's side of recovery from memory (``train.memory_tier``, under the in-place agent of
+:mod:`relaunch.components.launchers.inplace`).
+
+Every start, first or replacement, restores through :func:`restore`: the ranks agree on one committed
+step that every rank can serve from memory (its own snapshot, or a replacement's replica from its
+holder), else every rank reads the store (a fresh training, a whole group restarted, a rank and its
+replica's holder lost together). A survivor of a killed peer does not exit: :meth:`InPlace.recover`
+drops the broken process group and the checkpoint manager, waits for the agent's next generation,
+joins the new rendezvous with the replacement and makes the very collectives the replacement's start
+makes (process group, the injection's pid exchange, rank 0's attempt, the model's wrapper, the
+checkpoint manager, the restore), then restores its own snapshot into the state it holds.
+
+A hang (138), a NaN (3) or a user error still end the process: only a :class:`PeerFailure`-like
+error of the loop is recovered, and the agent replaces only a worker that was killed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+from relaunch.components.core.checkpoint.layout import MANIFEST, checkpoint_steps, step_key
+from relaunch.components.core.checkpoint.memory_tier import MemoryTier, fill, unpack
+from relaunch.components.core.contract.events import Kind, emit
+from relaunch.components.core.runtime import distributed as distr
+from relaunch.components.core.runtime.generations import GENERATION_ENV, GENERATION_KEY
+from relaunch.components.core.trainer import setup
+from relaunch.components.core.trainer.injection import Injection
+
+ABANDON_SECONDS = 30.0
+
+
+def generation() -> int | None:
+    """The generation this worker was started into, or None outside the in-place agent."""
+    raw = os.environ.get(GENERATION_ENV)
+    return int(raw) if raw not in (None, "") else None
+
+
+def registry(env: distr.DistEnv, timeout_seconds: float) -> Any:
+    """A client of the agent's store (the rendezvous store, unprefixed)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(env.master_addr, env.master_port, is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_seconds), wait_for_workers=False)
+
+
+class CountingStore:
+    """The store, counting the bytes read from it (a restore from memory must read none)."""
+
+    def __init__(self, inner: Any):
+        self._inner = inner
+        self.bytes_read = 0
+
+    def read_bytes(self, key: str) -> bytes:
+        data = self._inner.read_bytes(key)
+        self.bytes_read += len(data)
+        return data
+
+    def read_into(self, key: str, offset: int, buffer: Any, **kwargs: Any) -> None:
+        self._inner.read_into(key, offset, buffer, **kwargs)
+        parts = buffer if isinstance(buffer, (list, tuple)) else [buffer]  # one buffer, or consecutive ones
+        self.bytes_read += sum(memoryview(b).nbytes for b in parts)
+
+    def download_file(self, key: str, path: Any) -> None:
+        self._inner.download_file(key, path)
+        self.bytes_read += os.path.getsize(path)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+@dataclasses.dataclass
+class Restore:
+    """How a start restored: ``source`` "memory" or "store", the step, the store bytes read."""
+
+    restored: Any  # setup.Restored
+    source: str
+    detail: str
+    store_bytes_read: int
+    seconds: float
+
+
+class InPlace:
+    """One worker's in-place recovery: its memory tier, and the recovery of a survivor."""
+
+    def __init__(self, config, env: distr.DistEnv, store: CountingStore):
+        self.config, self.env, self.store = config, env, store
+        self.generation = generation() or 0
+        self.registry = registry(env, config.train.process_group_timeout_seconds)
+        self.tier = MemoryTier(env.rank, env.world_size, self.registry)
+        self.recoveries: list[Restore] = []
+
+    @classmethod
+    def for_worker(cls, config, env: distr.DistEnv, store: Any) -> "InPlace | None":
+        """The in-place side of this worker when ``train.memory_tier`` is on and the in-place agent
+        started it (else None: torchrun's whole-group restart, the store)."""
+        if not config.train.memory_tier or generation() is None or not env.launched:
+            return None
+        return cls(config, env, store if isinstance(store, CountingStore) else CountingStore(store))
+
+    def attach(self, manager: Any) -> None:
+        """Keep each commit of ``manager`` in the tier (on the save's thread)."""
+        manager.on_commit(lambda step, snapshot: self.tier.committed(step, snapshot, manager.model_fingerprint))
+
+    def restore(self, config, manager, parts, peers: Callable[[], Any],
+                warm_up: Callable[[], None] | None = None) -> Restore:
+        """Where this start continues from, agreed by every rank (collective): memory when every rank
+        can serve the same committed step from it and no later step committed in the store, else the
+        store's start point (:func:`setup.restore`). ``warm_up`` (:func:`ddp_warm_up`) runs first."""
+        began, read_before = time.perf_counter(), self.store.bytes_read
+        if warm_up is not None:
+            with peers():
+                warm_up()
+        held, where = self.tier.own_or_from_holder()
+        tag = (int(held[0]["step"]), held[0].get("fingerprint")) if held is not None else (-1, None)
+        with peers():
+            tags = [None] * self.env.world_size
+            if self.env.world_size > 1:
+                torch.distributed.all_gather_object(tags, tag)
+            else:
+                tags = [tag]
+            step = tags[0][0]
+            servable = step >= 0 and all(t == tags[0] for t in tags) and tags[0][1] == manager.model_fingerprint
+            if servable and self.env.is_main:
+                servable = not _committed_after(self.store, step)
+            servable = distr.broadcast_object(servable)
+        if servable:
+            state = parts.state
+            state.load_state_dict(fill(state.state_dict(), unpack(*held)))
+            parts.optimizer.zero_grad(set_to_none=True)
+            restored = setup.Restored(f"memory://step-{step}", None, int(state.step))
+            source, detail = "memory", where
+        else:
+            restored = setup.restore(config, manager, parts, peers)
+            source, detail = "store", "the tier cannot serve every rank" if step >= 0 or where != "none" else ""
+        result = Restore(restored, source, detail, self.store.bytes_read - read_before, time.perf_counter() - began)
+        print(f"relaunch: rank {self.env.rank} (pid {os.getpid()}) restored step {restored.step} from {source}"
+              f"{' (' + detail + ')' if detail else ''}; {result.store_bytes_read} bytes read from the store",
+              file=sys.stderr, flush=True)
+        return result
+
+    # ---- a survivor
+
+    def recover(self, training: Any, cause: BaseException) -> bool:
+        """A peer was lost under ``training``'s loop: rejoin the next generation with its replacement
+        and restore from memory (collective with the replacement's start). False when the agent
+        started no next generation in time (the caller ends the process as before)."""
+        began = time.time()
+        lost_at = training.step
+        print(f"relaunch: rank {self.env.rank}: a peer was lost at step {lost_at}; recovering in place "
+              f"(this process stays)", file=sys.stderr, flush=True)
+        distr.shutdown()
+        training.checkpoints.manager.abandon(ABANDON_SECONDS)
+        gen = self._next_generation(self.config.train.process_group_timeout_seconds)
+        if gen is None:
+            return False
+        self.generation = gen
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = str(gen)
+        os.environ[GENERATION_ENV] = str(gen)
+        self.env = env = dataclasses.replace(training.env, restart_count=gen)
+        training.env = env
+        distr.init(env, self.config.train.process_group_timeout_seconds)
+        training.injection = Injection.for_world(self.config.launch.inject_failure, training.injection.store, env)
+        parts = training.parts
+        parts.optimizer.zero_grad(set_to_none=True)  # what the interrupted backward left
+        training.parts = parts = _rewrapped(self.config, training, parts)
+        training.attempt, training.run_id, _ = distr.broadcast_object((training.attempt, training.run_id, None))
+        manager = setup.open_checkpoints(self.config, training.store, training.run_id, parts.module)
+        self.attach(manager)
+        result = self.restore(self.config, manager, parts, training._peers, ddp_warm_up(training))
+        training.checkpoints.rejoin(manager, parts.state, result.restored, training.attempt)
+        training.step = training.resumed_from = result.restored.step
+        result.seconds = time.time() - began
+        self.recoveries.append(result)
+        if env.is_main and training.log is not None:  # rank 0 survived: its attempt goes on
+            training.log.recovered_in_place(lost_at_step=lost_at, resumed_step=result.restored.step, lost_at=began,
+                                            seconds=result.seconds, source=result.source)
+        if env.is_main:
+            emit(Kind.RESUMED, step=result.restored.step, uri=result.restored.uri, attempt=training.attempt,
+                 world_size=env.world_size, source=result.source, in_place=True, lost_at_step=lost_at,
+                 recovery_seconds=round(result.seconds, 4), store_bytes_read=result.store_bytes_read)
+        return True
+
+    def _next_generation(self, timeout: float) -> int | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if self.registry.check([GENERATION_KEY]):
+                    gen = int(self.registry.get(GENERATION_KEY))
+                    if gen > self.generation:
+                        return gen
+            except (RuntimeError, ValueError) as err:  # the agent went away: nothing to rejoin
+                print(f"relaunch: in-place recovery: the agent's store is gone: {err}", file=sys.stderr, flush=True)
+                return None
+            time.sleep(0.05)
+        return None
+
+
+def ddp_warm_up(training: Any) -> Callable[[], None] | None:
+    """Under DDP with peers: one forward and backward of a zero loss, before the restore overwrites
+    what it touched. DDP orders its gradient buckets by the order the first backward of its process
+    made them ready, from its second iteration on; gloo's ring sums an element of a bucket in an order
+    that depends on its place there, so with more than two ranks the first step after a restart summed
+    differently from an uninterrupted run's (last bits of the weights). After this the first real
+    step already runs with the buckets an uninterrupted run has."""
+    if training.config.train.parallelism != "ddp" or training.env.world_size <= 2:
+        return None
+
+    def warm_up() -> None:
+        data, env = training.data, training.env
+        batch = data.batch(0, data.permutation(0), env.rank, env.world_size, training.device)
+        (training.task.loss(training.parts.model, batch) * 0.0).backward()
+        training.parts.optimizer.zero_grad(set_to_none=True)
+
+    return warm_up
+
+
+def _committed_after(store: Any, step: int) -> bool:
+    """Whether the store holds a checkpoint committed after ``step`` (its manifest exists): a commit
+    that landed while a peer died, which memory does not hold (listing only, no data read)."""
+    return any(s > step and store.exists(f"{step_key(s)}/{MANIFEST}") for s in checkpoint_steps(store))
+
+
+def _rewrapped(config, training: Any, parts: Any) -> Any:
+    """The survivor's model parts over the new process group, as the replacement builds them (the same
+    collectives): DDP re-wrapped around the module and optimizer this process holds; FSDP2, whose
+    parameters are bound to the old group's mesh, built anew (restored from memory all the same)."""
+    from relaunch.components.core.trainer.parallel import wrap_model
+
+    t = config.train
+    if t.parallelism == "ddp":
+        parts.model = None  # the old wrapper's reducer, bound to the dead group, goes first
+        parts.model = wrap_model(parts.module, parallelism=t.parallelism, device=training.device,
+                                 mixed_precision=t.mixed_precision, blocks=getattr(training.task, "shard_blocks", None))
+        return parts
+    return setup.build_model(config, training.task, training.device, training.total_steps, training.spikes)

@@ -1,0 +1,124 @@
+"""The in-memory tier on its own (one process, real sockets, a real torch TCPStore as the registry):
+packing a training state without pickling, restoring it bitwise into the memory a state holds or into
+a fresh one, the ring replica handed to a peer and fetched back, and the memory it holds: 2x the shard."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from relaunch.components.core.checkpoint.memory_tier import MemoryTier, fill, holder_of, pack, unpack
+from relaunch.components.core.checkpoint.snapshot import Snapshotter
+from tests.core.helpers import assert_bitwise_equal, fingerprint, make_state, train_steps
+from tests.services import free_port
+
+
+@pytest.fixture
+def registry():
+    return dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=10))
+
+
+def committed_snapshot(state):
+    """What a save hands the tier after its commit: the CPU snapshot of the state."""
+    return Snapshotter().take(state)
+
+
+def test_a_packed_state_restores_bitwise_into_the_memory_the_state_already_holds():
+    state = make_state()
+    train_steps(state, 3)
+    header, payload = pack(committed_snapshot(state))
+    expected = fingerprint(make_state_like(state, header, payload))
+    train_steps(state, 4)  # the survivor went on past the commit
+    params_before = [p.data_ptr() for p in state.model.parameters()]
+    state.load_state_dict(fill(state.state_dict(), unpack(header, payload)))
+    assert [p.data_ptr() for p in state.model.parameters()] == params_before  # no new parameter memory
+    assert_bitwise_equal(fingerprint(state), expected)
+
+
+def make_state_like(trained, header, payload):
+    """A fresh state (a replacement's) restored from the packed snapshot."""
+    fresh = make_state(seed=1)
+    fresh.load_state_dict(fill(fresh.state_dict(), unpack(header, payload)))
+    return fresh
+
+
+def test_a_fresh_state_restored_from_a_replica_continues_exactly_as_the_original():
+    original = make_state()
+    train_steps(original, 3)
+    header, payload = pack(committed_snapshot(original))  # the RNG streams of this moment included
+    train_steps(original, 2)
+    expected = fingerprint(original)
+    replacement = make_state_like(original, header, payload)  # the process's streams back to the snapshot's
+    train_steps(replacement, 2)
+    assert_bitwise_equal(fingerprint(replacement), expected)
+
+
+def trained_values(state) -> dict:
+    """Parameters, optimizer, schedule and progress (not the process-wide RNG streams)."""
+    return {k: v for k, v in fingerprint(state).items() if k != "rng"}
+
+
+def test_an_unknown_object_in_the_state_is_refused_not_pickled():
+    with pytest.raises(ValueError, match="cannot hold a object"):
+        pack({"model": {"w": torch.zeros(2)}, "odd": object()})
+
+
+def test_the_holder_keeps_a_peers_replica_and_hands_it_to_the_replacement(registry):
+    world = 3
+    tiers = [MemoryTier(rank, world, registry) for rank in range(world)]
+    try:
+        states = [make_state(seed=rank) for rank in range(world)]
+        for rank, state in enumerate(states):
+            train_steps(state, 2)
+            tiers[rank].committed(2, committed_snapshot(state), "sha256:model")
+        # rank 1 is replaced: its new tier holds nothing of its own, and asks rank 2 (its holder)
+        assert holder_of(1, world) == 2
+        tiers[1].close()
+        tiers[1] = MemoryTier(1, world, registry)
+        held, where = tiers[1].own_or_from_holder()
+        assert where == "replica on rank 2" and held[0]["step"] == 2 and held[0]["fingerprint"] == "sha256:model"
+        restored = make_state_like(states[1], *held)
+        assert_bitwise_equal(trained_values(restored), trained_values(states[1]))
+    finally:
+        for tier in tiers:
+            tier.close()
+
+
+def test_a_rank_whose_holder_is_gone_too_gets_nothing_from_memory(registry):
+    tiers = [MemoryTier(rank, 2, registry) for rank in range(2)]
+    state = make_state()
+    tiers[0].committed(5, committed_snapshot(state), None)
+    tiers[1].close()  # the holder of rank 0's replica is lost
+    fresh = MemoryTier(0, 2, registry)
+    try:
+        assert fresh.own_or_from_holder() == (None, "none")
+    finally:
+        fresh.close()
+        tiers[0].close()
+
+
+def test_the_tier_holds_its_own_snapshot_and_one_replica_2x_the_shard_reused_from_commit_to_commit(registry):
+    tiers = [MemoryTier(rank, 2, registry) for rank in range(2)]
+    try:
+        states = [make_state(seed=rank, width=64) for rank in range(2)]
+        shard = len(pack(committed_snapshot(states[0]))[1])
+        previous = None
+        for step in (1, 2, 3):
+            buffers = []
+            for rank, state in enumerate(states):
+                train_steps(state, 1)
+                tiers[rank].committed(step, committed_snapshot(state), None)
+            for tier in tiers:
+                held = tier.bytes_held()
+                assert held == {"own": shard, "replica": shard}, held
+                buffers.append((id(tier.own[1]), id(tier.server.replica[1])))
+            if previous is not None:
+                assert buffers == previous  # packed and received into the same memory: no third copy
+            previous = buffers
+    finally:
+        for tier in tiers:
+            tier.close()

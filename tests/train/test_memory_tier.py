@@ -1,0 +1,183 @@
+"""Recovery from memory through the real entrypoint (the in-place agent, gloo, CPU): a SIGKILLed rank
+is replaced while its peers keep their processes, the replacement's state comes from its peer's
+replica, nothing is read from the store, and the training ends bitwise equal to an uninterrupted one;
+when a rank and the holder of its replica die together, every rank reads the store, still bitwise."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from relaunch.components.core.contract import events
+from tests.train.conftest import ROOT, final_params, run_torchrun, train_config
+
+pytestmark = pytest.mark.slow
+
+RESTORED = re.compile(r"relaunch: rank (\d+) \(pid (\d+)\) restored step (-?\d+) from (memory|store)(?: \(([^)]*)\))?; "
+                      r"(\d+) bytes read from the store")
+
+
+def config(tmp_path: Path, name: str, parallelism: str, **launch) -> dict:
+    # a step takes 50 ms: the save of step 20 commits well before the kill at step 25
+    cfg = train_config(tmp_path / name, f"sqlite:///{tmp_path / name}/mlflow.db", parallelism=parallelism,
+                       memory_tier=True, step_sleep_seconds=0.05)
+    cfg["tracking"]["artifact_location"] = str(tmp_path / name / "artifacts")
+    cfg["launch"] = dict(launch)
+    return cfg
+
+
+class Agent:
+    """A running in-place agent with its workers' combined output in a file."""
+
+    def __init__(self, cfg: dict, tmp_path: Path, nproc: int):
+        self.log = tmp_path / f"agent-{uuid.uuid4().hex[:6]}.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_TRACKING_URI", "RELAUNCH_"))}
+        env.update({"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"})
+        (tmp_path / Path(cfg["store"]["uri"]).parent.name).mkdir(parents=True, exist_ok=True)
+        with self.log.open("w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "relaunch.components.launchers.inplace", f"--nproc-per-node={nproc}",
+                 "--max-restarts=2", "-m", "relaunch.components.train", "--config-json", json.dumps(cfg)],
+                cwd=ROOT, env=env, stdout=out, stderr=out, start_new_session=True)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait(self, timeout: float = 240) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            raise AssertionError(f"the agent did not end within {timeout}s:\n{self.output()[-4000:]}") from None
+
+    def restores(self) -> list[dict]:
+        return [{"rank": int(m[1]), "pid": int(m[2]), "step": int(m[3]), "source": m[4], "detail": m[5] or "",
+                 "bytes": int(m[6])} for m in RESTORED.finditer(self.output())]
+
+    def worker_pids(self) -> dict[int, int]:
+        """The pid of each rank of generation 0, from the agent's first line."""
+        line = re.search(r"generation 0 workers: (.*)", self.output())
+        return {int(r): int(p) for r, p in re.findall(r"rank(\d+)=(\d+)", line[1])} if line else {}
+
+    def wait_for_step(self, step: int, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = (events.read(line) for line in self.output().splitlines())
+            steps = [int(e.get("step", 0)) for e in found if e is not None and e.kind == events.Kind.PROGRESS]
+            if steps and max(steps) >= step:
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"step {step} not reached:\n{self.output()[-4000:]}")
+
+
+_REFERENCES: dict[tuple[int, str], dict] = {}
+
+
+def reference_params(tmp_path_factory, nproc: int, parallelism: str) -> dict:
+    """The final parameters of an uninterrupted torchrun training of the same configuration (one per
+    world size and parallelism for the module)."""
+    key = (nproc, parallelism)
+    if key not in _REFERENCES:
+        where = tmp_path_factory.mktemp(f"reference-{nproc}-{parallelism}")
+        cfg = config(where, "plain", parallelism)
+        cfg["train"]["memory_tier"] = False
+        (where / "plain").mkdir(exist_ok=True)
+        run = run_torchrun(cfg, where, nproc=nproc, name="plain")
+        assert run.proc.returncode == 0, run.output()[-3000:]
+        _REFERENCES[key] = final_params(cfg["store"]["uri"])
+    return _REFERENCES[key]
+
+
+def assert_bitwise(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), \
+        {k: (a[k] - b[k]).abs().max().item() for k in a if not torch.equal(a[k], b[k])}
+
+
+EXTENDED = pytest.mark.ci_extended  # the same recovery at 4 ranks and FSDP2: .ci/run's extended lane
+
+
+@pytest.mark.parametrize("nproc,parallelism", [(2, "ddp"), pytest.param(4, "ddp", marks=EXTENDED),
+                                               pytest.param(2, "fsdp", marks=EXTENDED),
+                                               pytest.param(4, "fsdp", marks=EXTENDED)])
+def test_a_killed_rank_is_replaced_in_place_from_its_peers_replica_and_the_run_ends_bitwise_equal(
+        tmp_path, tmp_path_factory, nproc, parallelism):
+    cfg = config(tmp_path, "killed", parallelism, inject_failure="kill-worker@step=25")  # kills the last rank
+    agent = Agent(cfg, tmp_path, nproc)
+    assert agent.wait() == 0, agent.output()[-4000:]
+    first = agent.worker_pids()
+    recovery = [r for r in agent.restores() if r["step"] >= 0]
+    assert sorted(r["rank"] for r in recovery) == list(range(nproc)), agent.output()[-4000:]
+    lost = nproc - 1
+    for r in recovery:
+        assert r["source"] == "memory" and r["bytes"] == 0 and r["step"] == 20, r
+        if r["rank"] == lost:  # the replacement: a new process, its shard from the holder of its replica
+            assert r["pid"] != first[lost] and r["detail"] == "replica on rank 0", r
+        else:  # a survivor: the same process, its own snapshot
+            assert r["pid"] == first[r["rank"]] and r["detail"] == "own", r
+    assert_bitwise(final_params(cfg["store"]["uri"]), reference_params(tmp_path_factory, nproc, parallelism))
+
+
+def test_two_ranks_holding_each_others_replicas_killed_together_fall_back_to_the_store_still_bitwise(
+        tmp_path, tmp_path_factory):
+    cfg = config(tmp_path, "both", "ddp")
+    agent = Agent(cfg, tmp_path, 2)
+    agent.wait_for_step(24)
+    for pid in agent.worker_pids().values():
+        os.kill(pid, signal.SIGKILL)
+    assert agent.wait() == 0, agent.output()[-4000:]
+    recovery = [r for r in agent.restores() if r["step"] >= 0]
+    assert sorted(r["rank"] for r in recovery) == [0, 1] and all(r["source"] == "store" and r["bytes"] > 0
+                                                                  for r in recovery), agent.output()[-4000:]
+    assert "the whole group started again" in agent.output()
+    assert_bitwise(final_params(cfg["store"]["uri"]), reference_params(tmp_path_factory, 2, "ddp"))
+
+
+@EXTENDED
+def test_a_rank_lost_with_the_holder_of_its_replica_makes_every_rank_read_the_store_survivors_in_place(
+        tmp_path, tmp_path_factory):
+    cfg = config(tmp_path, "pair", "ddp")
+    agent = Agent(cfg, tmp_path, 4)
+    agent.wait_for_step(24)
+    first = agent.worker_pids()
+    for rank in (1, 2):  # rank 2 holds rank 1's replica
+        os.kill(first[rank], signal.SIGKILL)
+    assert agent.wait() == 0, agent.output()[-4000:]
+    recovery = [r for r in agent.restores() if r["step"] >= 0]
+    assert sorted(r["rank"] for r in recovery) == [0, 1, 2, 3], agent.output()[-4000:]
+    assert all(r["source"] == "store" for r in recovery), recovery
+    assert {r["rank"]: r["pid"] for r in recovery if r["rank"] in (0, 3)} == {0: first[0], 3: first[3]}
+    assert_bitwise(final_params(cfg["store"]["uri"]), reference_params(tmp_path_factory, 4, "ddp"))
+
+
+def test_the_pod_entrypoint_supervises_the_in_place_agent_and_recovers_from_memory(tmp_path):
+    from relaunch.components.core.contract.config import RelaunchConfig
+    from relaunch.components.launchers.inplace import agent_args
+    from relaunch.components.launchers.jobs import job_spec
+
+    cfg = config(tmp_path, "pod", "ddp", inject_failure="kill-worker@step=25", procs_per_node=2, nodes=1)
+    spec = job_spec(RelaunchConfig.model_validate(cfg))
+    (tmp_path / "pod").mkdir()
+    log = tmp_path / "pod.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_TRACKING_URI", "RELAUNCH_"))}
+    env.update({"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"})
+    with log.open("w") as out:  # what the rendered pod runs (inplace.pod_command), with this interpreter
+        proc = subprocess.run([sys.executable, "-m", "relaunch.components.launchers.supervise", sys.executable, "-m",
+                               "relaunch.components.launchers.inplace", *agent_args(spec, "pod-1")],
+                              cwd=ROOT, env=env, stdout=out, stderr=out, timeout=240)
+    output = log.read_text(errors="replace")
+    assert proc.returncode == 0, output[-4000:]
+    recovery = [m for m in RESTORED.finditer(output) if int(m[3]) >= 0]
+    assert len(recovery) == 2 and all(m[4] == "memory" and m[6] == "0" for m in recovery), output[-4000:]
+    assert "relaunch supervise: torchrun exit 0 -> 0" in output
