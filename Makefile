@@ -8,7 +8,7 @@ IMAGE ?= ghcr.io/relaunch/relaunch
 TAG ?= 0.1.0
 ARGS ?=
 
-.PHONY: help venv run test bench ui ui-check compile golden images clean
+.PHONY: help venv run tune test bench ui ui-check compile golden images clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  make %-10s %s\n", $$1, $$2}'
@@ -22,6 +22,9 @@ venv: $(STAMP) ## create .venv and install relaunch with its pinned dependencies
 
 run: $(STAMP) ## run the whole pipeline locally: 2 torchrun "nodes" on CPU, local store, local MLflow
 	$(BIN)/relaunch run $(ARGS)
+
+tune: $(STAMP) ## a small study of the default task on this machine: 4 trials, 2 at once, Optuna (about 25 seconds)
+	$(BIN)/relaunch tune --config configs/tune.yaml $(ARGS)
 
 test: $(STAMP) ## run the whole test suite (starts its own S3, PostgreSQL and MLflow servers)
 	@$(BIN)/python -c "import ray" 2>/dev/null || $(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e '.[ray]'

@@ -73,6 +73,7 @@ from relaunch.components.core.store import HintWrites, UNWRITABLE_ADVICE, open_s
 from relaunch.components.core.tracking import goodput  # noqa: E402
 from relaunch.components.core.trainer import setup  # noqa: E402
 from relaunch.components.core.contract.config import RelaunchConfig, config_from_cli  # noqa: E402
+from relaunch.components.core.contract import suggestions  # noqa: E402
 from relaunch.components.core.contract.errors import Diverged, Preempted, RelaunchError, StoreUnwritable, error_for  # noqa: E402
 from relaunch.components.core.contract.classify import as_error, is_store_unwritable  # noqa: E402
 from relaunch.components.core.contract.entry import report  # noqa: E402
@@ -531,7 +532,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rank = os.environ.get("RANK", "0")
     try:
-        run(config_from_cli(args.config, args.config_json, args.overrides))
+        # a cluster study's trial: its suggested values and its own folder, from the job's environment
+        run(suggestions.from_environment(config_from_cli(args.config, args.config_json, args.overrides)))
         return int(ExitCode.OK)
     except Exception as err:  # noqa: BLE001 - the one entry wrapper's code and line
         failure = report(f"train[rank {rank}]", err)

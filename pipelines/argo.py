@@ -10,6 +10,10 @@ that holds GPUs.
 
     relaunch compile --target argo|argo-template|argo-cron -o FILE      # or: python -m relaunch.pipelines.argo
 
+A configuration with a ``tune:`` space compiles the study (:data:`relaunch.pipelines.spec.TUNE_PIPELINE`): the
+trials are one ``withParam`` task over plan-trials' items, the DAG's ``parallelism`` is ``tune.parallel``, and
+the trial template's ``retryStrategy`` retries each item's pod on its own.
+
 Wiring only: :func:`_define` walks the pipeline spec (:data:`relaunch.pipelines.spec.PIPELINE`: steps, inputs,
 conditions, retries, exit handler), as the KFP renderer does. Every step is ``python -m <its module>``
 in the project image (its outputs are the files the step CLI writes); the retry expression is
@@ -26,7 +30,8 @@ from hera.workflows import (DAG, Container, CronWorkflow, Parameter, RetryStrate
                             WorkflowTemplate)
 from hera.workflows import models as m
 
-from relaunch.pipelines.spec import CONFIG, FINAL_STATUS, PARAMETERS, PIPELINE, RUN_ID, Condition, Step
+from relaunch.pipelines.spec import (CONFIG, FINAL_STATUS, PARAMETERS, PIPELINE, RUN_ID, Condition, Pipeline, Step,
+                                     item_field, pipeline_config, pipeline_of)
 from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.core.contract.exitcodes import argo_retry_expression
 from relaunch.components.launchers.jobs import OWNER_ENV, plain_env, secret_env, store_secret_files
@@ -55,21 +60,24 @@ def pipeline_parameters(config: RelaunchConfig) -> list[Parameter]:
 
     params = []
     for name, spec in build_pipeline(config).component_spec.inputs.items():
-        default = config.to_json() if name == "config_json" else spec.default
+        default = pipeline_config(config).to_json() if name == "config_json" else spec.default
         text = default if isinstance(default, str) else yaml.safe_dump(default).strip().removesuffix("...").strip()
         params.append(Parameter(name=name, value=text, description=f"({spec.type}) {spec.description or ''}".strip()))
     return params
 
 
-def retry_strategy(step: Step, config: RelaunchConfig) -> RetryStrategy:
+def retry_strategy(step: Step, config: RelaunchConfig, pipeline: Pipeline = PIPELINE) -> RetryStrategy:
     """The step's retries; Argo's maxDuration counts from the first attempt's start, so it must
-    outlast every attempt (a launch waits up to ``wait_timeout_seconds``) plus the backoffs."""
+    outlast every attempt (a launch waits up to ``wait_timeout_seconds``, a trial launches its training up
+    to ``tune.trial_retries`` more times) plus the backoffs. On a fanned-out step (``withParam``) Argo
+    retries each item's pod on its own."""
     policy = step.retry
     backoffs = sum(min(policy.backoff_seconds * policy.factor**i, policy.max_backoff_seconds) for i in range(policy.limit))
     if step.creates_job:
-        attempt = int(config.launch.kubernetes.wait_timeout_seconds)
+        launches = config.tune.trial_retries + 1 if step.for_each else 1
+        attempt = int(config.launch.kubernetes.wait_timeout_seconds) * launches
     else:
-        attempt = EXIT_HANDLER_ATTEMPT_SECONDS if step in PIPELINE.exit_handler else STEP_ATTEMPT_SECONDS
+        attempt = EXIT_HANDLER_ATTEMPT_SECONDS if step in pipeline.exit_handler else STEP_ATTEMPT_SECONDS
     return RetryStrategy(
         limit=policy.limit,
         retry_policy="Always",  # the default (OnFailure) never retries Error; the expression decides
@@ -91,6 +99,8 @@ def arguments(step: Step, params: list[str]) -> dict[str, str]:
         source = item.source
         if source.step:
             values[item.name] = f"{{{{tasks.{source.step}.outputs.parameters.{source.output}}}}}"
+        elif item_field(source):
+            values[item.name] = f"{{{{item.{item_field(source)}}}}}"
         elif source == PARAMETERS:
             values.update({n: f"{{{{workflow.parameters.{n}}}}}" for n in params})
         elif source == FINAL_STATUS:
@@ -108,7 +118,7 @@ def condition(when: Condition) -> str:
     return f"{subject} {when.op} {value}"
 
 
-def step_template(step: Step, config: RelaunchConfig, inputs: list[str]) -> Container:
+def step_template(step: Step, config: RelaunchConfig, inputs: list[str], pipeline: Pipeline = PIPELINE) -> Container:
     """``python -m <module> --config-json ... --input name=... --outputs-dir /tmp/outputs``."""
     k8s = config.launch.kubernetes
     extra_env = {var: WORKFLOW_OWNER[field] for field, var in OWNER_ENV.items()} if step.creates_job else {}
@@ -129,22 +139,27 @@ def step_template(step: Step, config: RelaunchConfig, inputs: list[str]) -> Cont
         volumes=[SecretVolume(name=f"secret-{f.secret}"[:63].rstrip("-"), secret_name=f.secret, mount_path=f.mount_dir,
                               read_only=True, default_mode=0o400, items=[m.KeyToPath(key=f.key, path=f.key)])
                  for f in store_secret_files(k8s, config.store.uri)] or None,
-        retry_strategy=retry_strategy(step, config),
+        retry_strategy=retry_strategy(step, config, pipeline),
     )
 
 
 def _define(config: RelaunchConfig) -> None:
     """Inside a ``with Workflow(...)``: the templates and the two DAGs (main and exit handler), walked
-    from :data:`relaunch.pipelines.spec.PIPELINE`."""
+    from the pipeline of ``config`` (:func:`relaunch.pipelines.spec.pipeline_of`: the training, or a study's)."""
+    pipeline = pipeline_of(config)
     params = [p.name for p in pipeline_parameters(config) if p.name != "config_json"]
-    templates = {s.name: step_template(s, config, list(arguments(s, params))) for s in PIPELINE.all_steps()}
-    for dag_name, steps in ((PIPELINE.name, PIPELINE.steps), (EXIT_HANDLER, PIPELINE.exit_handler)):
-        with DAG(name=dag_name):
+    templates = {s.name: step_template(s, config, list(arguments(s, params)), pipeline) for s in pipeline.all_steps()}
+    for dag_name, steps in ((pipeline.name, pipeline.steps), (EXIT_HANDLER, pipeline.exit_handler)):
+        # a study's trials run tune.parallel at once (the DAG's other steps run one at a time anyway)
+        limit = {"parallelism": config.tune.parallel} if dag_name == pipeline.name and pipeline is not PIPELINE else {}
+        with DAG(name=dag_name, **limit):
             tasks = {}
             for step in steps:
-                when = {"when": condition(step.when)} if step.when else {}
-                tasks[step.name] = templates[step.name](arguments=arguments(step, params), **when)
-                for name in PIPELINE.dependencies(step):
+                extra = {"when": condition(step.when)} if step.when else {}
+                if step.for_each:  # one pod per item, each retried on its own by the template's retryStrategy
+                    extra["with_param"] = f"{{{{tasks.{step.for_each.step}.outputs.parameters.{step.for_each.output}}}}}"
+                tasks[step.name] = templates[step.name](arguments=arguments(step, params), **extra)
+                for name in pipeline.dependencies(step):
                     tasks[name] >> tasks[step.name]
 
 
@@ -152,7 +167,7 @@ def _spec(config: RelaunchConfig) -> dict:
     k8s = config.launch.kubernetes
     return dict(
         namespace=k8s.namespace,
-        entrypoint=PIPELINE.name,
+        entrypoint=pipeline_of(config).name,
         on_exit=EXIT_HANDLER,
         service_account_name=k8s.service_account,
         artifact_repository_ref=ARTIFACT_REPOSITORY,

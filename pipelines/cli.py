@@ -1,6 +1,7 @@
 """``relaunch``: the command line of the pipeline.
 
     relaunch run [--config FILE] [--set key=value ...] [--inject-failure kill-worker@step=N]
+    relaunch tune --config FILE [--set key=value ...] [--study NAME] [--resume]
     relaunch checkpoints list|latest|verify --store URI [--json]
     relaunch trainings [--store URI] [--json]
     relaunch compile --target kfp|argo|argo-template|argo-cron -o FILE
@@ -22,6 +23,7 @@ from relaunch.components.core.contract.entry import exit_on_error
 
 COMMANDS: dict[str, str] = {
     "run": "run the whole pipeline on this machine (kfp.local)",
+    "tune": "run a study of trainings on this machine (Optuna): trials that resume from their checkpoints",
     "checkpoints": "list, locate and verify committed checkpoints in a store",
     "trainings": "list the trainings of a store with their state (running, interrupted, trained, finished)",
     "compile": "compile the pipeline for Kubeflow Pipelines or Argo Workflows",

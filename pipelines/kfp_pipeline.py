@@ -6,6 +6,11 @@ Wiring only: :func:`build_pipeline` walks the spec; each component body imports
 
     python -m relaunch.pipelines.kfp_pipeline build/pipeline.kfp.yaml     # or: relaunch compile --target kfp
 
+A configuration with a ``tune:`` space compiles the study instead (:data:`relaunch.pipelines.spec.TUNE_PIPELINE`):
+prepare, plan-trials, run-trial in a ``ParallelFor`` over plan-trials' items (``tune.parallel`` at once),
+select-best-trial, evaluate and register of the best trial, finalize. KFP drops ``set_retry`` on a task
+inside a ``ParallelFor`` (kubeflow/pipelines#12389), so the trial step relaunches its training itself.
+
 :func:`build_pipeline` makes the components and the pipeline for one configuration: its image is
 each component's ``base_image`` (KFP's own setting, nothing rewritten afterwards) and its JSON the
 default of ``config_json``. The typed parameters come from
@@ -25,13 +30,14 @@ import contextlib
 import inspect
 import operator
 import sys
-from typing import NamedTuple
+from typing import List, NamedTuple
 
 import yaml
 from kfp import compiler, dsl
 
-from relaunch.pipelines.spec import (CONFIG, EVALUATE, FINALIZE, LAUNCH, LOCATE, PARAMETERS, PIPELINE, PREPARE, REGISTER, RUN_ID,
-                        Condition, Step)
+from relaunch.pipelines.spec import (CONFIG, EVALUATE, FINALIZE, LAUNCH, LOCATE, PARAMETERS, PIPELINE, PLAN_TRIALS,
+                                     PREPARE, REGISTER, RUN_ID, RUN_TRIAL, SELECT_TRIAL, Condition, Pipeline, Source, Step,
+                                     item_field, pipeline_config, pipeline_of)
 from relaunch.components.core.contract.config import (PIPELINE_PARAMETERS, RelaunchConfig, pipeline_parameter_description,
                                     pipeline_parameter_type)
 
@@ -94,12 +100,41 @@ def finalize(config_json: str, pipeline_run_id: str, status: dsl.PipelineTaskFin
                 error=status.error_message or "")
 
 
+def plan_trials(config_json: str, parent_run_id: str) -> List[dict]:
+    """Open the study; the trials to run (those that have not ended): the fan-out's items."""
+    from relaunch.pipelines.kfp_entry import call
+
+    return call("plan-trials", config_json, parent_run_id=parent_run_id)[0]
+
+
+def run_trial(config_json: str, trial: int, parent_run_id: str, pipeline_run_id: str) -> NamedTuple(
+        "TrialOutputs", [("number", int), ("state", str), ("value", str), ("run_id", str), ("retries", int)]):
+    """One trial: a relaunch training in its own folder, relaunched (resuming) on a retryable end."""
+    from relaunch.pipelines.kfp_entry import call
+
+    return call("run-trial", config_json, trial=trial, parent_run_id=parent_run_id, pipeline_run_id=pipeline_run_id)
+
+
+def select_best_trial(config_json: str, parent_run_id: str) -> NamedTuple(
+        "SelectOutputs", [("config_json", str), ("trial", int), ("value", float), ("run_id", str), ("found", bool)]):
+    """The study's best trial, logged to the study's run; its configuration for evaluate and register."""
+    from relaunch.pipelines.kfp_entry import call
+
+    return call("select-best-trial", config_json, parent_run_id=parent_run_id)
+
+
 COMPONENT_BODIES = {PREPARE.name: prepare, LOCATE.name: locate_latest_checkpoint, LAUNCH.name: launch,
-                    EVALUATE.name: evaluate, REGISTER.name: register, FINALIZE.name: finalize}
+                    EVALUATE.name: evaluate, REGISTER.name: register, FINALIZE.name: finalize,
+                    PLAN_TRIALS.name: plan_trials, RUN_TRIAL.name: run_trial, SELECT_TRIAL.name: select_best_trial}
 """Step name -> the function KFP turns into its component (KFP names the task after the function)."""
+
+SINGLE_OUTPUT = {PLAN_TRIALS.name}
+"""Steps whose component returns its one output bare (KFP's ``Output``): what kfp.local can fan out over."""
 
 PIPELINE_DESCRIPTION = ("Fault-tolerant, resumable distributed PyTorch training: prepare, locate the latest "
                         "checkpoint, launch, evaluate, register.")
+TUNE_DESCRIPTION = ("A study of fault-tolerant trainings: prepare once, the trials fanned out (each resumes from its "
+                    "own checkpoints when retried), the best trial evaluated and registered.")
 CONFIG_JSON_DESCRIPTION = ("The whole relaunch configuration as JSON (see the README's configuration reference); "
                            "the parameters below override single fields of it.")
 
@@ -118,13 +153,20 @@ def _retry(task: dsl.PipelineTask, step: Step) -> None:
                    backoff_factor=float(policy.factor), backoff_max_duration=f"{policy.max_backoff_seconds}s")
 
 
-def _arguments(step: Step, values: dict, tasks: dict) -> dict:
-    """``step``'s inputs as KFP arguments: pipeline values, or outputs of tasks already made."""
+def _output(tasks: dict, source: Source):
+    task = tasks[source.step]
+    return task.output if source.step in SINGLE_OUTPUT else task.outputs[source.output]
+
+
+def _arguments(step: Step, values: dict, tasks: dict, loop_item=None) -> dict:
+    """``step``'s inputs as KFP arguments: pipeline values, outputs of tasks already made, the loop's item."""
     arguments = {}
     for item in step.inputs:
         source = item.source
         if source.step:
-            arguments[item.name] = tasks[source.step].outputs[source.output]
+            arguments[item.name] = _output(tasks, source)
+        elif item_field(source):
+            arguments[item.name] = getattr(loop_item, item_field(source))
         elif source == PARAMETERS:
             arguments.update({name: value for name, value in values.items() if name in PIPELINE_PARAMETERS})
         elif source == RUN_ID:
@@ -151,10 +193,13 @@ def _signature(config: RelaunchConfig) -> inspect.Signature:
     return inspect.Signature(params)
 
 
-def _docstring() -> str:
+def _docstring(pipeline: Pipeline) -> str:
     args = "\n".join(f"    {name}: {pipeline_parameter_description(name)}" for name in PIPELINE_PARAMETERS)
-    return ("Train, evaluate and register a model; a retried or re-run pipeline resumes from the latest "
-            f"checkpoint.\n\nArgs:\n    config_json: {CONFIG_JSON_DESCRIPTION}\n{args}\n")
+    what = ("Train, evaluate and register a model; a retried or re-run pipeline resumes from the latest checkpoint."
+            if pipeline is PIPELINE else
+            "Run a study of trainings, then evaluate and register its best trial; a retried trial resumes from its "
+            "own checkpoints and a re-run pipeline does not run an ended trial again.")
+    return f"{what}\n\nArgs:\n    config_json: {CONFIG_JSON_DESCRIPTION}\n{args}\n"
 
 
 def build_pipeline(config: RelaunchConfig | None = None):
@@ -164,20 +209,30 @@ def build_pipeline(config: RelaunchConfig | None = None):
         the ``@dsl.pipeline`` object: compile it, or call it under ``kfp.local``.
     """
     config = config or RelaunchConfig()
+    pipeline = pipeline_of(config)  # a configuration with a tune: space compiles the study
+    config = pipeline_config(config)
     comp = build_components(config.launch.kubernetes.image)
     signature = _signature(config)
 
     def relaunch_pipeline(*args, **kwargs):
         values = signature.bind(*args, **kwargs).arguments
         tasks: dict[str, dsl.PipelineTask] = {}
-        exit_task, = (s for s in PIPELINE.exit_handler if s.on_kfp)  # KFP's ExitHandler takes one task
+        exit_task, = (s for s in pipeline.exit_handler if s.on_kfp)  # KFP's ExitHandler takes one task
         # the exit task is not retried on KFP (it never was; Argo retries its exit handler)
         closing = comp[exit_task.name](**_arguments(exit_task, values, tasks))
         closing.set_caching_options(False)
-        with dsl.ExitHandler(closing, name=f"{PIPELINE.name}-run"):
-            for step in PIPELINE.steps:
-                with _condition(step.when, tasks) if step.when else contextlib.nullcontext():
-                    task = comp[step.name](**_arguments(step, values, tasks))
+        with dsl.ExitHandler(closing, name=f"{pipeline.name}-run"):
+            for step in pipeline.steps:
+                with contextlib.ExitStack() as groups:
+                    if step.when:
+                        groups.enter_context(_condition(step.when, tasks))
+                    item = None
+                    if step.for_each:
+                        # KFP drops set_retry inside a ParallelFor (kubeflow/pipelines#12389): the step retries
+                        # its trial itself (components/run_trial.py); the policy stays for a backend that honours it
+                        item = groups.enter_context(dsl.ParallelFor(_output(tasks, step.for_each),
+                                                                    parallelism=config.tune.parallel))
+                    task = comp[step.name](**_arguments(step, values, tasks, item))
                     _retry(task, step)
                     task.set_caching_options(False)
                     for name in step.after:
@@ -185,8 +240,9 @@ def build_pipeline(config: RelaunchConfig | None = None):
                 tasks[step.name] = task
 
     relaunch_pipeline.__signature__ = signature
-    relaunch_pipeline.__doc__ = _docstring()
-    return dsl.pipeline(name=PIPELINE.name, description=PIPELINE_DESCRIPTION)(relaunch_pipeline)
+    relaunch_pipeline.__doc__ = _docstring(pipeline)
+    description = PIPELINE_DESCRIPTION if pipeline is PIPELINE else TUNE_DESCRIPTION
+    return dsl.pipeline(name=pipeline.name, description=description)(relaunch_pipeline)
 
 
 def compile_pipeline(path: str, config: RelaunchConfig | None = None) -> None:

@@ -7,16 +7,24 @@ module and outputs from here, its name from :mod:`relaunch.components.core.contr
     prepare >> locate-latest-checkpoint >> launch >> evaluate >> register (when evaluate passed: the
     training completed, launch says, and its metric met the gate)
     on exit, whatever happened: finalize; delete-training-job (Argo, when the workflow did not succeed)
+
+A configuration with a ``tune:`` space compiles :data:`TUNE_PIPELINE` instead (:func:`pipeline_of`), a study:
+
+    prepare (the study's folder) >> plan-trials >> run-trial, once per trial (tune.parallel at once) >>
+    select-best-trial >> evaluate (the best trial) >> register (when evaluate passed)
+    on exit, whatever happened: finalize (the study's MLflow run)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import re
 import typing
 from dataclasses import dataclass
 
 from relaunch.components.core.contract import steps as names
+from relaunch.components.core.contract.errors import BadInput
 from relaunch.components.core.contract.exitcodes import RetryPolicy
 
 
@@ -35,6 +43,19 @@ RUN_ID = Source("", "run_id")
 """The pipeline run's id (KFP's job id, Argo's ``workflow.uid``)."""
 PARAMETERS = Source("", "parameters")
 """Every typed pipeline parameter (:data:`relaunch.components.core.contract.config.PIPELINE_PARAMETERS`), each under its own name."""
+ITEM_PREFIX = "item."
+
+
+def item(field: str) -> Source:
+    """Field ``field`` of the item of a fanned-out step's list (:attr:`Step.for_each`, a list of objects):
+    KFP's ``ParallelFor`` loop item's field, Argo's ``{{item.<field>}}``."""
+    return Source("", f"{ITEM_PREFIX}{field}")
+
+
+def item_field(source: Source) -> str | None:
+    """The field of the loop item that ``source`` is (:func:`item`), else None."""
+    return source.output.removeprefix(ITEM_PREFIX) if not source.step and source.output.startswith(ITEM_PREFIX) else None
+
 FINAL_STATUS = Source("", "status")
 """How the pipeline ended (exit handler only): KFP's ``PipelineTaskFinalStatus``, on Argo the
 ``state`` and ``error`` that ``workflow.status`` gives."""
@@ -83,6 +104,10 @@ class Step:
     """The step creates the training job (Argo names the workflow as the job's owner)."""
     on_kfp: bool = True
     """Rendered in the KFP pipeline too (KFP's ``ExitHandler`` takes one exit task)."""
+    for_each: Source | None = None
+    """Run the step once per item of this output (a JSON list of objects; :func:`item` reads their fields),
+    ``tune.parallel`` at once: KFP's ``ParallelFor``, Argo's ``withParam``. A later step that waits for it
+    waits for every item."""
 
     def outputs_class(self) -> type:
         return getattr(importlib.import_module(self.module), self.outputs)
@@ -94,7 +119,8 @@ class Step:
 
     def upstream(self) -> tuple[str, ...]:
         """The steps this one waits for: those whose outputs it reads, then :attr:`after`, in order."""
-        names = [i.source.step for i in self.inputs if i.source.step] + list(self.after)
+        names = ([self.for_each.step] if self.for_each else []) + [i.source.step for i in self.inputs if i.source.step] \
+            + list(self.after)
         return tuple(dict.fromkeys(names))
 
 
@@ -168,10 +194,73 @@ PIPELINE = Pipeline(name="relaunch", steps=(PREPARE, LOCATE, LAUNCH, EVALUATE, R
                     exit_handler=(FINALIZE, DELETE_JOB))
 
 
+TRIAL_RETRY = RetryPolicy(limit=3, backoff_seconds=10, factor=2, max_backoff_seconds=300)
+"""Argo's retries of a run-trial step whose own pod died; the trial's training is relaunched inside the step
+(``tune.trial_retries``), the retry KFP honours inside a ``ParallelFor``."""
+STUDY_CONFIG = Input("config_json", output(PREPARE, "config_json"))
+"""What the tuning steps read: the study's configuration prepare resolved (its ``store.uri`` the study folder)."""
+STUDY_RUN = Input("parent_run_id", output(PREPARE, "run_id"))
+"""The study's MLflow run, the parent of each trial's."""
+PLAN_TRIALS = Step(names.PLAN_TRIALS, "relaunch.components.plan_trials", "PlanOutputs", inputs=(STUDY_CONFIG, STUDY_RUN),
+                   retry=DEFAULT_RETRY)
+# The trial reads the study's configuration and run from its item, not from prepare: kfp.local 2.17 hands a
+# ParallelFor body the loop item in place of every task output from outside the loop (the compiled pipeline
+# is the same either way, and a cluster's KFP and Argo pass the item's fields as they pass any parameter).
+RUN_TRIAL = Step(names.RUN_TRIAL, "relaunch.components.run_trial", "TrialOutputs",
+                 inputs=(Input("config_json", item("config_json")), Input("trial", item("trial")),
+                         Input("parent_run_id", item("parent_run_id")), Input("pipeline_run_id", RUN_ID)),
+                 for_each=output(PLAN_TRIALS, "trials"), retry=TRIAL_RETRY, uses_torch=True, creates_job=True)
+SELECT_TRIAL = Step(names.SELECT_TRIAL, "relaunch.components.select_best_trial", "SelectOutputs",
+                    inputs=(STUDY_CONFIG, STUDY_RUN), after=(RUN_TRIAL.name,), retry=DEFAULT_RETRY)
+BEST = Input("config_json", output(SELECT_TRIAL, "config_json"))
+"""The best trial's configuration: its folder, checkpoints and MLflow run."""
+EVALUATE_BEST = dataclasses.replace(EVALUATE, inputs=(BEST, Input("training_completed", output(SELECT_TRIAL, "found"))))
+REGISTER_BEST = dataclasses.replace(REGISTER, inputs=(BEST, *REGISTER.inputs[1:]))
+TUNE_PIPELINE = Pipeline(name="relaunch-tune", steps=(PREPARE, PLAN_TRIALS, RUN_TRIAL, SELECT_TRIAL, EVALUATE_BEST,
+                                                      REGISTER_BEST),
+                         exit_handler=(FINALIZE,))
+"""The tuning pipeline: a study of trainings, the best one evaluated and registered. Its trials' jobs are
+named after the run and the trial; on Argo the workflow owns them (deleted with it)."""
+
+
+def pipeline_of(config) -> Pipeline:
+    """:data:`TUNE_PIPELINE` for a configuration with a ``tune:`` space, else :data:`PIPELINE`."""
+    return TUNE_PIPELINE if config.tune.space else PIPELINE
+
+
+def pipeline_config(config):
+    """The configuration the pipeline of ``config`` carries: ``config`` itself, or for a study a copy whose
+    ``store.uri`` is the study's folder (``<store>/studies/<study>``, where prepare puts the dataset and the
+    study's MLflow run, and the trials their folders) and whose ``tune.study`` is fixed.
+
+    Raises:
+        BadInput: ``tune.storage`` holds a password (it would be written into the compiled pipeline).
+    """
+    # the store's modules load pydantic, which the spec's other readers (the KFP entry, the console) load later or never
+    from relaunch.components.core.contract.config import parse_store_uri
+    from relaunch.components.core.tuning.layout import study_uri
+
+    if not config.tune.space:
+        return config
+    if config.tune.storage and re.search(r"://[^/@:]*:[^/@]+@", config.tune.storage):
+        raise BadInput("tune.storage holds a password, which the compiled pipeline would carry; drop it from the URL "
+                       "and give the steps PGPASSWORD from a Secret")
+    if not config.tune.storage and parse_store_uri(config.store.uri)[0] != "file":
+        raise BadInput(f"tune.storage is unset and store.uri {config.store.uri!r} is not a local folder: a study's trials "
+                       "run in pods of their own and share its Optuna storage in a database; set tune.storage to a "
+                       "PostgreSQL URL (e.g. postgresql://mlflow@postgres.relaunch.svc/optuna)")
+    study = config.model_copy(deep=True)
+    study.tune.study = config.study_name
+    study.store.uri = study_uri(config.store.uri, config.study_name)
+    return study
+
+
 STEP_TABLE: dict[str, Step] = {s.name: s for s in PIPELINE.all_steps() if s.on_kfp}
 """Every task the KFP pipeline (and so ``relaunch run``) runs, by name, in pipeline order, the exit task last."""
 STEPS: tuple[str, ...] = tuple(s.name for s in PIPELINE.steps)
 """The five retried steps of the DAG, in order."""
-STEP_MODULES: dict[str, str] = {name: s.module for name, s in STEP_TABLE.items()}
+KFP_STEPS: dict[str, Step] = {s.name: s for p in (PIPELINE, TUNE_PIPELINE) for s in p.all_steps() if s.on_kfp}
+"""Every step the KFP entry may call, of either pipeline, by name."""
+STEP_MODULES: dict[str, str] = {name: s.module for name, s in KFP_STEPS.items()}
 RETRY_POLICIES: dict[str, RetryPolicy] = {s.name: s.retry for s in PIPELINE.steps if s.retry}
 """Retries of each step of :data:`STEPS`."""

@@ -72,3 +72,5 @@ register_launch_backend("trainjob", cluster=True,
 register_launch_backend("slurm", launches=False, renders={"slurm": "render"})
 register_launch_backend("ray")
 register_launch_backend("rayjob", cluster=True, renders={"rayjob": "render"})
+register_launch_backend("katib", cluster=True, launches=False, renders={"katib": "render"})
+register_launch_backend("optimizationjob", cluster=True, launches=False, renders={"optimizationjob": "render"})

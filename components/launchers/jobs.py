@@ -38,6 +38,8 @@ AZURE_SECRET_KEYS = ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT",
 STORE_SECRETS_BY_SCHEME = {"az": (AZURE_SECRET_KEYS, True)}
 """``(keys, optional)`` of the store Secret by store URI scheme; any other scheme reads STORE_SECRET_KEYS."""
 TRACKING_SECRET_KEYS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+STUDY_SECRET_KEYS = ("PGPASSWORD",)
+"""The password of ``tune.storage``'s PostgreSQL, which libpq reads when the URL carries none."""
 # A gs:// store's credentials: the store Secret's key file, mounted read-only, named by the variable
 # Google's client libraries read (an empty launch.kubernetes.store_secret: workload identity instead).
 GCS_KEY_DIR = "/var/run/secrets/relaunch/store"
@@ -222,6 +224,8 @@ def secret_env_sources(k8s, store_uri: str = "") -> list[tuple[str, tuple[str, .
     sources = [] if scheme == "gs" else [(k8s.store_secret, keys, optional)]
     if k8s.tracking_secret:
         sources.append((k8s.tracking_secret, TRACKING_SECRET_KEYS, True))
+    if k8s.study_secret:
+        sources.append((k8s.study_secret, STUDY_SECRET_KEYS, False))
     return sources
 
 

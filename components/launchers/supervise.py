@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 
+from relaunch.components.core.contract import suggestions
 from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.core.contract.entry import exit_on_error
 from relaunch.components.core.contract.errors import BadInput
@@ -32,11 +33,13 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
 def config_of(command: list[str]) -> RelaunchConfig:
-    """The training configuration inside a torchrun command (its ``--config-json`` argument)."""
+    """The training configuration inside a torchrun command (its ``--config-json`` argument), as its
+    workers train it (a cluster study's trial: its own folder, where they record how they ended)."""
     try:
-        return RelaunchConfig.from_json(command[command.index("--config-json") + 1])
+        config = RelaunchConfig.from_json(command[command.index("--config-json") + 1])
     except (ValueError, IndexError):
         raise BadInput("supervise: the torchrun command has no --config-json JSON argument") from None
+    return suggestions.from_environment(config)
 
 
 def supervise(command: list[str]) -> int:

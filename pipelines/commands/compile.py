@@ -4,7 +4,11 @@
     relaunch compile --target argo-cron --cron '0 3 * * *' --config cluster.yaml -o cron.yaml
 
 The configuration becomes the default of the ``config_json`` parameter and names the image, namespace,
-service account and Secrets; it never carries credentials.
+service account and Secrets; it never carries credentials. With a ``tune:`` space it compiles the tuning
+pipeline (a study: the trials fanned out, the best one evaluated and registered;
+:func:`relaunch.pipelines.spec.pipeline_of`).
+
+    relaunch compile --target argo --config configs/tune.yaml --set tune.storage=postgresql://mlflow@postgres/optuna
 """
 
 from __future__ import annotations

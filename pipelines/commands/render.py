@@ -30,7 +30,7 @@ def render(args: argparse.Namespace) -> int:
     config = config_from_cli(args.config, None, args.overrides)
     write_output(render_kind(args.kind, config, args.run_id), args.output, args.kind)
     if args.kind in cluster_kinds():
-        warn_local_services(config, f"the {args.kind}")
+        warn_local_services(config, f"the {args.kind} document")
     return 0
 
 

@@ -47,8 +47,8 @@ from relaunch.components.core.contract.exitcodes import ExitCode
 from relaunch.components.core.store import open_store
 from relaunch.components.core.store.pipeline_lock import PipelineLock, TrainingInUse
 from relaunch.components.core.store.records import (identity_changes, pipeline_finished, read_exit_record, read_summary,
-                                                    read_training_config, replace_run, stored_run_id,
-                                                    write_training_config)
+                                                    read_training_config, refuse_resume_changes, replace_run,
+                                                    stored_run_id, write_training_config)
 from relaunch.components.core.store.trainings import training_names, training_uri
 from relaunch.components.core.tracking.client import ensure_run, mark_run_finished, run_exists, tracking_uri
 from relaunch.components.launch import reached_its_end
@@ -280,12 +280,8 @@ def stored_configuration(config: RelaunchConfig, training: str, store) -> Relaun
         asked.get(section, {}).pop(name, None)
         own[section][name] = None if key != "store.uri" else own[section][name]
     changes = identity_changes(own, asked)
-    if changes:
-        key, old, new = changes[0]
-        more = f" (and {', '.join(k for k, _, _ in changes[1:])})" if len(changes) > 1 else ""
-        raise BadInput(f"--resume: {key} is {json.dumps(old)} in the training {training} and the command line asks "
-                       f"for {json.dumps(new)}{more}; a resume continues a training with its own configuration: drop "
-                       f"that value, or run without --resume to start a new training with it")
+    refuse_resume_changes(changes, f"the training {training}", "a resume continues a training with its own "
+                          "configuration: drop that value, or run without --resume to start a new training with it")
     merged = RelaunchConfig.model_validate(_merge(own, asked))
     return _namespaced(merged.model_copy(update={"store": config.store}), training)
 

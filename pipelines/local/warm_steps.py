@@ -43,7 +43,7 @@ import threading
 import time
 from pathlib import Path
 
-from relaunch.pipelines.spec import STEP_MODULES, STEP_TABLE
+from relaunch.pipelines.spec import KFP_STEPS, STEP_MODULES
 from relaunch.components.core.runtime.warm import SignalledByPid, fork_module
 from relaunch.components.core.runtime.zygote import (ForkServer, Job, SINGLE_THREAD_ENV, become_worker, listen,
                                                      single_threaded, warm_up)
@@ -89,7 +89,7 @@ def server_for(executor_args: list[str]) -> str:
     """"full" for a step that uses torch (or an unknown one), else "light"."""
     function = executor_args[executor_args.index("--function_to_execute") + 1] \
         if "--function_to_execute" in executor_args[:-1] else ""
-    step = STEP_TABLE.get(function.replace("_", "-"))
+    step = KFP_STEPS.get(function.replace("_", "-"))
     return "light" if step is not None and not step.uses_torch else "full"
 
 

@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--size-mib", type=int,
-                        help="state size of bench_checkpoint in MiB (default 1024; sets BENCH_CHECKPOINT_MIB)")
+                        help="state size of bench_checkpoint and bench_restore in MiB (default 1024; sets "
+                             "BENCH_CHECKPOINT_MIB)")
     args = parser.parse_args(argv)
     if args.size_mib is not None:
         if args.size_mib < 1:

@@ -55,6 +55,7 @@ pre-faulted limit leaves out.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import importlib
 import itertools
 import json
@@ -68,7 +69,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -351,24 +352,10 @@ def _fractions(values: list[float]) -> str:
 
 # ---------------------------------------------------------------------------- restore, S3
 def _s3_rows(state: dict, work: Path, in_flight: int) -> list[dict]:
-    try:
-        from tests.services import S3Server
-
-        server = S3Server().start()
-        server.create_bucket("bench")
-    except Exception as err:  # noqa: BLE001 - the S3 row is skipped where moto cannot start
-        _log(f"S3 server unavailable, S3 row skipped: {err}")
-        return []
-    saved_env = {k: os.environ.get(k) for k in server.env()}
-    os.environ.update(server.env())
-    try:
-        root = "s3://bench/run"
-        with CheckpointManager(root, owner="bench", async_save=False) as mgr:
-            info = mgr.save(1, state) or mgr.latest()
-            store = mgr.store
-            objects = [(f"{store.prefix}/{key}", size) for key, size in sorted(store.sizes(info.key).items())]
-        nbytes = sum(size for _, size in objects)
-        presigned = _presigned(server, "bench", objects)
+    with bench_s3("S3 row") as server:
+        if server is None:
+            return []
+        objects, nbytes, presigned = save_in_bench_s3(server, state)
         readers = {"whole": rawread.S3Reader(server.endpoint, presigned, in_flight),
                    "ranged": rawread.S3Reader(server.endpoint, presigned, in_flight, ranged=True)}
         target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
@@ -381,7 +368,7 @@ def _s3_rows(state: dict, work: Path, in_flight: int) -> list[dict]:
             return side
 
         times = _interleaved({**{f"raw {how} GETs": raw(reader) for how, reader in readers.items()},
-                              "ours": lambda: _restore_once(root, target, work / "s3-cache")})
+                              "ours": lambda: _restore_once(BENCH_S3_ROOT, target, work / "s3-cache")})
         for reader in readers.values():
             reader.close()
         assert all(torch.equal(target["model"][k], v) for k, v in state["model"].items()), "restore differs"
@@ -390,6 +377,28 @@ def _s3_rows(state: dict, work: Path, in_flight: int) -> list[dict]:
                      f"raw http.client {how} (presigned by boto3; whole objects, or each as the range of all "
                      f"its bytes as ours asks) of the {len(objects)} objects, {in_flight} in flight, {r:.3f} s "
                      f"({nbytes / r / 1e9:.2f} GB/s) vs ours {o:.3f} s ({nbytes / o / 1e9:.2f} GB/s)")]
+
+
+BENCH_S3_ROOT = "s3://bench/run"
+
+
+@contextlib.contextmanager
+def bench_s3(rows: str) -> Iterator[Any]:
+    """A moto S3 server over HTTP with the bucket ``bench``, this process's environment pointing at it
+    while the block runs; None where moto cannot start (the benchmark's S3 ``rows`` are skipped)."""
+    try:
+        from tests.services import S3Server
+
+        server = S3Server().start()
+        server.create_bucket("bench")
+    except Exception as err:  # noqa: BLE001 - the S3 rows are skipped where moto cannot start
+        _log(f"S3 server unavailable, {rows} skipped: {err}")
+        yield None
+        return
+    saved_env = {k: os.environ.get(k) for k in server.env()}
+    os.environ.update(server.env())
+    try:
+        yield server
     finally:
         server.stop()
         for k, v in saved_env.items():
@@ -397,6 +406,16 @@ def _s3_rows(state: dict, work: Path, in_flight: int) -> list[dict]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def save_in_bench_s3(server: Any, state: dict) -> tuple[list[tuple[str, int]], int, list[tuple[str, int]]]:
+    """``state`` committed as one checkpoint under :data:`BENCH_S3_ROOT`: its objects ``(key, size)``, their
+    bytes, and each object's presigned request path (:func:`_presigned`)."""
+    with CheckpointManager(BENCH_S3_ROOT, owner="bench", async_save=False) as mgr:
+        info = mgr.save(1, state) or mgr.latest()
+        store = mgr.store
+        objects = [(f"{store.prefix}/{key}", size) for key, size in sorted(store.sizes(info.key).items())]
+    return objects, sum(size for _, size in objects), _presigned(server, "bench", objects)
 
 
 def _presigned(server: Any, bucket: str, objects: list[tuple[str, int]]) -> list[tuple[str, int]]:

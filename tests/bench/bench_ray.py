@@ -24,11 +24,10 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from tests.bench.bench_training import CHECKPOINT_EVERY, _percentile, _recovered, _training
+from tests.bench.bench_training import _percentile, _recovered, _training, killed_trainings
 
 ROOT = Path(__file__).resolve().parents[2]
 GOAL_RATIO = 2.0  # Ray backend MTTR / torchrun cold MTTR
@@ -114,29 +113,11 @@ def _make_run(workdir: Path, server_uri: str) -> dict:
 
 
 def run(quick: bool) -> list[dict]:
-    from tests.services import MlflowServer
-
-    kill_every, kills = (6.0, 3) if quick else (20.0, 4)
-    kill_every = float(os.environ.get("BENCH_KILL_EVERY", kill_every))
-    kills = int(os.environ.get("BENCH_KILLS", kills))
-    workdir = Path(tempfile.mkdtemp(prefix="bench-ray-"))
-    server = MlflowServer(backend_uri=f"sqlite:///{workdir / 'mlflow.db'}", artifacts_dir=workdir / "artifacts").start()
-    try:
-        step_sleep = 0.02
-        steps = int((kills + 1) * kill_every / (step_sleep + 0.004))
-
-        def config(name: str) -> dict:
-            return {"store": {"uri": str(workdir / name)},
-                    "tracking": {"uri": server.uri, "experiment": f"bench-{name}"},
-                    "train": {"max_steps": steps, "step_sleep_seconds": step_sleep, "checkpoint_every_steps": None,
-                              "checkpoint_every_seconds": CHECKPOINT_EVERY, "checkpoint_at_epoch_end": False,
-                              "log_every_steps": 1}}
-
-        torchrun = _training(config("torchrun-cold"), workdir, kill_every=kill_every, kills=kills, warm=False)
-        ray = _ray_training(config("ray"), workdir, kill_every=kill_every, kills=kills)
-        make_run = _make_run(workdir, server.uri)
-    finally:
-        server.stop()
+    with killed_trainings("bench-ray-", *((6.0, 3) if quick else (20.0, 4))) as bench:
+        workdir, kill_every, kills = bench.workdir, bench.kill_every, bench.kills
+        torchrun = _training(bench.config("torchrun-cold"), workdir, kill_every=kill_every, kills=kills, how="cold")
+        ray = _ray_training(bench.config("ray"), workdir, kill_every=kill_every, kills=kills)
+        make_run = _make_run(workdir, bench.tracking_uri)
     cold, on_ray = statistics.median(torchrun["mttr"]), statistics.median(ray["mttr"])
     return [
         {"metric": "MTTR, torchrun cold, p50 (s)", "value": cold, "goal": "-",

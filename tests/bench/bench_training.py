@@ -53,6 +53,7 @@ kill against 60 s. ``BENCH_KILL_EVERY`` and ``BENCH_KILLS`` override T and the n
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -63,7 +64,9 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -427,25 +430,50 @@ def _categories(report: dict) -> str:
                                  "recomputed", "restart_gaps")})
 
 
-def run(quick: bool) -> list[dict]:
+def training_config(store: Path, tracking_uri: str, name: str, steps: int, step_sleep: float) -> dict:
+    """The benches' training: ``steps`` steps of ``step_sleep`` s, async checkpoints every CHECKPOINT_EVERY s."""
+    return {"store": {"uri": str(store)},
+            "tracking": {"uri": tracking_uri, "experiment": f"bench-{name}"},
+            "train": {"max_steps": steps, "step_sleep_seconds": step_sleep, "checkpoint_every_steps": None,
+                      "checkpoint_every_seconds": CHECKPOINT_EVERY, "checkpoint_at_epoch_end": False,
+                      "log_every_steps": 1}}
+
+
+@dataclass
+class KilledTrainings:
+    """Where a bench of trainings SIGKILLed every ``kill_every`` s runs: its folder, its MLflow server, and
+    ``config(name)``, a training of ``steps`` steps long enough for ``kills`` kills and a clean stretch."""
+    workdir: Path
+    tracking_uri: str
+    kill_every: float
+    kills: int
+    steps: int
+    step_sleep: float = 0.02
+
+    def config(self, name: str) -> dict:
+        return training_config(self.workdir / name, self.tracking_uri, name, self.steps, self.step_sleep)
+
+
+@contextlib.contextmanager
+def killed_trainings(prefix: str, kill_every: float, kills: int) -> Iterator[KilledTrainings]:
+    """A fresh folder and an MLflow server (sqlite) for the block; ``BENCH_KILL_EVERY`` and ``BENCH_KILLS``
+    override the cadence."""
     from tests.services import MlflowServer
 
-    kill_every, kills = (8.0, 5) if quick else (60.0, 5)
     kill_every = float(os.environ.get("BENCH_KILL_EVERY", kill_every))
     kills = int(os.environ.get("BENCH_KILLS", kills))
-    workdir = Path(tempfile.mkdtemp(prefix="bench-training-"))
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
     server = MlflowServer(backend_uri=f"sqlite:///{workdir / 'mlflow.db'}", artifacts_dir=workdir / "artifacts").start()
     try:
-        step_sleep = 0.02
-        steps = int((kills + 1) * kill_every / (step_sleep + 0.004))
+        step_sleep = KilledTrainings.step_sleep
+        yield KilledTrainings(workdir, server.uri, kill_every, kills, int((kills + 1) * kill_every / (step_sleep + 0.004)))
+    finally:
+        server.stop()
 
-        def config(name: str) -> dict:
-            return {"store": {"uri": str(workdir / name)},
-                    "tracking": {"uri": server.uri, "experiment": f"bench-{name}"},
-                    "train": {"max_steps": steps, "step_sleep_seconds": step_sleep, "checkpoint_every_steps": None,
-                              "checkpoint_every_seconds": CHECKPOINT_EVERY, "checkpoint_at_epoch_end": False,
-                              "log_every_steps": 1}}
 
+def run(quick: bool) -> list[dict]:
+    with killed_trainings("bench-training-", *((8.0, 5) if quick else (60.0, 5))) as bench:
+        workdir, config, kill_every, kills, steps = bench.workdir, bench.config, bench.kill_every, bench.kills, bench.steps
         floors: list[float] = []
         plain, killed = {}, []
         for how in HOWS:  # the floor before each training: a busy machine's load drifts
@@ -454,9 +482,7 @@ def run(quick: bool) -> list[dict]:
             floors += import_floor(2)
             killed.append(_training(config(f"{how}-killed"), workdir, kill_every=kill_every, kills=kills, how=how))
         floors += import_floor(1)
-        logging = _logging_overhead(server.uri, 300 if quick else 2000)
-    finally:
-        server.stop()
+        logging = _logging_overhead(bench.tracking_uri, 300 if quick else 2000)
     floor = statistics.median(floors)
     figure = plot_breakdown(killed, list(plain.values()), floor, FIGURE)
     tracking = plain[HOWS[0]]["tracking"]

@@ -13,6 +13,7 @@ in the spec (a fraction), that fraction of its buffer is never touched before th
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
 import ctypes
 import http.client
@@ -23,7 +24,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 BLOCK = 8 << 20
 BLOCKS = (512 << 10, 8 << 20)  # measured here: small blocks read a cold file faster, large ones a warm one
@@ -137,16 +138,45 @@ def split(pieces: list[Piece], threads: int, most: int = 64 << 20, slack: int = 
             for at in (range(0, length, cap) if length > whole else (0,))]
 
 
-def read_pieces(pieces: list[Piece], threads: int, buf: bytearray, block: int = BLOCK) -> None:
+class Scatter:
+    """Writable buffers filled one after another as if they were one (the destination of a read into
+    many tensors: a restore's model and optimizer state)."""
+
+    def __init__(self, buffers: Any):
+        views = [memoryview(b).cast("B") for b in (buffers if isinstance(buffers, (list, tuple)) else [buffers])]
+        self.views = [v for v in views if len(v)]
+        self.starts = [0]
+        for v in self.views:
+            self.starts.append(self.starts[-1] + len(v))
+        self.total = self.starts[-1]
+
+    def slices(self, start: int, length: int) -> list[memoryview]:
+        """Views of the bytes ``[start, start + length)`` of the whole, one per buffer they touch."""
+        out, end = [], start + length
+        i = bisect.bisect_right(self.starts, start) - 1
+        while start < end:
+            lo = start - self.starts[i]
+            take = min(end, self.starts[i + 1]) - start
+            out.append(self.views[i][lo:lo + take])
+            start += take
+            i += 1
+        return out
+
+
+def read_pieces(pieces: list[Piece], threads: int, buf: Any, block: int = BLOCK, hashed: bool = False) -> None:
     """Read every piece, each front to back by one thread in ``block``-byte reads, ``threads`` at a
-    time, into ``buf`` one after another (pieces in order)."""
-    view = memoryview(buf)
+    time, into ``buf`` (a buffer, or a list of buffers filled one after another) one after another
+    (pieces in order). ``hashed``: each block fed to an XXH3-128 of its piece right after it is read
+    (the integrity check ours makes, by the same library, while the block is in the CPU cache)."""
+    if hashed:
+        import xxhash  # the only non-stdlib import here, and only for this variant
+    view = Scatter(buf)
     jobs, at = [], 0
     for piece in pieces:
         jobs.append((piece, at))
         at += piece[2]
-    if at > len(buf):
-        raise ValueError(f"buffer of {len(buf)} bytes for {at} bytes of pieces")
+    if at > view.total:
+        raise ValueError(f"buffer of {view.total} bytes for {at} bytes of pieces")
 
     def read(job: tuple[Piece, int]) -> None:
         (path, offset, length), pos = job
@@ -154,10 +184,14 @@ def read_pieces(pieces: list[Piece], threads: int, buf: bytearray, block: int = 
         try:
             os.posix_fadvise(fd, offset, length, os.POSIX_FADV_SEQUENTIAL)
             done = 0
+            hasher = xxhash.xxh3_128() if hashed else None
             while done < length:
-                n = os.preadv(fd, [view[pos + done:pos + min(length, done + block)]], offset + done)
+                n = os.preadv(fd, view.slices(pos + done, min(length - done, block)), offset + done)
                 if not n:
                     raise EOFError(f"{path} ends at {offset + done}")
+                if hasher is not None:
+                    for v in view.slices(pos + done, n):
+                        hasher.update(v)
                 done += n
         finally:
             os.close(fd)
@@ -173,19 +207,22 @@ class S3Reader:
     one pre-faulted buffer. ``objects`` are (request path, size): presigned paths (query-string
     authentication, signed before the timed region by an independent client such as boto3)."""
 
-    def __init__(self, endpoint: str, objects: list[tuple[str, int]], in_flight: int, ranged: bool = False):
+    def __init__(self, endpoint: str, objects: list[tuple[str, int]], in_flight: int, ranged: bool = False,
+                 buffer: bool = True):
         host = endpoint.split("://", 1)[-1].rstrip("/")
         self.objects, self.in_flight, self.ranged = objects, max(1, in_flight), ranged
-        self.buffer = prefaulted(sum(size for _, size in objects))
+        # buffer=False: no buffer of its own; every read() names its destination
+        self.buffer = prefaulted(sum(size for _, size in objects)) if buffer else None
         self._conns = [http.client.HTTPConnection(host, timeout=120) for _ in range(self.in_flight)]
         for conn in self._conns:
             conn.connect()
         self._free = list(self._conns)
         self._lock = threading.Lock()
 
-    def read(self) -> None:
-        """One GET per object, all of them, into the buffer."""
-        view = memoryview(self.buffer)
+    def read(self, into: Any = None) -> None:
+        """One GET per object, all of them, into the buffer (or ``into``: buffers filled one after
+        another, e.g. memory as fresh as a restarted training's)."""
+        view = Scatter(self.buffer if into is None else into)
         jobs, at = [], 0
         for name, size in self.objects:
             jobs.append((name, size, at))
@@ -201,11 +238,14 @@ class S3Reader:
                 if resp.status not in (200, 206):
                     raise OSError(f"GET {name.split('?')[0]}: HTTP {resp.status} {resp.read(300)!r}")
                 done = 0
-                while done < size:
-                    n = resp.readinto(view[pos + done:pos + size])
-                    if not n:
-                        raise EOFError(f"{name} ended at byte {done} of {size}")
-                    done += n
+                for piece in view.slices(pos, size):
+                    filled = 0
+                    while filled < len(piece):
+                        n = resp.readinto(piece[filled:])
+                        if not n:
+                            raise EOFError(f"{name} ended at byte {done + filled} of {size}")
+                        filled += n
+                    done += filled
                 if resp.read(1):
                     raise OSError(f"{name} is longer than {size} bytes")
             finally:

@@ -120,6 +120,16 @@ def test_a_load_checks_the_manifest_once_and_agrees_once_on_what_to_read(tmp_pat
     assert len(agreements) == 1  # the checkpoint, its manifest and its .metadata in one agreement
 
 
+def _counting_reads(root: str, monkeypatch) -> tuple:
+    """The store at ``root`` and the list its data reads append ``(key, offset)`` to."""
+    store = open_store(root)
+    ranges: list[tuple[str, int]] = []
+    read_into = store.read_into
+    monkeypatch.setattr(store, "read_into", lambda key, offset, buffer, **kw: ranges.append((key, offset))
+                        or read_into(key, offset, buffer, **kw))
+    return store, ranges
+
+
 @pytest.mark.parametrize("slack, requests", [(8000, 1), (0, 2)], ids=["within the slack: one", "no slack: two"])
 def test_a_file_read_whole_a_little_past_the_request_cap_is_one_request(tmp_path, monkeypatch, slack, requests):
     import relaunch.components.core.checkpoint.dcp_io as dcp_io
@@ -129,11 +139,7 @@ def test_a_file_read_whole_a_little_past_the_request_cap_is_one_request(tmp_path
     _save(root, {"m": source})
     monkeypatch.setattr(dcp_io, "REQUEST_BYTES", 16000)
     monkeypatch.setattr(dcp_io, "REQUEST_SLACK", slack)
-    store = open_store(root)
-    ranges: list[tuple[str, int]] = []
-    read_into = store.read_into
-    monkeypatch.setattr(store, "read_into", lambda key, offset, buffer, **kw: ranges.append((key, offset))
-                        or read_into(key, offset, buffer, **kw))
+    store, ranges = _counting_reads(root, monkeypatch)
     target = {"m": {k: torch.zeros_like(v) for k, v in source.items()}}
     CheckpointManager(store).load(target)
     assert all(torch.equal(target["m"][k], v) for k, v in source.items())
@@ -157,11 +163,7 @@ def test_a_file_holding_a_tensor_over_the_request_cap_is_read_as_one_range_with_
     _save(root, {"m": source})
     monkeypatch.setattr(dcp_io, "REQUEST_BYTES", 16000)  # the large tensor's 80000 bytes are over the cap
     monkeypatch.setattr(dcp_io, "REQUEST_SLACK", 4000)  # more than the leading items and their records
-    store = open_store(root)
-    ranges: list[tuple[str, int]] = []
-    read_into = store.read_into
-    monkeypatch.setattr(store, "read_into", lambda key, offset, buffer, **kw: ranges.append((key, offset))
-                        or read_into(key, offset, buffer, **kw))
+    store, ranges = _counting_reads(root, monkeypatch)
     target = {"m": {k: torch.zeros_like(v) for k, v in source.items()}}
     CheckpointManager(store).load(target)
     assert all(torch.equal(target["m"][k], v) for k, v in source.items())

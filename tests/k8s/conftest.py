@@ -82,6 +82,11 @@ def cluster(kmock, tmp_path, monkeypatch, backend):
     for op in OPERATORS.values():
         kmock.resources[f"{op.group_version}/{op.plural}"].kind = op.kind
         kmock.resources[f"{op.group_version}/{op.plural}"].namespaced = True
+    return Cluster(kmock, kubeconfig_of(kmock, tmp_path, monkeypatch), OPERATORS[backend])
+
+
+def kubeconfig_of(kmock, tmp_path, monkeypatch) -> Path:
+    """Serve pods from kmock and point KUBECONFIG at it (what a user's laptop has); the file's path."""
     kmock.resources["v1/pods"].kind = "Pod"
     kmock.resources["v1/pods"].namespaced = True
     kubeconfig = tmp_path / "kubeconfig"
@@ -93,7 +98,7 @@ def cluster(kmock, tmp_path, monkeypatch, backend):
     }))
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    return Cluster(kmock, kubeconfig, OPERATORS[backend])
+    return kubeconfig
 
 
 class Cluster:

@@ -19,7 +19,7 @@ from relaunch.components.core.store.records import write_exit_record
 from relaunch.components.launchers import renderers
 from relaunch.components.launchers.jobs import job_spec
 from relaunch.components.launchers.rayjob import build_rayjob, job_state
-from tests.k8s.conftest import NAMESPACE, Cluster, Operator
+from tests.k8s.conftest import NAMESPACE, Cluster, Operator, kubeconfig_of
 from tests.k8s.test_launcher_contract import ROOT, api_call
 
 RUN_ID = "9f3c2a1e-0000-4000-8000-00000000abcd"
@@ -125,18 +125,7 @@ FAILED = {"jobDeploymentStatus": "Failed", "jobStatus": "FAILED", "reason": "App
 def rayjob_cluster(kmock, tmp_path, monkeypatch):
     kmock.resources["ray.io/v1/rayjobs"].kind = "RayJob"
     kmock.resources["ray.io/v1/rayjobs"].namespaced = True
-    kmock.resources["v1/pods"].kind = "Pod"
-    kmock.resources["v1/pods"].namespaced = True
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
-        "clusters": [{"name": "kmock", "cluster": {"server": str(kmock.url).rstrip("/")}}],
-        "users": [{"name": "kmock", "user": {"token": "not-a-secret"}}],
-        "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock", "namespace": NAMESPACE}}],
-    }))
-    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    return Cluster(kmock, kubeconfig, RAYJOB)
+    return Cluster(kmock, kubeconfig_of(kmock, tmp_path, monkeypatch), RAYJOB)
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from relaunch.components.core.checkpoint.layout import MANIFEST
 from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.core.contract.exitcodes import ExitCode
 from relaunch.components.core.store import open_store, records
@@ -53,13 +54,13 @@ def trainers(marker: str) -> list[tuple[int, int, int]]:
 
 
 def kill_a_ray_worker_at(config: RelaunchConfig, step: int, killed: list[int]) -> threading.Thread:
-    """Once the training passed ``step``, SIGKILL the Ray worker process (the actor) that hosts the last rank."""
+    """Once the training committed ``step``, SIGKILL the Ray worker process (the actor) that hosts the last rank."""
     def watch() -> None:
         deadline = time.monotonic() + 240
         store = Path(config.store.uri)
         while time.monotonic() < deadline:
             if any(int(p.name.split("-")[-1]) >= step for p in (store / "checkpoints").glob("step-*")
-                   if p.name.split("-")[-1].isdigit()):
+                   if p.name.split("-")[-1].isdigit() and (p / MANIFEST).exists()):  # committed, not begun
                 ranks = {rank: parent for _pid, parent, rank in trainers(config.store.uri)}
                 if config.launch.world_size - 1 in ranks:
                     os.kill(ranks[config.launch.world_size - 1], signal.SIGKILL)

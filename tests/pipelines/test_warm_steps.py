@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from kfp import dsl
 
-from relaunch.pipelines.spec import STEP_TABLE
+from relaunch.pipelines.spec import KFP_STEPS
 from relaunch.pipelines.kfp_pipeline import COMPONENT_BODIES, build_components
 from relaunch.pipelines.local.warm_steps import SERVER_IMPORTS, executor_call, server_for
 
@@ -36,9 +36,9 @@ def test_a_command_that_is_not_kfps_script_runs_cold():
 
 def test_steps_that_use_torch_go_to_the_server_that_imported_it():
     for step, body in COMPONENT_BODIES.items():
-        expected = "full" if STEP_TABLE[step].uses_torch else "light"
+        expected = "full" if KFP_STEPS[step].uses_torch else "light"
         assert server_for(["--executor_input", "{}", "--function_to_execute", body.__name__]) == expected
-    assert {s for s, step in STEP_TABLE.items() if step.uses_torch} == {"launch", "evaluate"}
+    assert {s for s, step in KFP_STEPS.items() if step.uses_torch} == {"launch", "evaluate", "run-trial"}
     assert server_for(["--function_to_execute", "someone_elses_step"]) == "full"
     assert "torch" not in SERVER_IMPORTS["light"] and "torch" in SERVER_IMPORTS["full"]
 

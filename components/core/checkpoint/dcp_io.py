@@ -286,6 +286,7 @@ class _Part:
     source: torch.Tensor | None = None  # tensors read into a buffer: the request's region of it
     is_bytes: bool = False
     extent: tuple[int, int] | None = None  # the bytes to read and check when more than [start, end)
+    target: torch.Tensor | None = None  # the destination, resolved once (DCP's lookup costs ~10 us an item)
 
 
 class StoreReader(StorageReader):
@@ -430,10 +431,10 @@ class StoreReader(StorageReader):
         start, end = base + first * size, base + (last + 1) * size
         if (last + 1 - first == numel and target.device.type == "cpu" and target.dtype == dtype
                 and target.is_contiguous()):
-            return _Part([req], name, start, end, raw_bytes(target), extent=extent)
+            return _Part([req], name, start, end, raw_bytes(target), extent=extent, target=target)
         region = torch.empty(last + 1 - first, dtype=dtype)
         return _Part([req], name, start, end, raw_bytes(region), source=region.as_strided(lengths, strides, 0),
-                     extent=extent)
+                     extent=extent, target=target)
 
     def _payload_offset(self, index: Any, info: Any, nbytes: int, shape: Any, dtype: Any) -> int:
         """Where the bytes of tensor item ``index`` start in its file: the item itself (format 2), or
@@ -554,7 +555,7 @@ class StoreReader(StorageReader):
                 planner.load_bytes(req, io.BytesIO(data))
             return
         req = part.reqs[0]
-        target = planner.resolve_tensor(req).detach()
+        target = part.target if part.target is not None else planner.resolve_tensor(req).detach()
         if part.source is not None:
             target.copy_(part.source)
         planner.commit_tensor(req, target)
@@ -670,9 +671,12 @@ def shard_chunk(global_shape: Any, mesh_shape: Any, coordinate: Any, placements:
 def fast_local_load_plan(state_dict: dict[str, Any], metadata: Metadata) -> LoadPlan:
     """DCP's ``create_default_local_load_plan`` (strict), except that the chunk of a plain-sharded
     DTensor comes from :func:`shard_chunk` (checked against its local tensor's shape), not from
-    DTensor's own chunk list (see there)."""
+    DTensor's own chunk list (see there), and that a plain tensor stored whole as one chunk gets its
+    one read item directly (the item DCP's resharding sweep makes for it, without the sweep: ~12 us an
+    item, 4 ms of a 1 GiB AdamW state's load)."""
     from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
+    from torch.distributed.checkpoint.planner import ReadItem
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
     from torch.distributed.tensor import DTensor
 
@@ -685,9 +689,25 @@ def fast_local_load_plan(state_dict: dict[str, Any], metadata: Metadata) -> Load
             if coordinate is None:
                 continue  # not a rank of this DTensor's mesh: nothing to load (as DCP does)
             chunk = shard_chunk(obj.shape, obj.device_mesh.shape, coordinate, obj.placements)
+        elif whole_chunk(obj, md):
+            zeros = torch.Size([0] * obj.dim())
+            items.append(ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(fqn, zeros, 0),
+                                  dest_offsets=zeros, storage_index=MetadataIndex(fqn, md.chunks[0].offsets, 0),
+                                  storage_offsets=zeros, lengths=torch.Size(md.size)))
+            continue
         if chunk is None or tuple(chunk[0]) != tuple(obj.to_local().shape):
             items += create_default_local_load_plan({fqn: obj}, metadata, True).items
         else:
             items += create_read_items_for_chunk_list(
                 fqn, md, [ChunkStorageMetadata(offsets=torch.Size(chunk[1]), sizes=torch.Size(chunk[0]))])
     return LoadPlan(items)
+
+
+def whole_chunk(obj: Any, md: Any) -> bool:
+    """Whether ``obj`` is a plain non-empty tensor of the size ``md`` (its stored metadata) records, stored
+    as one chunk at offset 0: its load is one read item of the whole tensor."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    return (type(obj) in (torch.Tensor, torch.nn.Parameter) and isinstance(md, TensorStorageMetadata)
+            and obj.numel() > 0 and md.size == obj.size() and len(md.chunks) == 1
+            and not any(md.chunks[0].offsets) and md.chunks[0].sizes == md.size)

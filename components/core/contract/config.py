@@ -262,6 +262,9 @@ class KubernetesConfig(_Model):
     tracking_secret: str | None = Field(
         "relaunch-mlflow", description="Secret with MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (optional)."
     )
+    study_secret: str | None = Field(
+        None, description="Secret with PGPASSWORD, the password of tune.storage's PostgreSQL (a study's pipeline steps; libpq reads it)."
+    )
     store_endpoint: str | None = Field("http://minio.relaunch.svc:9000", description="AWS_ENDPOINT_URL given to pods.")
     @field_validator("store_endpoint")
     @classmethod
@@ -394,6 +397,10 @@ class TuneParameter(_Model):
             raise ValueError(f"an int parameter needs whole bounds (got low={self.low:g}, high={self.high:g})")
         if self.step is not None and self.type == "log_uniform":
             raise ValueError("a log_uniform parameter takes no step")
+        if self.type == "int" and self.step is not None and not float(self.step).is_integer():
+            raise ValueError(f"an int parameter needs a whole step (got step={self.step:g})")
+        if self.type == "int" and self.log and self.step not in (None, 1):
+            raise ValueError("an int parameter on a log scale takes no step (Optuna draws it log-spaced); drop step or log")
         return self
 
 

@@ -9,3 +9,7 @@ EVALUATE = "evaluate"
 REGISTER = "register"
 FINALIZE = "finalize"
 DELETE_JOB = "delete-training-job"
+# the tuning pipeline (relaunch.pipelines.spec.TUNE_PIPELINE): prepare, then these, then evaluate and register
+PLAN_TRIALS = "plan-trials"
+RUN_TRIAL = "run-trial"
+SELECT_TRIAL = "select-best-trial"

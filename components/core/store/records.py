@@ -141,6 +141,17 @@ def identity_changes(stored: dict[str, Any], asked: dict[str, Any]) -> list[tupl
     return changes
 
 
+
+def refuse_resume_changes(changes: list[tuple[str, Any, Any]], stored_in: str, advice: str) -> None:
+    """Raise the one line ``--resume`` prints when the command line changes what ``stored_in`` (e.g. "the
+    training 2026...") keeps: the first change, the other keys, and ``advice``. Nothing when no change."""
+    if not changes:
+        return
+    key, old, new = changes[0]
+    more = f" (and {', '.join(k for k, _, _ in changes[1:])})" if len(changes) > 1 else ""
+    raise BadInput(f"--resume: {key} is {json.dumps(old)} in {stored_in} and the command line asks for "
+                   f"{json.dumps(new)}{more}; {advice}")
+
 def refuse_another_identity(store, config: dict[str, Any]) -> None:
     """Refuse ``config`` (a whole configuration as a dict) when the training in ``store`` stored one
     that differs in a :data:`TRAINING_IDENTITY` key; store it as the training's own when it stored

@@ -21,6 +21,7 @@ from relaunch.components.core.contract.classify import as_error, is_store_unwrit
 from relaunch.components.core.contract.errors import StoreUnwritable
 from relaunch.components.core.contract.events import Kind, emit
 from relaunch.components.core.runtime import distributed as distr
+from relaunch.components.core.trainer.metrics_file import write_validation
 from relaunch.components.core.store import UNWRITABLE_ADVICE
 
 
@@ -132,6 +133,7 @@ class TrainerCheckpoints:
         metrics = self.evaluate()
         if self.env.is_main:
             emit(Kind.SAVING, step=step, attempt=self.attempt)
+            write_validation(step, metrics)  # a tuner's intermediate values ($RELAUNCH_METRICS_FILE)
         self.tracker.log_evaluation(step, metrics, before_checkpoint=True)
         began, step_done_at = time.perf_counter(), time.time()
         self.note_commit()  # the previous async save commits here (save() waits too)

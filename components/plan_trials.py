@@ -1,0 +1,66 @@
+"""Tuning step ``plan-trials``: open the study (create it in its Optuna storage) and say which of its
+trials the pipeline fans out: every trial ``0 .. tune.trials-1`` that has not ended (a pipeline run again
+continues the study: a complete, pruned or failed trial is not run again).
+
+Each trial's parameters are asked by its own ``run-trial`` step when it begins (the study's sampler is
+seeded per trial, so trial ``n`` gets the same parameters whoever asks and whenever; a trial that resumes
+keeps those it recorded), so no Optuna trial is left open here for another process to close.
+
+    python -m relaunch.components.plan_trials --config-json "$(cat study.json)" --input parent_run_id=RUN
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.errors import BadInput
+from relaunch.components.core.store import open_store
+from relaunch.components.core.tracking.client import call, client as tracking_client, tracking_uri
+from relaunch.components.launchers.trials import study_storage
+
+
+@dataclass
+class PlanOutputs:
+    trials: list
+    """The fan-out's items, one per trial to run: ``{"trial": n, "config_json": the study's configuration,
+    "parent_run_id": the study's MLflow run}`` (what each run-trial reads)."""
+
+
+def run(config: RelaunchConfig, parent_run_id: str = "") -> PlanOutputs:
+    """Open the study of ``config`` (prepared: its ``store.uri`` the study folder) and list its trials
+    that have not ended, each with what its run-trial step reads.
+
+    Raises:
+        BadInput: an empty ``tune.space``, or an Optuna storage the trials' pods cannot share.
+    """
+    # optuna, by the tuning room's modules: only the tuning steps load it
+    from relaunch.components.core.tuning.layout import StudyRecord, read_study, read_trial, write_study
+    from relaunch.components.core.tuning.study import Study
+    from relaunch.components.core.tuning.trials import STUDY_TAG, storage_for_records
+
+    if not config.tune.space:
+        raise BadInput("tune.space is empty: the tuning pipeline needs at least one field to search")
+    storage = study_storage(config)
+    study = Study(config, storage)
+    study_store = open_store(config.store.uri)
+    if read_study(study_store) is None:
+        write_study(study_store, StudyRecord(name=study.name, storage=storage_for_records(storage)))
+    if parent_run_id:  # the study's MLflow run, the parent of its trials' runs, says which study it is
+        call("tag the study's run", tracking_client(tracking_uri(config)).set_tag, parent_run_id, STUDY_TAG, study.name)
+    trials = []
+    for number in range(config.tune.trials):
+        record = read_trial(study_store, number)
+        if record is not None and record.final:
+            print(f"plan-trials: trial {number} ended before ({record.state}); not run again", file=sys.stderr)
+        else:
+            trials.append({"trial": number, "config_json": config.to_json(), "parent_run_id": parent_run_id})
+    return PlanOutputs(trials=trials)
+
+
+if __name__ == "__main__":
+    from relaunch.components.core.contract import steps
+    from relaunch.components.core.runtime.stepcli import step_main
+
+    sys.exit(step_main(steps.PLAN_TRIALS, run))
