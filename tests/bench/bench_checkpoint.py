@@ -356,21 +356,9 @@ def _s3_rows(state: dict, work: Path, in_flight: int) -> list[dict]:
         if server is None:
             return []
         objects, nbytes, presigned = save_in_bench_s3(server, state)
-        readers = {"whole": rawread.S3Reader(server.endpoint, presigned, in_flight),
-                   "ranged": rawread.S3Reader(server.endpoint, presigned, in_flight, ranged=True)}
         target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
-
-        def raw(reader: rawread.S3Reader) -> Callable[[], float]:
-            def side() -> float:
-                t0 = time.perf_counter()
-                reader.read()
-                return time.perf_counter() - t0
-            return side
-
-        times = _interleaved({**{f"raw {how} GETs": raw(reader) for how, reader in readers.items()},
-                              "ours": lambda: _restore_once(BENCH_S3_ROOT, target, work / "s3-cache")})
-        for reader in readers.values():
-            reader.close()
+        with raw_s3_sides(server, presigned, in_flight) as raw:
+            times = _interleaved({**raw, "ours": lambda: _restore_once(BENCH_S3_ROOT, target, work / "s3-cache")})
         assert all(torch.equal(target["model"][k], v) for k, v in state["model"].items()), "restore differs"
         (r, how), o = _best_raw(times), min(times["ours"])
         return [_row("restore", "restore / limit, S3 (moto over HTTP)", r / o,
@@ -417,6 +405,37 @@ def save_in_bench_s3(server: Any, state: dict) -> tuple[list[tuple[str, int]], i
         objects = [(f"{store.prefix}/{key}", size) for key, size in sorted(store.sizes(info.key).items())]
     return objects, sum(size for _, size in objects), _presigned(server, "bench", objects)
 
+
+
+@contextlib.contextmanager
+def raw_s3_sides(server: Any, presigned: list[tuple[str, int]],
+                 in_flight: int) -> Iterator[dict[str, Callable[[], float]]]:
+    """The raw S3 sides of a restore row: ``{"raw whole GETs": ..., "raw ranged GETs": ...}``, each one
+    timed read of every presigned object by :class:`rawread.S3Reader`, ``in_flight`` at once; the readers
+    closed after the block."""
+    readers = {"whole": rawread.S3Reader(server.endpoint, presigned, in_flight),
+               "ranged": rawread.S3Reader(server.endpoint, presigned, in_flight, ranged=True)}
+
+    def timed(reader: rawread.S3Reader) -> Callable[[], float]:
+        def side() -> float:
+            t0 = time.perf_counter()
+            reader.read()
+            return time.perf_counter() - t0
+        return side
+
+    try:
+        yield {f"raw {how} GETs": timed(reader) for how, reader in readers.items()}
+    finally:
+        for reader in readers.values():
+            reader.close()
+
+
+def flag_baseline_bugs(rows: list[dict]) -> list[dict]:
+    """``rows``, after saying loudly which of them read faster than their limit (a baseline to fix)."""
+    for row in rows:
+        if row["verdict"].startswith("BASELINE BUG"):
+            _log(f"BASELINE BUG: {row['metric']} = {row['value']:.3f} > 1.0: ours read faster than the limit")
+    return rows
 
 def _presigned(server: Any, bucket: str, objects: list[tuple[str, int]]) -> list[tuple[str, int]]:
     """(request path with query-string authentication, size) of each object, signed by boto3 (an S3
@@ -578,7 +597,4 @@ def run(quick: bool) -> list[dict]:
         rows += _fsdp_rows(mib << 20, work, io_threads)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    for row in rows:
-        if row["verdict"].startswith("BASELINE BUG"):
-            _log(f"BASELINE BUG: {row['metric']} = {row['value']:.3f} > 1.0: ours read faster than the limit")
-    return rows
+    return flag_baseline_bugs(rows)

@@ -52,7 +52,8 @@ from relaunch.components.core.checkpoint import CheckpointManager
 from relaunch.components.core.store import open_store
 from tests.bench import rawread
 from tests.bench.bench_checkpoint import (BENCH_S3_ROOT, _best_raw, _files, _fractions, _interleaved, _restore_once,
-                                          bench_s3, our_concurrency, save_in_bench_s3, size_mib)
+                                          bench_s3, flag_baseline_bugs, our_concurrency, raw_s3_sides, save_in_bench_s3,
+                                          size_mib)
 
 ROOT = Path(__file__).resolve().parents[2]
 ROUNDS = 5
@@ -303,23 +304,9 @@ def _s3_rows(mib: int, work: Path, in_flight: int) -> list[dict]:
                          f"{sum(fresh) / nbytes:.0%} of the bytes into memory allocated fresh; {load}"))
 
         held = build_training(mib, stepped=True, seed=1)
-        readers = {"whole": rawread.S3Reader(server.endpoint, presigned, in_flight),
-                   "ranged": rawread.S3Reader(server.endpoint, presigned, in_flight, ranged=True)}
-
-        def raw_held(reader: rawread.S3Reader) -> Callable[[], float]:
-            def side() -> float:
-                t0 = time.perf_counter()
-                reader.read()
-                return time.perf_counter() - t0
-            return side
-
         before = _load_average()
-        try:
-            times = _interleaved(_alternated({f"raw {how} GETs": raw_held(reader) for how, reader in readers.items()},
-                                             lambda: _restore_once(root, held, work / "s3-cache")))
-        finally:
-            for reader in readers.values():
-                reader.close()
+        with raw_s3_sides(server, presigned, in_flight) as raw:
+            times = _interleaved(_alternated(raw, lambda: _restore_once(root, held, work / "s3-cache")))
         load = f"load {before:.2f}->{_load_average():.2f}"
         if state_digest(held) != expected:
             raise AssertionError("a restore from S3 into a held model and optimizer is not bitwise the saved state")
@@ -347,10 +334,7 @@ def run(quick: bool) -> list[dict]:
         rows += _s3_rows(s3_mib, work, in_flight)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    for row in rows:
-        if row["verdict"].startswith("BASELINE BUG"):
-            _log(f"BASELINE BUG: {row['metric']} = {row['value']:.3f} > 1.0: ours read faster than the limit")
-    return rows
+    return flag_baseline_bugs(rows)
 
 
 if __name__ == "__main__":
