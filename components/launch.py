@@ -20,7 +20,7 @@ from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.core.contract.errors import RelaunchError
 from relaunch.components.core.store import open_store
 from relaunch.components.core.store.records import read_summary as read
-from relaunch.components.core.tracking.goodput import TrainSummary
+from relaunch.components.core.tracking.goodput import completed, reached_its_end
 from relaunch.components.launchers import backend_module
 
 
@@ -71,19 +71,6 @@ def run(config: RelaunchConfig, resume_from: str = "", pipeline_run_id: str = ""
         train_seconds=float(summary.get("train_seconds", 0.0)), duration_seconds=result.duration_seconds,
         ettr=float(summary.get("ettr", 0.0)), last_checkpoint_uri=str(summary.get("last_checkpoint_uri") or ""),
         job_name=result.job_name or "", completed=done)
-
-
-def reached_its_end(summary: dict | None) -> bool:
-    """Whether the trainer's summary says the training trained its last step and ended well."""
-    if not summary:
-        return False
-    return TrainSummary(**{k: v for k, v in summary.items() if k in TrainSummary.__dataclass_fields__}).reached_the_end
-
-
-def completed(summary: dict | None) -> bool:
-    """Whether the summary's training reached its end at exactly its last step: a checkpoint past
-    the total ("step 83 of 76") is another training's, never one to evaluate or register."""
-    return reached_its_end(summary) and int(summary["last_step"]) == int(summary["total_steps"])
 
 
 def finished_training(config: RelaunchConfig) -> LaunchOutputs | None:

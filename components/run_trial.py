@@ -24,7 +24,7 @@ from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.core.contract.exitcodes import ExitCode
 from relaunch.components.core.store import open_store
 from relaunch.components.core.store.records import read_summary
-from relaunch.components.core.tracking.goodput import TrainSummary
+from relaunch.components.core.tracking.goodput import completed
 from relaunch.components.launchers import backend_module
 from relaunch.components.launchers.trials import study_storage
 
@@ -76,7 +76,7 @@ def run(config: RelaunchConfig, trial: int | str = 0, parent_run_id: str = "", p
         print(f"run-trial: trial {number} ended with exit code {code}; launched again (retry {record.retries} of "
               f"{tune.trial_retries}), it resumes from its last checkpoint", file=sys.stderr)
     summary = read_summary(open_store(started.config.store.uri)) or {}
-    found = objective(started.config, {}) if code == ExitCode.OK and _completed(summary) else None
+    found = objective(started.config, {}) if code == ExitCode.OK and completed(summary) else None
     if found is not None:
         value, step = found
         record = end_trial(study, started, study_store, state=COMPLETE, value=value, step=step, exit_code=0)
@@ -89,12 +89,6 @@ def run(config: RelaunchConfig, trial: int | str = 0, parent_run_id: str = "", p
         record = end_trial(study, started, study_store, state=FAILED, exit_code=code, reason=reason[:300])
         print(f"run-trial: trial {number} failed: {record.reason}", file=sys.stderr)
     return _outputs(record)
-
-
-def _completed(summary: dict) -> bool:
-    """The training trained exactly its last step and ended well (what the launch step checks too)."""
-    fields = {k: v for k, v in summary.items() if k in TrainSummary.__dataclass_fields__}
-    return bool(summary) and TrainSummary(**fields).reached_the_end and summary["last_step"] == summary["total_steps"]
 
 
 def _outputs(record) -> TrialOutputs:

@@ -102,7 +102,7 @@ def training_state(name: str, uri: str) -> TrainingState:
     from relaunch.components.core.store.records import (PIPELINE_LOCK_KEY, pipeline_finished, read_json, read_summary,
                                                read_training_config, stored_run_id)
     from relaunch.components.core.tracking.goodput import load_attempts
-    from relaunch.components.launch import reached_its_end
+    from relaunch.components.core.tracking.goodput import reached_its_end
 
     store = open_store(uri)
     latest = read_object(store, LATEST) or {}

@@ -298,3 +298,16 @@ def refuse_permanent_restart(store, restart_count: int, elastic_run_id: str) -> 
     record = records.read_exit_record(store)
     if record and record.get("elastic_run_id") == elastic_run_id and record.get("exit_code") in PERMANENT:
         raise error_for(record["exit_code"], f"not restarting after a permanent failure: {record.get('reason', '')}")
+
+
+def reached_its_end(summary: dict | None) -> bool:
+    """Whether the trainer's summary says the training trained its last step and ended well."""
+    if not summary:
+        return False
+    return TrainSummary(**{k: v for k, v in summary.items() if k in TrainSummary.__dataclass_fields__}).reached_the_end
+
+
+def completed(summary: dict | None) -> bool:
+    """Whether the summary's training reached its end at exactly its last step: a checkpoint past
+    the total ("step 83 of 76") is another training's, never one to evaluate or register."""
+    return reached_its_end(summary) and int(summary["last_step"]) == int(summary["total_steps"])
