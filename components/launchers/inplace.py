@@ -30,6 +30,7 @@ import contextlib
 import datetime
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -92,6 +93,21 @@ class InPlaceAgent:
         self.workers[rank] = proc
         return proc
 
+    def _wait_for_an_end(self, seconds: float) -> None:
+        """Until a worker ends or ``seconds`` pass: the kernel wakes the agent at a death (a pidfd per
+        live worker), so detection does not wait for the next poll."""
+        poller, fds = select.poll(), []
+        try:
+            for p in self.workers:
+                if p is not None and p.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        fds.append(os.pidfd_open(p.pid))
+                        poller.register(fds[-1], select.POLLIN)
+            poller.poll(seconds * 1000)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
     def _pids(self) -> str:
         return " ".join(f"rank{r}={p.pid}" for r, p in enumerate(self.workers) if p is not None)
 
@@ -135,7 +151,7 @@ class InPlaceAgent:
                 return next((int(c) if c > 0 else 128 - c for c in codes if c != 0), int(ExitCode.OK))
             failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
             if not failed:
-                time.sleep(POLL_SECONDS)
+                self._wait_for_an_end(POLL_SECONDS)
                 continue
             time.sleep(SETTLE_SECONDS)
             codes = [p.poll() for p in self.workers]

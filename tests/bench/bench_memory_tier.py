@@ -25,7 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from relaunch.components.core.checkpoint.memory_tier import MemoryTier, fill, unpack
+from relaunch.components.core.checkpoint.memory_tier import MemoryTier, restore_into
 from relaunch.components.core.checkpoint.snapshot import Snapshotter
 from relaunch.components.core.trainer.state import TrainingState
 from tests.services import free_port
@@ -89,7 +89,7 @@ def run(quick: bool = False) -> list[dict]:
         held_copy = torch.empty_like(source).fill_(1)  # pre-touched, as a survivor's tensors are
         for _ in range(REPEATS):
             began = time.perf_counter()
-            state.load_state_dict(fill(state.state_dict(), unpack(*own)))
+            restore_into(state, *own)
             survivors.append(time.perf_counter() - began)
             began = time.perf_counter()
             held_copy.copy_(source)
@@ -99,7 +99,7 @@ def run(quick: bool = False) -> list[dict]:
             replacement = MemoryTier(0, 2, registry)
             began = time.perf_counter()
             fetched, where = replacement.own_or_from_holder()
-            fresh_state.load_state_dict(fill(fresh_state.state_dict(), unpack(*fetched)))
+            restore_into(fresh_state, *fetched)
             restores.append(time.perf_counter() - began)
             assert where == "replica on rank 1"
             replacement.close()

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from relaunch.components.core.checkpoint.memory_tier import MemoryTier, fill, holder_of, pack, unpack
+from relaunch.components.core.checkpoint.memory_tier import MemoryTier, holder_of, pack, restore_into
 from relaunch.components.core.checkpoint.snapshot import Snapshotter
 from tests.core.helpers import assert_bitwise_equal, fingerprint, make_state, train_steps
 from tests.services import free_port
@@ -34,15 +34,17 @@ def test_a_packed_state_restores_bitwise_into_the_memory_the_state_already_holds
     expected = fingerprint(make_state_like(state, header, payload))
     train_steps(state, 4)  # the survivor went on past the commit
     params_before = [p.data_ptr() for p in state.model.parameters()]
-    state.load_state_dict(fill(state.state_dict(), unpack(header, payload)))
+    moments_before = [v.data_ptr() for s in state.optimizer.state.values() for v in s.values()]
+    restore_into(state, header, payload)
     assert [p.data_ptr() for p in state.model.parameters()] == params_before  # no new parameter memory
+    assert [v.data_ptr() for s in state.optimizer.state.values() for v in s.values()] == moments_before
     assert_bitwise_equal(fingerprint(state), expected)
 
 
 def make_state_like(trained, header, payload):
     """A fresh state (a replacement's) restored from the packed snapshot."""
     fresh = make_state(seed=1)
-    fresh.load_state_dict(fill(fresh.state_dict(), unpack(header, payload)))
+    restore_into(fresh, header, payload)
     return fresh
 
 

@@ -32,8 +32,12 @@ def config(tmp_path: Path, name: str, parallelism: str, **launch) -> dict:
     cfg = train_config(tmp_path / name, f"sqlite:///{tmp_path / name}/mlflow.db", parallelism=parallelism,
                        memory_tier=True, step_sleep_seconds=0.05)
     cfg["tracking"]["artifact_location"] = str(tmp_path / name / "artifacts")
+    cfg["train"]["process_group_timeout_seconds"] = COLLECTIVE_TIMEOUT
     cfg["launch"] = dict(launch)
     return cfg
+
+
+COLLECTIVE_TIMEOUT = 60.0
 
 
 class Agent:
@@ -63,6 +67,11 @@ class Agent:
     def restores(self) -> list[dict]:
         return [{"rank": int(m[1]), "pid": int(m[2]), "step": int(m[3]), "source": m[4], "detail": m[5] or "",
                  "bytes": int(m[6])} for m in RESTORED.finditer(self.output())]
+
+    def recoveries_in_place(self) -> list[dict]:
+        """The ``resumed`` events of recoveries in place (rank 0's), with their ``recovery_seconds``."""
+        found = (events.read(line) for line in self.output().splitlines())
+        return [e.fields for e in found if e is not None and e.kind == events.Kind.RESUMED and e.get("in_place")]
 
     def worker_pids(self) -> dict[int, int]:
         """The pid of each rank of generation 0, from the agent's first line."""
@@ -126,6 +135,10 @@ def test_a_killed_rank_is_replaced_in_place_from_its_peers_replica_and_the_run_e
             assert r["pid"] != first[lost] and r["detail"] == "replica on rank 0", r
         else:  # a survivor: the same process, its own snapshot
             assert r["pid"] == first[r["rank"]] and r["detail"] == "own", r
+    # no survivor waited out the collective timeout: a peer blocked in the old group's collective (a
+    # send to a survivor that already left it) learnt of the loss when the survivors closed the group
+    in_place = agent.recoveries_in_place()
+    assert in_place and all(e["recovery_seconds"] < COLLECTIVE_TIMEOUT for e in in_place), in_place
     assert_bitwise(final_params(cfg["store"]["uri"]), reference_params(tmp_path_factory, nproc, parallelism))
 
 

@@ -3,8 +3,8 @@ replica of one peer's, so that a killed worker's replacement and its survivors r
 
     tier = MemoryTier(rank, world_size, registry)      # registry: a key-value store every rank reaches
     tier.committed(step, snapshot, fingerprint)        # after each commit (the save's background thread)
-    own = tier.own_or_from_holder()                    # at a (re)start: this rank's committed state, or None
-    state.load_state_dict(fill(state.state_dict(), unpack(*own)[1]))
+    held, where = tier.own_or_from_holder()            # at a (re)start: this rank's committed state, or None
+    restore_into(state, *held)                         # copied into the memory the state already holds
 
 Ring replication: rank ``r`` holds the replica of rank ``(r - 1) mod W``'s shard, so its holder is
 ``(r + 1) mod W`` (:func:`holder_of`). A rank and its holder lost together leave the tier unable to
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import socket
 import struct
 import sys
@@ -99,16 +100,17 @@ def pack(snapshot: Any, into: bytearray | None = None) -> tuple[dict, bytearray]
 def unpack(header: dict, payload: bytearray | memoryview) -> Any:
     """The state :func:`pack` packed, its tensors viewing ``payload`` (no copy)."""
     offsets = header["offsets"]
+    whole = torch.frombuffer(payload, dtype=torch.uint8) if header["bytes"] else None  # one buffer export, sliced
 
     def build(node: Any) -> Any:
         if isinstance(node, dict):
             if "x" in node:
                 dtype, shape = _dtype(node["dtype"]), node["shape"]
-                count = int(np.prod(shape)) if shape else 1
+                count = math.prod(shape)
                 if count == 0:
                     return torch.empty(shape, dtype=dtype)
-                flat = torch.frombuffer(payload, dtype=dtype, count=count, offset=offsets[node["x"]])
-                return flat.reshape(shape)
+                at = offsets[node["x"]]
+                return whole[at:at + count * dtype.itemsize].view(dtype).view(shape)
             if "d" in node:
                 return {build(k): build(v) for k, v in node["d"]}
             if "l" in node:
@@ -121,10 +123,11 @@ def unpack(header: dict, payload: bytearray | memoryview) -> Any:
     return build(header["tree"])
 
 
-def fill(template: Any, saved: Any) -> Any:
+def fill(template: Any, saved: Any, clones: list[str] | None = None, at: str = "") -> Any:
     """``saved`` shaped for ``load_state_dict``: each of its tensors copied into the tensor at the same
     place of ``template`` (a ``state_dict()`` of the live state: the memory the state already holds,
-    DTensors keeping their layout), anything else taken from ``saved``."""
+    DTensors keeping their layout), anything else taken from ``saved``. A tensor with no tensor at its
+    place in ``template`` is cloned, its place appended to ``clones``."""
     if isinstance(saved, torch.Tensor):
         if isinstance(template, torch.Tensor):
             local = local_part(template)
@@ -134,15 +137,27 @@ def fill(template: Any, saved: Any) -> Any:
             with torch.no_grad():
                 local.copy_(saved)
             return template
+        if clones is not None:
+            clones.append(at)
         return saved.clone()
     if isinstance(saved, dict):
         inner = template if isinstance(template, dict) else {}
-        return {k: fill(inner.get(k), v) for k, v in saved.items()}
+        return {k: fill(inner.get(k), v, clones, f"{at}.{k}") for k, v in saved.items()}
     if isinstance(saved, (list, tuple)):
         inner = template if isinstance(template, (list, tuple)) and len(template) == len(saved) else [None] * len(saved)
-        items = [fill(t, v) for t, v in zip(inner, saved)]
+        items = [fill(t, v, clones, f"{at}[{i}]") for i, (t, v) in enumerate(zip(inner, saved))]
         return items if isinstance(saved, list) else tuple(items)
     return saved
+
+
+def restore_into(state: Any, header: dict, payload: bytearray | memoryview) -> None:
+    """A packed snapshot back into ``state`` (a ``TrainingState``): each tensor copied into the tensor
+    the live state holds at its place (:func:`fill`; no allocation, no page fault), the rest loaded.
+    When every model and optimizer tensor found its live tensor, the load is told so (``in_place``)
+    and skips handing them back through DCP's ``set_state_dict``."""
+    clones: list[str] = []
+    filled = fill(state.state_dict(), unpack(header, payload), clones)
+    state.load_state_dict(filled, in_place=not any(c.startswith((".model", ".optimizer")) for c in clones))
 
 
 # ------------------------------------------------------------------------------------ transport

@@ -10,8 +10,11 @@ Training Operator sets ``PET_NNODES``, ``PET_NPROC_PER_NODE``, ``PET_NODE_RANK``
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import socket
+import stat
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
@@ -122,11 +125,52 @@ def init(env: DistEnv, timeout_seconds: float) -> None:
         os.environ.setdefault("WORLD_SIZE", "1")
     timeout = datetime.timedelta(seconds=timeout_seconds)
     try:
+        before = _sockets()
         store = _restart_scoped_store(env, timeout)
         dist.init_process_group(backend=backend(), timeout=timeout, rank=env.rank, world_size=env.world_size,
                                 store=store)
+        _GROUP_SOCKETS[:] = [(fd, inode) for fd, inode in _sockets().items() if before.get(fd) != inode]
     except (RuntimeError, TimeoutError, ConnectionError) as err:
         raise TransientFailure(f"process group: rendezvous failed: {str(err).splitlines()[0][:200]}") from None
+
+
+_GROUP_SOCKETS: list[tuple[int, int]] = []  # (fd, inode) of the sockets the process group's creation opened
+
+
+def _sockets() -> dict[int, int]:
+    """This process's open sockets, fd -> inode (empty where /proc is not there)."""
+    found: dict[int, int] = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError, ValueError):
+                st = os.stat(f"/proc/self/fd/{name}")
+                if stat.S_ISSOCK(st.st_mode):
+                    found[int(name)] = st.st_ino
+    return found
+
+
+def sever() -> int:
+    """Close the connections of the process group now (``shutdown(SHUT_RDWR)`` of each connected socket
+    its creation opened and that is still the same socket; listeners and the descriptors themselves
+    are left to the group), so that a peer blocked in one of its collectives fails at once with
+    "connection closed" instead of waiting for the collective timeout. A gloo group closes its
+    connections only when its last reference is gone, and the model and optimizer of a survivor hold
+    it (DDP's reducer, FSDP2's parameter groups, the DTensors of its state). Call before
+    :func:`shutdown`, after which the group is not used again. Returns the connections closed."""
+    closed = 0
+    for fd, inode in _GROUP_SOCKETS:
+        with contextlib.suppress(OSError):
+            if os.fstat(fd).st_ino != inode:
+                continue
+            sock = socket.socket(fileno=fd)
+            try:
+                if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):  # a listener's accept must not fail
+                    sock.shutdown(socket.SHUT_RDWR)
+                    closed += 1
+            finally:
+                sock.detach()
+    _GROUP_SOCKETS.clear()
+    return closed
 
 
 def _restart_scoped_store(env: DistEnv, timeout: datetime.timedelta):

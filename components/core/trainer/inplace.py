@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 
 from relaunch.components.core.checkpoint.layout import MANIFEST, checkpoint_steps, step_key
-from relaunch.components.core.checkpoint.memory_tier import MemoryTier, fill, unpack
+from relaunch.components.core.checkpoint.memory_tier import MemoryTier, restore_into
 from relaunch.components.core.contract.events import Kind, emit
 from relaunch.components.core.runtime import distributed as distr
 from relaunch.components.core.runtime.generations import GENERATION_ENV, GENERATION_KEY
@@ -132,7 +132,7 @@ class InPlace:
             servable = distr.broadcast_object(servable)
         if servable:
             state = parts.state
-            state.load_state_dict(fill(state.state_dict(), unpack(*held)))
+            restore_into(state, *held)
             parts.optimizer.zero_grad(set_to_none=True)
             restored = setup.Restored(f"memory://step-{step}", None, int(state.step))
             source, detail = "memory", where
@@ -155,6 +155,7 @@ class InPlace:
         lost_at = training.step
         print(f"relaunch: rank {self.env.rank}: a peer was lost at step {lost_at}; recovering in place "
               f"(this process stays)", file=sys.stderr, flush=True)
+        distr.sever()  # a peer still blocked in a collective of the old group fails now, not at its timeout
         distr.shutdown()
         training.checkpoints.manager.abandon(ABANDON_SECONDS)
         gen = self._next_generation(self.config.train.process_group_timeout_seconds)

@@ -15,6 +15,7 @@ values load with ``torch.load(weights_only=True)``.
 
 from __future__ import annotations
 
+import copy
 import random
 from typing import Any, Callable
 
@@ -135,19 +136,25 @@ class TrainingState:
             sd["extra"] = {name: obj.state_dict() for name, obj in self.extra.items()}
         return sd
 
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Restore in place from a dict shaped like :meth:`state_dict` (``rng`` may be absent)."""
+    def load_state_dict(self, sd: dict[str, Any], *, in_place: bool = False) -> None:
+        """Restore in place from a dict shaped like :meth:`state_dict` (``rng`` may be absent).
+        ``in_place``: the caller copied the values into the tensors of this state's own
+        :meth:`state_dict` (a restore from memory), so model and optimizer hold them already and only
+        the optimizer's hyperparameters, counters, RNG and the rest are loaded."""
         from torch.distributed.checkpoint.state_dict import (set_model_state_dict, set_optimizer_state_dict,
                                                              set_state_dict)
 
-        in_place = _holds_model_memory(self.model, sd["model"])  # a DCP load read straight into the model
+        # a DCP load read straight into the model (and, with prepare_load, into the optimizer's state)
+        model_held = in_place or _holds_model_memory(self.model, sd["model"])
         if self.optimizer is not None and "optimizer" in sd:
-            if in_place:
+            if in_place or (model_held and _holds_optimizer_memory(self.optimizer, sd["optimizer"])):
+                _load_param_groups(self.optimizer, sd["optimizer"]["param_groups"])
+            elif model_held:
                 set_optimizer_state_dict(self.model, self.optimizer, sd["optimizer"])
             else:
                 set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"],
                                optim_state_dict=sd["optimizer"])
-        elif not in_place:
+        elif not model_held:
             set_model_state_dict(self.model, sd["model"])
         progress = sd.get("progress", {})
         self.step = int(progress.get("step", 0))
@@ -190,6 +197,47 @@ def _holds_model_memory(model: torch.nn.Module, loaded: dict[str, Any]) -> bool:
                 or mine.dtype != theirs.dtype or mine.device != theirs.device):
             return False
     return True
+
+
+def _holds_optimizer_memory(optimizer: torch.optim.Optimizer, loaded: dict[str, Any]) -> bool:
+    """Whether ``loaded`` (``get_optimizer_state_dict``'s shape: state by parameter FQN, groups listing
+    FQNs in the optimizer's parameter order) holds, for every parameter, the very tensors of the
+    optimizer's own state (same keys, storage address, shape, dtype; equal plain values): a restore from
+    memory copied into them (:func:`relaunch.components.core.checkpoint.memory_tier.restore_into`),
+    and ``set_optimizer_state_dict`` would only hand them back (2-7 ms of a survivor's restore)."""
+    from relaunch.components.core.checkpoint.snapshot import local_part
+
+    groups, state = loaded.get("param_groups"), loaded.get("state")
+    if not isinstance(groups, list) or not isinstance(state, dict) or len(groups) != len(optimizer.param_groups):
+        return False
+    seen = 0
+    for group, saved_group in zip(optimizer.param_groups, groups):
+        names = saved_group.get("params")
+        if not isinstance(names, list) or len(names) != len(group["params"]):
+            return False
+        for param, name in zip(group["params"], names):
+            mine, theirs = optimizer.state.get(param, {}), state.get(name, {})
+            if mine.keys() != theirs.keys():
+                return False
+            seen += bool(theirs)
+            for key, value in mine.items():
+                other = theirs[key]
+                if isinstance(value, torch.Tensor):
+                    if not isinstance(other, torch.Tensor) or type(other) is not type(value):
+                        return False
+                    a, b = local_part(value), local_part(other)
+                    if a.data_ptr() != b.data_ptr() or a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+                        return False
+                elif value != other:
+                    return False
+    return seen == len(state)
+
+
+def _load_param_groups(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
+    """Each group's hyperparameters (lr, betas, ...) from ``groups``, its parameters kept: what
+    ``Optimizer.load_state_dict`` does to the groups (a deep copy: nothing aliases the snapshot)."""
+    for group, saved in zip(optimizer.param_groups, groups):
+        group.update(copy.deepcopy({key: value for key, value in saved.items() if key not in ("params", "param_names")}))
 
 
 def _optimizer_state_like(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
