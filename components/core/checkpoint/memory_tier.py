@@ -79,7 +79,14 @@ def _tree(obj: Any, tensors: list[torch.Tensor]) -> Any:
     raise ValueError(f"memory tier: cannot hold a {type(obj).__name__} of the training state")
 
 
-def pack(snapshot: Any, into: bytearray | None = None) -> tuple[dict, bytearray]:
+def new_payload(size: int) -> np.ndarray:
+    """``size`` bytes of new memory for a packed state, its pages faulted in by torch's threaded fill
+    (about twice as fast here as ``bytearray(size)``'s single memset, and faster than faulting each page
+    inside the receive's copy)."""
+    return torch.zeros(size, dtype=torch.uint8).numpy()
+
+
+def pack(snapshot: Any, into: np.ndarray | None = None) -> tuple[dict, np.ndarray]:
     """The tree of ``snapshot`` (JSON-able) and its tensors' bytes, written into ``into`` when it has
     the very size needed (no new allocation), else into a new buffer."""
     tensors: list[torch.Tensor] = []
@@ -88,7 +95,7 @@ def pack(snapshot: Any, into: bytearray | None = None) -> tuple[dict, bytearray]
     for t in tensors:
         offsets.append(size)
         size += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-    payload = into if into is not None and len(into) == size else bytearray(size)
+    payload = into if into is not None and len(into) == size else new_payload(size)
     view = np.frombuffer(payload, dtype=np.uint8) if size else None
     for t, at in zip(tensors, offsets):
         n = t.numel() * t.element_size()
@@ -97,7 +104,7 @@ def pack(snapshot: Any, into: bytearray | None = None) -> tuple[dict, bytearray]
     return {"tree": tree, "offsets": offsets, "bytes": size}, payload
 
 
-def unpack(header: dict, payload: bytearray | memoryview) -> Any:
+def unpack(header: dict, payload: np.ndarray | bytearray | memoryview) -> Any:
     """The state :func:`pack` packed, its tensors viewing ``payload`` (no copy)."""
     offsets = header["offsets"]
     whole = torch.frombuffer(payload, dtype=torch.uint8) if header["bytes"] else None  # one buffer export, sliced
@@ -150,7 +157,7 @@ def fill(template: Any, saved: Any, clones: list[str] | None = None, at: str = "
     return saved
 
 
-def restore_into(state: Any, header: dict, payload: bytearray | memoryview) -> None:
+def restore_into(state: Any, header: dict, payload: np.ndarray | bytearray | memoryview) -> None:
     """A packed snapshot back into ``state`` (a ``TrainingState``): each tensor copied into the tensor
     the live state holds at its place (:func:`fill`; no allocation, no page fault), the rest loaded.
     When every model and optimizer tensor found its live tensor, the load is told so (``in_place``)
@@ -174,17 +181,17 @@ def _recv_exact(sock: socket.socket, n: int, into: memoryview | None = None) -> 
     return buf
 
 
-def _send_blob(sock: socket.socket, header: dict, payload: bytearray) -> None:
+def _send_blob(sock: socket.socket, header: dict, payload: np.ndarray) -> None:
     raw = json.dumps(header).encode()
     sock.sendall(_LEN.pack(len(raw)) + raw)
     sock.sendall(memoryview(payload))
 
 
-def _recv_blob(sock: socket.socket, reuse: bytearray | None = None) -> tuple[dict, bytearray]:
+def _recv_blob(sock: socket.socket, reuse: np.ndarray | None = None) -> tuple[dict, np.ndarray]:
     raw = bytes(_recv_exact(sock, _LEN.unpack(bytes(_recv_exact(sock, _LEN.size)))[0]))
     header = json.loads(raw)
     size = int(header["bytes"])
-    payload = reuse if reuse is not None and len(reuse) == size else bytearray(size)
+    payload = reuse if reuse is not None and len(reuse) == size else new_payload(size)
     if size:
         _recv_exact(sock, size, memoryview(payload))
     return header, payload
@@ -197,7 +204,7 @@ class ReplicaServer:
     def __init__(self, host: str = "127.0.0.1"):
         self.sock = socket.create_server((host, 0))
         self.address = f"{host}:{self.sock.getsockname()[1]}"
-        self.replica: tuple[dict, bytearray] | None = None  # (header with the owner's tag, payload)
+        self.replica: tuple[dict, np.ndarray] | None = None  # (header with the owner's tag, payload)
         self.lock = threading.Lock()
         threading.Thread(target=self._serve, name="memory-tier-replica", daemon=True).start()
 
@@ -243,7 +250,7 @@ def _connect(address: str) -> socket.socket:
     return socket.create_connection((host, int(port)), timeout=SOCKET_TIMEOUT_SECONDS)
 
 
-def put_replica(address: str, owner: int, header: dict, payload: bytearray) -> None:
+def put_replica(address: str, owner: int, header: dict, payload: np.ndarray) -> None:
     """Hand ``owner``'s packed snapshot to the replica server at ``address``."""
     with _connect(address) as sock:
         sock.sendall(_HEAD.pack(b"P", owner))
@@ -252,7 +259,7 @@ def put_replica(address: str, owner: int, header: dict, payload: bytearray) -> N
             raise ConnectionError("memory tier: the holder did not take the replica")
 
 
-def get_replica(address: str, owner: int) -> tuple[dict, bytearray] | None:
+def get_replica(address: str, owner: int) -> tuple[dict, np.ndarray] | None:
     """``owner``'s replica from the server at ``address``, or None when it holds none of it."""
     with _connect(address) as sock:
         sock.sendall(_HEAD.pack(b"G", owner))
@@ -260,8 +267,8 @@ def get_replica(address: str, owner: int) -> tuple[dict, bytearray] | None:
         if size == 0:
             return None
         header = json.loads(bytes(_recv_exact(sock, size)))
-        payload = bytearray(int(header["bytes"]))
-        if payload:
+        payload = new_payload(int(header["bytes"]))
+        if len(payload):
             _recv_exact(sock, len(payload), memoryview(payload))
         return header, payload
 
@@ -282,7 +289,7 @@ class MemoryTier:
     def __init__(self, rank: int, world_size: int, registry: Any, host: str = "127.0.0.1"):
         self.rank, self.world_size, self.registry = rank, world_size, registry
         self.server = ReplicaServer(host)
-        self.own: tuple[dict, bytearray] | None = None
+        self.own: tuple[dict, np.ndarray] | None = None
         self.lock = threading.Lock()
         self.pushed_step = -1
         registry.set(registry_key(rank), self.server.address)
@@ -308,12 +315,12 @@ class MemoryTier:
                 put_replica(address, self.rank, header, payload)
                 self.pushed_step = int(step)
 
-    def adopt(self, header: dict, payload: bytearray) -> None:
+    def adopt(self, header: dict, payload: np.ndarray) -> None:
         """Take a replica fetched from the holder as this rank's own snapshot (a replacement's)."""
         with self.lock:
             self.own = (header, payload)
 
-    def own_or_from_holder(self) -> tuple[tuple[dict, bytearray] | None, str]:
+    def own_or_from_holder(self) -> tuple[tuple[dict, np.ndarray] | None, str]:
         """This rank's committed snapshot: its own when it has one (a survivor), else the replica its
         holder keeps (a replacement), else None; and where it came from."""
         with self.lock:
