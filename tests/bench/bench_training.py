@@ -332,7 +332,10 @@ def plot_breakdown(killed: list[dict], plain: list[dict], floor: float, path: Pa
 
     from relaunch.components.core.tracking.goodput import BREAKDOWN
 
-    bars = [(f"{run['name'].split('-')[0]}, kill {i + 1}", phases) for run in killed for i, phases in enumerate(run["phases"])]
+    # the restarts that started a new attempt (every kill under torchrun; in place, those of rank 0)
+    bars = [(f"{run['name'].rsplit('-', 1)[0]}, restart {i + 1}", phases)
+            for run in killed for i, phases in enumerate(run["phases"])]
+    hows = {run["name"].rsplit("-", 1)[0] for run in killed}
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 1.6 + 0.32 * max(len(bars), 4)),
                                       gridspec_kw={"width_ratios": [1.3, 1]})
     colors = plt.get_cmap("tab10").colors
@@ -342,15 +345,21 @@ def plot_breakdown(killed: list[dict], plain: list[dict], floor: float, path: Pa
             left.barh([i], [phases[name]], left=x, color=colors[j], label=name if i == 0 else None)
             x += phases[name]
     left.axvline(floor, color="black", linestyle=":", label=f"floor: import torch + torch.distributed ({floor:.2f} s)")
-    left.axvline(GOAL_COLD_OVER_FLOOR * floor, color="tab:red", linestyle="--",
-                 label=f"goal, cold: {GOAL_COLD_OVER_FLOOR:g} x floor")
-    left.axvline(GOAL_MTTR_WARM, color="tab:green", linestyle="--", label=f"goal, warm: {GOAL_MTTR_WARM:g} s")
+    if hows & {"cold", "warm"}:
+        left.axvline(GOAL_COLD_OVER_FLOOR * floor, color="tab:red", linestyle="--",
+                     label=f"goal, cold: {GOAL_COLD_OVER_FLOOR:g} x floor")
+        left.axvline(GOAL_MTTR_WARM, color="tab:green", linestyle="--", label=f"goal, warm: {GOAL_MTTR_WARM:g} s")
+    if hows & {"inplace", "inplace-warm"}:
+        left.axvline(GOAL_INPLACE_COLD_OVER_FLOOR * floor, color="tab:red", linestyle="-.",
+                     label=f"goal, in place cold: {GOAL_INPLACE_COLD_OVER_FLOOR:g} x floor")
+        left.axvline(GOAL_MTTR_INPLACE_WARM, color="tab:green", linestyle="-.",
+                     label=f"goal, in place warm: {GOAL_MTTR_INPLACE_WARM:g} s")
     left.set_yticks(range(len(bars)), [label for label, _ in bars])
     left.invert_yaxis()
     left.set_xlabel("seconds from SIGKILL to the first resumed step")
-    left.set_title("MTTR by phase: cold (fresh interpreters) and warm (zygote forks)")
-    left.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3, fontsize=7, frameon=False)
-    runs = [(f"{'SIGKILLed' if run['name'].endswith('killed') else 'undisturbed'}, {run['name'].split('-')[0]}", run)
+    left.set_title("MTTR by phase: fresh interpreters (cold, inplace) and zygote forks (warm, inplace-warm)")
+    left.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3, fontsize=7, frameon=False)
+    runs = [(f"{'SIGKILLed' if run['name'].endswith('killed') else 'undisturbed'}, {run['name'].rsplit('-', 1)[0]}", run)
             for run in [*killed, *plain]]
     for i, (_, run) in enumerate(runs):
         x = 0.0
@@ -363,7 +372,7 @@ def plot_breakdown(killed: list[dict], plain: list[dict], floor: float, path: Pa
     right.invert_yaxis()
     right.set_xlabel("wall seconds")
     right.set_title(f"ETTR in goodput categories ({killed[0]['kills'] if killed else 0} kills each)")
-    right.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3, fontsize=7, frameon=False)
+    right.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3, fontsize=7, frameon=False)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90, bbox_inches="tight")

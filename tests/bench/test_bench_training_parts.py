@@ -33,7 +33,8 @@ def test_the_phases_are_the_intervals_between_the_marks():
 def test_the_figure_is_written_from_the_breakdowns(tmp_path):
     report = {"ettr": 0.8, "wall": 10.0, "productive": 8.0, "startup": 1.0, "restart_gaps": 1.0}
     killed = [{"name": f"{how}-killed", "kills": 2, "report": report, "phases": [restart_phases(100.0, 100.3, _attempt())] * 2}
-              for how in ("cold", "warm")]
-    plain = [{"name": f"{how}-plain", "report": {**report, "ettr": 0.95}} for how in ("cold", "warm")]
+              for how in ("cold", "warm", "inplace", "inplace-warm")]
+    plain = [{"name": f"{how}-plain", "report": {**report, "ettr": 0.95}}
+             for how in ("cold", "warm", "inplace", "inplace-warm")]
     path = plot_breakdown(killed, plain, 1.8, tmp_path / "figures" / "b.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

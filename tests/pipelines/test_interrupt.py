@@ -1,137 +1,155 @@
-"""Stopping ``relaunch run`` cleanly: SIGINT to the CLI process alone ends every process of the run with
-one line and exit 130/143, and ``--resume`` finishes the training at once. Real processes throughout:
-the CLI, kfp.local's steps, torchrun agents in their own sessions, workers."""
+"""Stopping ``relaunch run`` cleanly with Ctrl-C (SIGINT to the ``relaunch run`` process alone, or a
+terminal's to its whole foreground group) while the training trains: the training commits a checkpoint
+of the step it stopped at, relaunch says so in one line and exits 143, every time (before, the warm
+servers died of the SIGTERM meant for the steps, their workers with them, and the code was 130 or 143
+by timing), and no process of the run is left; the console names only committed checkpoints; the
+MLflow run is KILLED with the reason until ``--resume`` continues it at once and ends it FINISHED with
+the training's own configuration; ``relaunch trainings`` follows each state. Real processes
+throughout: the CLI, kfp.local's steps, torchrun agents in their own sessions, workers."""
 
 from __future__ import annotations
 
-import json
 import os
+import re
 import signal
-import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 
 from relaunch.components.core.contract.exitcodes import ExitCode
-from tests.cli import RELAUNCH
-
-SHORT = ["--set", "train.hidden_size=32", "--set", "train.max_steps=60", "--set", "train.step_sleep_seconds=0.2",
-         "--set", "train.checkpoint_every_steps=10", "--set", "launch.rdzv_port=0"]
-"""The training's configuration; the resume gives none of it (the defaults would train 76 steps)."""
-RUN_TIMEOUT = 420
+from tests.pipelines.interrupting import (RUN_TIMEOUT, SHORT, alive, finish, interrupt, mlflow_run, start,
+                                          steps_trained, trainings)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * RUN_TIMEOUT)]
 
 
-def _start(cwd: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([RELAUNCH, "run", *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+@dataclass
+class Interrupted:
+    stopped: tuple[int, str, str]  # code, stdout, stderr of the stopped `relaunch run`
+    run_processes: list[psutil.Process]  # every process the run had started
+    left: list[str]  # those still alive after it ended
+    records: dict[str, Any]  # the training's summary and first attempt record
+    after_stop: dict[str, Any]  # `relaunch trainings` and the MLflow run after the stop
+    resumed: tuple[int, str, str]  # `relaunch run --resume`
+    after_resume: dict[str, Any]
+    cwd: Path
 
 
-def _training_started(cwd: Path) -> bool:
-    for events in (cwd / ".relaunch" / "runs").rglob("events.jsonl"):
-        for line in events.read_text().splitlines():
-            if json.loads(line)["kind"] == "progress":
-                return True
-    return False
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory) -> Interrupted:
+    """A training stopped by SIGINT to `relaunch run` alone after its first committed save (step 10 of
+    60), what it printed and left; then `relaunch run --resume` and what that left. One run serves
+    every test of the module (a run and its resume take about 35 s)."""
+    from relaunch.components.core.store import open_store
+    from relaunch.components.core.store.records import attempt_key, read_json, read_summary
+    from tests.cli import newest_training
 
-
-def _wait_for_training(proc: subprocess.Popen, cwd: Path) -> None:
+    cwd = tmp_path_factory.mktemp("ctrl-c")
+    proc = start(cwd, *SHORT)
     deadline = time.monotonic() + RUN_TIMEOUT  # a bound for a hang, not a timed assertion
-    while not _training_started(cwd):
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "the training never started"
-        time.sleep(0.2)
-
-
-def _alive(processes: list[psutil.Process]) -> list[str]:
-    left = []
-    for p in processes:
-        try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                left.append(f"{p.pid} {' '.join(p.cmdline())[:120]}")
-        except psutil.NoSuchProcess:
-            pass
-    return left
-
-
-def _interrupt(cwd: Path, send) -> tuple[int, str, str, list[psutil.Process], list[str]]:
-    """A training of ``SHORT`` in ``cwd`` stopped, once it trains, by ``send(pid)`` (a signal to the CLI
-    or its group); its exit code and output, the processes the run had started, and those still alive."""
-    proc = _start(cwd, *SHORT)
-    try:
-        _wait_for_training(proc, cwd)
-        run_processes = psutil.Process(proc.pid).children(recursive=True)
-        send(proc.pid)
-        out, err = proc.communicate(timeout=RUN_TIMEOUT)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    left = _alive(run_processes)
+    while steps_trained(cwd) < 13:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"the training never reached step 13: {finish(proc, cwd)}")
+        time.sleep(0.1)
+    run_processes = psutil.Process(proc.pid).children(recursive=True)
+    os.kill(proc.pid, signal.SIGINT)
+    stopped = finish(proc, cwd)
+    left = alive(run_processes)
     for p in run_processes:  # never leave a stray trainer behind, whatever the assertions say
         try:
             p.kill()
         except psutil.NoSuchProcess:
             pass
-    return proc.returncode, out, err, run_processes, left
-
-
-@pytest.fixture(scope="module")
-def interrupted(tmp_path_factory):
-    """A training stopped by SIGINT to the `relaunch run` process alone, then `relaunch run --resume`."""
-    cwd = tmp_path_factory.mktemp("interrupted")
-    stopped = _interrupt(cwd, lambda pid: os.kill(pid, signal.SIGINT))
-    resumed = _start(cwd, "--resume")
-    r_out, r_err = resumed.communicate(timeout=RUN_TIMEOUT)
-    return (*stopped, (resumed.returncode, r_out, r_err, cwd))
-
-
-def test_sigint_to_the_cli_alone_ends_with_one_line_and_exit_130_or_143(interrupted):
-    code, out, err, _, _, _ = interrupted
-    assert code in (ExitCode.INTERRUPTED, ExitCode.PREEMPTED), (code, out[-2000:], err[-3000:])
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
-    assert lines[0].startswith("relaunch: stopped by Ctrl-C (SIGINT)") and "--resume" in lines[0]
-    assert ("committed" in lines[0]) == (code == ExitCode.PREEMPTED)
+    store = open_store(newest_training(str(cwd / ".relaunch" / "store")))
+    records = {"summary": read_summary(store), "attempt": read_json(store, attempt_key(1))}
+    after_stop = {"trainings": trainings(cwd), "run": mlflow_run(cwd)}
+    resumed = finish(start(cwd, "--resume"), cwd)
+    after_resume = {"trainings": trainings(cwd), "run": mlflow_run(cwd)}
+    return Interrupted(stopped, run_processes, left, records, after_stop, resumed, after_resume, cwd)
 
 
 def test_sigint_to_the_cli_alone_leaves_no_process_of_the_run(interrupted):
-    _, _, _, run_processes, left, _ = interrupted
     # two warm servers, the launch step, two torchrun agents (own sessions) and their two workers
-    assert len(run_processes) >= 5, run_processes
-    assert left == []
+    assert len(interrupted.run_processes) >= 5, interrupted.run_processes
+    assert interrupted.left == []
 
 
 def test_resume_after_sigint_finishes_the_training_at_once(interrupted):
-    code, out, err, _ = interrupted[-1]
+    code, out, err = interrupted.resumed
     assert code == 0, (out[-3000:], err[-3000:])
     assert "resuming the training in" in out and "already committed" not in out + err
 
 
 def test_the_resumed_training_keeps_its_own_configuration_in_the_summary_and_mlflow(interrupted):
-    from mlflow.tracking import MlflowClient
-
     from relaunch.components.core.store import open_store
     from relaunch.components.core.store.records import read_summary
     from relaunch.components.core.store.trainings import training_names, training_uri
 
-    cwd = interrupted[-1][-1]
-    root = str(cwd / ".relaunch" / "store")
+    root = str(interrupted.cwd / ".relaunch" / "store")
     (name,) = training_names(open_store(root))  # the resume continued it, no second training
     summary = read_summary(open_store(training_uri(root, name)))
     assert (summary["last_step"], summary["total_steps"], summary["exit_code"]) == (60, 60, 0)
-    client = MlflowClient(f"sqlite:///{cwd}/.relaunch/mlflow.db")
-    (run,) = client.search_runs([client.get_experiment_by_name("relaunch").experiment_id])
+    run = interrupted.after_resume["run"]
     assert run.data.params["train.max_steps"] == "60" and run.data.params["train.hidden_size"] == "32"
+
+
+def test_ctrl_c_at_a_step_whose_checkpoint_commits_exits_143_in_one_line_saying_so_and_how_to_resume(interrupted):
+    code, out, err = interrupted.stopped
+    summary = interrupted.records["summary"]
+    assert summary["exit_code"] == ExitCode.PREEMPTED and summary["last_committed_step"] == summary["last_step"], summary
+    assert code == ExitCode.PREEMPTED, (code, err[-3000:], out[-2000:])
+    assert "Traceback" not in err, err[-3000:]
+    (line,) = err.strip().splitlines()
+    assert line.startswith("relaunch: stopped by Ctrl-C (SIGINT); ") and "--resume" in line
+    assert f"checkpoint at step {summary['last_step']} committed" in line
+
+
+def test_the_console_names_as_saved_only_the_checkpoints_that_committed(interrupted):
+    _, out, _ = interrupted.stopped
+    records = interrupted.records
+    committed = {int(step) for step in records["attempt"]["commits"]} | {records["attempt"]["last_committed_step"]}
+    lines = [line for line in out.splitlines() if "saved checkpoints at" in line or "started checkpoints at" in line]
+    assert lines, out
+    for line in lines:
+        saved = line.split("saved checkpoints at ", 1)[1].split(";")[0] if "saved checkpoints at" in line else ""
+        assert set(map(int, re.findall(r"\d+", saved))) <= committed, (line, committed)
+    stopped_at = records["summary"]["last_step"]
+    assert any(re.search(rf"saved checkpoints at steps? (\d+, )*{stopped_at}\b", line) for line in lines), out
+    assert "-> exit 143, stopped with the run" in out and "retrying" not in out, out
+
+
+def test_the_interrupted_training_is_killed_in_mlflow_with_its_reason_until_resume_finishes_it(interrupted):
+    from relaunch.components.core.tracking.client import END_REASON_TAG
+
+    after_stop, (code, out, err), after_resume = interrupted.after_stop, interrupted.resumed, interrupted.after_resume
+    run = after_stop["run"]
+    assert run.info.status == "KILLED", run.info
+    assert run.data.tags[END_REASON_TAG].startswith("interrupted: stopped by Ctrl-C (SIGINT)"), run.data.tags
+    assert code == 0, (out[-3000:], err[-3000:])
+    run = after_resume["run"]
+    assert run.info.run_id == after_stop["run"].info.run_id
+    assert run.info.status == "FINISHED" and END_REASON_TAG not in run.data.tags, (run.info, run.data.tags)
+
+
+def test_relaunch_trainings_shows_it_interrupted_at_its_step_then_finished_with_its_registered_version(interrupted):
+    records, stopped = interrupted.records, interrupted.after_stop["trainings"]
+    after_resume = interrupted.after_resume
+    assert stopped["state"] == "interrupted" and stopped["step"] == records["summary"]["last_step"], stopped
+    assert f"at step {records['summary']['last_step']}" in stopped["detail"], stopped
+    finished = after_resume["trainings"]
+    assert finished["state"] == "finished", finished
+    assert re.fullmatch(r"\S+ version \d+", finished["registered_version"] or ""), finished
 
 
 def test_ctrl_c_in_a_terminal_signals_the_whole_foreground_group_and_still_ends_in_one_line(tmp_path):
     """A terminal's Ctrl-C sends SIGINT to the whole foreground process group (here: the group the
     CLI leads), the CLI, its warm servers and the launch step at once; torchrun agents are in their own
     sessions."""
-    code, out, err, _, left = _interrupt(tmp_path, lambda pid: os.killpg(pid, signal.SIGINT))
+    code, out, err, _, left = interrupt(tmp_path, lambda pid: os.killpg(pid, signal.SIGINT))
     assert code in (ExitCode.INTERRUPTED, ExitCode.PREEMPTED), (out[-2000:], err[-3000:])
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err[-3000:]
     assert left == []

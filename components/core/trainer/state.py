@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from relaunch.components.core.checkpoint.snapshot import local_part
 from relaunch.components.core.checkpoint.torch_private import parameter_fqns
 
 
@@ -205,8 +206,6 @@ def _holds_optimizer_memory(optimizer: torch.optim.Optimizer, loaded: dict[str, 
     optimizer's own state (same keys, storage address, shape, dtype; equal plain values): a restore from
     memory copied into them (:func:`relaunch.components.core.checkpoint.memory_tier.restore_into`),
     and ``set_optimizer_state_dict`` would only hand them back (2-7 ms of a survivor's restore)."""
-    from relaunch.components.core.checkpoint.snapshot import local_part
-
     groups, state = loaded.get("param_groups"), loaded.get("state")
     if not isinstance(groups, list) or not isinstance(state, dict) or len(groups) != len(optimizer.param_groups):
         return False
