@@ -57,6 +57,7 @@ from relaunch.components.launchers.local import STOP_MARGIN_SECONDS, AgentWatch,
 
 HEAD_START_SECONDS = 90.0  # from ``ray start`` to a head that accepts clients
 HEAD_STOP_SECONDS = 10.0  # from SIGTERM to SIGKILL of the head's process group
+GROUP_GONE_SECONDS = 30.0  # at most, from the head's end to the last of its group reaped
 POLL_SECONDS = 0.05  # how often the driver asks the actors for output and exit status
 PEER_STOP_SECONDS = 10.0  # once a rank failed: how long its killed peers get to be reaped
 AUTH_ENV = {"RAY_AUTH_MODE": "token"}
@@ -119,8 +120,9 @@ class LocalRayCluster:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self.proc.wait(wait)
                     break
-            # what ``ray start --block`` left of its group (GCS, raylet, workers) goes with it
-            end = time.monotonic() + 5.0
+            # what ``ray start --block`` left of its group (GCS, raylet, workers) goes with it; until the
+            # group is empty (a killed worker counts until it is reaped: 5 s was short on a loaded machine)
+            end = time.monotonic() + GROUP_GONE_SECONDS
             with contextlib.suppress(ProcessLookupError):
                 while time.monotonic() < end:
                     os.killpg(self.proc.pid, signal.SIGKILL)

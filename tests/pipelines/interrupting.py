@@ -20,26 +20,18 @@ SHORT = ["--set", "train.hidden_size=32", "--set", "train.max_steps=60", "--set"
 RUN_TIMEOUT = 420
 
 
-
 def start(cwd: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen([RELAUNCH, "run", *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
 
 
-def training_started(cwd: Path) -> bool:
-    for events in (cwd / ".relaunch" / "runs").rglob("events.jsonl"):
-        for line in events.read_text().splitlines():
-            if json.loads(line)["kind"] == "progress":
-                return True
-    return False
-
-
-def wait_for_training(proc: subprocess.Popen, cwd: Path) -> None:
+def wait_for_step(proc: subprocess.Popen, cwd: Path, step: int) -> None:
+    """Until the run's progress events reach ``step`` (a hang or an early end fails the test)."""
     deadline = time.monotonic() + RUN_TIMEOUT  # a bound for a hang, not a timed assertion
-    while not training_started(cwd):
+    while steps_trained(cwd) < step:
         assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "the training never started"
-        time.sleep(0.2)
+        assert time.monotonic() < deadline, f"the training never reached step {step}"
+        time.sleep(0.1)
 
 
 def alive(processes: list[psutil.Process]) -> list[str]:
@@ -53,12 +45,13 @@ def alive(processes: list[psutil.Process]) -> list[str]:
     return left
 
 
-def interrupt(cwd: Path, send) -> tuple[int, str, str, list[psutil.Process], list[str]]:
-    """A training of ``SHORT`` in ``cwd`` stopped, once it trains, by ``send(pid)`` (a signal to the CLI
-    or its group); its exit code and output, the processes the run had started, and those still alive."""
+def interrupt(cwd: Path, send, at_step: int = 1) -> tuple[int, str, str, list[psutil.Process], list[str]]:
+    """A training of ``SHORT`` in ``cwd`` stopped, once it trained ``at_step`` steps, by ``send(pid)`` (a
+    signal to the CLI or its group); its exit code and output, the processes the run had started, and
+    those still alive (every one of them is killed before this returns)."""
     proc = start(cwd, *SHORT)
     try:
-        wait_for_training(proc, cwd)
+        wait_for_step(proc, cwd, at_step)
         run_processes = psutil.Process(proc.pid).children(recursive=True)
         send(proc.pid)
         out, err = proc.communicate(timeout=RUN_TIMEOUT)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,8 +20,7 @@ import psutil
 import pytest
 
 from relaunch.components.core.contract.exitcodes import ExitCode
-from tests.pipelines.interrupting import (RUN_TIMEOUT, SHORT, alive, finish, interrupt, mlflow_run, start,
-                                          steps_trained, trainings)
+from tests.pipelines.interrupting import RUN_TIMEOUT, finish, interrupt, mlflow_run, start, trainings
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * RUN_TIMEOUT)]
 
@@ -49,21 +47,8 @@ def interrupted(tmp_path_factory) -> Interrupted:
     from tests.cli import newest_training
 
     cwd = tmp_path_factory.mktemp("ctrl-c")
-    proc = start(cwd, *SHORT)
-    deadline = time.monotonic() + RUN_TIMEOUT  # a bound for a hang, not a timed assertion
-    while steps_trained(cwd) < 13:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            pytest.fail(f"the training never reached step 13: {finish(proc, cwd)}")
-        time.sleep(0.1)
-    run_processes = psutil.Process(proc.pid).children(recursive=True)
-    os.kill(proc.pid, signal.SIGINT)
-    stopped = finish(proc, cwd)
-    left = alive(run_processes)
-    for p in run_processes:  # never leave a stray trainer behind, whatever the assertions say
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
+    code, out, err, run_processes, left = interrupt(cwd, lambda pid: os.kill(pid, signal.SIGINT), at_step=13)
+    stopped = (code, out, err)
     store = open_store(newest_training(str(cwd / ".relaunch" / "store")))
     records = {"summary": read_summary(store), "attempt": read_json(store, attempt_key(1))}
     after_stop = {"trainings": trainings(cwd), "run": mlflow_run(cwd)}
