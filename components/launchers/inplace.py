@@ -100,9 +100,14 @@ class InPlaceAgent:
         try:
             for p in self.workers:
                 if p is not None and p.returncode is None:
-                    with contextlib.suppress(ProcessLookupError):
+                    try:
                         fds.append(os.pidfd_open(p.pid))
-                        poller.register(fds[-1], select.POLLIN)
+                    except ProcessLookupError:  # already reaped: the caller's poll sees its code
+                        continue
+                    except OSError:  # a kernel before 5.3 has no pidfd_open: wait as a poll would
+                        time.sleep(seconds)
+                        return
+                    poller.register(fds[-1], select.POLLIN)
             poller.poll(seconds * 1000)
         finally:
             for fd in fds:
