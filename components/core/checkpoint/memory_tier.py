@@ -130,11 +130,11 @@ def unpack(header: dict, payload: np.ndarray | bytearray | memoryview) -> Any:
     return build(header["tree"])
 
 
-def fill(template: Any, saved: Any, clones: list[str] | None = None, at: str = "") -> Any:
+def fill(template: Any, saved: Any, clones: list[torch.Tensor] | None = None) -> Any:
     """``saved`` shaped for ``load_state_dict``: each of its tensors copied into the tensor at the same
     place of ``template`` (a ``state_dict()`` of the live state: the memory the state already holds,
     DTensors keeping their layout), anything else taken from ``saved``. A tensor with no tensor at its
-    place in ``template`` is cloned, its place appended to ``clones``."""
+    place in ``template`` is cloned (and the clone appended to ``clones``)."""
     if isinstance(saved, torch.Tensor):
         if isinstance(template, torch.Tensor):
             local = local_part(template)
@@ -144,15 +144,16 @@ def fill(template: Any, saved: Any, clones: list[str] | None = None, at: str = "
             with torch.no_grad():
                 local.copy_(saved)
             return template
+        clone = saved.clone()
         if clones is not None:
-            clones.append(at)
-        return saved.clone()
+            clones.append(clone)
+        return clone
     if isinstance(saved, dict):
         inner = template if isinstance(template, dict) else {}
-        return {k: fill(inner.get(k), v, clones, f"{at}.{k}") for k, v in saved.items()}
+        return {k: fill(inner.get(k), v, clones) for k, v in saved.items()}
     if isinstance(saved, (list, tuple)):
         inner = template if isinstance(template, (list, tuple)) and len(template) == len(saved) else [None] * len(saved)
-        items = [fill(t, v, clones, f"{at}[{i}]") for i, (t, v) in enumerate(zip(inner, saved))]
+        items = [fill(t, v, clones) for t, v in zip(inner, saved)]
         return items if isinstance(saved, list) else tuple(items)
     return saved
 
@@ -162,9 +163,11 @@ def restore_into(state: Any, header: dict, payload: np.ndarray | bytearray | mem
     the live state holds at its place (:func:`fill`; no allocation, no page fault), the rest loaded.
     When every model and optimizer tensor found its live tensor, the load is told so (``in_place``)
     and skips handing them back through DCP's ``set_state_dict``."""
-    clones: list[str] = []
-    filled = fill(state.state_dict(), unpack(header, payload), clones)
-    state.load_state_dict(filled, in_place=not any(c.startswith((".model", ".optimizer")) for c in clones))
+    template, saved = state.state_dict(), unpack(header, payload)
+    clones: list[torch.Tensor] = []  # of the model's and the optimizer's tensors only
+    filled = {key: fill(template.get(key), value, clones if key in ("model", "optimizer") else None)
+              for key, value in saved.items()}
+    state.load_state_dict(filled, in_place=not clones)
 
 
 # ------------------------------------------------------------------------------------ transport

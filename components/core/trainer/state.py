@@ -23,7 +23,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from relaunch.components.core.checkpoint.snapshot import local_part
 from relaunch.components.core.checkpoint.torch_private import parameter_fqns
 
 
@@ -177,34 +176,19 @@ class TrainingState:
 
 def _holds_model_memory(model: torch.nn.Module, loaded: dict[str, Any]) -> bool:
     """Whether every value of ``loaded`` is the very memory of the model's own entry of the same key
-    (same tensor type, storage address, shape, strides, dtype and DTensor placements): then loading it
-    would copy each tensor onto itself (under FSDP2 through DTensor dispatch, 30-50 ms a load), and
-    the model holds the values already."""
+    (:func:`_same_memory`): then loading it would copy each tensor onto itself (under FSDP2 through
+    DTensor dispatch, 30-50 ms a load), and the model holds the values already."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
-    from torch.distributed.tensor import DTensor
 
     current = get_model_state_dict(model)
-    if current.keys() != loaded.keys():
-        return False
-    for key, mine in current.items():
-        theirs = loaded[key]
-        if not (isinstance(mine, torch.Tensor) and type(theirs) is type(mine)):
-            return False
-        if isinstance(mine, DTensor):
-            if mine.placements != theirs.placements or mine.device_mesh != theirs.device_mesh:
-                return False
-            mine, theirs = mine.to_local(), theirs.to_local()
-        if (mine.data_ptr() != theirs.data_ptr() or mine.shape != theirs.shape or mine.stride() != theirs.stride()
-                or mine.dtype != theirs.dtype or mine.device != theirs.device):
-            return False
-    return True
+    return current.keys() == loaded.keys() and all(_same_memory(mine, loaded[key]) for key, mine in current.items())
 
 
 def _holds_optimizer_memory(optimizer: torch.optim.Optimizer, loaded: dict[str, Any]) -> bool:
     """Whether ``loaded`` (``get_optimizer_state_dict``'s shape: state by parameter FQN, groups listing
     FQNs in the optimizer's parameter order) holds, for every parameter, the very tensors of the
-    optimizer's own state (same keys, storage address, shape, dtype; equal plain values): a restore from
-    memory copied into them (:func:`relaunch.components.core.checkpoint.memory_tier.restore_into`),
+    optimizer's own state (same keys, :func:`_same_memory`; equal plain values): a load read into them
+    (a restore from memory copied into them, or DCP read into what ``prepare_load`` gave the optimizer),
     and ``set_optimizer_state_dict`` would only hand them back (2-7 ms of a survivor's restore)."""
     groups, state = loaded.get("param_groups"), loaded.get("state")
     if not isinstance(groups, list) or not isinstance(state, dict) or len(groups) != len(optimizer.param_groups):
@@ -220,16 +204,24 @@ def _holds_optimizer_memory(optimizer: torch.optim.Optimizer, loaded: dict[str, 
                 return False
             seen += bool(theirs)
             for key, value in mine.items():
-                other = theirs[key]
-                if isinstance(value, torch.Tensor):
-                    if not isinstance(other, torch.Tensor) or type(other) is not type(value):
-                        return False
-                    a, b = local_part(value), local_part(other)
-                    if a.data_ptr() != b.data_ptr() or a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
-                        return False
-                elif value != other:
+                if not (_same_memory(value, theirs[key]) if isinstance(value, torch.Tensor) else value == theirs[key]):
                     return False
     return seen == len(state)
+
+
+def _same_memory(mine: torch.Tensor, theirs: Any) -> bool:
+    """Whether ``theirs`` is the very memory of ``mine``: same tensor type, storage address, shape,
+    strides, dtype, device and DTensor placements."""
+    from torch.distributed.tensor import DTensor
+
+    if not (isinstance(mine, torch.Tensor) and type(theirs) is type(mine)):
+        return False
+    if isinstance(mine, DTensor):
+        if mine.placements != theirs.placements or mine.device_mesh != theirs.device_mesh:
+            return False
+        mine, theirs = mine.to_local(), theirs.to_local()
+    return (mine.data_ptr() == theirs.data_ptr() and mine.shape == theirs.shape and mine.stride() == theirs.stride()
+            and mine.dtype == theirs.dtype and mine.device == theirs.device)
 
 
 def _load_param_groups(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
