@@ -322,6 +322,11 @@ def _logging_overhead(tracking_uri: str, steps: int) -> dict:
             "points_sent": logger.stats.points_sent}
 
 
+def how_of(run: dict) -> str:
+    """How a training of the bench restarts ("cold", "warm", "inplace", "inplace-warm"), from its name."""
+    return run["name"].rsplit("-", 1)[0]
+
+
 def plot_breakdown(killed: list[dict], plain: list[dict], floor: float, path: Path) -> Path:
     """The figure: each restart's MTTR as stacked phases, cold and warm (with the floor and the goals),
     and the wall time of each training in goodput categories."""
@@ -333,9 +338,9 @@ def plot_breakdown(killed: list[dict], plain: list[dict], floor: float, path: Pa
     from relaunch.components.core.tracking.goodput import BREAKDOWN
 
     # the restarts that started a new attempt (every kill under torchrun; in place, those of rank 0)
-    bars = [(f"{run['name'].rsplit('-', 1)[0]}, restart {i + 1}", phases)
+    bars = [(f"{how_of(run)}, restart {i + 1}", phases)
             for run in killed for i, phases in enumerate(run["phases"])]
-    hows = {run["name"].rsplit("-", 1)[0] for run in killed}
+    hows = {how_of(run) for run in killed}
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 1.6 + 0.32 * max(len(bars), 4)),
                                       gridspec_kw={"width_ratios": [1.3, 1]})
     colors = plt.get_cmap("tab10").colors
@@ -359,7 +364,7 @@ def plot_breakdown(killed: list[dict], plain: list[dict], floor: float, path: Pa
     left.set_xlabel("seconds from SIGKILL to the first resumed step")
     left.set_title("MTTR by phase: fresh interpreters (cold, inplace) and zygote forks (warm, inplace-warm)")
     left.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3, fontsize=7, frameon=False)
-    runs = [(f"{'SIGKILLed' if run['name'].endswith('killed') else 'undisturbed'}, {run['name'].rsplit('-', 1)[0]}", run)
+    runs = [(f"{'SIGKILLed' if run['name'].endswith('killed') else 'undisturbed'}, {how_of(run)}", run)
             for run in [*killed, *plain]]
     for i, (_, run) in enumerate(runs):
         x = 0.0
@@ -397,7 +402,7 @@ def long_run_ettr(killed: dict, plain: dict) -> float:
 def restart_rows(run: dict, plain: dict, floor: float, kill_every: float) -> list[dict]:
     """The rows of one SIGKILLed training (cold or warm): ETTR, its projection to a kill every 60 s,
     MTTR p50/p95 against its goal, and each phase's p50/p95."""
-    how = run["name"].rsplit("-", 1)[0]
+    how = how_of(run)
     lost = lost_per_kill(run, plain)
     p95 = _percentile(run["mttr"], 0.95)
     goal, goal_text = {
@@ -503,7 +508,7 @@ def run(quick: bool) -> list[dict]:
          "detail": json.dumps([round(f, 2) for f in floors])},
     ]
     for run_ in killed:
-        how = run_["name"].rsplit("-", 1)[0]
+        how = how_of(run_)
         rows.append({"metric": f"ETTR, {how}, undisturbed", "value": plain[how]["report"]["ettr"], "goal": "-",
                      "detail": _categories(plain[how]["report"])})
         rows += restart_rows(run_, plain[how], floor, kill_every)
