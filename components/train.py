@@ -253,7 +253,7 @@ class Training:
                                        attempt=self.attempt)
         manager = setup.open_checkpoints(self.config, self.store, self.run_id, self.parts.module)
         if self.inplace is not None:
-            self.inplace.attach(manager)
+            self.inplace.attach(manager, self.parts.state)
         self.checkpoints = TrainerCheckpoints(
             self.config, env, manager, self.parts.state, self.tracker, self.log, self.attempt,
             lambda: self.task.evaluate(self.parts.module, self.data.splits["val"]), self._peers,
@@ -308,12 +308,16 @@ class Training:
                                    f"{int(nonfinite)} rank(s); the last good checkpoint is step "
                                    f"{self.checkpoints.last_saved}")
                 self.checkpoints.wait_for_snapshot()
+                if self.inplace is not None:
+                    self.inplace.before_optimizer_step()
                 self.overflows += int(self.parts.optimizer_step())
                 self.step += 1
                 logs.set_step(self.step)
                 state = self.parts.state
                 state.step, state.epoch = self.step, self.step // self.data.steps_per_epoch
                 state.samples_seen, state.sampler_epoch = self.step * self.t.global_batch_size, epoch
+                if self.inplace is not None:
+                    self.inplace.after_step(self.step)
                 self.compute_seconds += time.perf_counter() - began  # the step without the demo sleep
                 self.steps_done += 1
                 if self.t.step_sleep_seconds:

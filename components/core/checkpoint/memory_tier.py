@@ -2,7 +2,8 @@
 replica of one peer's, so that a killed worker's replacement and its survivors restore without the store.
 
     tier = MemoryTier(rank, world_size, registry)      # registry: a key-value store every rank reaches
-    tier.committed(step, snapshot, fingerprint)        # after each commit (the save's background thread)
+    tier.keep(step, snapshot, fingerprint)             # a step's snapshot (a thread beside the training), or
+    tier.committed(step, snapshot, fingerprint)        # a commit's (the save's background thread)
     held, where = tier.own_or_from_holder()            # at a (re)start: this rank's committed state, or None
     restore_into(state, *held)                         # copied into the memory the state already holds
 
@@ -14,9 +15,13 @@ transfer does not depend on the process group, which is broken exactly when a re
 
 Memory, per rank, bounded: its own snapshot and one peer's replica, each one packed payload (the tensor
 bytes of its shard of model, optimizer, RNG and counters; no pickling: a JSON tree of plain values plus
-raw tensor bytes), reused in place from commit to commit when its size is unchanged: 2x the shard. Only
-committed state is served: a snapshot is packed after its checkpoint committed, tagged with its step and
-the checkpoint's model fingerprint, and the ranks agree on one step before any of them restores.
+raw tensor bytes), reused in place from snapshot to snapshot when its size is unchanged: 2x the shard.
+Snapshots are of whole steps: every few steps (``train.memory_snapshot_every_steps``, taken beside the
+training by :class:`relaunch.components.core.trainer.inplace.StepSnapshots`) or, with that 0, each
+committed checkpoint's. Each is tagged with its step and the checkpoint's model fingerprint, and the
+ranks agree on one step that every rank holds before any of them restores: a loss in the middle of a
+snapshot's hand-over (one rank's own ahead of the replica of another) leaves them at different steps,
+and the store serves.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import socket
 import struct
 import sys
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -293,7 +298,9 @@ class MemoryTier:
         self.rank, self.world_size, self.registry = rank, world_size, registry
         self.server = ReplicaServer(host)
         self.own: tuple[dict, np.ndarray] | None = None
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # guards own
+        self.turn = threading.Lock()  # one keep at a time
+        self.holder_address: str | None = None
         self.pushed_step = -1
         registry.set(registry_key(rank), self.server.address)
 
@@ -303,20 +310,52 @@ class MemoryTier:
             return None
         return self.registry.get(key).decode()
 
+    def keep(self, step: int, snapshot: Any, fingerprint: str | None, *, taken_at: float | None = None,
+             copied: Callable[[], None] | None = None) -> None:
+        """Keep ``snapshot``, the state of ``step``, as this rank's own (packed into the memory of the
+        previous one) and hand it to this rank's holder. ``copied`` is called once the snapshot's
+        tensors are copied (a snapshot of the live state: the training may change them after that).
+        ``taken_at``: when the step was done (the goodput's recomputed time). Callers on two threads
+        (commits, the step snapshots) take turns."""
+        with self.turn:
+            with self.lock:
+                old, self.own = self.own, None
+            try:
+                header, payload = pack(snapshot, old[1] if old is not None else None)
+            finally:
+                if copied is not None:
+                    copied()
+            header.update(step=int(step), fingerprint=fingerprint, rank=self.rank, world_size=self.world_size,
+                          taken_at=taken_at)
+            with self.lock:
+                self.own = (header, payload)
+            if self.world_size > 1:
+                self._push(header, payload)
+
     def committed(self, step: int, snapshot: Any, fingerprint: str | None) -> None:
-        """Checkpoint ``step`` committed with ``snapshot`` (this rank's CPU copy): keep it as this
-        rank's own, packed into the memory of the previous one, and hand it to this rank's holder."""
-        with self.lock:
-            old, self.own = self.own, None
-        header, payload = pack(snapshot, old[1] if old is not None else None)
-        header.update(step=int(step), fingerprint=fingerprint, rank=self.rank, world_size=self.world_size)
-        with self.lock:
-            self.own = (header, payload)
-        if self.world_size > 1:
-            address = self._address(holder_of(self.rank, self.world_size))
-            if address is not None:
-                put_replica(address, self.rank, header, payload)
-                self.pushed_step = int(step)
+        """Checkpoint ``step`` committed with ``snapshot`` (this rank's CPU copy): keep it (:meth:`keep`)."""
+        self.keep(step, snapshot, fingerprint)
+
+    def _push(self, header: dict, payload: np.ndarray) -> None:
+        """To the holder whose address the registry gave last (asked again after a failed transfer: a
+        replacement holder publishes a new one)."""
+        holder = holder_of(self.rank, self.world_size)
+        for fresh in (False, True):
+            if fresh or self.holder_address is None:
+                self.holder_address = self._address(holder)
+            if self.holder_address is None:
+                return
+            try:
+                put_replica(self.holder_address, self.rank, header, payload)
+                self.pushed_step = int(header["step"])
+                return
+            except OSError:
+                if fresh:
+                    raise
+
+    def forget_holder(self) -> None:
+        """The group changed (a recovery): ask the registry for the holder's address again."""
+        self.holder_address = None
 
     def adopt(self, header: dict, payload: np.ndarray) -> None:
         """Take a replica fetched from the holder as this rank's own snapshot (a replacement's)."""

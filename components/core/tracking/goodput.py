@@ -139,12 +139,16 @@ class AttemptLog:
         self.write()
 
     def recovered_in_place(self, *, lost_at_step: int, resumed_step: int, lost_at: float, seconds: float,
-                           source: str) -> None:
+                           source: str, resumed_at: float | None = None) -> None:
         """A worker was lost at ``lost_at`` (time) after step ``lost_at_step``; the survivors and its
         replacement went on from ``resumed_step`` (from ``source``: memory or the store) ``seconds`` later,
-        inside this attempt (``train.memory_tier``)."""
-        self.record.in_place.append({"lost_at_step": int(lost_at_step), "resumed_step": int(resumed_step),
-                                     "lost_at": float(lost_at), "seconds": float(seconds), "source": source})
+        inside this attempt (``train.memory_tier``). ``resumed_at``: when ``resumed_step`` was done, for
+        a step no commit recorded (a memory snapshot's)."""
+        entry = {"lost_at_step": int(lost_at_step), "resumed_step": int(resumed_step), "lost_at": float(lost_at),
+                 "seconds": float(seconds), "source": source}
+        if resumed_at is not None:
+            entry["resumed_at"] = float(resumed_at)
+        self.record.in_place.append(entry)
         self.write()
 
     def finish(self, exit_code: int) -> None:
@@ -178,7 +182,7 @@ def goodput_report(attempts: list[Attempt]) -> dict[str, Any]:
         evaluation += a.eval_seconds
         for r in a.in_place:
             gaps += r["seconds"]
-            resumed_at = a.commits.get(str(r["resumed_step"]), [None])[0]
+            resumed_at = r.get("resumed_at", a.commits.get(str(r["resumed_step"]), [None])[0])
             if resumed_at is not None:
                 recomputed += max(0.0, r["lost_at"] - resumed_at)
         if i + 1 < len(attempts):

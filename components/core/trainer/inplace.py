@@ -20,6 +20,7 @@ import dataclasses
 import datetime
 import os
 import sys
+import threading
 import time
 from typing import Any, Callable
 
@@ -32,6 +33,7 @@ from relaunch.components.core.runtime import distributed as distr
 from relaunch.components.core.runtime.generations import GENERATION_ENV, GENERATION_KEY
 from relaunch.components.core.trainer import setup
 from relaunch.components.core.trainer.injection import Injection
+from relaunch.components.core.trainer.state import rng_now, rng_state
 
 ABANDON_SECONDS = 30.0
 
@@ -75,6 +77,94 @@ class CountingStore:
         return getattr(self._inner, name)
 
 
+class StepSnapshots:
+    """Every ``every`` steps, the state of the step just done into the memory tier, beside the training.
+
+    At the step's end the training's thread takes what the next step may change before its optimizer
+    step (counters, RNG streams, scheduler; with model buffers, which a forward updates, it waits for
+    the whole copy) and goes on; a thread copies the model's and optimizer's tensors, which only the
+    optimizer step changes (:meth:`before_optimizer_step` waits for that copy, usually long done), and
+    hands the snapshot to the rank's holder. A snapshot still being handed over when the next is due
+    is skipped: the training never waits on a transfer.
+    """
+
+    def __init__(self, tier: MemoryTier, every: int):
+        self.tier, self.every = tier, every
+        self.state: Any = None
+        self.fingerprint: str | None = None
+        self.live: dict[str, Any] | None = None  # the state's live model and optimizer tensors
+        self.optimizer_entries = -1  # the optimizer's state entries when ``live`` was taken
+        self.copied, self.idle = threading.Event(), threading.Event()
+        self.copied.set()
+        self.idle.set()
+        self.wake = threading.Condition()
+        self.pending: tuple[int, dict, float] | None = None
+        self.closed = False
+        self.failing = False
+        self.waits_for_copy = False
+        threading.Thread(target=self._run, name="memory-tier-snapshots", daemon=True).start()
+
+    def bind(self, state: Any, fingerprint: str | None) -> None:
+        """Take snapshots of ``state`` (a ``TrainingState``; again after a recovery rebuilt it)."""
+        self.halt()
+        self.state, self.fingerprint, self.live = state, fingerprint, None
+        self.waits_for_copy = any(True for _ in state.model.buffers())
+
+    def after_step(self, step: int) -> None:
+        if self.state is None or step % self.every or not self.idle.is_set():
+            return
+        optimizer = self.state.optimizer
+        entries = len(optimizer.state) if optimizer is not None else 0
+        if self.live is None or entries != self.optimizer_entries:  # new live tensors: found once, kept
+            self.live, self.optimizer_entries = self.state.live_tensors(), entries
+        head = self.state.step_head(rng_now)
+        self.idle.clear()
+        self.copied.clear()
+        with self.wake:
+            self.pending = (step, head, time.time())
+            self.wake.notify()
+        if self.waits_for_copy:
+            self.copied.wait()
+
+    def before_optimizer_step(self) -> None:
+        if not self.copied.is_set():
+            self.copied.wait()
+
+    def halt(self, timeout: float | None = None) -> bool:
+        """Wait until no snapshot is being taken or handed over; whether none is."""
+        return self.idle.wait(timeout)
+
+    def close(self) -> None:
+        with self.wake:
+            self.closed = True
+            self.wake.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self.wake:
+                while self.pending is None and not self.closed:
+                    self.wake.wait()
+                if self.closed:
+                    return
+                (step, head, taken_at), self.pending = self.pending, None
+            try:
+                head["rng"] = {rank: rng_state(now) for rank, now in head["rng"].items()}
+                snapshot = {**self.live, **head}
+                if "optimizer" in self.live:
+                    snapshot["optimizer"] = {"state": self.live["optimizer"]["state"],
+                                             "param_groups": self.state.param_groups(self.live)}
+                self.tier.keep(step, snapshot, self.fingerprint, taken_at=taken_at, copied=self.copied.set)
+                self.failing = False
+            except (OSError, ValueError) as err:  # the holder unreachable: the store serves its rank
+                if not self.failing:
+                    print(f"relaunch: memory tier: the snapshot of step {step} was not handed to its holder: {err}",
+                          file=sys.stderr, flush=True)
+                self.failing = True
+            finally:
+                self.copied.set()
+                self.idle.set()
+
+
 @dataclasses.dataclass
 class Restore:
     """How a start restored: ``source`` "memory" or "store", the step, the store bytes read."""
@@ -84,6 +174,7 @@ class Restore:
     detail: str
     store_bytes_read: int
     seconds: float
+    taken_at: float | None = None  # when the restored step was done (a snapshot's), if known
 
 
 class InPlace:
@@ -94,6 +185,8 @@ class InPlace:
         self.generation = generation() or 0
         self.registry = registry(env, config.train.process_group_timeout_seconds)
         self.tier = MemoryTier(env.rank, env.world_size, self.registry)
+        every = config.train.memory_snapshot_every_steps
+        self.snapshots = StepSnapshots(self.tier, every) if every else None
         self.recoveries: list[Restore] = []
 
     @classmethod
@@ -104,9 +197,24 @@ class InPlace:
             return None
         return cls(config, env, store if isinstance(store, CountingStore) else CountingStore(store))
 
-    def attach(self, manager: Any) -> None:
-        """Keep each commit of ``manager`` in the tier (on the save's thread)."""
-        manager.on_commit(lambda step, snapshot: self.tier.committed(step, snapshot, manager.model_fingerprint))
+    def attach(self, manager: Any, state: Any) -> None:
+        """Feed the tier: with ``train.memory_snapshot_every_steps``, snapshots of ``state`` (a
+        ``TrainingState``) every so many steps (:meth:`after_step`); else each commit of ``manager``
+        (on the save's thread)."""
+        if self.snapshots is not None:
+            self.snapshots.bind(state, manager.model_fingerprint)
+        else:
+            manager.on_commit(lambda step, snapshot: self.tier.committed(step, snapshot, manager.model_fingerprint))
+
+    def after_step(self, step: int) -> None:
+        """The training's step ``step`` is done (counters set): a snapshot when one is due."""
+        if self.snapshots is not None:
+            self.snapshots.after_step(step)
+
+    def before_optimizer_step(self) -> None:
+        """The optimizer step changes what a snapshot may still be copying: wait for it."""
+        if self.snapshots is not None:
+            self.snapshots.before_optimizer_step()
 
     def restore(self, config, manager, parts, peers: Callable[[], Any],
                 warm_up: Callable[[], None] | None = None) -> Restore:
@@ -139,7 +247,8 @@ class InPlace:
         else:
             restored = setup.restore(config, manager, parts, peers)
             source, detail = "store", "the tier cannot serve every rank" if step >= 0 or where != "none" else ""
-        result = Restore(restored, source, detail, self.store.bytes_read - read_before, time.perf_counter() - began)
+        result = Restore(restored, source, detail, self.store.bytes_read - read_before, time.perf_counter() - began,
+                         held[0].get("taken_at") if servable else None)
         print(f"relaunch: rank {self.env.rank} (pid {os.getpid()}) restored step {restored.step} from {source}"
               f"{' (' + detail + ')' if detail else ''}; {result.store_bytes_read} bytes read from the store",
               file=sys.stderr, flush=True)
@@ -157,6 +266,9 @@ class InPlace:
               f"(this process stays)", file=sys.stderr, flush=True)
         distr.sever()  # a peer still blocked in a collective of the old group fails now, not at its timeout
         distr.shutdown()
+        if self.snapshots is not None:  # the snapshot being handed over ends (its holder may be the lost rank)
+            self.snapshots.halt(ABANDON_SECONDS)
+        self.tier.forget_holder()
         training.checkpoints.manager.abandon(ABANDON_SECONDS)
         gen = self._next_generation(self.config.train.process_group_timeout_seconds)
         if gen is None:
@@ -173,7 +285,7 @@ class InPlace:
         training.parts = parts = _rewrapped(self.config, training, parts)
         training.attempt, training.run_id, _ = distr.broadcast_object((training.attempt, training.run_id, None))
         manager = setup.open_checkpoints(self.config, training.store, training.run_id, parts.module)
-        self.attach(manager)
+        self.attach(manager, parts.state)
         result = self.restore(self.config, manager, parts, training._peers, ddp_warm_up(training))
         training.checkpoints.rejoin(manager, parts.state, result.restored, training.attempt)
         training.step = training.resumed_from = result.restored.step
@@ -181,6 +293,7 @@ class InPlace:
         self.recoveries.append(result)
         if env.is_main and training.log is not None:  # rank 0 survived: its attempt goes on
             training.log.recovered_in_place(lost_at_step=lost_at, resumed_step=result.restored.step, lost_at=began,
+                                            resumed_at=result.taken_at,
                                             seconds=result.seconds, source=result.source)
         if env.is_main:
             emit(Kind.RESUMED, step=result.restored.step, uri=result.restored.uri, attempt=training.attempt,

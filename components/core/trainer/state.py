@@ -30,10 +30,16 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def capture_rng() -> dict[str, Any]:
-    """This process's RNG streams as tensors and plain values (``weights_only``-loadable)."""
-    version, internal, gauss = random.getstate()
-    np_state = np.random.get_state()
+def rng_now() -> tuple:
+    """This process's RNG streams as they are, unconverted (the cheap part of :func:`capture_rng`: a
+    snapshot takes it at a step's end and converts it off the training's thread)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
+
+
+def rng_state(now: tuple) -> dict[str, Any]:
+    """:func:`rng_now`'s streams as tensors and plain values (``weights_only``-loadable)."""
+    (version, internal, gauss), np_state, torch_cpu, cuda = now
     out: dict[str, Any] = {
         "python_version": int(version),
         "python_state": torch.tensor(internal, dtype=torch.int64),
@@ -43,11 +49,16 @@ def capture_rng() -> dict[str, Any]:
         "numpy_pos": int(np_state[2]),
         "numpy_has_gauss": int(np_state[3]),
         "numpy_gauss": float(np_state[4]),
-        "torch_cpu": torch.get_rng_state(),
+        "torch_cpu": torch_cpu,
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = {str(i): s for i, s in enumerate(torch.cuda.get_rng_state_all())}
+    if cuda is not None:
+        out["cuda"] = {str(i): s for i, s in enumerate(cuda)}
     return out
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's RNG streams as tensors and plain values (``weights_only``-loadable)."""
+    return rng_state(rng_now())
 
 
 def restore_rng(state: dict[str, Any]) -> None:
@@ -120,14 +131,31 @@ class TrainingState:
     def state_dict(self) -> dict[str, Any]:
         """The nested state DCP saves; ``rng`` holds only this rank's streams."""
         model_sd, optim_sd = self._model_optim()
+        return {"model": model_sd, **({"optimizer": optim_sd} if optim_sd is not None else {}), **self.step_head()}
+
+    def live_tensors(self) -> dict[str, Any]:
+        """``model`` and ``optimizer`` of :meth:`state_dict`: their tensors are the live ones (views of
+        the parameters, the optimizer's own state tensors), which only the optimizer step changes; a
+        caller may keep this and read the values again at a later step (the memory tier's snapshots)."""
+        model_sd, optim_sd = self._model_optim()
+        return {"model": model_sd, **({"optimizer": optim_sd} if optim_sd is not None else {})}
+
+    def param_groups(self, live: dict[str, Any]) -> list[dict[str, Any]]:
+        """The optimizer's hyperparameters now (a scheduler changes them), shaped as ``live``'s
+        ``param_groups`` (parameters named by FQN)."""
+        return [{**{k: v for k, v in group.items() if k != "params"}, "params": named["params"]}
+                for group, named in zip(self.optimizer.param_groups, live["optimizer"]["param_groups"])]
+
+    def step_head(self, rng: Callable[[], Any] = capture_rng) -> dict[str, Any]:
+        """Everything of :meth:`state_dict` but model and optimizer: counters, this rank's RNG streams
+        (as ``rng()`` gives them), scheduler, scaler, extras: what the next step may change before
+        its optimizer step (RNG, a sampler), so a snapshot taken while that step runs takes these on
+        the training's thread first."""
         sd: dict[str, Any] = {
-            "model": model_sd,
             "progress": {"step": int(self.step), "epoch": int(self.epoch),
                          "samples_seen": int(self.samples_seen), "sampler_epoch": int(self.sampler_epoch)},
-            "rng": {f"rank{_rank()}": capture_rng()},
+            "rng": {f"rank{_rank()}": rng()},
         }
-        if optim_sd is not None:
-            sd["optimizer"] = optim_sd
         if self.scheduler is not None:
             sd["scheduler"] = self.scheduler.state_dict()
         if self.scaler is not None:
