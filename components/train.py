@@ -261,9 +261,10 @@ class Training:
 
     def resume(self) -> None:
         warm_up = inplace.ddp_warm_up(self)  # every start alike: DDP's buckets as an uninterrupted run's
+        restored_at = None  # when the restored step was done, for a snapshot kept in memory
         if self.inplace is not None:  # memory when every rank can serve it, else the store
-            restored = self.inplace.restore(self.config, self.checkpoints.manager, self.parts, self._peers,
-                                            warm_up).restored
+            result = self.inplace.restore(self.config, self.checkpoints.manager, self.parts, self._peers, warm_up)
+            restored, restored_at = result.restored, result.taken_at
         else:
             if warm_up is not None:
                 with self._peers():
@@ -276,6 +277,7 @@ class Training:
             self.phases["resume"] = time.time() - _PROCESS_START
             self.log.record.phases = self.phases
             self.log.record.resumed_from_step = self.resumed_from
+            self.log.record.resumed_from_time = restored_at
             self.tracker.start(resumed_from=self.resumed_from, resumed_uri=restored.uri, world_size=self.env.world_size,
                                params=run_params(self.config, self.env))  # and the resumed event
 

@@ -44,9 +44,11 @@ from relaunch.components.core.contract.exitcodes import ExitCode, is_retryable
 from relaunch.components.core.runtime.net import free_port
 from relaunch.components.core.runtime.zygote import client_command
 from relaunch.components.core.runtime.zygote_client import ZYGOTE_ENV
-from relaunch.components.core.runtime.generations import GENERATION_ENV, GENERATION_KEY
+from relaunch.components.core.runtime.generations import GENERATION_ENV, GENERATION_KEY, generation_key
 
-SETTLE_SECONDS = 0.05  # after a death: the others killed with it (one node lost, two ranks) are seen too (one more poll)
+SETTLE_SECONDS = 0.005  # after a death: then the others already dying with it (killed together) are waited for
+PF_EXITING = 0x4  # include/linux/sched.h: the task is in do_exit (a SIGKILL delivered)
+SIGKILL_BIT = 1 << (signal.SIGKILL - 1)  # in /proc/<pid>/status's pending-signal masks
 STOP_SECONDS = 15.0
 POLL_SECONDS = 0.05
 
@@ -57,6 +59,20 @@ def say(line: str) -> None:
 
 def _killed(code: int) -> bool:
     return code < 0 or code == ExitCode.KILLED
+
+
+def _dying(pid: int) -> bool:
+    """Whether ``pid`` has a SIGKILL pending or is exiting (Linux ``/proc``; elsewhere, False)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            flags = int(f.read().rsplit(b")", 1)[1].split()[6])  # field 9, after the command's parentheses
+        if flags & PF_EXITING:
+            return True
+        with open(f"/proc/{pid}/status") as f:
+            masks = [line.split()[1] for line in f if line.startswith(("SigPnd:", "ShdPnd:"))]
+        return any(int(mask, 16) & SIGKILL_BIT for mask in masks)
+    except (OSError, ValueError, IndexError):
+        return False
 
 
 class InPlaceAgent:
@@ -113,6 +129,18 @@ class InPlaceAgent:
             for fd in fds:
                 os.close(fd)
 
+    def _settle(self) -> None:
+        """After a death, until the workers killed with it (one node lost: several ranks) have ended
+        too, so that one generation replaces them all: those with a SIGKILL pending or already exiting
+        (``/proc``), waited for up to ``STOP_SECONDS``; without ``/proc``, ``SETTLE_SECONDS`` more."""
+        time.sleep(SETTLE_SECONDS)
+        end = time.monotonic() + STOP_SECONDS
+        while time.monotonic() < end:
+            dying = [p for p in self.workers if p is not None and p.poll() is None and _dying(p.pid)]
+            if not dying:
+                return
+            self._wait_for_an_end(POLL_SECONDS)
+
     def _pids(self) -> str:
         return " ".join(f"rank{r}={p.pid}" for r, p in enumerate(self.workers) if p is not None)
 
@@ -130,6 +158,7 @@ class InPlaceAgent:
         self.generation += 1
         self.restarts += 1
         self.store.set(GENERATION_KEY, str(self.generation))
+        self.store.set(generation_key(self.generation), "")
 
     def forward(self, signum: int, _frame=None) -> None:
         """SIGTERM/SIGINT/SIGUSR1 of the agent go to every worker (the preemption path); the agent then
@@ -158,7 +187,7 @@ class InPlaceAgent:
             if not failed:
                 self._wait_for_an_end(POLL_SECONDS)
                 continue
-            time.sleep(SETTLE_SECONDS)
+            self._settle()
             codes = [p.poll() for p in self.workers]
             failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
             worst = next((codes[r] for r in failed if not _killed(codes[r])), None)

@@ -74,6 +74,8 @@ RDZV_CONF = "join_timeout=30,last_call_timeout=1,close_timeout=2"
 MONITOR_INTERVAL = float(os.environ.get("BENCH_MONITOR_INTERVAL", 0) or 0) or None
 CHECKPOINT_EVERY = float(os.environ.get("BENCH_CHECKPOINT_EVERY", 1.0))  # s; see the module doc
 """torchrun's --monitor-interval: what the launch renders (``launch.monitor_interval_seconds``) unless set."""
+SNAPSHOT_EVERY = int(os.environ.get("BENCH_SNAPSHOT_EVERY", 4))  # steps; see the module doc
+CHECKPOINT_EVERY_INPLACE = float(os.environ.get("BENCH_CHECKPOINT_EVERY_INPLACE", 30.0))  # s; see the module doc
 FIGURE = Path("bench-results") / "training-breakdown.png"
 
 # issue 18's goals (measured side by side in one run on 2 cores)
@@ -136,7 +138,8 @@ def _torchrun(config: dict, log: Path, max_restarts: int, env: dict[str, str], w
 
 def _inplace_agent(config: dict, log: Path, max_restarts: int, env: dict[str, str], warm: bool) -> subprocess.Popen:
     """The in-place agent as the local launch renders it for ``train.memory_tier`` on one node."""
-    config = {**config, "train": {**config["train"], "memory_tier": True}}
+    config = {**config, "train": {**config["train"], "memory_tier": True, "memory_snapshot_every_steps": SNAPSHOT_EVERY,
+                                  "checkpoint_every_seconds": CHECKPOINT_EVERY_INPLACE}}
     argv = [sys.executable, "-m", "relaunch.components.launchers.inplace", "--nproc-per-node=2",
             f"--max-restarts={max_restarts}", *(("--warm",) if warm else ()),
             "-m", "relaunch.components.train", "--config-json", json.dumps(config)]

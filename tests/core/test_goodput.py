@@ -57,6 +57,23 @@ def test_a_worker_recovered_in_place_counts_its_recovery_as_a_gap_and_its_lost_s
     assert open(path, "rb").read()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_step_kept_in_memory_counts_from_its_own_time_not_from_a_commit_or_a_stale_record():
+    # rank 0 killed at ~13 s; its record last written at 12 s (step 50); the new attempt resumed from the
+    # snapshot of step 55, done at 12.5 s: 12 -> 12.5 s was productive, 12.5 -> 14 s lost
+    first = _attempt(1, 0.0, 2.0, 50, 12.0, commits={"40": [10.0, 0.5]}, stall=0.5)
+    second = _attempt(2, 14.0, 15.0, 100, 25.0, resumed=55, end=25.0, stall=0.5, exit_code=0)
+    second.resumed_from_time = 12.5
+    report = goodput.goodput_report([first, second])
+    assert report["restart_gaps"] == pytest.approx(1.5)
+    assert report["recomputed"] == pytest.approx(0.0)
+    assert report["productive"] == pytest.approx(25.0 - 3.0 - 1.0 - 1.5)
+    # a survivor's recovery from a snapshot of step 28 done at 8.8 s: 0.2 s recomputed, not 3 s from the commit
+    one = _attempt(1, 0.0, 2.0, 100, 30.0, commits={"20": [6.0, 0.0]}, end=30.0, exit_code=0)
+    one.in_place = [{"lost_at_step": 30, "resumed_step": 28, "lost_at": 9.0, "seconds": 0.5, "source": "memory",
+                     "resumed_at": 8.8}]
+    assert goodput.goodput_report([one])["recomputed"] == pytest.approx(0.2)
+
+
 def test_an_attempt_log_keeps_an_in_place_recovery_in_the_stored_record(tmp_path):
     store = open_store(str(tmp_path / "store"))
     log = goodput.AttemptLog(store, goodput.claim_attempt(store, 0.0, 2))

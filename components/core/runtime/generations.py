@@ -6,3 +6,8 @@ GENERATION_ENV = "RELAUNCH_INPLACE_GENERATION"
 """Set by the in-place agent on every worker it starts: the generation (rendezvous round) it joins."""
 GENERATION_KEY = "relaunch/generation"
 """The agent's key in its store: the current generation; a survivor waits for it to grow."""
+
+
+def generation_key(generation: int) -> str:
+    """Set by the agent when ``generation`` starts: a survivor waits for the next one's key (no poll)."""
+    return f"{GENERATION_KEY}/{generation}"

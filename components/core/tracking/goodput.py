@@ -37,6 +37,7 @@ class Attempt:
     start: float
     world_size: int = 1
     resumed_from_step: int = -1
+    resumed_from_time: float | None = None  # when the step it resumed from was done (a memory snapshot's time)
     loop_start: float | None = None
     first_step_time: float | None = None
     last_step: int = -1
@@ -187,13 +188,22 @@ def goodput_report(attempts: list[Attempt]) -> dict[str, Any]:
                 recomputed += max(0.0, r["lost_at"] - resumed_at)
         if i + 1 < len(attempts):
             nxt = attempts[i + 1]
-            gaps += max(0.0, nxt.start - a.ended)
-            if a.loop_start is not None:
-                resumed = nxt.resumed_from_step
-                t_resume = _step_time(a, resumed) if resumed > a.resumed_from_step else a.loop_start
-                overhead_then = a.commits.get(str(resumed), [0.0, None])[1]
-                lost_overhead = (a.stall_seconds + a.eval_seconds - overhead_then) if overhead_then is not None else 0.0
-                recomputed += max(0.0, a.ended - t_resume - max(0.0, lost_overhead))
+            if a.loop_start is None:
+                gaps += max(0.0, nxt.start - a.ended)
+                continue
+            resumed = nxt.resumed_from_step
+            if resumed <= a.resumed_from_step:
+                t_resume = a.loop_start
+            elif nxt.resumed_from_time is not None:  # a step of ``a`` kept in memory: its time is known
+                t_resume = min(nxt.resumed_from_time, nxt.start)
+            else:
+                t_resume = _step_time(a, resumed)
+            # a record killed with its attempt is up to a heartbeat old: the steps up to the resumed one
+            # were done (and kept) after it, so the gap starts at the later of the two
+            gaps += max(0.0, nxt.start - max(a.ended, t_resume))
+            overhead_then = a.commits.get(str(resumed), [0.0, None])[1]
+            lost_overhead = (a.stall_seconds + a.eval_seconds - overhead_then) if overhead_then is not None else 0.0
+            recomputed += max(0.0, a.ended - t_resume - max(0.0, lost_overhead))
     productive = max(0.0, wall - startup - stall - evaluation - recomputed - gaps)
     return {
         "ettr": productive / wall if wall > 0 else 0.0,

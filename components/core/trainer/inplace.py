@@ -30,7 +30,7 @@ from relaunch.components.core.checkpoint.layout import MANIFEST, checkpoint_step
 from relaunch.components.core.checkpoint.memory_tier import MemoryTier, restore_into
 from relaunch.components.core.contract.events import Kind, emit
 from relaunch.components.core.runtime import distributed as distr
-from relaunch.components.core.runtime.generations import GENERATION_ENV, GENERATION_KEY
+from relaunch.components.core.runtime.generations import GENERATION_ENV, GENERATION_KEY, generation_key
 from relaunch.components.core.trainer import setup
 from relaunch.components.core.trainer.injection import Injection
 from relaunch.components.core.trainer.state import rng_now, rng_state
@@ -302,18 +302,14 @@ class InPlace:
         return True
 
     def _next_generation(self, timeout: float) -> int | None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if self.registry.check([GENERATION_KEY]):
-                    gen = int(self.registry.get(GENERATION_KEY))
-                    if gen > self.generation:
-                        return gen
-            except (RuntimeError, ValueError) as err:  # the agent went away: nothing to rejoin
-                print(f"relaunch: in-place recovery: the agent's store is gone: {err}", file=sys.stderr, flush=True)
-                return None
-            time.sleep(0.05)
-        return None
+        """The generation the agent started after this worker's, once it did (its key set), or None
+        after ``timeout`` or when the agent's store is gone."""
+        try:
+            self.registry.wait([generation_key(self.generation + 1)], datetime.timedelta(seconds=timeout))
+            return int(self.registry.get(GENERATION_KEY))
+        except (torch.distributed.DistError, ValueError) as err:
+            print(f"relaunch: in-place recovery: no next generation from the agent: {err}", file=sys.stderr, flush=True)
+            return None
 
 
 def ddp_warm_up(training: Any) -> Callable[[], None] | None:
