@@ -301,25 +301,31 @@ class Training:
                 began = time.perf_counter()
                 batch = self.data.batch(self.step, perm, self.env.rank, self.env.world_size, self.device)
                 loss, grad_norm = self._forward_backward(batch)
+                snapshot_due, snapshot_busy = self.inplace.snapshot_vote(self.step + 1) if self.inplace else (0.0, 1.0)
                 with self._peers():
-                    loss_sum, nonfinite, preempted, save_due = distr.all_reduce_sum(
+                    loss_sum, nonfinite, preempted, save_due, snapshot_due, snapshot_busy = distr.all_reduce_sum(
                         [loss if is_finite(loss) else 0.0, 0.0 if is_finite(loss) else 1.0,
-                         1.0 if self.preempt.raised else 0.0, 1.0 if cadence.time_due() else 0.0])
+                         1.0 if self.preempt.raised else 0.0, 1.0 if cadence.time_due() else 0.0,
+                         snapshot_due, snapshot_busy])
                 if nonfinite:
                     raise Diverged(f"training diverged: non-finite loss at step {self.step} on "
                                    f"{int(nonfinite)} rank(s); the last good checkpoint is step "
                                    f"{self.checkpoints.last_saved}")
                 self.checkpoints.wait_for_snapshot()
                 if self.inplace is not None:
+                    waited = time.perf_counter()
                     self.inplace.before_optimizer_step()
+                    self.checkpoints.stalled(time.perf_counter() - waited)
                 self.overflows += int(self.parts.optimizer_step())
                 self.step += 1
                 logs.set_step(self.step)
                 state = self.parts.state
                 state.step, state.epoch = self.step, self.step // self.data.steps_per_epoch
                 state.samples_seen, state.sampler_epoch = self.step * self.t.global_batch_size, epoch
-                if self.inplace is not None:
+                if snapshot_due and not snapshot_busy:  # every rank alike (the sums above)
+                    snapped = time.perf_counter()
                     self.inplace.after_step(self.step)
+                    self.checkpoints.stalled(time.perf_counter() - snapped)
                 self.compute_seconds += time.perf_counter() - began  # the step without the demo sleep
                 self.steps_done += 1
                 if self.t.step_sleep_seconds:

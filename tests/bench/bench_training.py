@@ -36,7 +36,12 @@ A kill comes T s after the previous one, once the resumed attempt has completed 
 never lands inside a recovery). Checkpoints: async, every ``BENCH_CHECKPOINT_EVERY`` s (default 1 s:
 the Young/Daly interval sqrt(2 x stall per save x time between failures) for this training's 4-7 ms
 stall per save and a kill every 60 s is 0.7-0.9 s; a training that checkpoints every T_c loses T_c / 2
-of recomputed work per kill on average). Of the two ETTR rows at 60 s, the first counts the undisturbed
+of recomputed work per kill on average). The in-place trainings keep a snapshot in memory every
+``BENCH_SNAPSHOT_EVERY`` steps (default 4: each costs the training's thread ~70 us, counted as checkpoint
+stall, half of it numpy's RNG state; Young/Daly for that and a kill a minute is ~90 ms, 4 of these 24 ms
+steps) and commit to
+the store every ``BENCH_CHECKPOINT_EVERY_INPLACE`` s (default 30: the store serves only a whole group's
+loss then). Of the two ETTR rows at 60 s, the first counts the undisturbed
 run's first start (~1 s), which weighs 2 % in the quick mode's 52 s and 0.3 % in the full mode's 6
 minutes; the second amortises it. The logging rows: the trainer's own
 measure on rank 0 of the undisturbed run (caller time + the sender thread's CPU per step, over the
@@ -426,7 +431,9 @@ def restart_rows(run: dict, plain: dict, floor: float, kill_every: float) -> lis
         {"metric": f"ETTR, {how}, a long training with a SIGKILL every 60 s", "value": long_run_ettr(run, plain),
          "goal": f">= {goal_ettr}", "detail": f"1 - {lost:.2f} s lost per kill / 60 s - the undisturbed run's steady "
                                           f"loss (checkpoint stalls, evaluation; its first start amortised); "
-                                          f"checkpoints every {CHECKPOINT_EVERY:g} s"},
+                                          + (f"checkpoints every {CHECKPOINT_EVERY_INPLACE:g} s, a snapshot in "
+                                             f"memory every {SNAPSHOT_EVERY} steps" if how.startswith("inplace")
+                                             else f"checkpoints every {CHECKPOINT_EVERY:g} s")},
         {"metric": f"MTTR p50, {how} (kill -> first step after resume, s)", "value": _percentile(run["mttr"], 0.5),
          "goal": "-", "detail": json.dumps([round(m, 2) for m in run["mttr"]])},
         {"metric": f"MTTR p95, {how} (s)", "value": p95, "goal": goal_text,

@@ -313,12 +313,16 @@ class MemoryTier:
     def keep(self, step: int, snapshot: Any, fingerprint: str | None, *, taken_at: float | None = None,
              copied: Callable[[], None] | None = None) -> None:
         """Keep ``snapshot``, the state of ``step``, as this rank's own (packed into the memory of the
-        previous one) and hand it to this rank's holder. ``copied`` is called once the snapshot's
+        previous one) and hand it to this rank's holder; unless the one kept is as new. ``copied`` is called once the snapshot's
         tensors are copied (a snapshot of the live state: the training may change them after that).
         ``taken_at``: when the step was done (the goodput's recomputed time). Callers on two threads
         (commits, the step snapshots) take turns."""
         with self.turn:
             with self.lock:
+                if self.own is not None and self.own[0]["step"] >= step:  # a newer one is kept already
+                    if copied is not None:
+                        copied()
+                    return
                 old, self.own = self.own, None
             try:
                 header, payload = pack(snapshot, old[1] if old is not None else None)
@@ -356,6 +360,11 @@ class MemoryTier:
     def forget_holder(self) -> None:
         """The group changed (a recovery): ask the registry for the holder's address again."""
         self.holder_address = None
+
+    def drop_own(self) -> None:
+        """The training went back to an older step (a restore from the store): what is kept is not its past."""
+        with self.turn, self.lock:
+            self.own = None
 
     def adopt(self, header: dict, payload: np.ndarray) -> None:
         """Take a replica fetched from the holder as this rank's own snapshot (a replacement's)."""

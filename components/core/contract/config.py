@@ -213,7 +213,7 @@ class TrainConfig(_Model):
     checkpoint_at_epoch_end: bool = Field(True, description="Save when an epoch ends.")
     async_save: bool = Field(True, description="Persist checkpoints in the background.")
     memory_tier: bool = Field(False, description="Recover from memory: each rank keeps a snapshot of its state and a replica of one peer's (2x its shard of host memory); a killed worker is replaced in place, the survivors keep their processes (one node: the local launcher's in-place agent; pods: launch.in_place_restart).")
-    memory_snapshot_every_steps: int = Field(1, ge=0, description="With memory_tier: snapshot the state into memory every this many steps, beside the training (the optimizer step waits only for the copy, never for the hand-over to the peer); a failure then recomputes at most this many steps. 0: only each committed checkpoint is kept.")
+    memory_snapshot_every_steps: int | None = Field(None, ge=0, description="With memory_tier: snapshot the state into memory every this many steps, beside the training (the optimizer step waits only for the copy, never for the hand-over to the peer); a failure then recomputes at most the steps since. Unset: as often as keeps the training's time on snapshots under 0.1% (every step of a step over ~0.1 s). 0: only each committed checkpoint is kept.")
     store_unwritable_saves: int = Field(3, ge=1, description="Failed saves in a row, the store full or read-only, after which the training stops (exit 2); it goes on past fewer.")
     keep_last: int = Field(3, ge=1, description="Committed checkpoints kept by recency.")
     keep_best: int = Field(1, ge=0, description="Committed checkpoints kept by best_metric.")

@@ -151,6 +151,12 @@ class TrainerCheckpoints:
             self.log.record.stall_seconds += stall
         self.cadence.restart_clock()
 
+    def stalled(self, seconds: float) -> None:
+        """The training's thread spent ``seconds`` on checkpointing outside a save (a memory snapshot)."""
+        self.overhead += seconds
+        if self.log:
+            self.log.record.stall_seconds += seconds
+
     def wait_for_snapshot(self) -> None:
         """Call before the optimizer step: an async save may still be copying the parameters and
         optimizer state it changes. The time blocked is checkpoint stall."""

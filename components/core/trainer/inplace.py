@@ -85,11 +85,17 @@ class StepSnapshots:
     the whole copy) and goes on; a thread copies the model's and optimizer's tensors, which only the
     optimizer step changes (:meth:`before_optimizer_step` waits for that copy, usually long done), and
     hands the snapshot to the rank's holder. A snapshot still being handed over when the next is due
-    is skipped: the training never waits on a transfer.
+    is skipped: the training never waits on a transfer. ``every`` None: as often as keeps the training
+    thread's time on snapshots within ``AUTO_SHARE`` of its time (every step of a step much longer than
+    a snapshot's ~0.1 ms; every few of a short one).
     """
 
-    def __init__(self, tier: MemoryTier, every: int):
+    AUTO_SHARE = 0.001
+
+    def __init__(self, tier: MemoryTier, every: int | None):
         self.tier, self.every = tier, every
+        self.cost = 0.0  # the training thread's seconds per snapshot, the most recent ones weighing most
+        self.last_taken = 0.0  # perf_counter of the last snapshot
         self.state: Any = None
         self.fingerprint: str | None = None
         self.live: dict[str, Any] | None = None  # the state's live model and optimizer tensors
@@ -110,13 +116,27 @@ class StepSnapshots:
         self.state, self.fingerprint, self.live = state, fingerprint, None
         self.waits_for_copy = any(True for _ in state.model.buffers())
 
+    def vote(self, step: int) -> tuple[float, float]:
+        """This rank's say on a snapshot of ``step`` (the step under way): (due, busy). Every rank takes
+        it when one finds it due and none is still handing over the previous one: the ranks sum their
+        votes in the step's own all-reduce, so that they snapshot the same steps."""
+        if self.state is None:
+            return 0.0, 1.0
+        if self.every is not None:
+            due = step % self.every == 0
+        else:
+            due = time.perf_counter() - self.last_taken >= self.cost / self.AUTO_SHARE
+        return float(due), float(not self.idle.is_set())
+
     def after_step(self, step: int) -> None:
-        if self.state is None or step % self.every or not self.idle.is_set():
+        """Step ``step`` is done and every rank agreed on its snapshot (:meth:`vote`): take it."""
+        if self.state is None:
             return
         optimizer = self.state.optimizer
         entries = len(optimizer.state) if optimizer is not None else 0
         if self.live is None or entries != self.optimizer_entries:  # new live tensors: found once, kept
             self.live, self.optimizer_entries = self.state.live_tensors(), entries
+        began = time.perf_counter()
         head = self.state.step_head(rng_now)
         self.idle.clear()
         self.copied.clear()
@@ -125,6 +145,8 @@ class StepSnapshots:
             self.wake.notify()
         if self.waits_for_copy:
             self.copied.wait()
+        self.last_taken = now = time.perf_counter()
+        self.cost = now - began if not self.cost else 0.8 * self.cost + 0.2 * (now - began)
 
     def before_optimizer_step(self) -> None:
         if not self.copied.is_set():
@@ -186,7 +208,7 @@ class InPlace:
         self.registry = registry(env, config.train.process_group_timeout_seconds)
         self.tier = MemoryTier(env.rank, env.world_size, self.registry)
         every = config.train.memory_snapshot_every_steps
-        self.snapshots = StepSnapshots(self.tier, every) if every else None
+        self.snapshots = StepSnapshots(self.tier, every) if every != 0 else None
         self.recoveries: list[Restore] = []
 
     @classmethod
@@ -198,16 +220,19 @@ class InPlace:
         return cls(config, env, store if isinstance(store, CountingStore) else CountingStore(store))
 
     def attach(self, manager: Any, state: Any) -> None:
-        """Feed the tier: with ``train.memory_snapshot_every_steps``, snapshots of ``state`` (a
-        ``TrainingState``) every so many steps (:meth:`after_step`); else each commit of ``manager``
-        (on the save's thread)."""
+        """Feed the tier: each commit of ``manager`` (on the save's thread) and, unless
+        ``train.memory_snapshot_every_steps`` is 0, snapshots of ``state`` (a ``TrainingState``) taken
+        beside the training (:meth:`after_step`); the tier keeps the newer."""
         if self.snapshots is not None:
             self.snapshots.bind(state, manager.model_fingerprint)
-        else:
-            manager.on_commit(lambda step, snapshot: self.tier.committed(step, snapshot, manager.model_fingerprint))
+        manager.on_commit(lambda step, snapshot: self.tier.committed(step, snapshot, manager.model_fingerprint))
+
+    def snapshot_vote(self, step: int) -> tuple[float, float]:
+        """(due, busy) for a snapshot of ``step``, summed over the ranks by the step's all-reduce."""
+        return self.snapshots.vote(step) if self.snapshots is not None else (0.0, 1.0)
 
     def after_step(self, step: int) -> None:
-        """The training's step ``step`` is done (counters set): a snapshot when one is due."""
+        """The training's step ``step`` is done (counters set) and the ranks agreed on its snapshot."""
         if self.snapshots is not None:
             self.snapshots.after_step(step)
 
@@ -245,6 +270,7 @@ class InPlace:
             restored = setup.Restored(f"memory://step-{step}", None, int(state.step))
             source, detail = "memory", where
         else:
+            self.tier.drop_own()
             restored = setup.restore(config, manager, parts, peers)
             source, detail = "store", "the tier cannot serve every rank" if step >= 0 or where != "none" else ""
         result = Restore(restored, source, detail, self.store.bytes_read - read_before, time.perf_counter() - began,
