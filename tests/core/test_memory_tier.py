@@ -1,11 +1,14 @@
 """The in-memory tier on its own (one process, real sockets, a real torch TCPStore as the registry):
 packing a training state without pickling, restoring it bitwise into the memory a state holds or into
-a fresh one, the ring replica handed to a peer and fetched back, and the memory it holds: 2x the shard."""
+a fresh one, the ring replica handed to a peer and fetched back, the memory it holds (2x the shard), and a step's
+snapshot taken beside the training."""
 
 from __future__ import annotations
 
 import datetime
+import random
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -124,3 +127,57 @@ def test_the_tier_holds_its_own_snapshot_and_one_replica_2x_the_shard_reused_fro
     finally:
         for tier in tiers:
             tier.close()
+
+
+def _step(state, snapshots) -> None:
+    """One step of the training loop's order: forward and backward (a snapshot's copy may still run),
+    then the optimizer step once that copy is done."""
+    x = torch.randn(8, 4) + float(np.random.rand()) + random.random()
+    loss = state.model(x).pow(2).mean()
+    state.optimizer.zero_grad()
+    loss.backward()
+    snapshots.before_optimizer_step()
+    state.optimizer.step()
+    state.scheduler.step()
+    state.step += 1
+    state.samples_seen += 8
+
+
+def test_a_step_snapshot_taken_beside_the_training_is_exactly_that_steps_state(registry):
+    from relaunch.components.core.trainer.inplace import StepSnapshots
+
+    tier = MemoryTier(0, 1, registry)
+    snapshots = StepSnapshots(tier, every=1)
+    original = make_state()
+    snapshots.bind(original, "sha256:model")
+    train_steps(original, 3)
+    assert snapshots.vote(3) == (1.0, 0.0)  # due, not busy
+    snapshots.after_step(3)  # the copy runs on its thread while the next steps go on
+    for _ in range(2):
+        _step(original, snapshots)
+    snapshots.halt()
+    expected = fingerprint(original)
+    header, payload = tier.own
+    assert header["step"] == 3 and header["taken_at"] is not None
+    replacement = make_state(seed=1)
+    restore_into(replacement, header, payload)
+    for _ in range(2):
+        train_steps(replacement, 1)
+    assert_bitwise_equal(fingerprint(replacement), expected)
+    snapshots.close()
+    tier.close()
+
+
+def test_the_tier_keeps_the_newer_of_a_step_snapshot_and_a_later_commits_older_one(registry):
+    tier = MemoryTier(0, 1, registry)
+    state = make_state()
+    train_steps(state, 2)
+    older = committed_snapshot(state)
+    train_steps(state, 3)
+    tier.keep(5, committed_snapshot(state), None)
+    tier.committed(2, older, None)  # the commit of step 2 lands after the snapshot of step 5
+    assert tier.own[0]["step"] == 5
+    tier.drop_own()  # the training went back to the store's step 2
+    tier.committed(2, older, None)
+    assert tier.own[0]["step"] == 2
+    tier.close()
