@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from relaunch.components.core.tracking.goodput import Attempt
-from tests.bench.bench_training import PHASES, plot_breakdown, restart_phases
+from tests.bench.bench_training import PHASES, final_save_seconds, long_run_ettr, plot_breakdown, restart_phases
 
 
 def _attempt(created: float = 101.0) -> Attempt:
@@ -38,3 +38,13 @@ def test_the_figure_is_written_from_the_breakdowns(tmp_path):
              for how in ("cold", "warm", "inplace", "inplace-warm")]
     path = plot_breakdown(killed, plain, 1.8, tmp_path / "figures" / "b.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_long_runs_steady_loss_leaves_out_the_first_start_and_the_final_save():
+    # 100 s undisturbed: 2 s start-up, 0.5 s of stall of which the final save took 0.4 s
+    last = Attempt(attempt=1, start=0.0, last_step=500, stall_seconds=0.5, commits={"250": [50.0, 0.05], "500": [99.0, 0.1]})
+    assert final_save_seconds(last) == pytest.approx(0.4)
+    plain = {"kills": 0, "final_save": 0.4, "report": {"wall": 100.0, "productive": 97.5, "startup": 2.0}}
+    killed = {"kills": 2, "report": {"wall": 101.0, "productive": 98.1}}  # 0.4 s more lost: 0.2 s a kill
+    steady = 0.1 / (100.0 - 2.4)
+    assert long_run_ettr(killed, plain) == pytest.approx(1 - 0.2 / 60 - steady)

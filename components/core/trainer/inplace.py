@@ -1,8 +1,10 @@
 """The worker's side of recovery from memory (``train.memory_tier``, under the in-place agent of
 :mod:`relaunch.components.launchers.inplace`).
 
-Every start, first or replacement, restores through :func:`restore`: the ranks agree on one committed
-step that every rank can serve from memory (its own snapshot, or a replacement's replica from its
+Each rank keeps its state in the tier: a snapshot every few steps taken beside the training
+(:class:`StepSnapshots`; the ranks agree on which steps in the step's own all-reduce) and each commit's,
+the newer kept. Every start, first or replacement, restores through :meth:`InPlace.restore`: the ranks
+agree on one step that every rank can serve from memory (its own snapshot, or a replacement's replica from its
 holder), else every rank reads the store (a fresh training, a whole group restarted, a rank and its
 replica's holder lost together). A survivor of a killed peer does not exit: :meth:`InPlace.recover`
 drops the broken process group and the checkpoint manager, waits for the agent's next generation,
@@ -19,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import queue
 import sys
 import threading
 import time
@@ -103,15 +106,15 @@ class StepSnapshots:
         self.copied, self.idle = threading.Event(), threading.Event()
         self.copied.set()
         self.idle.set()
-        self.wake = threading.Condition()
-        self.pending: tuple[int, dict, float] | None = None
-        self.closed = False
+        self.pending: queue.SimpleQueue = queue.SimpleQueue()  # (step, head, taken_at), or None to end
         self.failing = False
         self.waits_for_copy = False
         threading.Thread(target=self._run, name="memory-tier-snapshots", daemon=True).start()
 
     def bind(self, state: Any, fingerprint: str | None) -> None:
         """Take snapshots of ``state`` (a ``TrainingState``; again after a recovery rebuilt it)."""
+        import torch.distributed.checkpoint.state_dict  # noqa: F401 - at start-up, not in the first snapshot (60 ms)
+
         self.halt()
         self.state, self.fingerprint, self.live = state, fingerprint, None
         self.waits_for_copy = any(True for _ in state.model.buffers())
@@ -140,9 +143,7 @@ class StepSnapshots:
         head = self.state.step_head(rng_now)
         self.idle.clear()
         self.copied.clear()
-        with self.wake:
-            self.pending = (step, head, time.time())
-            self.wake.notify()
+        self.pending.put((step, head, time.time()))
         if self.waits_for_copy:
             self.copied.wait()
         self.last_taken = now = time.perf_counter()
@@ -157,18 +158,11 @@ class StepSnapshots:
         return self.idle.wait(timeout)
 
     def close(self) -> None:
-        with self.wake:
-            self.closed = True
-            self.wake.notify()
+        self.pending.put(None)
 
     def _run(self) -> None:
-        while True:
-            with self.wake:
-                while self.pending is None and not self.closed:
-                    self.wake.wait()
-                if self.closed:
-                    return
-                (step, head, taken_at), self.pending = self.pending, None
+        while (job := self.pending.get()) is not None:
+            step, head, taken_at = job
             try:
                 head["rng"] = {rank: rng_state(now) for rank, now in head["rng"].items()}
                 snapshot = {**self.live, **head}
