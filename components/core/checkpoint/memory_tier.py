@@ -313,10 +313,10 @@ class MemoryTier:
     def keep(self, step: int, snapshot: Any, fingerprint: str | None, *, taken_at: float | None = None,
              copied: Callable[[], None] | None = None) -> None:
         """Keep ``snapshot``, the state of ``step``, as this rank's own (packed into the memory of the
-        previous one) and hand it to this rank's holder; unless the one kept is as new. ``copied`` is called once the snapshot's
-        tensors are copied (a snapshot of the live state: the training may change them after that).
-        ``taken_at``: when the step was done (the goodput's recomputed time). Callers on two threads
-        (commits, the step snapshots) take turns."""
+        previous one) and hand it to this rank's holder, unless the one kept is as new. ``copied`` is
+        called once the snapshot's tensors are copied (a snapshot of the live state: the training may
+        change them after that). ``taken_at``: when the step was done (the goodput's recomputed time).
+        Callers on two threads (commits, the step snapshots) take turns."""
         with self.turn:
             with self.lock:
                 if self.own is not None and self.own[0]["step"] >= step:  # a newer one is kept already
