@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from relaunch.components.launchers.inplace import _dying
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -52,3 +54,16 @@ def test_a_sigterm_of_the_agent_reaches_every_worker_and_ends_it_with_their_code
     out, _ = agent.communicate(timeout=60)
     assert agent.returncode == 143, seen + out
     assert "generation=1" not in seen + out
+
+
+def test_a_worker_killed_but_not_yet_reaped_counts_as_dying_and_a_running_one_does_not():
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        time.sleep(0.05)
+        assert not _dying(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        assert _dying(proc.pid)  # its SIGKILL pending, exiting, or a zombie: the agent waits for it
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not _dying(proc.pid)  # reaped: gone from /proc
