@@ -69,6 +69,36 @@ NEEDS_RAY = "launch.backend=ray needs Ray on this machine: pip install 'relaunch
 _PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
+def boot_ticks() -> int:
+    """Clock ticks since boot now (the unit of a process's start time in ``/proc/<pid>/stat``)."""
+    with open("/proc/uptime") as f:
+        return int(float(f.read().split()[0]) * os.sysconf("SC_CLK_TCK"))
+
+
+def group_members(pgid: int, started_before: int) -> list[int]:
+    """The processes of group ``pgid`` started before ``started_before`` (:func:`boot_ticks`), from
+    ``/proc``: the group as it was, not a later one that reused the number. Without ``/proc``, every
+    process ``killpg`` still reaches counts (``[pgid]`` while the group answers)."""
+    if not os.path.isdir("/proc/self"):
+        try:
+            os.killpg(pgid, 0)
+            return [pgid]
+        except ProcessLookupError:
+            return []
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        if int(fields[2]) == pgid and int(fields[19]) < started_before:  # fields 5 (pgrp) and 22 (starttime)
+            members.append(int(entry))
+    return members
+
+
 class LocalRayCluster:
     """A Ray head on 127.0.0.1 started and stopped by this process (a context manager).
 
@@ -87,6 +117,7 @@ class LocalRayCluster:
         self.env = {**AUTH_ENV, TOKEN_PATH_ENV: str(token)}
         self.proc: subprocess.Popen | None = None
         self.started_seconds = 0.0
+        self.stopping = 0  # boot_ticks() when the stop began
 
     def __enter__(self) -> "LocalRayCluster":
         started = time.monotonic()
@@ -113,6 +144,7 @@ class LocalRayCluster:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.stopping = boot_ticks()
         if self.proc is not None:
             for sig, wait in ((signal.SIGTERM, HEAD_STOP_SECONDS), (signal.SIGKILL, 5.0)):
                 with contextlib.suppress(ProcessLookupError):
@@ -121,10 +153,12 @@ class LocalRayCluster:
                     self.proc.wait(wait)
                     break
             # what ``ray start --block`` left of its group (GCS, raylet, workers) goes with it; until the
-            # group is empty (a killed worker counts until it is reaped: 5 s was short on a loaded machine)
+            # group is empty (a killed worker counts until it is reaped: 5 s was short on a loaded machine).
+            # Its members are told by their start time too: once the group is gone its number may be a
+            # new, unrelated group's (pid_max is 32768 on many hosts), which must not be killed
             end = time.monotonic() + GROUP_GONE_SECONDS
             with contextlib.suppress(ProcessLookupError):
-                while time.monotonic() < end:
+                while group_members(self.proc.pid, self.stopping) and time.monotonic() < end:
                     os.killpg(self.proc.pid, signal.SIGKILL)
                     time.sleep(0.05)
         shutil.rmtree(self.directory, ignore_errors=True)

@@ -120,10 +120,21 @@ def test_the_local_ray_cluster_uses_token_auth_and_is_gone_after_the_launch(tmp_
         assert "connected" in with_token.stdout, with_token.stderr[-2000:]
         without = connects(bare | {"RAY_AUTH_MODE": "token"})  # a client without the token is refused
         assert "connected" not in without.stdout, without.stdout + without.stderr[-2000:]
-        pid = cluster.proc.pid
+        pid, stopping = cluster.proc.pid, ray_backend.boot_ticks()
     assert cluster.proc.poll() is not None and not token.exists()
-    with pytest.raises(ProcessLookupError):
-        os.killpg(pid, 0)
+    assert not ray_backend.group_members(pid, stopping)  # no member of its group left (a reused number aside)
+
+
+def test_a_group_s_members_are_the_processes_of_that_group_started_before_the_given_time():
+    proc = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        time.sleep(0.05)
+        assert ray_backend.group_members(proc.pid, ray_backend.boot_ticks() + 1) == [proc.pid]
+        assert ray_backend.group_members(proc.pid, 0) == []  # a group started later is not the one asked for
+    finally:
+        proc.kill()
+        proc.wait()
+    assert ray_backend.group_members(proc.pid, ray_backend.boot_ticks() + 1) == []
 
 
 @pytest.mark.ci_extended  # the torchrun path proves both in make test; .ci/run's extended lane

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import socket
 
-LOWEST_PORT = 10000
+LOWEST_PORT = 20000  # above the worker ports a Ray node takes by default (10002-19999)
 EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 _pick = random.Random()  # its own stream: a training or a test seeding the global one must not repeat ports
 
