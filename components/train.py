@@ -313,9 +313,8 @@ class Training:
                                    f"{self.checkpoints.last_saved}")
                 self.checkpoints.wait_for_snapshot()
                 if self.inplace is not None:
-                    waited = time.perf_counter()
-                    self.inplace.before_optimizer_step()
-                    self.checkpoints.stalled(time.perf_counter() - waited)
+                    with self.checkpoints.stalling():
+                        self.inplace.before_optimizer_step()
                 self.overflows += int(self.parts.optimizer_step())
                 self.step += 1
                 logs.set_step(self.step)
@@ -323,9 +322,8 @@ class Training:
                 state.step, state.epoch = self.step, self.step // self.data.steps_per_epoch
                 state.samples_seen, state.sampler_epoch = self.step * self.t.global_batch_size, epoch
                 if snapshot_due and not snapshot_busy:  # every rank alike (the sums above)
-                    snapped = time.perf_counter()
-                    self.inplace.after_step(self.step)
-                    self.checkpoints.stalled(time.perf_counter() - snapped)
+                    with self.checkpoints.stalling():
+                        self.inplace.after_step(self.step)
                 self.compute_seconds += time.perf_counter() - began  # the step without the demo sleep
                 self.steps_done += 1
                 if self.t.step_sleep_seconds:

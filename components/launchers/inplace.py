@@ -42,6 +42,7 @@ from relaunch.components.core.contract.entry import exit_on_error
 from relaunch.components.core.contract.errors import BadInput
 from relaunch.components.core.contract.exitcodes import ExitCode, is_retryable
 from relaunch.components.core.runtime.net import free_port
+from relaunch.components.core.runtime.procfs import stat_fields
 from relaunch.components.core.runtime.zygote import client_command
 from relaunch.components.core.runtime.zygote_client import ZYGOTE_ENV
 from relaunch.components.core.runtime.generations import GENERATION_ENV, GENERATION_KEY, generation_key
@@ -63,11 +64,12 @@ def _killed(code: int) -> bool:
 
 def _dying(pid: int) -> bool:
     """Whether ``pid`` has a SIGKILL pending or is exiting (Linux ``/proc``; elsewhere, False)."""
+    fields = stat_fields(pid)
+    if fields is None:
+        return False
+    if int(fields[6]) & PF_EXITING:  # field 9, the flags
+        return True
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            flags = int(f.read().rsplit(b")", 1)[1].split()[6])  # field 9, after the command's parentheses
-        if flags & PF_EXITING:
-            return True
         with open(f"/proc/{pid}/status") as f:
             masks = [line.split()[1] for line in f if line.startswith(("SigPnd:", "ShdPnd:"))]
         return any(int(mask, 16) & SIGKILL_BIT for mask in masks)

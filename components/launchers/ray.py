@@ -51,6 +51,7 @@ from relaunch.components.core.contract.config import RelaunchConfig, config_from
 from relaunch.components.core.contract.errors import BadInput, Preempted
 from relaunch.components.core.contract.exitcodes import PERMANENT, ExitCode, is_retryable, normalize
 from relaunch.components.core.runtime.net import free_port
+from relaunch.components.core.runtime.procfs import stat_fields
 from relaunch.components.launchers import LaunchResult
 from relaunch.components.launchers.jobs import JobSpec, job_spec
 from relaunch.components.launchers.local import STOP_MARGIN_SECONDS, AgentWatch, ProgressReporter, start_agent, wait_agents
@@ -87,14 +88,8 @@ def group_members(pgid: int, started_before: int) -> list[int]:
             return []
     members = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except OSError:  # ended meanwhile
-            continue
-        if int(fields[2]) == pgid and int(fields[19]) < started_before:  # fields 5 (pgrp) and 22 (starttime)
+        fields = stat_fields(entry) if entry.isdigit() else None  # None too when it ended meanwhile
+        if fields is not None and int(fields[2]) == pgid and int(fields[19]) < started_before:  # pgrp, starttime
             members.append(int(entry))
     return members
 

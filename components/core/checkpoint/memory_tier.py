@@ -301,7 +301,6 @@ class MemoryTier:
         self.lock = threading.Lock()  # guards own
         self.turn = threading.Lock()  # one keep at a time
         self.holder_address: str | None = None
-        self.pushed_step = -1
         registry.set(registry_key(rank), self.server.address)
 
     def _address(self, rank: int) -> str | None:
@@ -351,7 +350,6 @@ class MemoryTier:
                 return
             try:
                 put_replica(self.holder_address, self.rank, header, payload)
-                self.pushed_step = int(header["step"])
                 return
             except OSError:
                 if fresh:

@@ -12,9 +12,10 @@ last committed checkpoint is untouched: the failed save removed what it wrote.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from relaunch.components.core.trainer.health import save_fits_grace
 from relaunch.components.core.contract.classify import as_error, is_store_unwritable
@@ -151,11 +152,18 @@ class TrainerCheckpoints:
             self.log.record.stall_seconds += stall
         self.cadence.restart_clock()
 
-    def stalled(self, seconds: float) -> None:
-        """The training's thread spent ``seconds`` on checkpointing outside a save (a memory snapshot)."""
-        self.overhead += seconds
-        if self.log:
-            self.log.record.stall_seconds += seconds
+    @contextlib.contextmanager
+    def stalling(self) -> Iterator[None]:
+        """Around the training thread's checkpointing outside a save (a memory snapshot): its time is
+        checkpoint stall."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            seconds = time.perf_counter() - began
+            self.overhead += seconds
+            if self.log:
+                self.log.record.stall_seconds += seconds
 
     def wait_for_snapshot(self) -> None:
         """Call before the optimizer step: an async save may still be copying the parameters and

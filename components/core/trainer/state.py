@@ -162,8 +162,7 @@ class TrainingState:
 
     def state_dict(self) -> dict[str, Any]:
         """The nested state DCP saves; ``rng`` holds only this rank's streams."""
-        model_sd, optim_sd = self._model_optim()
-        return {"model": model_sd, **({"optimizer": optim_sd} if optim_sd is not None else {}), **self.step_head()}
+        return {**self.live_tensors(), **self.step_head()}
 
     def live_tensors(self) -> dict[str, Any]:
         """``model`` and ``optimizer`` of :meth:`state_dict`: their tensors are the live ones (views of
