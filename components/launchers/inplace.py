@@ -42,7 +42,7 @@ from relaunch.components.core.contract.entry import exit_on_error
 from relaunch.components.core.contract.errors import BadInput
 from relaunch.components.core.contract.exitcodes import ExitCode, is_retryable
 from relaunch.components.core.runtime.net import free_port
-from relaunch.components.core.runtime.procfs import stat_fields
+from relaunch.components.core.store.procfs import stat_fields
 from relaunch.components.core.runtime.zygote import client_command
 from relaunch.components.core.runtime.zygote_client import ZYGOTE_ENV
 from relaunch.components.core.runtime.generations import GENERATION_ENV, GENERATION_KEY, generation_key

@@ -51,7 +51,7 @@ from relaunch.components.core.contract.config import RelaunchConfig, config_from
 from relaunch.components.core.contract.errors import BadInput, Preempted
 from relaunch.components.core.contract.exitcodes import PERMANENT, ExitCode, is_retryable, normalize
 from relaunch.components.core.runtime.net import free_port
-from relaunch.components.core.runtime.procfs import stat_fields
+from relaunch.components.core.store.procfs import boot_ticks, exited, stat_fields
 from relaunch.components.launchers import LaunchResult
 from relaunch.components.launchers.jobs import JobSpec, job_spec
 from relaunch.components.launchers.local import STOP_MARGIN_SECONDS, AgentWatch, ProgressReporter, start_agent, wait_agents
@@ -70,16 +70,11 @@ NEEDS_RAY = "launch.backend=ray needs Ray on this machine: pip install 'relaunch
 _PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
-def boot_ticks() -> int:
-    """Clock ticks since boot now (the unit of a process's start time in ``/proc/<pid>/stat``)."""
-    with open("/proc/uptime") as f:
-        return int(float(f.read().split()[0]) * os.sysconf("SC_CLK_TCK"))
-
-
 def group_members(pgid: int, started_before: int) -> list[int]:
-    """The processes of group ``pgid`` started before ``started_before`` (:func:`boot_ticks`), from
-    ``/proc``: the group as it was, not a later one that reused the number. Without ``/proc``, every
-    process ``killpg`` still reaches counts (``[pgid]`` while the group answers)."""
+    """The processes of group ``pgid`` started before ``started_before`` (:func:`boot_ticks`) that
+    have not exited, from ``/proc``: the group as it was, not a later one that reused the number; a
+    zombie has ended (its new parent, PID 1 or a subreaper, reaps it when it will). Without ``/proc``,
+    every process ``killpg`` still reaches counts (``[pgid]`` while the group answers)."""
     if not os.path.isdir("/proc/self"):
         try:
             os.killpg(pgid, 0)
@@ -89,7 +84,7 @@ def group_members(pgid: int, started_before: int) -> list[int]:
     members = []
     for entry in os.listdir("/proc"):
         fields = stat_fields(entry) if entry.isdigit() else None  # None too when it ended meanwhile
-        if fields is not None and int(fields[2]) == pgid and int(fields[19]) < started_before:  # pgrp, starttime
+        if not exited(fields) and int(fields[2]) == pgid and int(fields[19]) < started_before:  # pgrp, starttime
             members.append(int(entry))
     return members
 
@@ -147,9 +142,8 @@ class LocalRayCluster:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self.proc.wait(wait)
                     break
-            # what ``ray start --block`` left of its group (GCS, raylet, workers) goes with it; until the
-            # group is empty (a killed worker counts until it is reaped: 5 s was short on a loaded machine).
-            # Its members are told by their start time too: once the group is gone its number may be a
+            # what ``ray start --block`` left of its group (GCS, raylet, workers) goes with it; until no
+            # member runs (5 s was short on a loaded machine for a killed worker to exit). Its members are told by their start time too: once the group is gone its number may be a
             # new, unrelated group's (pid_max is 32768 on many hosts), which must not be killed
             end = time.monotonic() + GROUP_GONE_SECONDS
             with contextlib.suppress(ProcessLookupError):

@@ -21,6 +21,7 @@ import time
 from typing import Iterable
 
 PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
+PR_GET_CHILD_SUBREAPER = 37
 STOP_MARGIN_SECONDS = 10.0
 """Beyond the preemption grace: how long the run's processes get to commit their checkpoint and end."""
 
@@ -42,7 +43,10 @@ def interruptible():
     ``PR_SET_CHILD_SUBREAPER``), so a process whose parent died (a torchrun agent of a killed launch
     step) stays a descendant that :func:`stop_descendants` finds, instead of training on under PID 1.
     A guardian (:mod:`relaunch.pipelines.local.guardian`) kills every process of the run the moment this one
-    dies without the chance to do it itself (SIGKILL, OOM)."""
+    dies without the chance to do it itself (SIGKILL, OOM). On the way out this process is again
+    what it was (a subreaper or not), and the orphans it adopted that have ended are reaped: a
+    caller that goes on (a test, a notebook) is not left adopting, and never reaping, the orphans of
+    whatever it starts later."""
     from relaunch.pipelines.local.guardian import guard
 
     def handle(signum, _frame):
@@ -51,8 +55,10 @@ def interruptible():
         raise Interrupted(signum)
 
     global _guardian_pid
+    was_subreaper = is_subreaper()
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    before = children()
     guardian = guard()
     _guardian_pid = guardian.process.pid if guardian else None
     try:
@@ -63,6 +69,9 @@ def interruptible():
             _guardian_pid = None
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if not was_subreaper:
+            _prctl(PR_SET_CHILD_SUBREAPER, 0)
+        reap_ended_children(spare=before)
 
 
 _guardian_pid: int | None = None  # the guardian of the run inside interruptible(): never stopped with the rest
@@ -72,6 +81,43 @@ def _prctl(option: int, value: int) -> None:
     with contextlib.suppress(OSError, AttributeError):  # not Linux: no subreaper, the tree walk remains
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(option, value, 0, 0, 0)
+
+
+def is_subreaper() -> bool:
+    """Whether this process is a child subreaper now (False where prctl cannot tell)."""
+    flag = ctypes.c_int(0)
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0)
+    return bool(flag.value)
+
+
+def children() -> set[int]:
+    """The pids of this process's children now (from ``/proc``; empty without it)."""
+    from relaunch.components.core.store.procfs import stat_fields
+
+    me, found = os.getpid(), set()
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            fields = stat_fields(entry) if entry.isdigit() else None
+            if fields is not None and int(fields[1]) == me:
+                found.add(int(entry))
+    return found
+
+
+def reap_ended_children(spare: set[int]) -> list[int]:
+    """Reap this process's children that have ended (zombies), but those in ``spare``: the children it
+    had before a run, whose own ``Popen`` may still wait for them, keep their status; what is left
+    are the orphans adopted as subreaper during the run, whose status nobody else waits for.
+    Returns the pids reaped."""
+    from relaunch.components.core.store.procfs import exited, stat_fields
+
+    reaped = []
+    for pid in children() - spare:
+        if exited(stat_fields(pid)):
+            with contextlib.suppress(ChildProcessError):
+                if os.waitpid(pid, os.WNOHANG)[0]:
+                    reaped.append(pid)
+    return reaped
 
 
 def stop_descendants(grace_seconds: float, spare: Iterable[int] = ()) -> int:

@@ -21,6 +21,7 @@ from relaunch.components.core.checkpoint.layout import MANIFEST
 from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.core.contract.exitcodes import ExitCode
 from relaunch.components.core.store import open_store, records
+from relaunch.components.core.store.procfs import boot_ticks, exited, stat_fields
 from relaunch.components.launchers import ray as ray_backend
 from tests.train.conftest import final_params, metric_steps, mlflow_runs, train_config
 
@@ -120,7 +121,7 @@ def test_the_local_ray_cluster_uses_token_auth_and_is_gone_after_the_launch(tmp_
         assert "connected" in with_token.stdout, with_token.stderr[-2000:]
         without = connects(bare | {"RAY_AUTH_MODE": "token"})  # a client without the token is refused
         assert "connected" not in without.stdout, without.stdout + without.stderr[-2000:]
-        pid, stopping = cluster.proc.pid, ray_backend.boot_ticks()
+        pid, stopping = cluster.proc.pid, boot_ticks()
     assert cluster.proc.poll() is not None and not token.exists()
     assert not ray_backend.group_members(pid, stopping)  # no member of its group left (a reused number aside)
 
@@ -129,12 +130,24 @@ def test_a_group_s_members_are_the_processes_of_that_group_started_before_the_gi
     proc = subprocess.Popen(["sleep", "30"], start_new_session=True)
     try:
         time.sleep(0.05)
-        assert ray_backend.group_members(proc.pid, ray_backend.boot_ticks() + 1) == [proc.pid]
+        assert ray_backend.group_members(proc.pid, boot_ticks() + 1) == [proc.pid]
         assert ray_backend.group_members(proc.pid, 0) == []  # a group started later is not the one asked for
     finally:
         proc.kill()
         proc.wait()
-    assert ray_backend.group_members(proc.pid, ray_backend.boot_ticks() + 1) == []
+    assert ray_backend.group_members(proc.pid, boot_ticks() + 1) == []
+
+
+def test_a_group_member_that_exited_and_waits_to_be_reaped_is_not_counted():
+    proc = subprocess.Popen(["sleep", "0.1"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10  # a bound for a hang, not a timed assertion
+        while not exited(stat_fields(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stat_fields(proc.pid)[0] == b"Z"  # ended, not reaped yet: its parent has not waited
+        assert ray_backend.group_members(proc.pid, boot_ticks() + 1) == []
+    finally:
+        proc.wait()
 
 
 @pytest.mark.ci_extended  # the torchrun path proves both in make test; .ci/run's extended lane

@@ -109,70 +109,76 @@ def pack(snapshot: Any, into: np.ndarray | None = None) -> tuple[dict, np.ndarra
     return {"tree": tree, "offsets": offsets, "bytes": size}, payload
 
 
-def unpack(header: dict, payload: np.ndarray | bytearray | memoryview) -> Any:
-    """The state :func:`pack` packed, its tensors viewing ``payload`` (no copy)."""
-    offsets = header["offsets"]
-    whole = torch.frombuffer(payload, dtype=torch.uint8) if header["bytes"] else None  # one buffer export, sliced
-
-    def build(node: Any) -> Any:
-        if isinstance(node, dict):
-            if "x" in node:
-                dtype, shape = _dtype(node["dtype"]), node["shape"]
-                count = math.prod(shape)
-                if count == 0:
-                    return torch.empty(shape, dtype=dtype)
-                at = offsets[node["x"]]
-                return whole[at:at + count * dtype.itemsize].view(dtype).view(shape)
-            if "d" in node:
-                return {build(k): build(v) for k, v in node["d"]}
-            if "l" in node:
-                return [build(v) for v in node["l"]]
-            if "t" in node:
-                return tuple(build(v) for v in node["t"])
-            raise ValueError("memory tier: a malformed packed state")
-        return node
-
-    return build(header["tree"])
+def restore_into(state: Any, header: dict, payload: np.ndarray | bytearray | memoryview,
+                 live: dict[str, Any] | None = None) -> None:
+    """A packed snapshot back into ``state`` (a ``TrainingState``): each tensor's bytes copied from
+    ``payload`` straight into the tensor the live state holds at its place (no allocation, no page
+    fault, no intermediate view tree), the rest loaded. ``live``: the state's
+    :meth:`~TrainingState.live_tensors` when the caller holds them already (a survivor's snapshots
+    found them once), else they are asked for. When every model and optimizer tensor found its live
+    tensor, the load is told so (``in_place``) and skips handing them back through DCP's
+    ``set_state_dict``."""
+    template = live if live is not None else state.live_tensors()
+    tree = header["tree"]
+    if not isinstance(tree, dict) or "d" not in tree:
+        raise ValueError("memory tier: a malformed packed state")
+    into = _Into(header, payload)
+    filled: dict[str, Any] = {}
+    with torch.no_grad():
+        for key, node in tree["d"]:
+            into.watched = key in ("model", "optimizer")
+            filled[key] = into.fill(template.get(key), node)
+    state.load_state_dict(filled, in_place=not into.cloned)
 
 
-def fill(template: Any, saved: Any, clones: list[torch.Tensor] | None = None) -> Any:
-    """``saved`` shaped for ``load_state_dict``: each of its tensors copied into the tensor at the same
-    place of ``template`` (a ``state_dict()`` of the live state: the memory the state already holds,
-    DTensors keeping their layout), anything else taken from ``saved``. A tensor with no tensor at its
-    place in ``template`` is cloned (and the clone appended to ``clones``)."""
-    if isinstance(saved, torch.Tensor):
-        if isinstance(template, torch.Tensor):
-            local = local_part(template)
-            if local.shape != saved.shape or local.dtype != saved.dtype:
-                raise ValueError(f"memory tier: a tensor of shape {tuple(saved.shape)} {saved.dtype} does not fit "
-                                 f"{tuple(local.shape)} {local.dtype}")
-            with torch.no_grad():
-                local.copy_(saved)
-            return template
-        clone = saved.clone()
-        if clones is not None:
-            clones.append(clone)
-        return clone
-    if isinstance(saved, dict):
-        inner = template if isinstance(template, dict) else {}
-        return {k: fill(inner.get(k), v, clones) for k, v in saved.items()}
-    if isinstance(saved, (list, tuple)):
-        inner = template if isinstance(template, (list, tuple)) and len(template) == len(saved) else [None] * len(saved)
-        items = [fill(t, v, clones) for t, v in zip(inner, saved)]
-        return items if isinstance(saved, list) else tuple(items)
-    return saved
+class _Into:
+    """One pass over a packed tree (:func:`pack`): each tensor's bytes into the tensor at the same
+    place of a template (a ``state_dict()`` shape of the live state: the memory it already holds,
+    DTensors keeping their layout), or, where the template has none, into a clone; plain values
+    as they are."""
 
+    def __init__(self, header: dict, payload: np.ndarray | bytearray | memoryview):
+        self.offsets = header["offsets"]
+        self.whole = torch.frombuffer(payload, dtype=torch.uint8) if header["bytes"] else None  # one export, sliced
+        self.watched = False  # filling the model or the optimizer: a clone there means not all in place
+        self.cloned = False
 
-def restore_into(state: Any, header: dict, payload: np.ndarray | bytearray | memoryview) -> None:
-    """A packed snapshot back into ``state`` (a ``TrainingState``): each tensor copied into the tensor
-    the live state holds at its place (:func:`fill`; no allocation, no page fault), the rest loaded.
-    When every model and optimizer tensor found its live tensor, the load is told so (``in_place``)
-    and skips handing them back through DCP's ``set_state_dict``."""
-    template, saved = state.state_dict(), unpack(header, payload)
-    clones: list[torch.Tensor] = []  # of the model's and the optimizer's tensors only
-    filled = {key: fill(template.get(key), value, clones if key in ("model", "optimizer") else None)
-              for key, value in saved.items()}
-    state.load_state_dict(filled, in_place=not clones)
+    def tensor(self, node: dict) -> torch.Tensor:
+        """The packed tensor of ``node``, a view of the payload."""
+        dtype, shape = _dtype(node["dtype"]), node["shape"]
+        count = math.prod(shape)
+        if count == 0:
+            return torch.empty(shape, dtype=dtype)
+        at = self.offsets[node["x"]]
+        return self.whole[at:at + count * dtype.itemsize].view(dtype).view(shape)
+
+    def fill(self, template: Any, node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        if "x" in node:
+            if isinstance(template, torch.Tensor):
+                local = local_part(template)
+                if list(local.shape) != node["shape"] or str(local.dtype) != node["dtype"]:
+                    raise ValueError(f"memory tier: a tensor of shape {tuple(node['shape'])} {node['dtype']} does "
+                                     f"not fit {tuple(local.shape)} {local.dtype}")
+                if local.numel():
+                    local.copy_(self.tensor(node))  # in its own dtype: a uint8 copy is ~10% slower here
+                return template
+            self.cloned = self.cloned or self.watched
+            return self.tensor(node).clone()
+        if "d" in node:
+            inner = template if isinstance(template, dict) else {}
+            out = {}
+            for k, v in node["d"]:
+                key = self.fill(None, k)
+                out[key] = self.fill(inner.get(key), v)
+            return out
+        if "l" in node or "t" in node:
+            values = node.get("l", node.get("t"))
+            inner = template if isinstance(template, (list, tuple)) and len(template) == len(values) else [None] * len(values)
+            items = [self.fill(t, v) for t, v in zip(inner, values)]
+            return items if "l" in node else tuple(items)
+        raise ValueError("memory tier: a malformed packed state")
 
 
 # ------------------------------------------------------------------------------------ transport

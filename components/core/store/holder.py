@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import socket
 
+from relaunch.components.core.store.procfs import exited, stat_fields
+
 
 def pid_namespace() -> str:
     """This process's pid namespace (a container has its own: a pid means nothing across them)."""
@@ -21,19 +23,10 @@ def on_this_host(record: dict) -> bool:
             and isinstance(record.get("pid"), int))
 
 
-def _stat_fields(pid: int) -> list[str]:
-    """The fields of ``/proc/<pid>/stat`` after the command name (state first); [] when unknown."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return []
-
-
 def process_start(pid: int) -> str:
     """The start time of process ``pid`` in clock ticks since boot, "" when unknown."""
-    fields = _stat_fields(pid)
-    return fields[19] if len(fields) > 19 else ""
+    fields = stat_fields(pid)
+    return fields[19].decode() if fields is not None and len(fields) > 19 else ""
 
 
 def process_running(pid: int, started: str = "") -> bool:
@@ -46,7 +39,7 @@ def process_running(pid: int, started: str = "") -> bool:
         return False
     except PermissionError:
         pass
-    fields = _stat_fields(pid)
-    if fields and fields[0] in ("Z", "X"):
+    fields = stat_fields(pid)
+    if fields is not None and exited(fields):
         return False
-    return not started or not fields or process_start(pid) == started
+    return not started or fields is None or process_start(pid) == started

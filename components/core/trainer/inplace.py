@@ -135,10 +135,7 @@ class StepSnapshots:
         """Step ``step`` is done and every rank agreed on its snapshot (:meth:`vote`): take it."""
         if self.state is None:
             return
-        optimizer = self.state.optimizer
-        entries = len(optimizer.state) if optimizer is not None else 0
-        if self.live is None or entries != self.optimizer_entries:  # new live tensors: found once, kept
-            self.live, self.optimizer_entries = self.state.live_tensors(), entries
+        self.live_tensors()
         began = time.perf_counter()
         head = self.state.step_head(rng_now)
         self.idle.clear()
@@ -148,6 +145,17 @@ class StepSnapshots:
             self.copied.wait()
         self.last_taken = now = time.perf_counter()
         self.cost = now - began if not self.cost else 0.8 * self.cost + 0.2 * (now - began)
+
+    def live_tensors(self) -> dict[str, Any] | None:
+        """The bound state's live model and optimizer tensors: found once and kept while the optimizer
+        has as many state entries (a first step, a load that replaced them: found again)."""
+        if self.state is None:
+            return None
+        optimizer = self.state.optimizer
+        entries = len(optimizer.state) if optimizer is not None else 0
+        if self.live is None or entries != self.optimizer_entries:
+            self.live, self.optimizer_entries = self.state.live_tensors(), entries
+        return self.live
 
     def before_optimizer_step(self) -> None:
         if not self.copied.is_set():
@@ -259,7 +267,8 @@ class InPlace:
             servable = distr.broadcast_object(servable)
         if servable:
             state = parts.state
-            restore_into(state, *held)
+            live = self.snapshots.live_tensors() if self.snapshots is not None and self.snapshots.state is state else None
+            restore_into(state, *held, live=live)
             parts.optimizer.zero_grad(set_to_none=True)
             restored = setup.Restored(f"memory://step-{step}", None, int(state.step))
             source, detail = "memory", where
