@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from relaunch.components.core.checkpoint.prefault import populate_in_background
 from relaunch.components.core.checkpoint.torch_private import parameter_fqns
 
 
@@ -153,6 +154,8 @@ class TrainingState:
             return None
         for param, entries in planned.items():
             optimizer.state[param] = entries
+        # the load reads into them after its planning: their pages are populated meanwhile
+        populate_in_background([t for entries in planned.values() for t in entries.values() if t.dim()])
 
         def undo() -> None:
             for param in planned:

@@ -1,0 +1,67 @@
+"""Populating a load's fresh memory beside its planning (components/core/checkpoint/prefault.py), with
+real memory: the pages become resident, no byte changes, even with a writer at work in the same tensor."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import sys
+import threading
+
+import pytest
+import torch
+
+from relaunch.components.core.checkpoint import prefault
+
+_release = re.match(r"(\d+)\.(\d+)", platform.release())
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or not _release
+                                or tuple(map(int, _release.groups())) < (5, 14),
+                                reason="MADV_POPULATE_WRITE is Linux's, from 5.14")
+MIB = 1 << 20
+
+
+def _resident_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of ``tensor``'s whole pages that are present in memory (from /proc/self/pagemap's bit 63)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    address, nbytes = prefault.page_range(tensor.data_ptr(), tensor.numel() * tensor.element_size(), page)
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(address // page * 8)
+        entries = f.read(nbytes // page * 8)
+    present = sum(1 for i in range(0, len(entries), 8) if entries[i + 7] & 0x80)
+    return present * page
+
+
+def test_page_range_takes_only_the_whole_pages_inside():
+    assert prefault.page_range(4096, 8192, 4096) == (4096, 8192)
+    assert prefault.page_range(4097, 8192, 4096) == (8192, 4096)
+    assert prefault.page_range(100, 200, 4096)[1] == 0
+
+
+def test_populated_pages_of_a_fresh_tensor_are_resident_and_what_was_written_stays():
+    fresh = torch.empty(64 * MIB, dtype=torch.uint8)
+    before = _resident_bytes(fresh)
+    fresh[: 8 * MIB] = 7  # a reader got there first
+    assert prefault.populate([fresh]) >= 63 * MIB
+    assert before < 16 * MIB  # fresh: most of it not yet present (large allocations are new mappings)
+    assert _resident_bytes(fresh) >= 63 * MIB
+    assert torch.all(fresh[: 8 * MIB] == 7)
+    assert torch.all(fresh[8 * MIB:] == 0)
+
+
+def test_a_background_populate_beside_a_writer_never_changes_a_byte():
+    tensors = [torch.empty(8 * MIB, dtype=torch.uint8) for _ in range(16)]
+    writer_done = threading.Event()
+
+    def write() -> None:  # the reads: first to last, as the load fills them
+        for i, t in enumerate(tensors):
+            t.fill_(i + 1)
+        writer_done.set()
+
+    thread = prefault.populate_in_background(tensors)
+    write()
+    if thread is not None:
+        thread.join(30)
+        assert not thread.is_alive()
+    assert writer_done.is_set()
+    assert all(torch.all(t == i + 1) for i, t in enumerate(tensors))
