@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils.serialization  # noqa: F401 - torch.load imports it at its first call: inside a restore else
+import xxhash  # noqa: F401 - every save and load digests with it (verify.py imports it late, to stay light)
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, SavePlan, WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
