@@ -26,7 +26,7 @@ run: $(STAMP) ## run the whole pipeline locally: 2 torchrun "nodes" on CPU, loca
 tune: $(STAMP) ## a small study of the default task on this machine: 4 trials, 2 at once, Optuna (about 25 seconds)
 	$(BIN)/relaunch tune --config configs/tune.yaml $(ARGS)
 
-TEST_WORKERS ?= 0
+TEST_WORKERS ?= 2
 
 test: $(STAMP) ## run the whole test suite (starts its own S3, PostgreSQL and MLflow servers), TEST_WORKERS files at once
 	@$(BIN)/python -c "import ray" 2>/dev/null || $(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e '.[ray]'

@@ -54,11 +54,11 @@ def interruptible():
             signal.signal(sig, signal.SIG_IGN)
         raise Interrupted(signum)
 
-    global _guardian_pid
+    global _guardian_pid, _children_before
     was_subreaper = is_subreaper()
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
-    before = children()
+    before = _children_before = children()
     guardian = guard()
     _guardian_pid = guardian.process.pid if guardian else None
     try:
@@ -72,9 +72,11 @@ def interruptible():
         if not was_subreaper:
             _prctl(PR_SET_CHILD_SUBREAPER, 0)
         reap_ended_children(spare=before)
+        _children_before = set()
 
 
 _guardian_pid: int | None = None  # the guardian of the run inside interruptible(): never stopped with the rest
+_children_before: set[int] = set()  # this process's children when interruptible() was entered
 
 
 def _prctl(option: int, value: int) -> None:
@@ -172,7 +174,6 @@ def _running(process) -> bool:
 
 
 def _reap() -> None:
-    """Collect the exit status of every ended child (as subreaper, orphans are our children)."""
-    with contextlib.suppress(ChildProcessError):
-        while os.waitpid(-1, os.WNOHANG)[0] > 0:
-            pass
+    """Collect the exit status of every ended child (as subreaper, orphans are our children), but of
+    those this process had before the run (:func:`interruptible`): their own ``Popen`` waits for them."""
+    reap_ended_children(spare=_children_before)

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="su
 
 SCRIPT = textwrap.dedent("""
     import json, os, subprocess, sys, time
-    from relaunch.pipelines.local.interrupt import interruptible, is_subreaper
+    from relaunch.pipelines.local.interrupt import interruptible, is_subreaper, stop_descendants
     from relaunch.components.core.store.procfs import stat_fields
 
     def orphan() -> int:
@@ -38,6 +38,7 @@ SCRIPT = textwrap.dedent("""
         report["adopted_running"] = parent_and_state(adopted)
         time.sleep(0.8)  # it ends: a zombie of this process
         report["adopted_ended"] = parent_and_state(adopted)
+        stop_descendants(5)  # as on Ctrl-C: it reaps what ended, but not the caller's own earlier child
     report["after"] = is_subreaper()
     report["adopted_after"] = parent_and_state(adopted)
     report["earlier_code"] = earlier.wait()
@@ -57,5 +58,5 @@ def test_interruptible_adopts_orphans_inside_and_leaves_the_process_as_it_was_wi
     assert report["adopted_ended"] == [me, "Z"]  # ended: a zombie only its adopter can reap
     assert report["after"] is False  # as it was
     assert report["adopted_after"] is None  # reaped on the way out
-    assert report["earlier_code"] == 3  # a child started before kept its status for its own Popen
+    assert report["earlier_code"] == 3  # a child started before kept its status for its own Popen (a stop too)
     assert report["later_running"] is None or report["later_running"][0] != me  # no longer adopted
