@@ -2,13 +2,15 @@
 
 The state is a model with AdamW after one step (parameters and two moments, 3x the parameters). A
 replacement's restore is: fetch its replica from the holder's server over TCP (loopback here), then
-copy it into a freshly built model and optimizer (``fill`` + ``load_state_dict``). The limit for the
+copy it into a freshly built model and optimizer (``restore_into``). The limit for the
 same work on this machine is the raw transfer of the same number of bytes over the same kind of
 socket into memory as fresh (allocated inside the timing; the faster of leaving it untouched, each
-page faulting inside the receive's copy, and writing it first, the pages faulting in bulk). Every row is measured side by side in this run; ``ratio`` is
+page faulting inside the receive's copy, and writing it first, the pages faulting in bulk; both ends in
+timeout mode, as the tier's sockets). Best of REPEATS interleaved samples on each side. Every row is measured side by side in this run; ``ratio`` is
 limit / restore (1.0: the restore costs no more than moving its bytes into memory as fresh as
 the replacement's; a row into pre-touched memory shows what the page faults cost). A survivor's restore
-(its own snapshot copied into the model and optimizer it already holds: no allocation, no page fault) is
+(its own snapshot copied into the model and optimizer it already holds, whose live tensors its snapshots
+found once before the failure: no allocation, no page fault) is
 set against a raw copy of the same bytes into pre-touched buffers (one ``copy_`` of the whole payload,
 the limit of moving those bytes within this process); goal >= 0.8. The memory row is what the tier holds
 per rank after a commit: its own snapshot plus one peer's replica, against the shard.
