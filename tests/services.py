@@ -106,10 +106,12 @@ def _pg_bin(name: str) -> str:
 
 @dataclass
 class Postgres:
-    """A throwaway PostgreSQL cluster on a spare port, run as the postgres user when we are root."""
+    """A throwaway PostgreSQL cluster on a spare port, run as the postgres user when we are root.
+    ``password``: TCP connections must give it (SCRAM), as a production server asks; None: trusted."""
 
     port: int = field(default_factory=free_port)
     datadir: Path | None = None
+    password: str | None = None
 
     def _as_owner(self, argv: list[str]) -> list[str]:
         if os.geteuid() == 0:
@@ -120,9 +122,20 @@ class Postgres:
         self.datadir = Path(tempfile.mkdtemp(prefix="relaunch-pg-"))
         if os.geteuid() == 0:
             shutil.chown(self.datadir, "postgres", "postgres")
-        subprocess.run(self._as_owner([_pg_bin("initdb"), "-D", str(self.datadir), "-U", "postgres",
-                                       "--auth=trust", "-E", "UTF8"]),
-                       check=True, stdout=subprocess.DEVNULL)
+        auth = ["--auth=trust"]
+        if self.password is not None:
+            pwfile = Path(tempfile.mkdtemp(prefix="relaunch-pgpw-")) / "pw"
+            pwfile.write_text(self.password + "\n")
+            pwfile.parent.chmod(0o755)
+            pwfile.chmod(0o644)  # read by initdb as the postgres user; removed right after
+            auth = ["--auth-local=trust", "--auth-host=scram-sha-256", f"--pwfile={pwfile}"]
+        try:
+            subprocess.run(self._as_owner([_pg_bin("initdb"), "-D", str(self.datadir), "-U", "postgres", *auth,
+                                           "-E", "UTF8"]),
+                           check=True, stdout=subprocess.DEVNULL)
+        finally:
+            if self.password is not None:
+                shutil.rmtree(pwfile.parent, ignore_errors=True)
         opts = f"-p {self.port} -k {self.datadir} -c listen_addresses=127.0.0.1 -c fsync=off"
         subprocess.run(self._as_owner([_pg_bin("pg_ctl"), "-D", str(self.datadir), "-o", opts,
                                        "-l", str(self.datadir / "server.log"), "-w", "start"]),
@@ -130,8 +143,8 @@ class Postgres:
         return self
 
     def create_database(self, name: str) -> str:
-        subprocess.run(self._as_owner([_pg_bin("createdb"), "-h", "127.0.0.1", "-p", str(self.port),
-                                       "-U", "postgres", name]), check=True)
+        subprocess.run(self._as_owner([_pg_bin("createdb"), "-h", str(self.datadir), "-p", str(self.port),
+                                       "-U", "postgres", name]), check=True)  # the local socket: trusted
         return f"postgresql+psycopg2://postgres@127.0.0.1:{self.port}/{name}"
 
     @property
