@@ -218,9 +218,10 @@ EVALUATE_BEST = dataclasses.replace(EVALUATE, inputs=(BEST, Input("training_comp
 REGISTER_BEST = dataclasses.replace(REGISTER, inputs=(BEST, *REGISTER.inputs[1:]))
 TUNE_PIPELINE = Pipeline(name="relaunch-tune", steps=(PREPARE, PLAN_TRIALS, RUN_TRIAL, SELECT_TRIAL, EVALUATE_BEST,
                                                       REGISTER_BEST),
-                         exit_handler=(FINALIZE,))
+                         exit_handler=(FINALIZE, DELETE_JOB))
 """The tuning pipeline: a study of trainings, the best one evaluated and registered. Its trials' jobs are
-named after the run and the trial; on Argo the workflow owns them (deleted with it)."""
+named after the run and the trial and labelled with the run; on Argo the workflow owns them (deleted with
+it), and a study that failed or was stopped deletes them in its exit handler (they would train on)."""
 
 
 def pipeline_of(config) -> Pipeline:

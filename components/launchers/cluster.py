@@ -38,9 +38,10 @@ from relaunch.components.core.contract.steps import DELETE_JOB
 from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.core.contract.errors import BadInput, TransientFailure
 from relaunch.components.core.contract.exitcodes import RETRYABLE, ExitCode
-from relaunch.components.launchers.k8s_naming import job_name
+from relaunch.components.launchers.k8s_naming import job_name, run_hash
 from relaunch.components.launchers import LaunchResult, backend_module
-from relaunch.components.launchers.jobs import STEP, JobKind, JobState, failure_exit_code, unscheduled_reason, unstartable_reason
+from relaunch.components.launchers.jobs import (RUN_LABEL, STEP, JobKind, JobState, failure_exit_code, unscheduled_reason,
+                                                unstartable_reason)
 
 # After a delete, how long to wait for the job (and its Foreground-deleted pods) to be gone before
 # recreating it under the same name; a finalizer stuck longer than this needs a human.
@@ -112,6 +113,14 @@ class JobClient:
         except ApiException as err:
             if err.status != 404:
                 raise
+
+    def of_run(self, pipeline_run_id: str) -> list[str]:
+        """The names of this kind's jobs labelled with pipeline run ``pipeline_run_id`` (:data:`RUN_LABEL`:
+        its training job, a study's trial jobs), by name."""
+        value = run_hash(pipeline_run_id)
+        found = self.custom.list_namespaced_custom_object(*self._resource(), label_selector=f"{RUN_LABEL}={value}")
+        return sorted(job["metadata"]["name"] for job in found.get("items") or []
+                      if (job["metadata"].get("labels") or {}).get(RUN_LABEL) == value)
 
     def pods(self, name: str) -> list[dict]:
         selector = self.kind.pod_selector(name)
@@ -328,7 +337,9 @@ class DeleteOutputs:
 
 
 def delete_job(config: RelaunchConfig, pipeline_run_id: str = "") -> DeleteOutputs:
-    """Delete this pipeline run's training job (the exit handler of a failed or stopped workflow).
+    """Delete this pipeline run's training jobs (the exit handler of a failed or stopped workflow): its
+    launch step's job and every job labelled with the run (a study's trial jobs). ``job_name`` is the
+    launch step's job's name, ``deleted`` whether any job was.
 
     Deleting a job that is already gone succeeds, so the handler can be retried safely.
 
@@ -345,17 +356,19 @@ def delete_job(config: RelaunchConfig, pipeline_run_id: str = "") -> DeleteOutpu
     kind = backend_module(config).KIND
     jobs = JobClient(kube_api_client(), kind, config.launch.kubernetes.namespace)
     try:
-        existed = jobs.get(name) is not None
-        if existed:
-            jobs.delete(name)
-            print(f"{DELETE_JOB}: deleted {kind.kind} {jobs.namespace}/{name}", file=sys.stderr)
+        found = sorted({*jobs.of_run(pipeline_run_id), *([name] if jobs.get(name) is not None else [])})
+        for each in found:
+            jobs.delete(each)
+            print(f"{DELETE_JOB}: deleted {kind.kind} {jobs.namespace}/{each}", file=sys.stderr)
     except ApiException as err:
         if err.status in (400, 401, 403, 422):
-            raise BadInput(f"Kubernetes API refused deleting {kind.kind} {name}: {err.status} {err.reason}") from None
-        raise TransientFailure(f"deleting {kind.kind} {name}: {err.status} {err.reason}") from None
+            raise BadInput(f"Kubernetes API refused deleting the {kind.kind}s of run {pipeline_run_id}: "
+                           f"{err.status} {err.reason}") from None
+        raise TransientFailure(f"deleting the {kind.kind}s of run {pipeline_run_id}: {err.status} {err.reason}") from None
     except (*_stream_errors(), OSError) as err:
-        raise TransientFailure(f"Kubernetes API unreachable while deleting {kind.kind} {name}: {err}") from None
-    return DeleteOutputs(job_name=name, deleted=existed)
+        raise TransientFailure(f"Kubernetes API unreachable while deleting the {kind.kind}s of run {pipeline_run_id}: "
+                               f"{err}") from None
+    return DeleteOutputs(job_name=name, deleted=bool(found))
 
 
 run = delete_job  # what ``python -m relaunch.components.launchers.cluster`` (the step CLI) runs

@@ -195,7 +195,10 @@ async def test_trainer_status_progress_is_reported_while_the_job_runs(cluster, k
 
 async def test_the_launcher_calls_exactly_what_the_backends_role_grants(cluster, k8s_config, backend):
     """A whole life: an earlier retryable failure (get, pods, delete, get), create, watch, node-0 log,
-    success; every call maps to one (group, resource, verb) of the Role, and every grant is used."""
+    success, then the exit handler of a workflow stopped after it (the run's jobs listed by label, then
+    deleted); every call maps to one (group, resource, verb) of the Role, and every grant is used."""
+    from relaunch.components.launchers.cluster import delete_job
+
     manifest = cluster.op.build(k8s_config, pipeline_run_id=RUN_ID)
     name = manifest["metadata"]["name"]
     await cluster.put_job(manifest, cluster.op.failed())
@@ -209,6 +212,7 @@ async def test_the_launcher_calls_exactly_what_the_backends_role_grants(cluster,
     # kmock's pods have no log endpoint: the launcher shrugs (the log is a courtesy) and keeps watching.
     await cluster.set_status(name, cluster.op.succeeded())
     assert (await task).exit_code == 0
+    assert (await asyncio.to_thread(delete_job, k8s_config, RUN_ID)).deleted
 
     used = {api_call(r) for r in cluster.requests(None, "/")}
     role = next(d for d in yaml.safe_load_all((ROOT / "manifests" / "launch" / backend / "rbac.yaml").read_text())
@@ -252,6 +256,22 @@ async def test_the_exit_handler_deletes_this_runs_job_and_succeeds_again_once_it
     assert [j["metadata"]["annotations"]["relaunch.dev/pipeline-run-id"] for j in cluster.jobs()] == ["another-run"]
     again = await asyncio.to_thread(delete_job, k8s_config, RUN_ID)  # a retried exit handler
     assert (again.deleted, again.job_name) == (False, first.job_name)
+
+
+async def test_the_exit_handler_of_a_stopped_study_deletes_every_trial_job_of_its_run_and_no_other(cluster, k8s_config):
+    from relaunch.components.launchers.cluster import delete_job
+
+    trials = []
+    for number in range(3):
+        trial = k8s_config.model_copy(deep=True)
+        trial.name = f"{k8s_config.name}-trial-{number}"
+        trials.append(cluster.op.build(trial, pipeline_run_id=RUN_ID))
+        await cluster.put_job(trials[-1], cluster.op.running())
+    await cluster.put_job(cluster.op.build(k8s_config, pipeline_run_id="another-run"), cluster.op.running())
+    done = await asyncio.to_thread(delete_job, k8s_config, RUN_ID)  # the study's configuration: no launch job
+    assert done.deleted
+    assert [j["metadata"]["annotations"]["relaunch.dev/pipeline-run-id"] for j in cluster.jobs()] == ["another-run"]
+    assert not (await asyncio.to_thread(delete_job, k8s_config, RUN_ID)).deleted  # retried: nothing left
 
 
 async def test_a_transient_api_error_in_the_exit_handler_is_retryable(cluster, k8s_config):

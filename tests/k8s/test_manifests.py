@@ -27,9 +27,9 @@ DEFINITION_PREFIX = {"v1": "io.k8s.api.core.v1", "apps/v1": "io.k8s.api.apps.v1"
 # (tests/k8s/test_launcher_contract.py proves these are exactly the calls the launcher makes).
 PIPELINE_GRANTS = {("argoproj.io", "workflowtaskresults"): {"create", "patch"}}
 LAUNCH_GRANTS = {
-    "trainjob": {("trainer.kubeflow.org", "trainjobs"): {"create", "get", "watch", "delete"},
+    "trainjob": {("trainer.kubeflow.org", "trainjobs"): {"create", "get", "list", "watch", "delete"},
                  ("", "pods"): {"list"}, ("", "pods/log"): {"get"}},
-    "pytorchjob": {("kubeflow.org", "pytorchjobs"): {"create", "get", "watch", "delete"},
+    "pytorchjob": {("kubeflow.org", "pytorchjobs"): {"create", "get", "list", "watch", "delete"},
                    ("", "pods"): {"list"}, ("", "pods/log"): {"get"}},
 }
 

@@ -133,7 +133,9 @@ def test_argo_fans_the_trials_out_with_withparam_and_retries_each_items_pod(work
     assert (retry["limit"], retry["retryPolicy"], retry["expression"]) == (
         str(TRIAL_RETRY.limit) if isinstance(retry["limit"], str) else TRIAL_RETRY.limit, "Always", argo_retry_expression())
     assert "run-trial" in tasks["select-best-trial"]["depends"]
-    assert [t["name"] for t in templates["exit-handler"]["dag"]["tasks"]] == ["finalize"]
+    exit_tasks = {t["name"]: t for t in templates["exit-handler"]["dag"]["tasks"]}
+    assert list(exit_tasks) == ["finalize", "delete-training-job"]  # a stopped study's trial jobs go
+    assert exit_tasks["delete-training-job"]["when"] == "{{workflow.status}} != Succeeded"
     owner = {e["name"] for e in templates["run-trial"]["container"]["env"]}
     assert "RELAUNCH_OWNER_UID" in owner  # the workflow owns each trial's job
 
