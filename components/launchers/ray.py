@@ -51,7 +51,7 @@ from relaunch.components.core.contract.config import RelaunchConfig, config_from
 from relaunch.components.core.contract.errors import BadInput, Preempted
 from relaunch.components.core.contract.exitcodes import PERMANENT, ExitCode, is_retryable, normalize
 from relaunch.components.core.runtime.net import free_port
-from relaunch.components.core.store.procfs import boot_ticks, exited, stat_fields
+from relaunch.components.core.store.procfs import boot_ticks, exited, processes
 from relaunch.components.launchers import LaunchResult
 from relaunch.components.launchers.jobs import JobSpec, job_spec
 from relaunch.components.launchers.local import STOP_MARGIN_SECONDS, AgentWatch, ProgressReporter, start_agent, wait_agents
@@ -81,12 +81,8 @@ def group_members(pgid: int, started_before: int) -> list[int]:
             return [pgid]
         except ProcessLookupError:
             return []
-    members = []
-    for entry in os.listdir("/proc"):
-        fields = stat_fields(entry) if entry.isdigit() else None  # None too when it ended meanwhile
-        if not exited(fields) and int(fields[2]) == pgid and int(fields[19]) < started_before:  # pgrp, starttime
-            members.append(int(entry))
-    return members
+    return [pid for pid, fields in processes()  # fields: pgrp, starttime
+            if not exited(fields) and int(fields[2]) == pgid and int(fields[19]) < started_before]
 
 
 class LocalRayCluster:
@@ -143,8 +139,9 @@ class LocalRayCluster:
                     self.proc.wait(wait)
                     break
             # what ``ray start --block`` left of its group (GCS, raylet, workers) goes with it; until no
-            # member runs (5 s was short on a loaded machine for a killed worker to exit). Its members are told by their start time too: once the group is gone its number may be a
-            # new, unrelated group's (pid_max is 32768 on many hosts), which must not be killed
+            # member runs (5 s was short on a loaded machine for a killed worker to exit). Its members
+            # are told by their start time too: once the group is gone its number may be a new,
+            # unrelated group's (pid_max is 32768 on many hosts), which must not be killed
             end = time.monotonic() + GROUP_GONE_SECONDS
             with contextlib.suppress(ProcessLookupError):
                 while group_members(self.proc.pid, self.stopping) and time.monotonic() < end:

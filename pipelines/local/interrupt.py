@@ -95,15 +95,10 @@ def is_subreaper() -> bool:
 
 def children() -> set[int]:
     """The pids of this process's children now (from ``/proc``; empty without it)."""
-    from relaunch.components.core.store.procfs import stat_fields
+    from relaunch.components.core.store.procfs import processes
 
-    me, found = os.getpid(), set()
-    with contextlib.suppress(OSError):
-        for entry in os.listdir("/proc"):
-            fields = stat_fields(entry) if entry.isdigit() else None
-            if fields is not None and int(fields[1]) == me:
-                found.add(int(entry))
-    return found
+    me = os.getpid()
+    return {pid for pid, fields in processes() if int(fields[1]) == me}  # the ppid
 
 
 def reap_ended_children(spare: set[int]) -> list[int]:
@@ -111,11 +106,11 @@ def reap_ended_children(spare: set[int]) -> list[int]:
     had before a run, whose own ``Popen`` may still wait for them, keep their status; what is left
     are the orphans adopted as subreaper during the run, whose status nobody else waits for.
     Returns the pids reaped."""
-    from relaunch.components.core.store.procfs import exited, stat_fields
+    from relaunch.components.core.store.procfs import exited, processes
 
-    reaped = []
-    for pid in children() - spare:
-        if exited(stat_fields(pid)):
+    me, reaped = os.getpid(), []
+    for pid, fields in processes():
+        if int(fields[1]) == me and pid not in spare and exited(fields):
             with contextlib.suppress(ChildProcessError):
                 if os.waitpid(pid, os.WNOHANG)[0]:
                     reaped.append(pid)

@@ -25,7 +25,10 @@ def on_this_host(record: dict) -> bool:
 
 def process_start(pid: int) -> str:
     """The start time of process ``pid`` in clock ticks since boot, "" when unknown."""
-    fields = stat_fields(pid)
+    return _start(stat_fields(pid))
+
+
+def _start(fields: list[bytes] | None) -> str:
     return fields[19].decode() if fields is not None and len(fields) > 19 else ""
 
 
@@ -42,4 +45,4 @@ def process_running(pid: int, started: str = "") -> bool:
     fields = stat_fields(pid)
     if fields is not None and exited(fields):
         return False
-    return not started or fields is None or process_start(pid) == started
+    return not started or fields is None or _start(fields) == started

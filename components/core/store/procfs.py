@@ -5,6 +5,7 @@ their workers, the Ray head's group, the local run's orphans)."""
 from __future__ import annotations
 
 import os
+from typing import Iterator
 
 
 def stat_fields(pid: int | str) -> list[bytes] | None:
@@ -16,6 +17,18 @@ def stat_fields(pid: int | str) -> list[bytes] | None:
             return f.read().rsplit(b")", 1)[1].split()
     except (OSError, IndexError):
         return None
+
+
+def processes() -> Iterator[tuple[int, list[bytes]]]:
+    """``(pid, stat_fields(pid))`` of every process ``/proc`` lists now (none without ``/proc``; one that
+    ends while the listing is read is left out)."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return
+    for entry in entries:
+        if entry.isdigit() and (fields := stat_fields(entry)) is not None:
+            yield int(entry), fields
 
 
 def boot_ticks() -> int:
