@@ -6,8 +6,8 @@ copy it into a freshly built model and optimizer (``restore_into``). The limit f
 same work on this machine is the raw transfer of the same number of bytes over the same kind of
 socket into memory as fresh (allocated inside the timing; the faster of leaving it untouched, each
 page faulting inside the receive's copy, and writing it first, the pages faulting in bulk; both ends in
-timeout mode, as the tier's sockets). Best of REPEATS interleaved samples on each side. Every row is measured side by side in this run; ``ratio`` is
-limit / restore (1.0: the restore costs no more than moving its bytes into memory as fresh as
+timeout mode, as the tier's sockets). Best of REPEATS interleaved samples on each side. Every row is
+measured side by side in this run; ``ratio`` is limit / restore (1.0: the restore costs no more than moving its bytes into memory as fresh as
 the replacement's; a row into pre-touched memory shows what the page faults cost). A survivor's restore
 (its own snapshot copied into the model and optimizer it already holds, whose live tensors its snapshots
 found once before the failure: no allocation, no page fault) is
