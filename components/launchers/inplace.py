@@ -2,12 +2,18 @@
 
     python -m relaunch.components.launchers.inplace --nproc-per-node=2 --max-restarts=3 \\
         -m relaunch.components.train --config-json '{...}'
+    # one agent per node of a multi-node job; node 0's hosts the store the others reach
+    python -m relaunch.components.launchers.inplace --nnodes=2 --node-rank=1 --master-addr=HOST0 \\
+        --master-port=23456 --node-address=THIS_HOST --nproc-per-node=2 -m relaunch.components.train ...
 
 torchrun's agent restarts the whole worker group on any worker failure, so survivors cannot keep their
-processes (and the memory they hold) under it. This agent starts the workers itself and hosts their
-rendezvous store (a ``TCPStore``). Generations are rendezvous rounds: every worker's process group is
-scoped to the generation it joins (``TORCHELASTIC_RESTART_COUNT``, the key prefix of
-:func:`relaunch.components.core.runtime.distributed.init`).
+processes (and the memory they hold) under it. This agent starts the workers itself; node 0's hosts
+their rendezvous store (a ``TCPStore``), the other nodes' agents are its clients. Generations are
+rendezvous rounds: every worker's process group is scoped to the generation it joins
+(``TORCHELASTIC_RESTART_COUNT``, the key prefix of :func:`relaunch.components.core.runtime.distributed.init`).
+The store's ``relaunch/generation`` is the current one; an agent starts the next with a compare-and-set,
+so agents of several nodes that lose workers at once start one generation between them, and every agent
+follows a generation another started (a whole-group one: it restarts its workers too).
 
 - A worker killed (a signal, or 137) while others live: the agent waits ``SETTLE_SECONDS`` for the
   ones killed with it, bumps the generation in its store and starts a replacement for each of the
@@ -18,9 +24,18 @@ scoped to the generation it joins (``TORCHELASTIC_RESTART_COUNT``, the key prefi
   existing path, the whole group stopped; restarted when the code is retryable and restarts are left,
   else the agent ends with that code.
 
-Each restart (a replacement or a whole group) counts against ``--max-restarts``. Its lines on stderr
-(``relaunch inplace: ...``) name every worker's pid and what happened to it. It exits with the
-contract's code (the workers' own: no blanket 1 to map).
+Across nodes: a killed worker is replaced by its own node's agent (the survivors on every node keep
+their processes); a node lost whole (its pod gone: the agent and its workers) is replaced when its agent
+starts again (the kubelet or the job's restart; the store counts each node's agents): that agent starts
+the next generation with all of its ranks, whose state comes from the replicas their peers on other
+nodes hold (:func:`relaunch.components.core.checkpoint.memory_tier.holder_of`). An ending that is not a
+restart (a permanent code, no restarts left) is published in the store and every agent ends with it.
+Node 0 hosts the store: its loss ends every agent with 138 (retry me: the job's restart starts the whole
+group again, from the store).
+
+Each restart (a replacement or a whole group) counts against ``--max-restarts`` of the agent that
+started it. Its lines on stderr (``relaunch inplace: ...``) name every worker's pid and what happened to
+it. It exits with the contract's code (the workers' own: no blanket 1 to map).
 """
 
 from __future__ import annotations
@@ -45,7 +60,10 @@ from relaunch.components.core.runtime.net import free_port
 from relaunch.components.core.store.procfs import stat_fields
 from relaunch.components.core.runtime.zygote import client_command
 from relaunch.components.core.runtime.zygote_client import ZYGOTE_ENV
-from relaunch.components.core.runtime.generations import GENERATION_ENV, GENERATION_KEY, generation_key
+from relaunch.components.core.runtime.generations import (
+    DONE_KEY, END_KEY, GENERATION_ENV, GENERATION_KEY, NODE_ADDRESS_ENV, NODE_STARTS_KEY, REPLACE, RESTART,
+    generation_key,
+)
 
 SETTLE_SECONDS = 0.005  # after a death: then the others already dying with it (killed together) are waited for
 PF_EXITING = 0x4  # include/linux/sched.h: the task is in do_exit (a SIGKILL delivered)
@@ -78,38 +96,59 @@ def _dying(pid: int) -> bool:
 
 
 class InPlaceAgent:
-    """Runs ``nproc`` workers of ``command`` (argv after the interpreter) to their end."""
+    """Runs ``nproc`` workers of ``command`` (argv after the interpreter) to their end: node
+    ``node_rank`` of ``nnodes``, whose ranks are ``node_rank * nproc ...``; node 0's agent hosts the
+    store at ``master_addr:master_port`` (a free port on one node when none is given)."""
 
     def __init__(self, command: list[str], nproc: int, *, max_restarts: int = 3, run_id: str | None = None,
-                 env: dict[str, str] | None = None, timeout_seconds: float = 300.0, warm: bool = False):
+                 env: dict[str, str] | None = None, timeout_seconds: float = 300.0, warm: bool = False,
+                 nnodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1", master_port: int | None = None,
+                 node_address: str = "127.0.0.1"):
         import torch.distributed as dist  # heavy: only the agent itself needs it, not its importers
 
         if nproc < 1:
             raise BadInput(f"--nproc-per-node={nproc}: must be at least 1")
+        if not 0 <= node_rank < nnodes:
+            raise BadInput(f"--node-rank={node_rank}: must be from 0 to --nnodes-1 ({nnodes - 1})")
+        if nnodes > 1 and not master_port:
+            raise BadInput("--nnodes > 1 needs --master-port (node 0's store, the same on every node)")
         self.command, self.nproc, self.max_restarts = command, nproc, max_restarts
+        self.nnodes, self.node_rank, self.master_addr, self.node_address = nnodes, node_rank, master_addr, node_address
         # warm: every worker, a replacement too, is a fork of the zygote its environment names (torch imported)
         self.interpreter = client_command() if warm else [sys.executable]
         self.run_id = run_id or uuid.uuid4().hex[:8]
         self.base_env = dict(os.environ if env is None else env)
-        self.port = free_port()
-        self.store = dist.TCPStore("127.0.0.1", self.port, is_master=True, wait_for_workers=False,
+        self.port = master_port or free_port()
+        self.store = dist.TCPStore(master_addr, self.port, is_master=node_rank == 0, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=timeout_seconds))
-        self.generation = 0
         self.restarts = 0
         self.workers: list[subprocess.Popen | None] = [None] * nproc
         self.told_to_stop = False  # a signal was forwarded: the workers end, nothing is restarted
-        self.store.set(GENERATION_KEY, "0")
+        if node_rank == 0:
+            self.store.set(GENERATION_KEY, "0")
+            self.store.set(generation_key(0), RESTART)
+        self.generation = int(self.store.get(GENERATION_KEY))  # a client's get waits for node 0's set
+        # a node's second agent (its pod lost whole and started again) replaces all of its ranks
+        self.rejoining = self.store.add(f"{NODE_STARTS_KEY}/{node_rank}", 1) > 1
 
-    def _start(self, rank: int) -> subprocess.Popen:
-        env = {**self.base_env, "RANK": str(rank), "WORLD_SIZE": str(self.nproc), "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": str(self.nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+    @property
+    def multi_node(self) -> bool:
+        return self.nnodes > 1
+
+    def _start(self, local: int) -> subprocess.Popen:
+        rank, world = self.node_rank * self.nproc + local, self.nnodes * self.nproc
+        env = {**self.base_env, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local),
+               "LOCAL_WORLD_SIZE": str(self.nproc), "GROUP_RANK": str(self.node_rank), "MASTER_ADDR": self.master_addr,
                "MASTER_PORT": str(self.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
                "TORCHELASTIC_RESTART_COUNT": str(self.generation), "TORCHELASTIC_RUN_ID": self.run_id,
-               GENERATION_ENV: str(self.generation), "PYTHONUNBUFFERED": "1"}
+               GENERATION_ENV: str(self.generation), NODE_ADDRESS_ENV: self.node_address, "PYTHONUNBUFFERED": "1"}
         env.setdefault("OMP_NUM_THREADS", "1")
         proc = subprocess.Popen([*self.interpreter, *self.command], env=env)
-        self.workers[rank] = proc
+        self.workers[local] = proc
         return proc
+
+    def _rank(self, local: int) -> int:
+        return self.node_rank * self.nproc + local
 
     def _wait_for_an_end(self, seconds: float) -> None:
         """Until a worker ends or ``seconds`` pass: the kernel wakes the agent at a death (a pidfd per
@@ -144,7 +183,7 @@ class InPlaceAgent:
             self._wait_for_an_end(POLL_SECONDS)
 
     def _pids(self) -> str:
-        return " ".join(f"rank{r}={p.pid}" for r, p in enumerate(self.workers) if p is not None)
+        return " ".join(f"rank{self._rank(r)}={p.pid}" for r, p in enumerate(self.workers) if p is not None)
 
     def _stop_all(self) -> None:
         for sig, wait in ((signal.SIGTERM, STOP_SECONDS), (signal.SIGKILL, 5.0)):
@@ -156,11 +195,64 @@ class InPlaceAgent:
             while time.monotonic() < end and any(p is not None and p.poll() is None for p in self.workers):
                 time.sleep(POLL_SECONDS)
 
-    def _new_generation(self) -> None:
-        self.generation += 1
+    def _mode(self, gen: int) -> str:
+        self.store.wait([generation_key(gen)])  # set right after the generation by the agent that started it
+        return self.store.get(generation_key(gen)).decode()
+
+    def _new_generation(self, mode: str, *, join: bool = False) -> None:
+        """Start the next generation (``mode``: REPLACE, only the lost ranks start; RESTART, every rank),
+        or with ``join``, take the one another node's agent started since this agent's (the workers of
+        several nodes lost at once go into one generation)."""
         self.restarts += 1
-        self.store.set(GENERATION_KEY, str(self.generation))
-        self.store.set(generation_key(self.generation), "")
+        current = int(self.store.get(GENERATION_KEY))
+        while True:
+            if join and current > self.generation and self._mode(current) == REPLACE:
+                self.generation = current
+                return
+            seen = self.store.compare_set(GENERATION_KEY, str(current), str(current + 1)).decode()
+            if seen == str(current + 1):
+                self.store.set(generation_key(current + 1), mode)
+                self.generation = current + 1
+                return
+            current = int(seen)
+
+    def _followed(self) -> bool:
+        """Take a generation another node's agent started: for a whole-group one, this node's workers
+        start again too. Whether one was taken."""
+        current = int(self.store.get(GENERATION_KEY))
+        if current <= self.generation:
+            return False
+        modes = [self._mode(g) for g in range(self.generation + 1, current + 1)]
+        self.generation = current
+        if RESTART in modes:
+            say(f"generation {current}: another node restarts the whole group; so does this one")
+            self._stop_all()
+            self._start_all()
+        return True
+
+    def _end_everywhere(self, code: int) -> int:
+        """This node ends the job with ``code``: every other node's agent reads it and ends so too."""
+        if self.multi_node:
+            with contextlib.suppress(Exception):
+                self.store.set(END_KEY, str(code))
+        return code
+
+    def _ended_elsewhere(self) -> int | None:
+        if self.multi_node and self.store.check([END_KEY]):
+            return int(self.store.get(END_KEY))
+        return None
+
+    def _done(self) -> int:
+        """Every worker of this node ended 0. Node 0's agent hosts the store: it waits (up to
+        ``STOP_SECONDS``) for the other nodes' workers to end before its store goes."""
+        if not self.multi_node:
+            return int(ExitCode.OK)
+        done = self.store.add(DONE_KEY, 1)
+        end = time.monotonic() + STOP_SECONDS
+        while self.node_rank == 0 and done < self.nnodes and time.monotonic() < end:
+            time.sleep(POLL_SECONDS)
+            done = self.store.add(DONE_KEY, 0)
+        return int(ExitCode.OK)
 
     def forward(self, signum: int, _frame=None) -> None:
         """SIGTERM/SIGINT/SIGUSR1 of the agent go to every worker (the preemption path); the agent then
@@ -173,72 +265,108 @@ class InPlaceAgent:
 
     def run(self) -> int:
         """Start the workers, replace the killed ones in place, end with the contract's code."""
-        for rank in range(self.nproc):
-            self._start(rank)
-        say(f"generation 0 workers: {self._pids()}")
+        import torch.distributed as dist
+
+        try:
+            return self._run()
+        except dist.DistError as err:  # node 0's store is gone: nothing here can rejoin; the job's restart can
+            say(f"the store on node 0 ({self.master_addr}:{self.port}) is gone ({type(err).__name__}): "
+                f"stopping this node's workers")
+            self._stop_all()
+            return int(ExitCode.RETRY_ME)
+
+    def _run(self) -> int:
+        if self.rejoining:
+            self._new_generation(REPLACE)
+            self._start_all()
+            say(f"node {self.node_rank} started again: its ranks join generation {self.generation} "
+                f"as replacements: {self._pids()}")
+        else:
+            self._start_all()
+            say(f"generation {self.generation} workers: {self._pids()}")
         while True:
             codes = [p.poll() for p in self.workers]
             if all(c == 0 for c in codes):
-                return int(ExitCode.OK)
+                return self._done()
             if self.told_to_stop:
                 if any(c is None for c in codes):
                     time.sleep(POLL_SECONDS)
                     continue
-                return next((int(c) if c > 0 else 128 - c for c in codes if c != 0), int(ExitCode.OK))
+                code = next((int(c) if c > 0 else 128 - c for c in codes if c != 0), int(ExitCode.OK))
+                return self._end_everywhere(code) if code else code
+            elsewhere = self._ended_elsewhere()
+            if elsewhere is not None:
+                say(f"another node ended the job with {elsewhere}: stopping this node's workers")
+                self._stop_all()
+                return elsewhere
             failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
             if not failed:
-                self._wait_for_an_end(POLL_SECONDS)
+                if not (self.multi_node and self._followed()):
+                    self._wait_for_an_end(POLL_SECONDS)
                 continue
             self._settle()
             codes = [p.poll() for p in self.workers]
             failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
             worst = next((codes[r] for r in failed if not _killed(codes[r])), None)
             if worst is not None:  # not a lost worker: the existing path, the whole group
-                say(f"rank {failed[0]} ended with {worst}: stopping the group")
+                say(f"rank {self._rank(failed[0])} ended with {worst}: stopping the group")
                 self._stop_all()
                 code = int(worst)
                 if not is_retryable(code) or self.restarts >= self.max_restarts:
-                    return code
-                self._restart_all()
+                    return self._end_everywhere(code)
+                self._new_generation(RESTART)
+                self._start_all()
+                say(f"generation {self.generation}: the whole group started again: {self._pids()}")
                 continue
             if self.restarts >= self.max_restarts:
                 self._stop_all()
-                say(f"ranks {failed} killed and no restarts left (--max-restarts={self.max_restarts})")
-                return int(ExitCode.KILLED)
+                say(f"ranks {[self._rank(r) for r in failed]} killed and no restarts left "
+                    f"(--max-restarts={self.max_restarts})")
+                return self._end_everywhere(int(ExitCode.KILLED))
             survivors = [r for r, c in enumerate(codes) if c is None]
-            if not survivors or all(codes[r] == 0 for r in range(self.nproc) if r not in failed):
+            finished = all(codes[r] == 0 for r in range(self.nproc) if r not in failed)
+            if not self.multi_node and (not survivors or finished):
                 self._stop_all()
-                self._restart_all()
+                self._new_generation(RESTART)
+                self._start_all()
+                say(f"generation {self.generation}: the whole group started again: {self._pids()}")
                 continue
-            self._new_generation()
-            for rank in failed:
-                old = self.workers[rank].pid
-                self._start(rank)
-                say(f"rank {rank} (pid {old}) killed ({codes[rank]}): replacement pid {self.workers[rank].pid} "
-                    f"joins generation {self.generation}; survivors keep their processes: "
-                    + " ".join(f"rank{r}={self.workers[r].pid}" for r in survivors))
+            self._new_generation(REPLACE, join=self.multi_node)
+            for local in failed:
+                old = self.workers[local].pid
+                self._start(local)
+                say(f"rank {self._rank(local)} (pid {old}) killed ({codes[local]}): replacement pid "
+                    f"{self.workers[local].pid} joins generation {self.generation}; survivors keep their processes"
+                    + (": " + " ".join(f"rank{self._rank(r)}={self.workers[r].pid}" for r in survivors)
+                       if survivors else " (on other nodes)"))
 
-    def _restart_all(self) -> None:
-        self._new_generation()
-        for rank in range(self.nproc):
-            self._start(rank)
-        say(f"generation {self.generation}: the whole group started again: {self._pids()}")
+    def _start_all(self) -> None:
+        for local in range(self.nproc):
+            self._start(local)
 
     def close(self) -> None:
         self._stop_all()
 
 
-def agent_args(spec: Any, run_id: str, *, warm: bool = False) -> list[str]:
-    """The agent's arguments for the one node of ``spec`` (a :class:`~relaunch.components.launchers.jobs.JobSpec`):
-    what follows ``python -m relaunch.components.launchers.inplace``; ``warm``: workers from the zygote."""
+POD_ADDRESS = "RELAUNCH_POD_IP"
+"""A multi-node pod's own address (the downward API's ``status.podIP``): its agent's ``--node-address``."""
+
+
+def agent_args(spec: Any, run_id: str, *, warm: bool = False, node_rank: int | str = 0, master_addr: str = "",
+               master_port: int | str = "", node_address: str = "") -> list[str]:
+    """The agent's arguments for one node of ``spec`` (a :class:`~relaunch.components.launchers.jobs.JobSpec`):
+    what follows ``python -m relaunch.components.launchers.inplace``; ``warm``: workers from the zygote.
+    With several nodes, where node ``node_rank`` finds node 0's store and where its peers reach it
+    (strings may be ``$(VAR)`` references a pod expands)."""
+    nodes = [f"--nnodes={spec.nodes}", f"--node-rank={node_rank}", f"--master-addr={master_addr}",
+             f"--master-port={master_port}", f"--node-address={node_address}"] if spec.nodes > 1 else []
     return [f"--nproc-per-node={spec.procs_per_node}", f"--max-restarts={spec.restart.max_restarts}",
-            f"--run-id={run_id}", *(["--warm"] if warm else []), "-m", spec.module, "--config-json", spec.config_json]
+            f"--run-id={run_id}", *nodes, *(["--warm"] if warm else []), "-m", spec.module, "--config-json", spec.config_json]
 
 
 def runs_in_place(config: Any) -> bool:
-    """Whether a local launch of ``config`` runs this agent: the memory tier on one node (across simulated
-    nodes, torchrun's whole-group restarts)."""
-    return bool(config.train.memory_tier) and config.launch.nodes == 1
+    """Whether a launch of ``config`` (local, or in pods) runs this agent: ``train.memory_tier`` on."""
+    return bool(config.train.memory_tier)
 
 
 def memory_tier(spec: Any) -> bool:
@@ -246,11 +374,23 @@ def memory_tier(spec: Any) -> bool:
     return bool(json.loads(spec.config_json).get("train", {}).get("memory_tier", False))
 
 
-def pod_command(spec: Any, run_id: str) -> list[str]:
-    """A pod's container command for a one-node job with the memory tier: the in-place agent under the
-    supervisor (:mod:`relaunch.components.launchers.supervise`), which forwards signals and maps codes."""
+def pod_command(spec: Any, run_id: str, *, master_addr: str = "$(PET_MASTER_ADDR)",
+                master_port: int | str = "$(PET_MASTER_PORT)", node_rank: str = "$(PET_NODE_RANK)") -> list[str]:
+    """A pod's container command for a job with the memory tier: the in-place agent under the supervisor
+    (:mod:`relaunch.components.launchers.supervise`), which forwards signals and maps codes. With several
+    nodes, node 0's store at ``master_addr:master_port`` and this pod's node rank and address
+    (:func:`pod_env`) as the pod expands them."""
     return ["python", "-m", "relaunch.components.launchers.supervise", "python", "-m",
-            "relaunch.components.launchers.inplace", *agent_args(spec, run_id)]
+            "relaunch.components.launchers.inplace",
+            *agent_args(spec, run_id, node_rank=node_rank, master_addr=master_addr, master_port=master_port,
+                        node_address=f"$({POD_ADDRESS})")]
+
+
+def pod_env(spec: Any) -> list[dict[str, Any]]:
+    """The env :func:`pod_command` needs beside the job's: a multi-node pod's own address."""
+    if spec.nodes > 1 and memory_tier(spec):
+        return [{"name": POD_ADDRESS, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    return []
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -259,6 +399,12 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc-per-node", type=int, required=True)
     parser.add_argument("--max-restarts", type=int, default=3)
+    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument("--node-rank", type=int, default=0)
+    parser.add_argument("--master-addr", default="127.0.0.1", help="node 0's store (node 0: where it listens)")
+    parser.add_argument("--master-port", type=int, default=None, help="node 0's store's port (one node: a free one)")
+    parser.add_argument("--node-address", default="127.0.0.1",
+                        help="this node's address that other nodes reach (the memory tier's replica servers)")
     parser.add_argument("--run-id", default=None)
     parser.add_argument("--warm", action="store_true",
                         help="start workers (and replacements) as forks of the zygote named by the environment")
@@ -274,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.warm and not os.environ.get(ZYGOTE_ENV):
             raise BadInput(f"relaunch inplace: --warm needs a zygote (${ZYGOTE_ENV} is not set); drop --warm")
         agent = InPlaceAgent(args.command, args.nproc_per_node, max_restarts=args.max_restarts, run_id=args.run_id,
-                             warm=args.warm)
+                             warm=args.warm, nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+                             master_port=args.master_port, node_address=args.node_address)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             signal.signal(sig, agent.forward)
         try:

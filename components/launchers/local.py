@@ -14,8 +14,9 @@ having imported torch, MLflow and the task already): torchrun's worker command b
 restarted, is a fork of a single-threaded pre-imported process: the mechanism a pod uses
 (:func:`relaunch.components.launchers.jobs.supervised`). The agents themselves are plain processes.
 
-With ``train.memory_tier`` on one node the agent is :mod:`relaunch.components.launchers.inplace` instead of
-torchrun (cold workers): a killed worker is replaced while its peers keep their processes and their memory.
+With ``train.memory_tier`` each node's agent is :mod:`relaunch.components.launchers.inplace` instead of
+torchrun (node 0's hosts the store on the rendezvous port): a killed worker is replaced while its peers,
+on every node, keep their processes and their memory.
 
 It streams the agents' output, reads rank 0's events (:mod:`relaunch.components.core.contract.events`) from it, passes
 them on to the run's event file (or draws a progress bar), and maps the outcome to the exit-code
@@ -67,10 +68,13 @@ COLD_ENV = "RELAUNCH_COLD"
 def build_commands(spec: JobSpec, *, job_id: str, port: int, warm: bool = False,
                    in_place: bool = False) -> list[list[str]]:
     """The torchrun command of each simulated node of ``spec`` (side-effect free); ``warm``: its workers
-    through the zygote client. ``in_place`` (``train.memory_tier`` on one node): the in-place agent
-    instead (:mod:`relaunch.components.launchers.inplace`), which keeps the survivors of a killed worker."""
+    through the zygote client. ``in_place`` (``train.memory_tier``): each node's in-place agent instead
+    (:mod:`relaunch.components.launchers.inplace`), which keeps the survivors of a killed worker."""
     if in_place:
-        return [[sys.executable, "-m", "relaunch.components.launchers.inplace", *agent_args(spec, job_id, warm=warm)]]
+        return [[sys.executable, "-m", "relaunch.components.launchers.inplace",
+                 *agent_args(spec, job_id, warm=warm, node_rank=node, master_addr="127.0.0.1", master_port=port,
+                             node_address="127.0.0.1")]
+                for node in range(spec.nodes)]
     return [[sys.executable, "-m", "torch.distributed.run",
              *spec.torchrun_args(rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=job_id,
                                  rdzv_conf=f"is_host={'true' if node == 0 else 'false'}", extra=["--local-addr=127.0.0.1"],

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from relaunch.components.core.contract.config import KubernetesConfig, RelaunchConfig
-from relaunch.components.launchers import LaunchResult
+from relaunch.components.launchers import LaunchResult, inplace
 from relaunch.components.launchers.cluster import launch_job
 from relaunch.components.launchers.jobs import (
     RUN_LABEL, JobKind, JobSpec, JobState, describe_conditions, job_metadata, job_spec, owner_from_env, supervised,
@@ -60,7 +60,11 @@ KIND = JobKind(
 
 
 def command(spec: JobSpec, name: str) -> list[str]:
-    """The supervised torchrun, with the c10d rendezvous on the master replica's stable DNS name."""
+    """The supervised torchrun, with the c10d rendezvous on the master replica's stable DNS name; with
+    ``train.memory_tier``, the supervised in-place agent, the master's hosting the store there (each
+    pod's node rank from the Training Operator's ``PET_NODE_RANK``)."""
+    if inplace.memory_tier(spec):
+        return inplace.pod_command(spec, name, master_addr=f"{name}-master-0", master_port=RDZV_PORT)
     return supervised(spec.torchrun_args(rdzv_endpoint=f"{name}-master-0:{RDZV_PORT}", rdzv_id=name))
 
 
@@ -96,7 +100,7 @@ def render_pytorchjob(spec: JobSpec, k8s: KubernetesConfig, *, pipeline_run_id: 
     container = k.V1Container(
         name=CONTAINER, image=spec.image, image_pull_policy=spec.image_pull_policy,
         command=command(spec, name),
-        env=training_env(spec, pipeline_run_id),
+        env=training_env(spec, pipeline_run_id) + inplace.pod_env(spec),
         ports=[k.V1ContainerPort(name="pytorchjob-port", container_port=RDZV_PORT)],
         resources=k.V1ResourceRequirements(**spec.resources.kubernetes()),
         volume_mounts=[k.V1VolumeMount(name="dshm", mount_path="/dev/shm"), *secret_file_mounts(spec.secret_files)])

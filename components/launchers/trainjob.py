@@ -105,9 +105,10 @@ def jobset_action(runtime: dict, exit_code: int) -> str:
 
 
 def command(spec: JobSpec, name: str) -> list[str]:
-    """The supervised torchrun, with the c10d rendezvous on the address Trainer gives node 0; a one-node
-    job with ``train.memory_tier``: the supervised in-place agent (its survivors keep their processes)."""
-    if spec.nodes == 1 and inplace.memory_tier(spec):
+    """The supervised torchrun, with the c10d rendezvous on the address Trainer gives node 0; a job with
+    ``train.memory_tier``: the supervised in-place agent (its survivors keep their processes), node 0's
+    hosting the store on that address (``PET_MASTER_ADDR``, ``PET_MASTER_PORT``, ``PET_NODE_RANK``)."""
+    if inplace.memory_tier(spec):
         return inplace.pod_command(spec, name)
     return supervised(spec.torchrun_args(rdzv_endpoint=RDZV_ENDPOINT, rdzv_id=name))
 
@@ -140,7 +141,7 @@ def render_runtime(spec: JobSpec, k8s: KubernetesConfig, trainjob: TrainJobConfi
         "containers": [{
             "name": NODE, "image": spec.image, "imagePullPolicy": spec.image_pull_policy,
             "command": command(spec, trainjob.runtime),
-            "env": training_env(spec, None) + progress_env(),
+            "env": training_env(spec, None) + inplace.pod_env(spec) + progress_env(),
             "resources": spec.resources.kubernetes(),
             "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, *secret_file_mounts(spec.secret_files)],
         }],
@@ -210,7 +211,7 @@ def render_trainjob(spec: JobSpec, k8s: KubernetesConfig, trainjob: TrainJobConf
         trainer=t.TrainerV1alpha1Trainer(
             image=spec.image,
             command=command(spec, metadata["name"]),
-            env=[t.IoK8sApiCoreV1EnvVar.from_dict(e) for e in training_env(spec, pipeline_run_id)],
+            env=[t.IoK8sApiCoreV1EnvVar.from_dict(e) for e in training_env(spec, pipeline_run_id) + inplace.pod_env(spec)],
             resources_per_node=t.IoK8sApiCoreV1ResourceRequirements.from_dict(spec.resources.kubernetes()),
             num_nodes=spec.nodes, num_proc_per_node=spec.procs_per_node),
         active_deadline_seconds=k8s.active_deadline_seconds)

@@ -1,8 +1,10 @@
-"""A stand-in worker for the in-place agent's tests: ``python -m tests.launchers.inplace_worker MODE``.
+"""A stand-in worker for the in-place agent's tests: ``python -m tests.launchers.inplace_worker MODE [RANK]``.
 
-``kill``: rank 1 of generation 0 SIGKILLs itself; the others wait for the agent's next generation
-(what a survivor does) and exit 0, printing their pid and generation. ``bad``: rank 1 exits 2 (a bad
-input); the others wait to be stopped. ``preempt``: every rank waits for SIGTERM and exits 143."""
+``kill``: rank RANK (default 1) of generation 0 SIGKILLs itself; the others wait for the agent's next
+generation (what a survivor does) and exit 0, printing their pid and generation. ``bad``: rank RANK exits 2
+(a bad input); the others wait to be stopped. ``preempt``: every rank waits for SIGTERM and exits 143.
+``wait``: every rank of generation 0 waits for the next generation, then exits 0 (a node lost whole and
+started again: its ranks start in it). A worker whose store is gone exits 138, as a survivor does."""
 
 from __future__ import annotations
 
@@ -19,23 +21,31 @@ from relaunch.components.core.runtime.generations import GENERATION_ENV, GENERAT
 
 def main() -> int:
     mode, rank, gen = sys.argv[1], int(os.environ["RANK"]), int(os.environ[GENERATION_ENV])
+    victim = int(sys.argv[2]) if len(sys.argv) > 2 else 1
     print(f"worker rank={rank} pid={os.getpid()} generation={gen}", flush=True)
     if mode == "preempt":
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         time.sleep(60)
         return 1
-    if rank == 1 and gen == 0:
+    if mode == "wait" and gen > 0:
+        return 0
+    if rank == victim and gen == 0 and mode != "wait":
         if mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         return 2
-    if mode == "bad" or rank == 1:
-        time.sleep(0 if rank == 1 else 60)
+    if mode == "bad" or rank == victim and mode != "wait":
+        time.sleep(0 if rank == victim else 60)
         return 0
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
-    while int(store.get(GENERATION_KEY)) == gen:
-        time.sleep(0.05)
-    print(f"worker rank={rank} pid={os.getpid()} rejoined generation={int(store.get(GENERATION_KEY))}", flush=True)
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+        while int(store.get(GENERATION_KEY)) == gen:
+            time.sleep(0.05)
+        now = int(store.get(GENERATION_KEY))
+    except dist.DistError:
+        print(f"worker rank={rank} pid={os.getpid()}: the store is gone", flush=True)
+        return 138
+    print(f"worker rank={rank} pid={os.getpid()} rejoined generation={now}", flush=True)
     return 0
 
 

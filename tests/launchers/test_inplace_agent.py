@@ -1,6 +1,9 @@
 """The in-place agent with stand-in workers (:mod:`tests.launchers.inplace_worker`): a killed worker is
 replaced while the others keep their processes; any other failure takes the whole-group path and its
-code; a SIGTERM of the agent reaches the workers and ends it with their code, restarting nothing."""
+code; a SIGTERM of the agent reaches the workers and ends it with their code, restarting nothing. Across
+agents of two nodes sharing node 0's store: a worker killed on one node is replaced by its agent while
+every other rank, on both nodes, keeps its process; one node's bad input ends both with its code; a node
+lost whole and started again rejoins with all of its ranks; node 0 lost ends the other with 138."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from relaunch.components.core.runtime.net import free_port
 from relaunch.components.launchers.inplace import _dying
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,3 +71,76 @@ def test_a_worker_killed_but_not_yet_reaped_counts_as_dying_and_a_running_one_do
         proc.kill()
         proc.wait()
     assert not _dying(proc.pid)  # reaped: gone from /proc
+
+
+def start_node(node: int, port: int, *worker: str, nproc: int = 2) -> subprocess.Popen:
+    """Node ``node`` of two, its own session (what a pod is): node 0's agent hosts the store on ``port``."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "relaunch.components.launchers.inplace", f"--nproc-per-node={nproc}",
+                             "--max-restarts=1", "--nnodes=2", f"--node-rank={node}", "--master-addr=127.0.0.1",
+                             f"--master-port={port}", "--node-address=127.0.0.1", "-m", "tests.launchers.inplace_worker",
+                             *worker], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def ended(*agents: subprocess.Popen, timeout: float = 120) -> tuple[list[int], str]:
+    outs = [a.communicate(timeout=timeout)[0] for a in agents]
+    return [a.returncode for a in agents], "\n".join(f"--- node {i}\n{o}" for i, o in enumerate(outs))
+
+
+def read_until(agent: subprocess.Popen, count: int, what: str = "worker rank=", timeout: float = 60) -> str:
+    deadline, seen = time.monotonic() + timeout, ""
+    while seen.count(what) < count and time.monotonic() < deadline:
+        seen += agent.stdout.readline()
+    return seen
+
+
+def test_a_worker_killed_on_one_node_is_replaced_there_and_every_other_rank_on_both_nodes_keeps_its_process():
+    port = free_port()
+    agents = [start_node(node, port, "kill", "3") for node in (0, 1)]
+    codes, out = ended(*agents)
+    assert codes == [0, 0], out
+    first = dict(re.findall(r"worker rank=(\d) pid=(\d+) generation=0", out))
+    rejoined = dict(re.findall(r"worker rank=(\d) pid=(\d+) rejoined generation=1", out))
+    assert rejoined == {r: first[r] for r in "012"}, out  # node 0's two and node 1's survivor: the same processes
+    replacement = re.findall(r"worker rank=3 pid=(\d+) generation=1", out)
+    assert replacement and replacement[0] != first["3"], out
+    node1 = out.split("--- node 1")[1]
+    assert "rank 3 (pid" in node1 and "replacement pid" in node1  # its own node's agent replaced it
+
+
+def test_a_bad_input_on_one_node_ends_every_node_with_its_code_and_restarts_nothing():
+    port = free_port()
+    agents = [start_node(node, port, "bad", "3") for node in (0, 1)]
+    codes, out = ended(*agents)
+    assert codes == [2, 2], out
+    assert "generation=1" not in out and "another node ended the job with 2" in out.split("--- node 1")[0]
+
+
+def test_a_node_lost_whole_and_started_again_rejoins_with_all_its_ranks_while_the_other_keeps_its_processes():
+    port = free_port()
+    node0 = start_node(0, port, "wait")
+    node1 = start_node(1, port, "wait")
+    seen = read_until(node1, 2)
+    assert seen.count("worker rank=") == 2, seen
+    os.killpg(node1.pid, signal.SIGKILL)  # the pod gone: its agent and its workers
+    node1.wait()
+    again = start_node(1, port, "wait")
+    codes, out = ended(node0, again)
+    assert codes == [0, 0], out
+    node0_first = dict(re.findall(r"worker rank=([01]) pid=(\d+) generation=0", out))
+    assert dict(re.findall(r"worker rank=(\d) pid=(\d+) rejoined generation=1", out)) == node0_first, out
+    assert sorted(re.findall(r"worker rank=([23]) pid=\d+ generation=1", out)) == ["2", "3"], out
+    assert "node 1 started again: its ranks join generation 1" in out
+
+
+def test_node_0_lost_ends_the_other_node_with_138_for_the_job_to_restart_from_the_store():
+    port = free_port()
+    node0 = start_node(0, port, "wait")
+    node1 = start_node(1, port, "wait")
+    seen = read_until(node1, 2)
+    assert seen.count("worker rank=") == 2, seen
+    os.killpg(node0.pid, signal.SIGKILL)  # node 0's pod gone: the store with it
+    node0.wait()
+    codes, out = ended(node1)
+    assert codes == [138], seen + out

@@ -8,8 +8,8 @@ replica of one peer's, so that a killed worker's replacement and its survivors r
     restore_into(state, *held)                         # copied into the memory the state already holds
 
 Ring replication: rank ``r`` holds the replica of rank ``(r - 1) mod W``'s shard, so its holder is
-``(r + 1) mod W`` (:func:`holder_of`). A rank and its holder lost together leave the tier unable to
-serve that rank: the store is read then. The replica goes over plain TCP, to a small server thread of
+``(r + 1) mod W``; across nodes of ``P`` ranks each, ``(r + P) mod W``, the next node's (:func:`holder_of`).
+A rank and its holder lost together leave the tier unable to serve that rank: the store is read then. The replica goes over plain TCP, to a small server thread of
 each rank (:class:`ReplicaServer`) whose address is published in the job's rendezvous store: the
 transfer does not depend on the process group, which is broken exactly when a replica is needed.
 
@@ -46,9 +46,12 @@ _LEN = struct.Struct("!Q")
 SOCKET_TIMEOUT_SECONDS = 30.0
 
 
-def holder_of(rank: int, world_size: int) -> int:
-    """The rank that holds ``rank``'s replica: the next one on the ring."""
-    return (rank + 1) % world_size
+def holder_of(rank: int, world_size: int, per_node: int | None = None) -> int:
+    """The rank that holds ``rank``'s replica: the next one on the ring; with ranks on several nodes
+    (``per_node`` of them on each, node by node), the same local rank on the next node, so that a node
+    lost whole leaves every one of its ranks' replicas on a node that lives."""
+    stride = per_node if per_node and world_size > per_node else 1
+    return (rank + stride) % world_size
 
 
 def registry_key(rank: int) -> str:
@@ -296,12 +299,15 @@ class MemoryTier:
 
     Args:
         rank, world_size: this rank in the job.
+        host: the address of this rank's node that the other ranks reach (its replica server listens there).
+        per_node: ranks per node (:func:`holder_of`: a replica goes to the next node).
         registry: the job's key-value store (``set(key, bytes)``, ``check([key])``, ``get(key)``: a
             ``torch.distributed.Store``); ranks publish their server's address there.
     """
 
-    def __init__(self, rank: int, world_size: int, registry: Any, host: str = "127.0.0.1"):
+    def __init__(self, rank: int, world_size: int, registry: Any, host: str = "127.0.0.1", per_node: int | None = None):
         self.rank, self.world_size, self.registry = rank, world_size, registry
+        self.holder = holder_of(rank, world_size, per_node)
         self.server = ReplicaServer(host)
         self.own: tuple[dict, np.ndarray] | None = None
         self.lock = threading.Lock()  # guards own
@@ -348,7 +354,7 @@ class MemoryTier:
     def _push(self, header: dict, payload: np.ndarray) -> None:
         """To the holder whose address the registry gave last (asked again after a failed transfer: a
         replacement holder publishes a new one)."""
-        holder = holder_of(self.rank, self.world_size)
+        holder = self.holder
         for fresh in (False, True):
             if fresh or self.holder_address is None:
                 self.holder_address = self._address(holder)
@@ -384,7 +390,7 @@ class MemoryTier:
             return own, "own"
         if self.world_size == 1:
             return None, "none"
-        holder = holder_of(self.rank, self.world_size)
+        holder = self.holder
         address = self._address(holder)
         if address is None or address == self.server.address:
             return None, "none"

@@ -212,7 +212,7 @@ class TrainConfig(_Model):
     checkpoint_every_seconds: float | None = Field(None, gt=0, description="Save at most every T seconds.")
     checkpoint_at_epoch_end: bool = Field(True, description="Save when an epoch ends.")
     async_save: bool = Field(True, description="Persist checkpoints in the background.")
-    memory_tier: bool = Field(False, description="Recover from memory: each rank keeps a snapshot of its state and a replica of one peer's (2x its shard of host memory); a killed worker is replaced in place, the survivors keep their processes (one node: the local launcher's in-place agent; pods: launch.in_place_restart).")
+    memory_tier: bool = Field(False, description="Recover from memory: each rank keeps a snapshot of its state and a replica of one peer's (2x its shard of host memory); a killed worker is replaced in place, the survivors keep their processes (the in-place agent on every node instead of torchrun: locally one per simulated node, in a TrainJob's or PyTorchJob's pods under the supervisor; node 0's hosts the group's store).")
     memory_snapshot_every_steps: int | None = Field(None, ge=0, description="With memory_tier: snapshot the state into memory every this many steps, beside the training (the optimizer step waits only for the copy, never for the hand-over to the peer); a failure then recomputes at most the steps since. Unset: as often as keeps the training's time on snapshots under 0.1% (every step of a step over ~0.1 s). 0: only each committed checkpoint is kept.")
     store_unwritable_saves: int = Field(3, ge=1, description="Failed saves in a row, the store full or read-only, after which the training stops (exit 2); it goes on past fewer.")
     keep_last: int = Field(3, ge=1, description="Committed checkpoints kept by recency.")
@@ -495,6 +495,14 @@ class RelaunchConfig(_Model):
         if not _NAME.match(v) or len(v) > 40:
             raise ValueError(f"{v!r} must be kebab-case (a-z, 0-9, '-'), at most 40 characters")
         return v
+
+    @model_validator(mode="after")
+    def _memory_tier_fixed_group(self) -> "RelaunchConfig":
+        if self.train.memory_tier and self.launch.min_nodes is not None and self.launch.min_nodes < self.launch.nodes:
+            raise ValueError(f"train.memory_tier keeps a fixed group of launch.nodes={self.launch.nodes}, but "
+                             f"launch.min_nodes={self.launch.min_nodes} makes it elastic; drop launch.min_nodes "
+                             "or set train.memory_tier=false")
+        return self
 
     @property
     def study_name(self) -> str:

@@ -11,3 +11,18 @@ GENERATION_KEY = "relaunch/generation"
 def generation_key(generation: int) -> str:
     """Set by the agent when ``generation`` starts: a survivor waits for the next one's key (no poll)."""
     return f"{GENERATION_KEY}/{generation}"
+
+
+REPLACE = "replace"
+"""A generation's mode (the value of its key): only the lost ranks start; the survivors rejoin."""
+RESTART = "restart"
+"""A generation's mode: every rank starts again (every node's agent restarts its workers)."""
+NODE_ADDRESS_ENV = "RELAUNCH_NODE_ADDRESS"
+"""Set by the agent on its workers: the address of their node that other nodes reach (the tier's replica
+servers listen on it)."""
+NODE_STARTS_KEY = "relaunch/inplace/node-starts"
+"""``{key}/{node_rank}``: how many agents of that node started (a second one: the node was lost and started again)."""
+END_KEY = "relaunch/inplace/end"
+"""An agent that ended the job (a permanent code, no restarts left) sets its code: every other agent ends with it."""
+DONE_KEY = "relaunch/inplace/done"
+"""How many nodes' workers all ended 0 (node 0's agent keeps the store up until every node's did)."""

@@ -33,7 +33,7 @@ from relaunch.components.core.checkpoint.layout import MANIFEST, checkpoint_step
 from relaunch.components.core.checkpoint.memory_tier import MemoryTier, restore_into
 from relaunch.components.core.contract.events import Kind, emit
 from relaunch.components.core.runtime import distributed as distr
-from relaunch.components.core.runtime.generations import GENERATION_ENV, GENERATION_KEY, generation_key
+from relaunch.components.core.runtime.generations import GENERATION_ENV, GENERATION_KEY, NODE_ADDRESS_ENV, generation_key
 from relaunch.components.core.trainer import setup
 from relaunch.components.core.trainer.injection import Injection
 from relaunch.components.core.trainer.state import rng_now, rng_state
@@ -208,7 +208,8 @@ class InPlace:
         self.config, self.env, self.store = config, env, store
         self.generation = generation() or 0
         self.registry = registry(env, config.train.process_group_timeout_seconds)
-        self.tier = MemoryTier(env.rank, env.world_size, self.registry)
+        self.tier = MemoryTier(env.rank, env.world_size, self.registry,
+                               host=os.environ.get(NODE_ADDRESS_ENV) or "127.0.0.1", per_node=env.local_world_size)
         every = config.train.memory_snapshot_every_steps
         self.snapshots = StepSnapshots(self.tier, every) if every != 0 else None
         self.recoveries: list[Restore] = []
