@@ -8,10 +8,11 @@ SIGTERM/SIGINT/SIGUSR1 to torchrun (the preemption path), waits, and maps torchr
 :func:`relaunch.components.launchers.torchrun.exit_code` (the training's own ``runs/exit.json``), so a worker
 killed by OOM restarts the pod (137) and a bad input does not (2).
 
-A one-node job with ``train.memory_tier`` runs the in-place agent under it instead of torchrun
+A job with ``train.memory_tier`` runs the in-place agent under it instead of torchrun
 (``supervise python -m relaunch.components.launchers.inplace ... --config-json JSON``, what
-:func:`relaunch.components.launchers.inplace.pod_command` renders): a killed worker is replaced inside
-the pod while its peers keep their processes; the agent's code needs no mapping and passes through.
+:func:`relaunch.components.launchers.inplace.pod_command` renders, one per pod): a killed worker is replaced
+inside its pod while its peers in every pod keep their processes; the agent's code needs no mapping and
+passes through.
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
 """Recovery from memory through the real entrypoint (the in-place agent, gloo, CPU): a SIGKILLed rank
 is replaced while its peers keep their processes, the replacement's state comes from its peer's
 replica, nothing is read from the store, and the training ends bitwise equal to an uninterrupted one;
-when a rank and the holder of its replica die together, every rank reads the store, still bitwise."""
+when a rank and the holder of its replica die together, every rank reads the store, still bitwise. Across
+two nodes (an agent each, node 0's hosting the store): a rank killed on one node is replaced there while
+every other rank keeps its process; a node lost whole and started again gets its ranks' state from the
+replicas on the other node; both with nothing read from the store and bitwise equal."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import pytest
 import torch
 
 from relaunch.components.core.contract import events
+from relaunch.components.core.runtime.net import free_port
 from tests.train.conftest import ROOT, final_params, run_torchrun, train_config
 
 pytestmark = pytest.mark.slow
@@ -41,17 +45,20 @@ COLLECTIVE_TIMEOUT = 60.0
 
 
 class Agent:
-    """A running in-place agent with its workers' combined output in a file."""
+    """A running in-place agent with its workers' combined output in a file; ``node``: ``(rank, nnodes,
+    port)`` of one node of several (node 0's agent hosts the store on ``port``)."""
 
-    def __init__(self, cfg: dict, tmp_path: Path, nproc: int):
+    def __init__(self, cfg: dict, tmp_path: Path, nproc: int, node: tuple[int, int, int] | None = None):
         self.log = tmp_path / f"agent-{uuid.uuid4().hex[:6]}.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_TRACKING_URI", "RELAUNCH_"))}
         env.update({"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"})
         (tmp_path / Path(cfg["store"]["uri"]).parent.name).mkdir(parents=True, exist_ok=True)
+        nodes = [f"--nnodes={node[1]}", f"--node-rank={node[0]}", "--master-addr=127.0.0.1", f"--master-port={node[2]}",
+                 "--node-address=127.0.0.1"] if node else []
         with self.log.open("w") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "relaunch.components.launchers.inplace", f"--nproc-per-node={nproc}",
-                 "--max-restarts=2", "-m", "relaunch.components.train", "--config-json", json.dumps(cfg)],
+                 "--max-restarts=2", *nodes, "-m", "relaunch.components.train", "--config-json", json.dumps(cfg)],
                 cwd=ROOT, env=env, stdout=out, stderr=out, start_new_session=True)
 
     def output(self) -> str:
@@ -198,3 +205,56 @@ def test_the_pod_entrypoint_supervises_the_in_place_agent_and_recovers_from_memo
     recovery = [m for m in RESTORED.finditer(output) if int(m[3]) >= 0]
     assert len(recovery) == 2 and all(m[4] == "memory" and m[6] == "0" for m in recovery), output[-4000:]
     assert "relaunch supervise: torchrun exit 0 -> 0" in output
+
+
+def two_nodes(cfg: dict, tmp_path: Path, nproc: int) -> list[Agent]:
+    port = free_port()
+    return [Agent(cfg, tmp_path, nproc, node=(node, 2, port)) for node in (0, 1)]
+
+
+def restores_of(*agents: Agent) -> list[dict]:
+    return [r for a in agents for r in a.restores() if r["step"] >= 0]
+
+
+def test_a_rank_killed_on_one_of_two_nodes_is_replaced_there_from_its_replica_on_the_other_node_bitwise(
+        tmp_path, tmp_path_factory):
+    cfg = config(tmp_path, "nodes", "ddp", inject_failure="kill-worker@step=25", nodes=2, procs_per_node=1)
+    cfg["train"]["memory_snapshot_every_steps"] = 1  # the 25 steps done when the kill came are all in memory
+    nodes = two_nodes(cfg, tmp_path, 1)
+    assert [a.wait() for a in nodes] == [0, 0], nodes[0].output()[-3000:] + nodes[1].output()[-3000:]
+    first = {**nodes[0].worker_pids(), **nodes[1].worker_pids()}
+    recovery = restores_of(*nodes)
+    assert sorted(r["rank"] for r in recovery) == [0, 1], nodes[1].output()[-4000:]
+    for r in recovery:
+        assert r["source"] == "memory" and r["bytes"] == 0 and r["step"] == 25, r
+    survivor, replacement = sorted(recovery, key=lambda r: r["rank"])
+    assert survivor["pid"] == first[0] and survivor["detail"] == "own"
+    assert replacement["pid"] != first[1] and replacement["detail"] == "replica on rank 0"
+    assert "rank 1 (pid" in nodes[1].output() and "killed" in nodes[1].output()  # node 1's own agent replaced it
+    assert_bitwise(final_params(cfg["store"]["uri"]), reference_params(tmp_path_factory, 2, "ddp"))
+
+
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=EXTENDED)])
+def test_a_node_lost_whole_and_started_again_restores_its_ranks_from_replicas_on_the_other_node_bitwise(
+        tmp_path, tmp_path_factory, nproc):
+    cfg = config(tmp_path, "lost", "ddp", nodes=2, procs_per_node=nproc)
+    port = free_port()
+    node0, node1 = (Agent(cfg, tmp_path, nproc, node=(node, 2, port)) for node in (0, 1))
+    node0.wait_for_step(24)
+    os.killpg(node1.proc.pid, signal.SIGKILL)  # the pod gone: its agent and every worker of it
+    node1.proc.wait()
+    again = Agent(cfg, tmp_path, nproc, node=(1, 2, port))
+    assert [node0.wait(), again.wait()] == [0, 0], node0.output()[-3000:] + again.output()[-3000:]
+    recovery = restores_of(node0, again)
+    world = 2 * nproc
+    assert sorted(r["rank"] for r in recovery) == list(range(world)), node0.output()[-3000:] + again.output()[-3000:]
+    first = node0.worker_pids()
+    for r in recovery:
+        assert r["source"] == "memory" and r["bytes"] == 0, r
+        if r["rank"] < nproc:  # node 0's: the same processes, their own snapshots
+            assert r["pid"] == first[r["rank"]] and r["detail"] == "own", r
+        else:  # node 1's, all new: each from the same local rank on node 0
+            assert r["detail"] == f"replica on rank {r['rank'] - nproc}", r
+    assert len({r["step"] for r in recovery}) == 1
+    assert "node 1 started again" in again.output()
+    assert_bitwise(final_params(cfg["store"]["uri"]), reference_params(tmp_path_factory, world, "ddp"))
