@@ -36,10 +36,11 @@ class LaunchResult:
 
 
 def register_launch_backend(name: str, module: str | None = None, *, cluster: bool = False, launches: bool = True,
-                            renders: dict[str, str] | None = None) -> LaunchBackend:
+                            renders: dict[str, str] | None = None, in_place: bool = False) -> LaunchBackend:
     """Register backend ``name``, implemented by ``module`` (default ``relaunch.components.launchers.<name>``);
-    ``renders`` maps each ``relaunch render`` kind it offers to the module's function that renders it."""
-    backend = LaunchBackend(name, module or f"{__name__}.{name}", cluster, launches, dict(renders or {}))
+    ``renders`` maps each ``relaunch render`` kind it offers to the module's function that renders it;
+    ``in_place``: it runs the in-place agent (:mod:`~relaunch.components.launchers.inplace`) with ``train.memory_tier``."""
+    backend = LaunchBackend(name, module or f"{__name__}.{name}", cluster, launches, dict(renders or {}), in_place)
     LAUNCH_BACKENDS[name] = backend
     return backend
 
@@ -65,10 +66,10 @@ def _lazy(module: str, function: str):
     return render
 
 
-register_launch_backend("local")
-register_launch_backend("pytorchjob", cluster=True, renders={"pytorchjob": "render"})
+register_launch_backend("local", in_place=True)
+register_launch_backend("pytorchjob", cluster=True, renders={"pytorchjob": "render"}, in_place=True)
 register_launch_backend("trainjob", cluster=True,
-                        renders={"trainjob": "render", "trainingruntime": "render_training_runtime"})
+                        renders={"trainjob": "render", "trainingruntime": "render_training_runtime"}, in_place=True)
 register_launch_backend("slurm", launches=False, renders={"slurm": "render"})
 register_launch_backend("ray")
 register_launch_backend("rayjob", cluster=True, renders={"rayjob": "render"})

@@ -121,6 +121,7 @@ class InPlaceAgent:
         self.port = master_port or free_port()
         self.store = dist.TCPStore(master_addr, self.port, is_master=node_rank == 0, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=timeout_seconds))
+        self.store_error = dist.DistError  # the store's errors (node 0 gone), by type
         self.restarts = 0
         self.workers: list[subprocess.Popen | None] = [None] * nproc
         self.told_to_stop = False  # a signal was forwarded: the workers end, nothing is restarted
@@ -233,7 +234,7 @@ class InPlaceAgent:
     def _end_everywhere(self, code: int) -> int:
         """This node ends the job with ``code``: every other node's agent reads it and ends so too."""
         if self.multi_node:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(self.store_error):  # node 0 gone: its loss ends the others anyway
                 self.store.set(END_KEY, str(code))
         return code
 
@@ -265,17 +266,19 @@ class InPlaceAgent:
 
     def run(self) -> int:
         """Start the workers, replace the killed ones in place, end with the contract's code."""
-        import torch.distributed as dist
-
         try:
             return self._run()
-        except dist.DistError as err:  # node 0's store is gone: nothing here can rejoin; the job's restart can
+        except self.store_error as err:  # node 0's store is gone: nothing here can rejoin; the job's restart can
             say(f"the store on node 0 ({self.master_addr}:{self.port}) is gone ({type(err).__name__}): "
                 f"stopping this node's workers")
             self._stop_all()
             return int(ExitCode.RETRY_ME)
 
     def _run(self) -> int:
+        elsewhere = self._ended_elsewhere()
+        if elsewhere is not None:
+            say(f"another node ended the job with {elsewhere} before this node started: starting nothing")
+            return elsewhere
         if self.rejoining:
             self._new_generation(REPLACE)
             self._start_all()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import shlex
 
 from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.errors import BadInput
 from relaunch.components.launchers.jobs import JobSpec, job_spec
 
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
@@ -99,4 +100,7 @@ exit "$code"
 
 def render(config: RelaunchConfig, run_id: str) -> str:
     """``relaunch render slurm``: the sbatch script (Slurm names the job itself; ``run_id`` is unused)."""
+    if config.train.memory_tier:
+        raise BadInput("relaunch render slurm: train.memory_tier is not offered on Slurm (srun torchrun restarts the "
+                       "whole group, so the tier would cost 2x memory for nothing); set train.memory_tier=false")
     return render_sbatch(config)

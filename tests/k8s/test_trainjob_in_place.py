@@ -99,3 +99,27 @@ def test_an_elastic_node_count_with_the_memory_tier_is_refused_naming_both_setti
         config(["train.memory_tier=true", "launch.nodes=3", "launch.min_nodes=2"])
     assert "\n" not in str(refused.value)
     assert config(["train.memory_tier=true", "launch.nodes=3", "launch.min_nodes=3"]).train.memory_tier
+
+
+def test_the_memory_tier_on_a_backend_that_restarts_its_own_group_is_refused_naming_those_that_run_the_agent():
+    from relaunch.components.core.contract.errors import BadInput
+
+    with pytest.raises(BadInput) as refused:
+        config(["launch.backend=ray", "train.memory_tier=true"])
+    line = str(refused.value)
+    assert "\n" not in line and "launch.backend=ray" in line and "train.memory_tier=false" in line
+    assert "local, pytorchjob, trainjob" in line
+    # the advice works: each backend it names takes the tier
+    for backend in ("local", "pytorchjob", "trainjob"):
+        assert config([f"launch.backend={backend}", "train.memory_tier=true"]).train.memory_tier
+
+
+def test_rendering_a_slurm_script_with_the_memory_tier_exits_2_in_one_line_and_writes_nothing(tmp_path):
+    from tests.cli import relaunch
+
+    out = tmp_path / "job.sbatch"
+    done = relaunch(tmp_path, "render", "slurm", "-o", str(out), "--set", "train.memory_tier=true")
+    assert done.returncode == 2, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "train.memory_tier=false" in done.stderr
+    assert not out.exists()
+    assert relaunch(tmp_path, "render", "slurm", "-o", str(out)).returncode == 0 and out.exists()

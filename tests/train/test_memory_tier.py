@@ -216,9 +216,10 @@ def restores_of(*agents: Agent) -> list[dict]:
     return [r for a in agents for r in a.restores() if r["step"] >= 0]
 
 
+@pytest.mark.parametrize("parallelism", ["ddp", pytest.param("fsdp", marks=EXTENDED)])
 def test_a_rank_killed_on_one_of_two_nodes_is_replaced_there_from_its_replica_on_the_other_node_bitwise(
-        tmp_path, tmp_path_factory):
-    cfg = config(tmp_path, "nodes", "ddp", inject_failure="kill-worker@step=25", nodes=2, procs_per_node=1)
+        tmp_path, tmp_path_factory, parallelism):
+    cfg = config(tmp_path, "nodes", parallelism, inject_failure="kill-worker@step=25", nodes=2, procs_per_node=1)
     cfg["train"]["memory_snapshot_every_steps"] = 1  # the 25 steps done when the kill came are all in memory
     nodes = two_nodes(cfg, tmp_path, 1)
     assert [a.wait() for a in nodes] == [0, 0], nodes[0].output()[-3000:] + nodes[1].output()[-3000:]
@@ -231,7 +232,7 @@ def test_a_rank_killed_on_one_of_two_nodes_is_replaced_there_from_its_replica_on
     assert survivor["pid"] == first[0] and survivor["detail"] == "own"
     assert replacement["pid"] != first[1] and replacement["detail"] == "replica on rank 0"
     assert "rank 1 (pid" in nodes[1].output() and "killed" in nodes[1].output()  # node 1's own agent replaced it
-    assert_bitwise(final_params(cfg["store"]["uri"]), reference_params(tmp_path_factory, 2, "ddp"))
+    assert_bitwise(final_params(cfg["store"]["uri"]), reference_params(tmp_path_factory, 2, parallelism))
 
 
 @pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=EXTENDED)])

@@ -498,6 +498,11 @@ class RelaunchConfig(_Model):
 
     @model_validator(mode="after")
     def _memory_tier_fixed_group(self) -> "RelaunchConfig":
+        if self.train.memory_tier and not launch_backend(self.launch.backend).in_place:
+            agents = ", ".join(n for n in launch_backend_names() if launch_backend(n).in_place)
+            raise ValueError(f"train.memory_tier runs under relaunch's in-place agent, which launch.backend="
+                             f"{self.launch.backend} does not use (it restarts its group itself); use launch.backend "
+                             f"{agents}, or set train.memory_tier=false")
         if self.train.memory_tier and self.launch.min_nodes is not None and self.launch.min_nodes < self.launch.nodes:
             raise ValueError(f"train.memory_tier keeps a fixed group of launch.nodes={self.launch.nodes}, but "
                              f"launch.min_nodes={self.launch.min_nodes} makes it elastic; drop launch.min_nodes "

@@ -42,6 +42,7 @@ class LaunchBackend:
     cluster: bool = False  # runs as a Kubernetes job (the pipeline's exit handler deletes it on failure)
     launches: bool = True  # ``launch.backend`` may name it; False: it only renders (slurm)
     renders: dict[str, str] = field(default_factory=dict)  # ``relaunch render`` kind -> function of the module
+    in_place: bool = False  # runs the in-place agent with ``train.memory_tier`` (else: its own restarts)
 
 
 LAUNCH_BACKENDS: dict[str, LaunchBackend] = {}
