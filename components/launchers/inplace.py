@@ -58,7 +58,7 @@ from relaunch.components.core.contract.errors import BadInput
 from relaunch.components.core.contract.exitcodes import ExitCode, is_retryable
 from relaunch.components.core.runtime.net import free_port
 from relaunch.components.core.store.procfs import stat_fields
-from relaunch.components.core.runtime.zygote import client_command
+from relaunch.components.core.runtime.zygote import CLIENT_PATH, client_command
 from relaunch.components.core.runtime.zygote_client import ZYGOTE_ENV
 from relaunch.components.core.runtime.generations import (
     DONE_KEY, END_KEY, GENERATION_ENV, GENERATION_KEY, NODE_ADDRESS_ENV, NODE_STARTS_KEY, REPLACE, RESTART,
@@ -101,7 +101,7 @@ class InPlaceAgent:
     store at ``master_addr:master_port`` (a free port on one node when none is given)."""
 
     def __init__(self, command: list[str], nproc: int, *, max_restarts: int = 3, run_id: str | None = None,
-                 env: dict[str, str] | None = None, timeout_seconds: float = 300.0, warm: bool = False,
+                 env: dict[str, str] | None = None, timeout_seconds: float = 300.0, warm: bool | str = False,
                  nnodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1", master_port: int | None = None,
                  node_address: str = "127.0.0.1"):
         import torch.distributed as dist  # heavy: only the agent itself needs it, not its importers
@@ -114,8 +114,9 @@ class InPlaceAgent:
             raise BadInput("--nnodes > 1 needs --master-port (node 0's store, the same on every node)")
         self.command, self.nproc, self.max_restarts = command, nproc, max_restarts
         self.nnodes, self.node_rank, self.master_addr, self.node_address = nnodes, node_rank, master_addr, node_address
-        # warm: every worker, a replacement too, is a fork of the zygote its environment names (torch imported)
-        self.interpreter = client_command() if warm else [sys.executable]
+        # warm: every worker, a replacement too, is a fork of the zygote its environment names (torch imported),
+        # through the zygote's client (a path: the client the pod's supervisor put there; True: ours)
+        self.interpreter = client_command(sys.executable, *([] if warm is True else [warm])) if warm else [sys.executable]
         self.run_id = run_id or uuid.uuid4().hex[:8]
         self.base_env = dict(os.environ if env is None else env)
         self.port = master_port or free_port()
@@ -380,11 +381,13 @@ def memory_tier(spec: Any) -> bool:
 def pod_command(spec: Any, run_id: str, *, master_addr: str = "$(PET_MASTER_ADDR)",
                 master_port: int | str = "$(PET_MASTER_PORT)", node_rank: str = "$(PET_NODE_RANK)") -> list[str]:
     """A pod's container command for a job with the memory tier: the in-place agent under the supervisor
-    (:mod:`relaunch.components.launchers.supervise`), which forwards signals and maps codes. With several
+    (:mod:`relaunch.components.launchers.supervise`), which forwards signals and maps codes and, seeing the
+    zygote's client in the command, starts the pod's zygote: every worker, a replacement too, is a fork of a
+    process that imported torch and the task (the client starts a worker cold without it). With several
     nodes, node 0's store at ``master_addr:master_port`` and this pod's node rank and address
     (:func:`pod_env`) as the pod expands them."""
     return ["python", "-m", "relaunch.components.launchers.supervise", "python", "-m",
-            "relaunch.components.launchers.inplace",
+            "relaunch.components.launchers.inplace", "--zygote-client", CLIENT_PATH,
             *agent_args(spec, run_id, node_rank=node_rank, master_addr=master_addr, master_port=master_port,
                         node_address=f"$({POD_ADDRESS})")]
 
@@ -409,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node-address", default="127.0.0.1",
                         help="this node's address that other nodes reach (the memory tier's replica servers)")
     parser.add_argument("--run-id", default=None)
+    parser.add_argument("--zygote-client", default=None, metavar="PATH",
+                        help="start workers (and replacements) through the zygote client at PATH: forks of the zygote "
+                             "the environment names (a pod's supervisor starts one for this), else fresh interpreters")
     parser.add_argument("--warm", action="store_true",
                         help="start workers (and replacements) as forks of the zygote named by the environment")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -423,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.warm and not os.environ.get(ZYGOTE_ENV):
             raise BadInput(f"relaunch inplace: --warm needs a zygote (${ZYGOTE_ENV} is not set); drop --warm")
         agent = InPlaceAgent(args.command, args.nproc_per_node, max_restarts=args.max_restarts, run_id=args.run_id,
-                             warm=args.warm, nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+                             warm=args.zygote_client or args.warm, nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                              master_port=args.master_port, node_address=args.node_address)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             signal.signal(sig, agent.forward)

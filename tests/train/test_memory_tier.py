@@ -187,7 +187,7 @@ def test_a_rank_lost_with_the_holder_of_its_replica_makes_every_rank_read_the_st
 
 def test_the_pod_entrypoint_supervises_the_in_place_agent_and_recovers_from_memory(tmp_path):
     from relaunch.components.core.contract.config import RelaunchConfig
-    from relaunch.components.launchers.inplace import agent_args
+    from relaunch.components.launchers.inplace import pod_command
     from relaunch.components.launchers.jobs import job_spec
 
     cfg = config(tmp_path, "pod", "ddp", inject_failure="kill-worker@step=25", procs_per_node=2, nodes=1)
@@ -196,16 +196,20 @@ def test_the_pod_entrypoint_supervises_the_in_place_agent_and_recovers_from_memo
     log = tmp_path / "pod.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_TRACKING_URI", "RELAUNCH_"))}
     env.update({"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"})
-    with log.open("w") as out:  # what the rendered pod runs (inplace.pod_command), with this interpreter
-        proc = subprocess.run([sys.executable, "-m", "relaunch.components.launchers.supervise", sys.executable, "-m",
-                               "relaunch.components.launchers.inplace", *agent_args(spec, "pod-1")],
-                              cwd=ROOT, env=env, stdout=out, stderr=out, timeout=240)
+    command = [sys.executable if word == "python" else word for word in pod_command(spec, "pod-1")]
+    with log.open("w") as out:  # what the rendered pod runs, with this interpreter
+        proc = subprocess.run(command, cwd=ROOT, env=env, stdout=out, stderr=out, timeout=240)
     output = log.read_text(errors="replace")
     assert proc.returncode == 0, output[-4000:]
     recovery = [m for m in RESTORED.finditer(output) if int(m[3]) >= 0]
     assert len(recovery) == 2 and all(m[4] == "memory" and m[6] == "0" for m in recovery), output[-4000:]
     assert "relaunch supervise: torchrun exit 0 -> 0" in output
-
+    # the workers are forks of the pod's zygote (the supervisor started it): each one's pid is not the pid of
+    # the process the agent started (the zygote's client), the replacement's too
+    started = {int(p) for p in re.findall(r"rank\d+=(\d+)", output)} | {
+        int(p) for p in re.findall(r"replacement pid (\d+)", output)}
+    assert started and not started & {int(m[2]) for m in recovery}, output[-4000:]
+    assert "starting the worker cold" not in output
 
 def two_nodes(cfg: dict, tmp_path: Path, nproc: int) -> list[Agent]:
     port = free_port()
