@@ -181,3 +181,11 @@ def test_the_tier_keeps_the_newer_of_a_step_snapshot_and_a_later_commits_older_o
     tier.committed(2, older, None)
     assert tier.own[0]["step"] == 2
     tier.close()
+
+
+def test_across_nodes_each_rank_replicates_to_the_same_local_rank_on_the_next_node():
+    # 3 nodes of 2 ranks: a node lost whole keeps both its ranks' replicas on the next node
+    assert [holder_of(r, 6, per_node=2) for r in range(6)] == [2, 3, 4, 5, 0, 1]
+    # one node (or no node count): the next rank on the ring
+    assert [holder_of(r, 4, per_node=4) for r in range(4)] == [1, 2, 3, 0]
+    assert [holder_of(r, 3) for r in range(3)] == [1, 2, 0]

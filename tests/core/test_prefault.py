@@ -65,3 +65,18 @@ def test_a_background_populate_beside_a_writer_never_changes_a_byte():
         assert not thread.is_alive()
     assert writer_done.is_set()
     assert all(torch.all(t == i + 1) for i, t in enumerate(tensors))
+
+
+def test_a_payload_made_on_another_thread_is_zeros_with_its_pages_resident():
+    """The memory tier's buffers made off the main thread (a peer's put, a snapshot) are populated by the
+    kernel rather than by a threaded fill: still all zeros, every whole page present."""
+    from relaunch.components.core.checkpoint.memory_tier import new_payload
+
+    made: list = []
+    worker = threading.Thread(target=lambda: made.append(new_payload(64 * MIB)))
+    worker.start()
+    worker.join()
+    payload = torch.from_numpy(made[0])
+    assert payload.numel() == 64 * MIB and not payload.any()
+    whole = prefault.page_range(payload.data_ptr(), payload.numel(), os.sysconf("SC_PAGE_SIZE"))[1]
+    assert _resident_bytes(payload) == whole
