@@ -29,7 +29,8 @@ their processes); a node lost whole (its pod gone: the agent and its workers) is
 starts again (the kubelet or the job's restart; the store counts each node's agents): that agent starts
 the next generation with all of its ranks, whose state comes from the replicas their peers on other
 nodes hold (:func:`relaunch.components.core.checkpoint.memory_tier.holder_of`). An ending that is not a
-restart (a permanent code, no restarts left) is published in the store and every agent ends with it.
+restart (a permanent code, no restarts left, a signal the workers ended on) is published in the store and
+every agent ends with it.
 Node 0 hosts the store: its loss ends every agent with 138 (retry me: the job's restart starts the whole
 group again, from the store).
 
@@ -138,8 +139,7 @@ class InPlaceAgent:
         return self.nnodes > 1
 
     def _start(self, local: int) -> subprocess.Popen:
-        rank, world = self.node_rank * self.nproc + local, self.nnodes * self.nproc
-        env = {**self.base_env, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local),
+        env = {**self.base_env, "RANK": str(self._rank(local)), "WORLD_SIZE": str(self.nnodes * self.nproc), "LOCAL_RANK": str(local),
                "LOCAL_WORLD_SIZE": str(self.nproc), "GROUP_RANK": str(self.node_rank), "MASTER_ADDR": self.master_addr,
                "MASTER_PORT": str(self.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
                "TORCHELASTIC_RESTART_COUNT": str(self.generation), "TORCHELASTIC_RUN_ID": self.run_id,

@@ -117,12 +117,17 @@ def test_a_bad_input_on_one_node_ends_every_node_with_its_code_and_restarts_noth
     assert "generation=1" not in out and "another node ended the job with 2" in out.split("--- node 1")[0]
 
 
-def test_a_node_lost_whole_and_started_again_rejoins_with_all_its_ranks_while_the_other_keeps_its_processes():
+def two_waiting_nodes() -> tuple[int, subprocess.Popen, subprocess.Popen]:
+    """Two nodes whose workers wait for the next generation, node 1's two started: (port, node 0, node 1)."""
     port = free_port()
-    node0 = start_node(0, port, "wait")
-    node1 = start_node(1, port, "wait")
+    node0, node1 = start_node(0, port, "wait"), start_node(1, port, "wait")
     seen = read_until(node1, 2)
     assert seen.count("worker rank=") == 2, seen
+    return port, node0, node1
+
+
+def test_a_node_lost_whole_and_started_again_rejoins_with_all_its_ranks_while_the_other_keeps_its_processes():
+    port, node0, node1 = two_waiting_nodes()
     os.killpg(node1.pid, signal.SIGKILL)  # the pod gone: its agent and its workers
     node1.wait()
     again = start_node(1, port, "wait")
@@ -135,12 +140,8 @@ def test_a_node_lost_whole_and_started_again_rejoins_with_all_its_ranks_while_th
 
 
 def test_node_0_lost_ends_the_other_node_with_138_for_the_job_to_restart_from_the_store():
-    port = free_port()
-    node0 = start_node(0, port, "wait")
-    node1 = start_node(1, port, "wait")
-    seen = read_until(node1, 2)
-    assert seen.count("worker rank=") == 2, seen
+    _, node0, node1 = two_waiting_nodes()
     os.killpg(node0.pid, signal.SIGKILL)  # node 0's pod gone: the store with it
     node0.wait()
     codes, out = ended(node1)
-    assert codes == [138], seen + out
+    assert codes == [138], out
