@@ -218,13 +218,22 @@ class InPlaceAgent:
                 return
             current = int(seen)
 
+    def _losing(self) -> bool:
+        """Whether a worker of this node has ended badly or is dying (a SIGKILL pending)."""
+        return any(p is not None and (p.poll() not in (None, 0) or _dying(p.pid)) for p in self.workers)
+
     def _followed(self) -> bool:
         """Take a generation another node's agent started: for a whole-group one, this node's workers
-        start again too. Whether one was taken."""
+        start again too. Whether one was taken. A replacing one is not taken while a worker of this node
+        is lost: it may have died before that generation began, so the failure path joins it with the
+        worker's replacement (taken first, the worker's loss would start yet another generation while
+        the survivors waited in this one for the missing rank)."""
         current = int(self.store.get(GENERATION_KEY))
         if current <= self.generation:
             return False
         modes = [self._mode(g) for g in range(self.generation + 1, current + 1)]
+        if RESTART not in modes and self._losing():
+            return False
         self.generation = current
         if RESTART in modes:
             say(f"generation {current}: another node restarts the whole group; so does this one")
@@ -334,6 +343,8 @@ class InPlaceAgent:
                 self._new_generation(RESTART)
                 self._start_all()
                 say(f"generation {self.generation}: the whole group started again: {self._pids()}")
+                continue
+            if self.multi_node and self._followed():  # another node restarts the whole group: the lost start with it
                 continue
             self._new_generation(REPLACE, join=self.multi_node)
             for local in failed:

@@ -145,3 +145,19 @@ def test_node_0_lost_ends_the_other_node_with_138_for_the_job_to_restart_from_th
     node0.wait()
     codes, out = ended(node1)
     assert codes == [138], out
+
+
+def test_workers_killed_at_once_on_both_nodes_are_replaced_in_one_generation():
+    port = free_port()
+    node0, node1 = start_node(0, port, "wait"), start_node(1, port, "wait")
+    seen = [read_until(node, 2) for node in (node0, node1)]
+    pids = {int(r): int(p) for text in seen for r, p in re.findall(r"worker rank=(\d) pid=(\d+) generation=0", text)}
+    assert sorted(pids) == [0, 1, 2, 3], seen
+    for rank in (1, 3):  # one on each node, together
+        os.kill(pids[rank], signal.SIGKILL)
+    codes, out = ended(node0, node1)
+    assert codes == [0, 0], out
+    assert sorted(re.findall(r"worker rank=([13]) pid=\d+ generation=1", out)) == ["1", "3"], out
+    assert dict(re.findall(r"worker rank=([02]) pid=(\d+) rejoined generation=1", out)) == {
+        "0": str(pids[0]), "2": str(pids[2])}, out
+    assert "generation=2" not in out, out  # one generation for both losses
