@@ -66,6 +66,7 @@ from relaunch.components.core.runtime.generations import (
     generation_key,
 )
 
+MODULE = "relaunch.components.launchers.inplace"  # ``python -m MODULE``: this agent
 SETTLE_SECONDS = 0.005  # after a death: then the others already dying with it (killed together) are waited for
 PF_EXITING = 0x4  # include/linux/sched.h: the task is in do_exit (a SIGKILL delivered)
 SIGKILL_BIT = 1 << (signal.SIGKILL - 1)  # in /proc/<pid>/status's pending-signal masks
@@ -398,7 +399,7 @@ def pod_command(spec: Any, run_id: str, *, master_addr: str = "$(PET_MASTER_ADDR
     nodes, node 0's store at ``master_addr:master_port`` and this pod's node rank and address
     (:func:`pod_env`) as the pod expands them."""
     return ["python", "-m", "relaunch.components.launchers.supervise", "python", "-m",
-            "relaunch.components.launchers.inplace", "--zygote-client", CLIENT_PATH,
+            MODULE, "--zygote-client", CLIENT_PATH,
             *agent_args(spec, run_id, node_rank=node_rank, master_addr=master_addr, master_port=master_port,
                         node_address=f"$({POD_ADDRESS})")]
 

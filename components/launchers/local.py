@@ -50,6 +50,7 @@ from relaunch.components.core.runtime.net import free_port
 from relaunch.components.core.runtime.zygote import Zygote, client_command
 from relaunch.components.core.runtime.zygote_client import ZYGOTE_ENV
 from relaunch.components.launchers import LaunchResult
+from relaunch.components.launchers import inplace
 from relaunch.components.launchers.inplace import agent_args, runs_in_place
 from relaunch.components.launchers.jobs import JobSpec, job_spec
 from relaunch.components.launchers.torchrun import exit_code
@@ -71,7 +72,7 @@ def build_commands(spec: JobSpec, *, job_id: str, port: int, warm: bool = False,
     through the zygote client. ``in_place`` (``train.memory_tier``): each node's in-place agent instead
     (:mod:`relaunch.components.launchers.inplace`), which keeps the survivors of a killed worker."""
     if in_place:
-        return [[sys.executable, "-m", "relaunch.components.launchers.inplace",
+        return [[sys.executable, "-m", inplace.MODULE,
                  *agent_args(spec, job_id, warm=warm, node_rank=node, master_addr="127.0.0.1", master_port=port,
                              node_address="127.0.0.1")]
                 for node in range(spec.nodes)]

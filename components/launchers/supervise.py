@@ -28,6 +28,7 @@ from relaunch.components.core.contract.entry import exit_on_error
 from relaunch.components.core.contract.errors import BadInput
 from relaunch.components.core.runtime import logs
 from relaunch.components.core.runtime.zygote import for_command
+from relaunch.components.launchers import inplace
 from relaunch.components.launchers.torchrun import exit_code
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -57,7 +58,8 @@ def supervise(command: list[str]) -> int:
         if relay is not None:
             relay.join(10)
     code = exit_code(config, returncode, started)
-    print(f"relaunch supervise: torchrun exit {returncode} -> {code}", file=sys.stderr)
+    what = "in-place agent" if inplace.MODULE in command else "torchrun"
+    print(f"relaunch supervise: {what} exit {returncode} -> {code}", file=sys.stderr)
     return code
 
 

@@ -203,7 +203,7 @@ def test_the_pod_entrypoint_supervises_the_in_place_agent_and_recovers_from_memo
     assert proc.returncode == 0, output[-4000:]
     recovery = [m for m in RESTORED.finditer(output) if int(m[3]) >= 0]
     assert len(recovery) == 2 and all(m[4] == "memory" and m[6] == "0" for m in recovery), output[-4000:]
-    assert "relaunch supervise: torchrun exit 0 -> 0" in output
+    assert "relaunch supervise: in-place agent exit 0 -> 0" in output
     # the workers are forks of the pod's zygote (the supervisor started it): each one's pid is not the pid of
     # the process the agent started (the zygote's client), the replacement's too
     started = {int(p) for p in re.findall(r"rank\d+=(\d+)", output)} | {
