@@ -49,8 +49,7 @@ from relaunch.components.core.runtime import warm as runtime_warm
 from relaunch.components.core.runtime.net import free_port
 from relaunch.components.core.runtime.zygote import Zygote, client_command
 from relaunch.components.core.runtime.zygote_client import ZYGOTE_ENV
-from relaunch.components.launchers import LaunchResult
-from relaunch.components.launchers import inplace
+from relaunch.components.launchers import LaunchResult, inplace
 from relaunch.components.launchers.inplace import agent_args, runs_in_place
 from relaunch.components.launchers.jobs import JobSpec, job_spec
 from relaunch.components.launchers.torchrun import exit_code

@@ -9,9 +9,10 @@ replica of one peer's, so that a killed worker's replacement and its survivors r
 
 Ring replication: rank ``r`` holds the replica of rank ``(r - 1) mod W``'s shard, so its holder is
 ``(r + 1) mod W``; across nodes of ``P`` ranks each, ``(r + P) mod W``, the next node's (:func:`holder_of`).
-A rank and its holder lost together leave the tier unable to serve that rank: the store is read then. The replica goes over plain TCP, to a small server thread of
-each rank (:class:`ReplicaServer`) whose address is published in the job's rendezvous store: the
-transfer does not depend on the process group, which is broken exactly when a replica is needed.
+A rank and its holder lost together leave the tier unable to serve that rank: the store is read then.
+The replica goes over plain TCP, to a small server thread of each rank (:class:`ReplicaServer`) whose
+address is published in the job's rendezvous store: the transfer does not depend on the process group,
+which is broken exactly when a replica is needed.
 
 Memory, per rank, bounded: its own snapshot and one peer's replica, each one packed payload (the tensor
 bytes of its shard of model, optimizer, RNG and counters; no pickling: a JSON tree of plain values plus
