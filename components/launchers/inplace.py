@@ -59,7 +59,7 @@ from relaunch.components.core.contract.errors import BadInput
 from relaunch.components.core.contract.exitcodes import ExitCode, is_retryable
 from relaunch.components.core.runtime.net import free_port
 from relaunch.components.core.store.procfs import stat_fields
-from relaunch.components.core.runtime.zygote import CLIENT_PATH, client_command
+from relaunch.components.core.runtime.zygote import CLIENT_PATH, CLIENT_SOURCE, client_command
 from relaunch.components.core.runtime.zygote_client import ZYGOTE_ENV
 from relaunch.components.core.runtime.generations import (
     DONE_KEY, END_KEY, GENERATION_ENV, GENERATION_KEY, NODE_ADDRESS_ENV, NODE_STARTS_KEY, REPLACE, RESTART,
@@ -103,7 +103,8 @@ class InPlaceAgent:
     store at ``master_addr:master_port`` (a free port on one node when none is given)."""
 
     def __init__(self, command: list[str], nproc: int, *, max_restarts: int = 3, run_id: str | None = None,
-                 env: dict[str, str] | None = None, timeout_seconds: float = 300.0, warm: bool | str = False,
+                 env: dict[str, str] | None = None, timeout_seconds: float = 300.0,
+                 zygote_client: str | os.PathLike | None = None,
                  nnodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1", master_port: int | None = None,
                  node_address: str = "127.0.0.1"):
         import torch.distributed as dist  # heavy: only the agent itself needs it, not its importers
@@ -116,9 +117,9 @@ class InPlaceAgent:
             raise BadInput("--nnodes > 1 needs --master-port (node 0's store, the same on every node)")
         self.command, self.nproc, self.max_restarts = command, nproc, max_restarts
         self.nnodes, self.node_rank, self.master_addr, self.node_address = nnodes, node_rank, master_addr, node_address
-        # warm: every worker, a replacement too, is a fork of the zygote its environment names (torch imported),
-        # through the zygote's client (a path: the client the pod's supervisor put there; True: ours)
-        self.interpreter = client_command(sys.executable, *([] if warm is True else [warm])) if warm else [sys.executable]
+        # with the zygote's client: every worker, a replacement too, is a fork of the zygote its environment
+        # names (torch imported)
+        self.interpreter = client_command(sys.executable, zygote_client) if zygote_client else [sys.executable]
         self.run_id = run_id or uuid.uuid4().hex[:8]
         self.base_env = dict(os.environ if env is None else env)
         self.port = master_port or free_port()
@@ -140,8 +141,9 @@ class InPlaceAgent:
         return self.nnodes > 1
 
     def _start(self, local: int) -> subprocess.Popen:
-        env = {**self.base_env, "RANK": str(self._rank(local)), "WORLD_SIZE": str(self.nnodes * self.nproc), "LOCAL_RANK": str(local),
-               "LOCAL_WORLD_SIZE": str(self.nproc), "GROUP_RANK": str(self.node_rank), "MASTER_ADDR": self.master_addr,
+        env = {**self.base_env, "RANK": str(self._rank(local)), "WORLD_SIZE": str(self.nnodes * self.nproc),
+               "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(self.nproc), "GROUP_RANK": str(self.node_rank),
+               "MASTER_ADDR": self.master_addr,
                "MASTER_PORT": str(self.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
                "TORCHELASTIC_RESTART_COUNT": str(self.generation), "TORCHELASTIC_RUN_ID": self.run_id,
                GENERATION_ENV: str(self.generation), NODE_ADDRESS_ENV: self.node_address, "PYTHONUNBUFFERED": "1"}
@@ -328,9 +330,7 @@ class InPlaceAgent:
                 code = int(worst)
                 if not is_retryable(code) or self.restarts >= self.max_restarts:
                     return self._end_everywhere(code)
-                self._new_generation(RESTART)
-                self._start_all()
-                say(f"generation {self.generation}: the whole group started again: {self._pids()}")
+                self._restart_all()
                 continue
             if self.restarts >= self.max_restarts:
                 self._stop_all()
@@ -341,9 +341,7 @@ class InPlaceAgent:
             finished = all(codes[r] == 0 for r in range(self.nproc) if r not in failed)
             if not self.multi_node and (not survivors or finished):
                 self._stop_all()
-                self._new_generation(RESTART)
-                self._start_all()
-                say(f"generation {self.generation}: the whole group started again: {self._pids()}")
+                self._restart_all()
                 continue
             if self.multi_node and self._followed():  # another node restarts the whole group: the lost start with it
                 continue
@@ -359,6 +357,12 @@ class InPlaceAgent:
     def _start_all(self) -> None:
         for local in range(self.nproc):
             self._start(local)
+
+    def _restart_all(self) -> None:
+        """A whole-group generation: every rank of this node starts again (the other nodes' follow)."""
+        self._new_generation(RESTART)
+        self._start_all()
+        say(f"generation {self.generation}: the whole group started again: {self._pids()}")
 
     def close(self) -> None:
         self._stop_all()
@@ -377,7 +381,8 @@ def agent_args(spec: Any, run_id: str, *, warm: bool = False, node_rank: int | s
     nodes = [f"--nnodes={spec.nodes}", f"--node-rank={node_rank}", f"--master-addr={master_addr}",
              f"--master-port={master_port}", f"--node-address={node_address}"] if spec.nodes > 1 else []
     return [f"--nproc-per-node={spec.procs_per_node}", f"--max-restarts={spec.restart.max_restarts}",
-            f"--run-id={run_id}", *nodes, *(["--warm"] if warm else []), "-m", spec.module, "--config-json", spec.config_json]
+            f"--run-id={run_id}", *nodes, *(["--warm"] if warm else []),
+            "-m", spec.module, "--config-json", spec.config_json]
 
 
 def runs_in_place(config: Any) -> bool:
@@ -441,7 +446,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.warm and not os.environ.get(ZYGOTE_ENV):
             raise BadInput(f"relaunch inplace: --warm needs a zygote (${ZYGOTE_ENV} is not set); drop --warm")
         agent = InPlaceAgent(args.command, args.nproc_per_node, max_restarts=args.max_restarts, run_id=args.run_id,
-                             warm=args.zygote_client or args.warm, nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+                             zygote_client=args.zygote_client or (CLIENT_SOURCE if args.warm else None),
+                             nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                              master_port=args.master_port, node_address=args.node_address)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             signal.signal(sig, agent.forward)

@@ -27,14 +27,17 @@ def main() -> int:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         time.sleep(60)
         return 1
-    if mode == "wait" and gen > 0:
-        return 0
-    if rank == victim and gen == 0 and mode != "wait":
+    if mode == "wait":
+        if gen > 0:  # a replacement (of a node lost whole): nothing to wait for
+            return 0
+    elif rank == victim:
+        if gen > 0:  # its replacement
+            return 0
         if mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         return 2
-    if mode == "bad" or rank == victim and mode != "wait":
-        time.sleep(0 if rank == victim else 60)
+    elif mode == "bad":
+        time.sleep(60)  # until the agent stops it
         return 0
     try:
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
