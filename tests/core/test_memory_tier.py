@@ -189,3 +189,19 @@ def test_across_nodes_each_rank_replicates_to_the_same_local_rank_on_the_next_no
     # one node (or no node count): the next rank on the ring
     assert [holder_of(r, 4, per_node=4) for r in range(4)] == [1, 2, 3, 0]
     assert [holder_of(r, 3) for r in range(3)] == [1, 2, 0]
+
+
+def test_the_bytes_a_restore_reads_from_the_store_count_checkpoints_not_the_trackers_attempt_records(tmp_path):
+    from relaunch.components.core.checkpoint.layout import step_key
+    from relaunch.components.core.store import open_store
+    from relaunch.components.core.trainer.inplace import CountingStore
+
+    raw = open_store(str(tmp_path / "store"))
+    raw.write_bytes(f"{step_key(20)}/shard-0", b"s" * 300)
+    raw.write_bytes("runs/attempts/attempt-0001.json", b"{}" * 350)  # what the MLflow logger's thread reads
+    store = CountingStore(raw)
+    store.read_bytes("runs/attempts/attempt-0001.json")
+    assert store.bytes_read == 0
+    store.read_bytes(f"{step_key(20)}/shard-0")
+    store.read_into(f"{step_key(20)}/shard-0", 100, bytearray(200))
+    assert store.bytes_read == 500

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from relaunch.components.core.checkpoint.layout import MANIFEST, checkpoint_steps, step_key
+from relaunch.components.core.checkpoint.layout import MANIFEST, PREFIX, checkpoint_steps, step_key
 from relaunch.components.core.checkpoint.memory_tier import MemoryTier, restore_into
 from relaunch.components.core.contract.events import Kind, emit
 from relaunch.components.core.runtime import distributed as distr
@@ -56,7 +56,9 @@ def registry(env: distr.DistEnv, timeout_seconds: float) -> Any:
 
 
 class CountingStore:
-    """The store, counting the bytes read from it (a restore from memory must read none)."""
+    """The store, counting the bytes of checkpoints read from it (a restore from memory must read none).
+    Only keys under the checkpoints' prefix count: the tracker's thread reads the attempt's record
+    beside the training, and such a read landing during a restore is not the restore's."""
 
     def __init__(self, inner: Any):
         self._inner = inner
@@ -64,17 +66,21 @@ class CountingStore:
 
     def read_bytes(self, key: str) -> bytes:
         data = self._inner.read_bytes(key)
-        self.bytes_read += len(data)
+        self._count(key, len(data))
         return data
 
     def read_into(self, key: str, offset: int, buffer: Any, **kwargs: Any) -> None:
         self._inner.read_into(key, offset, buffer, **kwargs)
         parts = buffer if isinstance(buffer, (list, tuple)) else [buffer]  # one buffer, or consecutive ones
-        self.bytes_read += sum(memoryview(b).nbytes for b in parts)
+        self._count(key, sum(memoryview(b).nbytes for b in parts))
 
     def download_file(self, key: str, path: Any) -> None:
         self._inner.download_file(key, path)
-        self.bytes_read += os.path.getsize(path)
+        self._count(key, os.path.getsize(path))
+
+    def _count(self, key: str, size: int) -> None:
+        if key.startswith(f"{PREFIX}/"):
+            self.bytes_read += size
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
