@@ -19,6 +19,10 @@ follows a generation another started (a whole-group one: it restarts its workers
   ones killed with it, bumps the generation in its store and starts a replacement for each of the
   same rank. The survivors, whose collectives broke, see the new generation and rejoin it in place
   (:mod:`relaunch.components.core.trainer.inplace`); the replacement gets its state from its peer's replica.
+- A worker lost before it entered its generation's rendezvous (its mark, ``joined_key``, not set: a
+  replacement killed while it starts): its replacement goes into that same generation, whose
+  rendezvous still waits for the rank (a new one would leave the survivors waiting in that rendezvous
+  until its timeout). One lost after it entered may have left its address there: a new generation.
 - Every worker killed: the whole group starts again (a new generation; the store serves it).
 - Any other failure (a hang's 138, a bad input's 2, a divergence's 3, a preemption's 143): the
   existing path, the whole group stopped; restarted when the code is retryable and restarts are left,
@@ -63,7 +67,7 @@ from relaunch.components.core.runtime.zygote import CLIENT_PATH, CLIENT_SOURCE, 
 from relaunch.components.core.runtime.zygote_client import ZYGOTE_ENV
 from relaunch.components.core.runtime.generations import (
     DONE_KEY, END_KEY, GENERATION_ENV, GENERATION_KEY, NODE_ADDRESS_ENV, NODE_STARTS_KEY, REPLACE, RESTART,
-    generation_key,
+    generation_key, joined_key,
 )
 
 MODULE = "relaunch.components.launchers.inplace"  # ``python -m MODULE``: this agent
@@ -204,14 +208,15 @@ class InPlaceAgent:
         self.store.wait([generation_key(gen)])  # set right after the generation by the agent that started it
         return self.store.get(generation_key(gen)).decode()
 
-    def _new_generation(self, mode: str, *, join: bool = False) -> None:
-        """Start the next generation (``mode``: REPLACE, only the lost ranks start; RESTART, every rank),
-        or with ``join``, take the one another node's agent started since this agent's (the workers of
-        several nodes lost at once go into one generation)."""
+    def _new_generation(self, mode: str, *, lost: list[int] | None = None) -> None:
+        """Start the next generation (``mode``: REPLACE, only the lost ranks start; RESTART, every rank).
+        With ``lost`` (the ranks of this node's killed workers), take the current generation instead
+        when it still waits for them (:meth:`_waits_for`): the workers of several nodes lost at once, or
+        a worker lost before it entered the generation's rendezvous, go into that one."""
         self.restarts += 1
         current = int(self.store.get(GENERATION_KEY))
         while True:
-            if join and current > self.generation and self._mode(current) == REPLACE:
+            if lost and self._waits_for(current, lost):
                 self.generation = current
                 return
             seen = self.store.compare_set(GENERATION_KEY, str(current), str(current + 1)).decode()
@@ -220,6 +225,15 @@ class InPlaceAgent:
                 self.generation = current + 1
                 return
             current = int(seen)
+
+    def _waits_for(self, gen: int, ranks: list[int]) -> bool:
+        """Whether generation ``gen`` (this agent's, or a replacing one another node's agent started
+        since) can take replacements of ``ranks``: none of them entered its rendezvous, which then
+        still waits for each. One that did may have left its address there, which only a new
+        generation replaces."""
+        if gen > self.generation and self._mode(gen) != REPLACE:
+            return False
+        return not any(self.store.check([joined_key(gen, rank)]) for rank in ranks)
 
     def _losing(self) -> bool:
         """Whether a worker of this node has ended badly or is dying (a SIGKILL pending)."""
@@ -345,12 +359,15 @@ class InPlaceAgent:
                 continue
             if self.multi_node and self._followed():  # another node restarts the whole group: the lost start with it
                 continue
-            self._new_generation(REPLACE, join=self.multi_node)
+            before = self.generation
+            self._new_generation(REPLACE, lost=[self._rank(r) for r in failed])
             for local in failed:
                 old = self.workers[local].pid
                 self._start(local)
                 say(f"rank {self._rank(local)} (pid {old}) killed ({codes[local]}): replacement pid "
-                    f"{self.workers[local].pid} joins generation {self.generation}; survivors keep their processes"
+                    f"{self.workers[local].pid} joins generation {self.generation}"
+                    + (" (whose rendezvous still waits for the rank: it had not entered it)"
+                       if self.generation == before else "") + "; survivors keep their processes"
                     + (": " + " ".join(f"rank{self._rank(r)}={self.workers[r].pid}" for r in survivors)
                        if survivors else " (on other nodes)"))
 

@@ -1,5 +1,6 @@
 """The in-place agent with stand-in workers (:mod:`tests.launchers.inplace_worker`): a killed worker is
-replaced while the others keep their processes; any other failure takes the whole-group path and its
+replaced while the others keep their processes (in the same generation when it was lost before it entered
+that generation's rendezvous, which still waits for it; else in a new one); any other failure takes the whole-group path and its
 code; a SIGTERM of the agent reaches the workers and ends it with their code, restarting nothing. Across
 agents of two nodes sharing node 0's store: a worker killed on one node is replaced by its agent while
 every other rank, on both nodes, keeps its process; one node's bad input ends both with its code; a node
@@ -21,10 +22,10 @@ from relaunch.components.launchers.inplace import _dying
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def start(mode: str, nproc: int = 3) -> subprocess.Popen:
+def start(mode: str, nproc: int = 3, max_restarts: int = 1) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen([sys.executable, "-m", "relaunch.components.launchers.inplace", f"--nproc-per-node={nproc}",
-                             "--max-restarts=1", "-m", "tests.launchers.inplace_worker", mode],
+                             f"--max-restarts={max_restarts}", "-m", "tests.launchers.inplace_worker", mode],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -38,6 +39,28 @@ def test_a_killed_worker_is_replaced_and_the_others_keep_their_processes():
     replacement = re.findall(r"worker rank=1 pid=(\d+) generation=1", out)
     assert replacement and replacement[0] != first["1"], out
     assert "rank 1 (pid" in out and "killed (-9)" in out
+
+
+def test_a_replacement_lost_before_it_entered_the_rendezvous_is_replaced_in_the_same_generation():
+    agent = start("lost-before-joining", max_restarts=2)
+    out, _ = agent.communicate(timeout=120)
+    assert agent.returncode == 0, out
+    replacements = re.findall(r"worker rank=1 pid=(\d+) generation=1", out)
+    assert len(set(replacements)) == 2, out  # the first replacement, lost, and its own
+    assert "generation=2" not in out, out  # the survivors' rendezvous of generation 1 still waited for rank 1
+    assert "whose rendezvous still waits for the rank" in out, out
+    first = dict(re.findall(r"worker rank=([02]) pid=(\d+) generation=0", out))
+    assert dict(re.findall(r"worker rank=([02]) pid=(\d+) rejoined generation=1", out)) == first, out
+
+
+def test_a_replacement_lost_after_it_entered_the_rendezvous_is_replaced_in_a_new_generation():
+    agent = start("lost-after-joining", max_restarts=2)
+    out, _ = agent.communicate(timeout=120)
+    assert agent.returncode == 0, out
+    assert len(re.findall(r"worker rank=1 pid=\d+ generation=1", out)) == 1, out
+    assert re.search(r"worker rank=1 pid=\d+ generation=2", out), out  # its address may be in 1's: a new round
+    first = dict(re.findall(r"worker rank=([02]) pid=(\d+) generation=0", out))
+    assert dict(re.findall(r"worker rank=([02]) pid=(\d+) rejoined generation=2", out)) == first, out
 
 
 def test_a_bad_input_of_one_worker_stops_the_group_with_its_code_and_restarts_nothing():

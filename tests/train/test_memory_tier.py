@@ -153,6 +153,28 @@ def test_a_killed_rank_is_replaced_in_place_from_its_peers_replica_and_the_run_e
     assert_bitwise(final_params(cfg["store"]["uri"]), reference_params(tmp_path_factory, nproc, parallelism))
 
 
+@EXTENDED
+def test_a_replacement_killed_while_it_starts_is_replaced_in_the_same_round_which_the_survivor_still_waits_in(
+        tmp_path, tmp_path_factory):
+    cfg = config(tmp_path, "twice", "ddp", inject_failure="kill-worker@step=25")
+    cfg["train"]["memory_snapshot_every_steps"] = 1
+    agent = Agent(cfg, tmp_path, 2)  # cold: a replacement imports torch for a second before it rendezvouses
+    deadline = time.monotonic() + 120
+    while not (started := re.search(r"replacement pid (\d+)", agent.output())) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert started, agent.output()[-4000:]
+    os.kill(int(started[1]), signal.SIGKILL)
+    assert agent.wait() == 0, agent.output()[-4000:]
+    output = agent.output()
+    assert "whose rendezvous still waits for the rank" in output and "generation 2" not in output, output[-4000:]
+    survivor, replacement = sorted((r for r in agent.restores() if r["step"] >= 0), key=lambda r: r["rank"])
+    assert survivor["pid"] == agent.worker_pids()[0] and survivor["detail"] == "own", survivor
+    assert replacement["pid"] not in (int(started[1]), agent.worker_pids()[1]), replacement
+    assert all(r["source"] == "memory" and r["bytes"] == 0 and r["step"] == 25 for r in (survivor, replacement))
+    assert all(e["recovery_seconds"] < COLLECTIVE_TIMEOUT for e in agent.recoveries_in_place())
+    assert_bitwise(final_params(cfg["store"]["uri"]), reference_params(tmp_path_factory, 2, "ddp"))
+
+
 def test_two_ranks_holding_each_others_replicas_killed_together_fall_back_to_the_store_still_bitwise(
         tmp_path, tmp_path_factory):
     cfg = config(tmp_path, "both", "ddp")

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from relaunch.components.core.contract.classify import CarriedError
 from relaunch.components.core.contract.errors import BadInput, TransientFailure
+from relaunch.components.core.runtime.generations import GENERATION_ENV, joined_key
 from relaunch.components.core.runtime.net import free_port
 
 if TYPE_CHECKING:
@@ -186,6 +187,8 @@ def _restart_scoped_store(env: DistEnv, timeout: datetime.timedelta):
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     client = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
+    if os.environ.get(GENERATION_ENV):  # the in-place agent's worker: it tells the agent it enters this round
+        client.set(joined_key(env.restart_count, env.rank), "1")
     return dist.PrefixStore(f"/relaunch/restart_{env.restart_count}/", client)
 
 

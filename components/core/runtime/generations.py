@@ -13,6 +13,16 @@ def generation_key(generation: int) -> str:
     return f"{GENERATION_KEY}/{generation}"
 
 
+JOINED_KEY = "relaunch/inplace/joined"
+"""``{key}/{generation}/{rank}``: set by a worker right before it enters ``generation``'s rendezvous. A rank
+lost without it never touched that rendezvous, which still waits for the rank: its replacement joins the
+same generation. A rank lost with it may have left its address there: its replacement needs a new one."""
+
+
+def joined_key(generation: int, rank: int) -> str:
+    return f"{JOINED_KEY}/{generation}/{rank}"
+
+
 REPLACE = "replace"
 """A generation's mode (the value of its key): only the lost ranks start; the survivors rejoin."""
 RESTART = "restart"
