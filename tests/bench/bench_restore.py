@@ -260,7 +260,7 @@ def _fs_rows(mib: int, work: Path, threads: int) -> list[dict]:
                      f"{_fractions(seen['raw'])}, ours {_fractions(seen['ours'])}; {load}"))
     rows.append(_row(None, "restore into a held model+optimizer / raw read + XXH3-128 of every block, fs", checked / o,
                      f"the same raw read with each block hashed right after it is read (the check ours makes, "
-                     f"same library, which holds the GIL) {checked:.3f} s vs ours {o:.3f} s; the raw read alone "
+                     f"same library; it releases the GIL, so what it costs is the cores' time) {checked:.3f} s vs ours {o:.3f} s; the raw read alone "
                      f"{r:.3f} s: the check's share of the limit {1 - r / checked:.0%}"))
     return rows
 
