@@ -25,6 +25,14 @@ def pytest_configure(config):
     signal.signal(signal.SIGTERM, _interrupt)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Files with slow tests first, each file's tests in their order: pytest-xdist (``--dist loadfile``)
+    hands out whole files in this order, so the long files start early and short ones fill the end,
+    instead of the alphabet's last folders (train, tune: long trainings and studies) running alone."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
+
+
 def pytest_sessionfinish(session, exitstatus):
     from tests import warm_processes
 
