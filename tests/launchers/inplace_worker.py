@@ -30,13 +30,16 @@ VICTIM_DONE = "test/victim-done"
 def main() -> int:
     mode, rank, gen = sys.argv[1], int(os.environ["RANK"]), int(os.environ[GENERATION_ENV])
     victim = int(sys.argv[2]) if len(sys.argv) > 2 else 1
-    print(f"worker rank={rank} pid={os.getpid()} generation={gen}", flush=True)
     try:
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                               timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
         if mode.startswith("lost-") and rank == victim:
+            print(f"worker rank={rank} pid={os.getpid()} generation={gen}", flush=True)
             return lost_victim(mode, store, rank, gen)
+        # marked before it says it runs (a test may kill it then): a real worker is marked before its
+        # peers can train with it
         store.set(joined_key(gen, rank), "1")
+        print(f"worker rank={rank} pid={os.getpid()} generation={gen}", flush=True)
     except dist.DistError:
         print(f"worker rank={rank} pid={os.getpid()}: the store is gone", flush=True)
         return 138
