@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
-import pytest
+import datetime
+import os
+import subprocess
+import sys
+from pathlib import Path
 
-from relaunch.components.core.runtime.distributed import read_env
+import pytest
+import torch.distributed as dist
+
 from relaunch.components.core.contract.errors import BadInput
+from relaunch.components.core.runtime.distributed import read_env
+from relaunch.components.core.runtime.generations import GENERATION_ENV, joined_key
+from relaunch.components.core.runtime.net import free_port
 
 
 def test_the_distributed_environment_comes_from_torchrun_and_training_operator_variables(monkeypatch):
@@ -21,20 +30,9 @@ def test_the_distributed_environment_comes_from_torchrun_and_training_operator_v
         read_env()
 
 
-def test_an_in_place_worker_marks_its_generation_joined_before_it_waits_in_the_rendezvous(tmp_path):
+def test_an_in_place_worker_marks_its_generation_joined_before_it_waits_in_the_rendezvous():
     """The in-place agent replaces a lost rank within its generation only when the rank never entered that
     generation's rendezvous: the worker's mark must be there even when the rendezvous never completes."""
-    import datetime
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    import torch.distributed as dist
-
-    from relaunch.components.core.runtime.generations import GENERATION_ENV, joined_key
-    from relaunch.components.core.runtime.net import free_port
-
     port = free_port()
     agent_store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                                 timeout=datetime.timedelta(seconds=30))

@@ -33,13 +33,14 @@ def main() -> int:
     try:
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                               timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
-        if mode.startswith("lost-") and rank == victim:
-            print(f"worker rank={rank} pid={os.getpid()} generation={gen}", flush=True)
-            return lost_victim(mode, store, rank, gen)
-        # marked before it says it runs (a test may kill it then): a real worker is marked before its
-        # peers can train with it
-        store.set(joined_key(gen, rank), "1")
+        lost = mode.startswith("lost-") and rank == victim  # marks itself when its mode says (lost_victim)
+        if not lost:
+            # marked before it says it runs (a test may kill it then): a real worker is marked before its
+            # peers can train with it
+            store.set(joined_key(gen, rank), "1")
         print(f"worker rank={rank} pid={os.getpid()} generation={gen}", flush=True)
+        if lost:
+            return lost_victim(mode, store, rank, gen)
     except dist.DistError:
         print(f"worker rank={rank} pid={os.getpid()}: the store is gone", flush=True)
         return 138
@@ -88,6 +89,7 @@ def lost_victim(mode: str, store, rank: int, gen: int) -> int:
     store.set(joined_key(gen, rank), "1")
     store.set(VICTIM_DONE, "1")
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -233,6 +233,7 @@ def test_the_pod_entrypoint_supervises_the_in_place_agent_and_recovers_from_memo
     assert started and not started & {int(m[2]) for m in recovery}, output[-4000:]
     assert "starting the worker cold" not in output
 
+
 def two_nodes(cfg: dict, tmp_path: Path, nproc: int) -> list[Agent]:
     port = free_port()
     return [Agent(cfg, tmp_path, nproc, node=(node, 2, port)) for node in (0, 1)]

@@ -180,7 +180,9 @@ def _restart_scoped_store(env: DistEnv, timeout: datetime.timedelta):
     torchrun 2.13 shares one TCPStore server across rendezvous rounds and no longer prefixes the
     workers' keys per attempt, so a restarted rank can read the gloo address a dead rank published
     in the previous round and fail with "connectFullMesh ... Connection refused" (seen here about
-    one restart in three). A prefix per restart count gives each round fresh keys.
+    one restart in three). A prefix per restart count gives each round fresh keys. A worker of the
+    in-place agent also marks, before any key of the round, that it enters it (``joined_key``: the
+    agent replaces a rank lost without that mark within the same round).
     """
     import torch.distributed as dist
 
