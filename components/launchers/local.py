@@ -87,9 +87,9 @@ def launch(config: RelaunchConfig, *, pipeline_run_id: str, resume_from: str | N
     config = config.model_copy(deep=True)
     if resume_from:
         config.train.resume_from = resume_from
+    config.train.memory_tier = in_place = runs_in_place(config)  # the workers get the setting resolved
     job_id = re.sub(r"[^a-zA-Z0-9-]", "-", f"{config.name}-{pipeline_run_id or 'manual'}")[:60]
     spec = job_spec(config)
-    in_place = runs_in_place(config)
     warm = runtime_warm.forked and not os.environ.get(COLD_ENV)
     commands = build_commands(spec, job_id=job_id, port=config.launch.rdzv_port or free_port(), warm=warm,
                               in_place=in_place)

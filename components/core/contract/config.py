@@ -212,7 +212,7 @@ class TrainConfig(_Model):
     checkpoint_every_seconds: float | None = Field(None, gt=0, description="Save at most every T seconds.")
     checkpoint_at_epoch_end: bool = Field(True, description="Save when an epoch ends.")
     async_save: bool = Field(True, description="Persist checkpoints in the background.")
-    memory_tier: bool = Field(False, description="Recover from memory: each rank keeps a snapshot of its state and a replica of one peer's (2x its shard of host memory); a killed worker is replaced in place, the survivors keep their processes (the in-place agent on every node instead of torchrun: locally one per simulated node, in a TrainJob's or PyTorchJob's pods under the supervisor; node 0's hosts the group's store).")
+    memory_tier: bool | None = Field(None, description="Recover from memory: each rank keeps a snapshot of its state and a replica of one peer's (2x its shard of host memory); a killed worker is replaced in place, the survivors keep their processes (the in-place agent on every node instead of torchrun: locally one per simulated node, in a TrainJob's or PyTorchJob's pods under the supervisor; node 0's hosts the group's store). Unset: on for a local launch of more than one rank in a fixed group, off otherwise (on a cluster until one confirms the in-pod path, docs/cluster.md item 17); false turns it off.")
     memory_snapshot_every_steps: int | None = Field(None, ge=0, description="With memory_tier: snapshot the state into memory every this many steps, beside the training (the optimizer step waits only for the copy, never for the hand-over to the peer); a failure then recomputes at most the steps since. Unset: as often as keeps the training's time on snapshots under 0.1% (every step of a step over ~0.1 s). 0: only each committed checkpoint is kept.")
     store_unwritable_saves: int = Field(3, ge=1, description="Failed saves in a row, the store full or read-only, after which the training stops (exit 2); it goes on past fewer.")
     keep_last: int = Field(3, ge=1, description="Committed checkpoints kept by recency.")
@@ -473,6 +473,18 @@ class TuneConfig(_Model):
         if self.parallel > self.trials:
             raise ValueError(f"parallel={self.parallel} exceeds trials={self.trials}; lower tune.parallel")
         return self
+
+
+def memory_tier_on(config: "RelaunchConfig") -> bool:
+    """Whether ``config``'s training recovers from memory: ``train.memory_tier`` when set; unset, where
+    relaunch's in-place agent is tested end to end (a local launch) with a peer to hold each rank's
+    replica and a fixed group. A cluster's jobs opt in (docs/cluster.md item 17)."""
+    if config.train.memory_tier is not None:
+        return config.train.memory_tier
+    launch = config.launch
+    backend = launch_backend(launch.backend)
+    fixed = launch.min_nodes is None or launch.min_nodes == launch.nodes
+    return backend.in_place and not backend.cluster and launch.world_size > 1 and fixed
 
 
 class RelaunchConfig(_Model):

@@ -31,6 +31,7 @@ import torch
 
 from relaunch.components.core.checkpoint.layout import MANIFEST, PREFIX, checkpoint_steps, step_key
 from relaunch.components.core.checkpoint.memory_tier import MemoryTier, restore_into
+from relaunch.components.core.contract.config import memory_tier_on
 from relaunch.components.core.contract.events import Kind, emit
 from relaunch.components.core.runtime import distributed as distr
 from relaunch.components.core.runtime.generations import GENERATION_ENV, GENERATION_KEY, NODE_ADDRESS_ENV, generation_key
@@ -224,7 +225,7 @@ class InPlace:
     def for_worker(cls, config, env: distr.DistEnv, store: Any) -> "InPlace | None":
         """The in-place side of this worker when ``train.memory_tier`` is on and the in-place agent
         started it (else None: torchrun's whole-group restart, the store)."""
-        if not config.train.memory_tier or generation() is None or not env.launched:
+        if not memory_tier_on(config) or generation() is None or not env.launched:
             return None
         return cls(config, env, store if isinstance(store, CountingStore) else CountingStore(store))
 
