@@ -191,6 +191,8 @@ def _stop(agents: list[subprocess.Popen], grace: float) -> None:
 def _outcome(config: RelaunchConfig, codes: list[int], watch: "AgentWatch", started: float) -> int:
     if all(c == 0 for c in codes):
         return ExitCode.OK
+    if watch.ended_for_good():  # the agents were stopped for rank 0's permanent ending: their codes echo that stop
+        return int(watch.rank0_exit["exit_code"])
     code = exit_code(config, next(c for c in codes if c != 0), started, reported=watch.worker_exit_code)
     if code == ExitCode.KILLED and watch.rank0_exit is not None:  # no record, but rank 0 said how it ended
         return int(watch.rank0_exit["exit_code"])

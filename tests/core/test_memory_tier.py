@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import datetime
 import random
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -26,7 +28,7 @@ def registry():
 
 
 def committed_snapshot(state):
-    """What a save hands the tier after its commit: the CPU snapshot of the state."""
+    """What a save hands the tier: the CPU snapshot of the state it writes."""
     return Snapshotter().take(state)
 
 
@@ -79,7 +81,7 @@ def test_the_holder_keeps_a_peers_replica_and_hands_it_to_the_replacement(regist
         states = [make_state(seed=rank) for rank in range(world)]
         for rank, state in enumerate(states):
             train_steps(state, 2)
-            tiers[rank].committed(2, committed_snapshot(state), "sha256:model")
+            tiers[rank].keep(2, committed_snapshot(state), "sha256:model")
         # rank 1 is replaced: its new tier holds nothing of its own, and asks rank 2 (its holder)
         assert holder_of(1, world) == 2
         tiers[1].close()
@@ -96,7 +98,7 @@ def test_the_holder_keeps_a_peers_replica_and_hands_it_to_the_replacement(regist
 def test_a_rank_whose_holder_is_gone_too_gets_nothing_from_memory(registry):
     tiers = [MemoryTier(rank, 2, registry) for rank in range(2)]
     state = make_state()
-    tiers[0].committed(5, committed_snapshot(state), None)
+    tiers[0].keep(5, committed_snapshot(state), None)
     tiers[1].close()  # the holder of rank 0's replica is lost
     fresh = MemoryTier(0, 2, registry)
     try:
@@ -116,7 +118,7 @@ def test_the_tier_holds_its_own_snapshot_and_one_replica_2x_the_shard_reused_fro
             buffers = []
             for rank, state in enumerate(states):
                 train_steps(state, 1)
-                tiers[rank].committed(step, committed_snapshot(state), None)
+                tiers[rank].keep(step, committed_snapshot(state), None)
             for tier in tiers:
                 held = tier.bytes_held()
                 assert held == {"own": shard, "replica": shard}, held
@@ -175,10 +177,10 @@ def test_the_tier_keeps_the_newer_of_a_step_snapshot_and_a_later_commits_older_o
     older = committed_snapshot(state)
     train_steps(state, 3)
     tier.keep(5, committed_snapshot(state), None)
-    tier.committed(2, older, None)  # the commit of step 2 lands after the snapshot of step 5
+    tier.keep(2, older, None)  # the save of step 2 hands its copy over after the snapshot of step 5
     assert tier.own[0]["step"] == 5
     tier.drop_own()  # the training went back to the store's step 2
-    tier.committed(2, older, None)
+    tier.keep(2, older, None)
     assert tier.own[0]["step"] == 2
     tier.close()
 
@@ -205,3 +207,68 @@ def test_the_bytes_a_restore_reads_from_the_store_count_checkpoints_not_the_trac
     store.read_bytes(f"{step_key(20)}/shard-0")
     store.read_into(f"{step_key(20)}/shard-0", 100, bytearray(200))
     assert store.bytes_read == 500
+
+
+def held_at_the_commit_point(tmp_path):
+    """A file store that holds the commit point (a manifest's write) until ``heal()``."""
+    from relaunch.components.core.checkpoint.layout import MANIFEST
+    from relaunch.components.core.store import open_store
+    from tests.core.store_hooks import Partition
+
+    return Partition(open_store(str(tmp_path / "store")),
+                     lambda name, args: name == "write_bytes" and str(args[0]).endswith(MANIFEST))
+
+
+def save_step_2(store, on_snapshot):
+    """A trained state and the manager saving it as step 2 to ``store``, ``on_snapshot`` its callback."""
+    from relaunch.components.core.checkpoint.manager import CheckpointManager
+
+    state = make_state()
+    train_steps(state, 2)
+    manager = CheckpointManager(store, keep_last=2, owner="tier-test")
+    manager.on_snapshot(on_snapshot)
+    manager.save(2, state)
+    return state, manager
+
+
+def test_a_saves_copy_reaches_the_tier_before_the_store_commits_it(tmp_path, registry):
+    # a slow upload must not leave the tier on an older state: a rank lost during it would then be
+    # served a step its peers no longer hold, and every rank would read the store
+    tier = MemoryTier(0, 1, registry)
+    handed = threading.Event()
+
+    def keep(step, snapshot):
+        tier.keep(step, snapshot, None)
+        handed.set()
+
+    store = held_at_the_commit_point(tmp_path)
+    state, manager = save_step_2(store, keep)
+    try:
+        assert store.cut.wait(30), "the save never reached its commit point"
+        assert handed.wait(30), "the tier got the save's copy only after its commit"
+        assert tier.own[0]["step"] == 2
+        assert_bitwise_equal(fingerprint(make_state_like(state, *tier.own)), fingerprint(state))
+    finally:
+        store.heal()
+        manager.close()
+    assert manager.latest().step == 2
+    tier.close()
+
+
+def test_a_commit_does_not_wait_for_the_tiers_hand_over(tmp_path):
+    # the hand-over to a peer may be slow (its holder gone, a busy link): the checkpoint commits anyway
+    from relaunch.components.core.checkpoint.layout import MANIFEST, step_key
+    from relaunch.components.core.store import open_store
+
+    store = open_store(str(tmp_path / "store"))
+    seen_committed = []
+
+    def slow_hand_over(step, snapshot):
+        deadline = time.monotonic() + 30
+        while not store.exists(f"{step_key(step)}/{MANIFEST}") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen_committed.append(store.exists(f"{step_key(step)}/{MANIFEST}"))
+
+    _, manager = save_step_2(store, slow_hand_over)
+    manager.close()
+    assert seen_committed == [True]

@@ -29,7 +29,8 @@ def test_a_worker_killed_at_step_25_of_40_on_a_gs_store_restarts_once_resumes_an
 
     root = gcs_server.root("e2e")
     out = _relaunch_run(tmp_path, gcs_server, "--set", "train.max_steps=40", "--set", f"store.uri={root}",
-                        "--set", "evaluate.gate_min=0.0", "--inject-failure", "kill-worker@step=25")
+                        "--set", "evaluate.gate_min=0.0", "--inject-failure", "kill-worker@step=25",
+                        "--set", "train.memory_tier=false")  # a restart reads the store, which is what this tests
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     os.environ["STORAGE_EMULATOR_HOST"] = gcs_server.endpoint
     try:

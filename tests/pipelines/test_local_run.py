@@ -121,21 +121,26 @@ def test_a_whole_pipeline_run_leaves_no_temp_directory_of_ours_behind(embedded):
     assert sorted(p.name for p in (cwd / "tmp").glob("relaunch-*")) == []
 
 
-def resumed_step(cwd: Path) -> int:
-    """Where the second attempt started: the newest checkpoint committed before the kill at step 30
-    (30 normally; 20 when the async save of 30 was still in flight)."""
-    first, second = summary_of(newest_training(str(cwd / ".relaunch/store")))["resumed_from_steps"]
-    assert first == -1
-    return second
+def in_place_recovery(cwd: Path) -> dict:
+    """The one recovery of the worker killed at step 30 (the memory tier, on by default for two ranks):
+    inside the first attempt, from the newest snapshot every rank could serve."""
+    summary = summary_of(newest_training(str(cwd / ".relaunch/store")))
+    assert summary["resumed_from_steps"] == [-1]  # one attempt: nothing started again
+    (recovery,) = summary["goodput"]["in_place"]
+    return recovery
 
 
-def test_the_training_resumed_from_the_last_checkpoint_before_the_kill(embedded):
+def test_the_killed_worker_was_replaced_in_place_its_state_from_its_peers_memory(embedded):
     cwd, _ = embedded
-    step = resumed_step(cwd)
-    assert step in (20, 30)
+    recovery = in_place_recovery(cwd)
+    assert recovery["lost_at_step"] == 30 and 0 < recovery["resumed_step"] <= 30
     resumed = [e for e in events(cwd) if e["kind"] == "resumed"]
-    assert [e["step"] for e in resumed] == [-1, step]
-    assert resumed[-1]["uri"].endswith(f"checkpoints/step-{step:012d}")
+    assert [e["step"] for e in resumed] == [-1, recovery["resumed_step"]] and resumed[-1]["in_place"]
+    # memory, unless the kill fell inside a snapshot's hand-over to its peer (then every rank read the store)
+    assert (resumed[-1]["source"], resumed[-1]["store_bytes_read"] == 0) in (("memory", True), ("store", False))
+    assert resumed[-1]["uri"] == (f"memory://step-{recovery['resumed_step']}" if resumed[-1]["source"] == "memory"
+                                  else f"{newest_training(str(cwd / '.relaunch/store'))}/checkpoints/"
+                                       f"step-{recovery['resumed_step']:012d}")
 
 
 def test_the_embedded_run_keeps_its_data_under_dot_relaunch(embedded):
@@ -166,9 +171,10 @@ def test_each_relaunch_run_is_a_new_training_with_its_own_mlflow_run_and_both_fi
     assert plain.info.status == killed.info.status == "FINISHED"
     assert "eval_test_accuracy" in killed.data.metrics and killed.data.params["launch.nodes"] == "2"
     assert newest_training(str(cwd / ".relaunch/store")) != first_training
-    assert plain.data.tags["relaunch.restarts"] == "0" and killed.data.tags["relaunch.restarts"] == "1"
+    assert plain.data.tags["relaunch.restarts"] == killed.data.tags["relaunch.restarts"] == "0"  # replaced in place
     assert summary_of(first_training)["resumed_from_steps"] == [-1]
-    assert "0 torchrun restart(s)" in first.stdout and "1 torchrun restart(s)" in second.stdout
+    assert "0 in-place agent restart(s)" in first.stdout and "0 in-place agent restart(s)" in second.stdout
+    assert "recovered        in place from" in second.stdout and "recovered" not in first.stdout
     assert "relaunch-digits version 1" in first.stdout  # what the README's first demo line promises
 
 
@@ -181,17 +187,17 @@ def test_resuming_a_training_that_reached_its_end_says_so_in_one_line_and_trains
     assert len(_runs(cwd)) == 2
 
 
-def test_every_attempt_of_the_killed_training_is_recorded_on_its_run_the_killed_one_included(demo, tmp_path):
+def test_the_in_place_recovery_is_recorded_on_the_run_inside_its_one_attempt(demo, tmp_path):
     cwd, _, _, second, _ = demo
     run = _runs(cwd)[1]
     tags = run.data.tags
-    assert (tags["relaunch.attempts"], tags["relaunch.last_exit_code"]) == ("2", "0")
-    first, again = _artifact(f"sqlite:///{cwd}/.relaunch/mlflow.db", run, "relaunch/attempts.json", tmp_path)
-    assert (first["resumed_from_step"], first["exit_code"]) == (-1, ExitCode.KILLED)  # its survivor is a peer of it
-    assert first["last_step"] >= again["resumed_from_step"] > 0
-    assert (again["exit_code"], again["last_step"]) == (0, 40)
-    assert all(a["start"] <= a["end"] for a in (first, again))
-    assert "attempt 1: a peer worker was killed" in second.stdout and "-> exit 137, retrying" in second.stdout
+    assert (tags["relaunch.attempts"], tags["relaunch.last_exit_code"]) == ("1", "0")
+    (attempt,) = _artifact(f"sqlite:///{cwd}/.relaunch/mlflow.db", run, "relaunch/attempts.json", tmp_path)
+    assert (attempt["resumed_from_step"], attempt["exit_code"], attempt["last_step"]) == (-1, 0, 40)
+    goodput = _artifact(f"sqlite:///{cwd}/.relaunch/mlflow.db", run, "goodput/goodput.json", tmp_path)
+    assert [(r["lost_at_step"], r["resumed_step"]) for r in goodput["in_place"]] == \
+        [(30, in_place_recovery(cwd)["resumed_step"])]
+    assert "recovered in place from" in second.stdout and "exit 137, retrying" not in second.stdout
 
 
 def test_the_checkpoint_history_is_one_artifact_naming_existing_and_deleted_checkpoints(demo, tmp_path):
@@ -205,14 +211,14 @@ def test_the_checkpoint_history_is_one_artifact_naming_existing_and_deleted_chec
     for c in history:
         folder = training / "checkpoints" / f"step-{c['step']:012d}"
         assert folder.is_dir() != (c in deleted), c
-        assert c["uri"].endswith(f"checkpoints/{folder.name}") and c["attempt"] in (1, 2)
+        assert c["uri"].endswith(f"checkpoints/{folder.name}") and c["attempt"] == 1
 
 
 def test_single_number_summaries_are_tags_and_a_goodput_figure_not_metric_series(demo):
     cwd, *_ = demo
     run = _runs(cwd)[1]
     assert not [k for k in run.data.metrics if k.startswith(("goodput/", "tracking/"))]
-    assert 0 < float(run.data.tags["goodput.ettr"]) <= 1 and run.data.tags["goodput.attempts"] == "2"
+    assert 0 < float(run.data.tags["goodput.ettr"]) <= 1 and run.data.tags["goodput.attempts"] == "1"
     client = MlflowClient(f"sqlite:///{cwd}/.relaunch/mlflow.db")
     assert {a.path for a in client.list_artifacts(run.info.run_id, "goodput")} == {"goodput/goodput.png",
                                                                                   "goodput/goodput.json"}
@@ -229,13 +235,14 @@ def test_the_registered_versions_come_one_per_training_and_their_checkpoints_are
     assert list((Path(training) / "checkpoints/pins").iterdir())
 
 
-def test_the_output_is_a_line_per_step_and_a_summary_with_the_restart(embedded):
+def test_the_output_is_a_line_per_step_and_a_summary_with_the_recovery(embedded):
     cwd, out = embedded
     text = out.stdout
     for step in ("prepare", "locate-latest-checkpoint", "launch", "evaluate", "register", "finalize"):
         assert f"✓ {step}" in text
     for needle in ("MLflow run", "make ui", "checkpoints", "metrics", "relaunch-digits version 2",
-                   "challenger", "ETTR", "torchrun restart(s)", f"resumed from step {resumed_step(cwd)}"):
+                   "challenger", "ETTR", "in-place agent restart(s)",
+                   f"resumed at step {in_place_recovery(cwd)['resumed_step']} in"):
         assert needle in text, needle
     assert "KFP Executor" not in text  # kfp.local's chatter went to the log file
 
@@ -269,7 +276,7 @@ def test_a_preempted_training_checkpoints_exits_143_and_resumes(preempted, tmp_p
     # what the README's preempt row promises, on the terminal
     assert f"checkpoint at step {stopped_at} committed -> exit 143, retrying" in failed.stdout, failed.stdout[-3000:]
     assert summary_of(newest_training(str(cwd / ".relaunch/store")))["resumed_from_steps"] == [-1, stopped_at]
-    assert "1 torchrun restart(s), 0 launch retries" in failed.stdout, failed.stdout[-3000:]
+    assert "1 in-place agent restart(s), 0 launch retries" in failed.stdout, failed.stdout[-3000:]
 
 
 def test_resume_after_a_failed_register_finishes_the_pipeline_in_the_same_run_without_training(preempted):
@@ -290,7 +297,7 @@ def test_resume_after_a_failed_register_finishes_the_pipeline_in_the_same_run_wi
     training = newest_training(str(cwd / ".relaunch/store"))
     assert version.run_id == run.info.run_id
     assert version.tags["relaunch.checkpoint_uri"] == f"{training}/checkpoints/step-000000000040"
-    for needle in ("relaunch-digits version 1", "1 torchrun restart(s)", f"runs/{run.info.run_id}?workflowType"):
+    for needle in ("relaunch-digits version 1", "1 in-place agent restart(s)", f"runs/{run.info.run_id}?workflowType"):
         assert needle in finished.stdout, needle
 
 
@@ -303,7 +310,7 @@ def test_a_storage_outage_on_s3_is_absorbed_and_the_pipeline_finishes(tmp_path, 
                        "--set", "registry.model_name=e2e-digits", "--set", "evaluate.gate_min=0.1")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "inject storage-outage: the store fails for 3 s" in pipeline_log(tmp_path)
-    assert "0 torchrun restart(s), 0 launch retries" in out.stdout
+    assert "0 in-place agent restart(s), 0 launch retries" in out.stdout
     training = newest_training("s3://relaunch-e2e/run")
     assert summary_of(training)["last_committed_step"] == 40
     client = MlflowClient(mlflow_server.uri)

@@ -52,11 +52,19 @@ def _trainings(cwd: Path) -> list[dict]:
     return json.loads(done.stdout)
 
 
-@pytest.mark.parametrize("mode", ["warm", pytest.param("cold", marks=pytest.mark.ci_lane)])  # cold: the warm case in make test
+AGENTS = {"warm": "relaunch.components.launchers.inplace", "cold": "relaunch.components.launchers.inplace",
+          "torchrun": "torch.distributed.run"}
+
+
+@pytest.mark.parametrize("mode", ["warm", pytest.param("cold", marks=pytest.mark.ci_lane),
+                                  pytest.param("torchrun", marks=pytest.mark.ci_lane)])  # the warm case in make test
 def test_sigkill_of_relaunch_run_leaves_no_process_of_the_run_and_the_training_is_shown_interrupted(tmp_path, mode):
-    """Warm (the default): forks of the warm servers; cold: every step, agent and worker a fresh interpreter
-    under kfp.local's ``sh``, as on a cluster."""
-    proc = subprocess.Popen([RELAUNCH, "run", *TRAINING, *(["--cold"] if mode == "cold" else [])], cwd=tmp_path,
+    """Warm (the default): forks of the warm servers, under the in-place agents of the memory tier; cold:
+    every step, agent and worker a fresh interpreter under kfp.local's ``sh``, as on a cluster; torchrun:
+    warm, the tier off, so torchrun's agents."""
+    options = {"warm": [], "cold": ["--cold"], "torchrun": ["--set", "train.memory_tier=false"]}[mode]
+    agent = AGENTS[mode]
+    proc = subprocess.Popen([RELAUNCH, "run", *TRAINING, *options], cwd=tmp_path,
                             stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     tree: list[psutil.Process] = []
@@ -70,13 +78,13 @@ def test_sigkill_of_relaunch_run_leaves_no_process_of_the_run_and_the_training_i
         assert running["state"] == "running", running
         tree = psutil.Process(proc.pid).children(recursive=True)
         commands = [" ".join(p.cmdline()) for p in _alive(tree)]
-        assert sum("torch.distributed.run" in c for c in commands) == 2, commands  # agents in their own sessions
-        if mode == "warm":  # two warm servers, the launch step, the agents, two zygote clients and their two
+        assert sum(agent in c for c in commands) == 2, commands  # agents in their own sessions
+        if mode != "cold":  # two warm servers, the launch step, the agents, two zygote clients and their two
             # workers (forks of the full server), and the guardian
-            assert sum("zygote_client.py" in c and "torch.distributed.run" not in c for c in commands) == 2, commands
+            assert sum("zygote_client.py" in c and agent not in c for c in commands) == 2, commands
             assert len(commands) >= 9, commands
         else:  # kfp.local's sh, the launch step, the agents, their workers, and the guardian
-            assert sum("-m relaunch.components.train " in c and "torch.distributed.run" not in c for c in commands) == 2, commands
+            assert sum("-m relaunch.components.train " in c and agent not in c for c in commands) == 2, commands
         os.kill(proc.pid, signal.SIGKILL)
         killed_at = time.monotonic()
         proc.wait()
