@@ -96,7 +96,7 @@ def run(quick: bool = False) -> list[dict]:
                              timeout=datetime.timedelta(seconds=60))
     state = build_state(mib)
     owner, holder = MemoryTier(0, 2, registry), MemoryTier(1, 2, registry)
-    owner.committed(1, Snapshotter().take(state), None)
+    owner.keep(1, Snapshotter().take(state), None)
     held = owner.bytes_held()["own"]
     shard = held
     restores, raws, touched, survivors, copies = [], [], [], [], []

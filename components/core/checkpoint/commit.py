@@ -83,9 +83,9 @@ class Committer:
         self._step_hooks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its hook's handle
         self._pending: SaveJob | None = None
         self._last_info: CheckpointInfo | None = None
-        # called on the save's thread once a save committed, with (step, its CPU snapshot): the memory
-        # tier keeps that snapshot; its failure is said, never the save's
-        self.on_commit: Callable[[int, Any], None] | None = None
+        # called with (step, its CPU snapshot) once a save's copy is made, on a thread beside the save's
+        # writes: the memory tier keeps that snapshot; its failure is said, never the save's
+        self.on_snapshot: Callable[[int, Any], None] | None = None
 
     def save(self, step: int, state: Any, metrics: dict | None = None, epoch: int = 0, *, defer_copy: bool = False,
              take_lease: Callable[[], None] | None = None, keep_alive: Any = None) -> None:
@@ -199,14 +199,13 @@ class Committer:
     def _run_job(self, job: SaveJob, keep_alive: Any = None) -> None:
         try:
             copy_deferred(job)
-            job.info = self._persist(job)
+            handing = self._hand_over(job)
+            try:
+                job.info = self._persist(job)
+            finally:
+                if handing is not None:
+                    handing.join()
             self.last_save_seconds = time.perf_counter() - job.started
-            if self.on_commit is not None:
-                try:
-                    self.on_commit(job.step, job.snapshot)
-                except Exception as err:  # noqa: BLE001 - the tier is a cache: the store has the commit
-                    print(f"relaunch: memory tier: step {job.step} not kept in memory: {err}", file=sys.stderr,
-                          flush=True)
         except BaseException as err:  # noqa: BLE001 - surfaces at the next save()/wait()
             job.error = err
             if self.ranks.rank == 0:  # every rank has the error now (the save's steps agree on it)
@@ -228,6 +227,24 @@ class Committer:
             self.store.delete_many(self.store.list(key + "/"))
         except Exception:  # noqa: BLE001 - best effort on a sick store; the save's own error is what counts
             pass
+
+    def _hand_over(self, job: SaveJob) -> threading.Thread | None:
+        """``on_snapshot`` with the save's copy, beside its writes: the tier holds the saved step while
+        the store is still being written (a slow upload would otherwise leave it on an older state,
+        which a rank lost during the upload could not be served at), and the commit never waits for
+        the tier's hand-over to a peer."""
+        if self.on_snapshot is None:
+            return None
+
+        def hand_over() -> None:
+            try:
+                self.on_snapshot(job.step, job.snapshot)
+            except Exception as err:  # noqa: BLE001 - the tier is a cache: the store has the save
+                print(f"relaunch: memory tier: step {job.step} not kept in memory: {err}", file=sys.stderr, flush=True)
+
+        thread = threading.Thread(target=hand_over, name=f"memory-tier-save-{job.step}", daemon=True)
+        thread.start()
+        return thread
 
     def _persist(self, job: SaveJob) -> CheckpointInfo:
         import torch.distributed as dist

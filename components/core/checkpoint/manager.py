@@ -302,10 +302,11 @@ class CheckpointManager:
             self.leases.close(release=self.ranks.rank == 0)
             self.loader.close()
 
-    def on_commit(self, callback: Any) -> None:
-        """Call ``callback(step, snapshot)`` on the save's thread once each save committed, with the CPU
-        snapshot it wrote (the memory tier keeps it); its failure is printed, never the save's."""
-        self.committer.on_commit = callback
+    def on_snapshot(self, callback: Any) -> None:
+        """Call ``callback(step, snapshot)`` with each save's CPU snapshot once it is copied, on a thread
+        beside the save's writes, which the save's end waits for (the memory tier keeps it); its failure
+        is printed, never the save's."""
+        self.committer.on_snapshot = callback
 
     def abandon(self, wait_seconds: float = 30.0) -> None:
         """Close after the process group broke under the manager (a peer was killed and the survivors

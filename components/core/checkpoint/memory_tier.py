@@ -1,9 +1,9 @@
-"""The in-memory tier of the checkpoints: each rank's last committed snapshot in host memory, and a
+"""The in-memory tier of the checkpoints: each rank's newest snapshot in host memory, and a
 replica of one peer's, so that a killed worker's replacement and its survivors restore without the store.
 
     tier = MemoryTier(rank, world_size, registry)      # registry: a key-value store every rank reaches
-    tier.keep(step, snapshot, fingerprint)             # a step's snapshot (a thread beside the training), or
-    tier.committed(step, snapshot, fingerprint)        # a commit's (the save's background thread)
+    tier.keep(step, snapshot, fingerprint)             # a step's snapshot (a thread beside the training), or a
+                                                       # save's copy (beside the store's writes)
     held, where = tier.own_or_from_holder()            # at a (re)start: this rank's committed state, or None
     restore_into(state, *held)                         # copied into the memory the state already holds
 
@@ -18,8 +18,8 @@ Memory, per rank, bounded: its own snapshot and one peer's replica, each one pac
 bytes of its shard of model, optimizer, RNG and counters; no pickling: a JSON tree of plain values plus
 raw tensor bytes), reused in place from snapshot to snapshot when its size is unchanged: 2x the shard.
 Snapshots are of whole steps: every few steps (``train.memory_snapshot_every_steps``, taken beside the
-training by :class:`relaunch.components.core.trainer.inplace.StepSnapshots`) or, with that 0, each
-committed checkpoint's. Each is tagged with its step and the checkpoint's model fingerprint, and the
+training by :class:`relaunch.components.core.trainer.inplace.StepSnapshots`) and each checkpoint
+save's copy, kept while the store is still written (with that 0, only those). Each is tagged with its step and the checkpoint's model fingerprint, and the
 ranks agree on one step that every rank holds before any of them restores: a loss in the middle of a
 snapshot's hand-over (one rank's own ahead of the replica of another) leaves them at different steps,
 and the store serves.
@@ -305,7 +305,7 @@ def get_replica(address: str, owner: int) -> tuple[dict, np.ndarray] | None:
 
 
 class MemoryTier:
-    """One rank's side of the tier: its own last committed snapshot, its server holding a peer's
+    """One rank's side of the tier: its own newest snapshot, its server holding a peer's
     replica, and the registry where every rank finds the others' servers.
 
     Args:
@@ -358,10 +358,6 @@ class MemoryTier:
             if self.world_size > 1:
                 self._push(header, payload)
 
-    def committed(self, step: int, snapshot: Any, fingerprint: str | None) -> None:
-        """Checkpoint ``step`` committed with ``snapshot`` (this rank's CPU copy): keep it (:meth:`keep`)."""
-        self.keep(step, snapshot, fingerprint)
-
     def _push(self, header: dict, payload: np.ndarray) -> None:
         """To the holder whose address the registry gave last (asked again after a failed transfer: a
         replacement holder publishes a new one)."""
@@ -393,7 +389,7 @@ class MemoryTier:
             self.own = (header, payload)
 
     def own_or_from_holder(self) -> tuple[tuple[dict, np.ndarray] | None, str]:
-        """This rank's committed snapshot: its own when it has one (a survivor), else the replica its
+        """This rank's newest snapshot: its own when it has one (a survivor), else the replica its
         holder keeps (a replacement), else None; and where it came from."""
         with self.lock:
             own = self.own

@@ -2,7 +2,7 @@
 :mod:`relaunch.components.launchers.inplace`).
 
 Each rank keeps its state in the tier: a snapshot every few steps taken beside the training
-(:class:`StepSnapshots`; the ranks agree on which steps in the step's own all-reduce) and each commit's,
+(:class:`StepSnapshots`; the ranks agree on which steps in the step's own all-reduce) and each save's,
 the newer kept. Every start, first or replacement, restores through :meth:`InPlace.restore`: the ranks
 agree on one step that every rank can serve from memory (its own snapshot, or a replacement's replica from its
 holder), else every rank reads the store (a fresh training, a whole group restarted, a rank and its
@@ -230,12 +230,12 @@ class InPlace:
         return cls(config, env, store if isinstance(store, CountingStore) else CountingStore(store))
 
     def attach(self, manager: Any, state: Any) -> None:
-        """Feed the tier: each commit of ``manager`` (on the save's thread) and, unless
+        """Feed the tier: each save of ``manager`` (its copy, while the store is written) and, unless
         ``train.memory_snapshot_every_steps`` is 0, snapshots of ``state`` (a ``TrainingState``) taken
         beside the training (:meth:`after_step`); the tier keeps the newer."""
         if self.snapshots is not None:
             self.snapshots.bind(state, manager.model_fingerprint)
-        manager.on_commit(lambda step, snapshot: self.tier.committed(step, snapshot, manager.model_fingerprint))
+        manager.on_snapshot(lambda step, snapshot: self.tier.keep(step, snapshot, manager.model_fingerprint))
 
     def snapshot_vote(self, step: int) -> tuple[float, float]:
         """(due, busy) for a snapshot of ``step``, summed over the ranks by the step's all-reduce."""
