@@ -289,10 +289,13 @@ def render_summary(config: RelaunchConfig, result, console) -> None:
         launch_retries = max(0, s[LAUNCH.name].attempts - 1)
         restarter = ("Ray round" if config.launch.backend == "ray" else
                      "in-place agent" if config.launch.backend == "local" and runs_in_place(config) else "torchrun")
-        rows.append(("fault tolerance", f"{lau.restarts} {restarter} restart(s), {launch_retries} launch retr"
-                                        f"{'y' if launch_retries == 1 else 'ies'}; "
-                                        + (f"resumed from step {', '.join(map(str, resumed))}" if resumed else "no resume")))
-        for r in _in_place_recoveries(config):
+        in_place = _in_place_recoveries(config)
+        replaced = f", {len(in_place)} worker(s) replaced in place" if in_place else ""
+        rows.append(("fault tolerance", f"{lau.restarts} {restarter} restart(s){replaced}, {launch_retries} launch retr"
+                                        f"{'y' if launch_retries == 1 else 'ies'}"
+                                        + (f"; resumed from step {', '.join(map(str, resumed))}" if resumed
+                                           else "" if in_place else "; no resume")))
+        for r in in_place:
             rows.append(("recovered", f"in place from {r['source']}: a worker lost at step {r['lost_at_step']}, "
                                       f"resumed at step {r['resumed_step']} in {float(r['seconds']):.2f}s "
                                       f"(its peers kept their processes)"))

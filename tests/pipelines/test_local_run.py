@@ -173,7 +173,8 @@ def test_each_relaunch_run_is_a_new_training_with_its_own_mlflow_run_and_both_fi
     assert newest_training(str(cwd / ".relaunch/store")) != first_training
     assert plain.data.tags["relaunch.restarts"] == killed.data.tags["relaunch.restarts"] == "0"  # replaced in place
     assert summary_of(first_training)["resumed_from_steps"] == [-1]
-    assert "0 in-place agent restart(s)" in first.stdout and "0 in-place agent restart(s)" in second.stdout
+    assert "0 in-place agent restart(s), 0 launch retries; no resume" in first.stdout
+    assert "0 in-place agent restart(s), 1 worker(s) replaced in place, 0 launch retries\n" in second.stdout
     assert "recovered        in place from" in second.stdout and "recovered" not in first.stdout
     assert "relaunch-digits version 1" in first.stdout  # what the README's first demo line promises
 

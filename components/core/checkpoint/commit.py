@@ -202,10 +202,10 @@ class Committer:
             handing = self._hand_over(job)
             try:
                 job.info = self._persist(job)
+                self.last_save_seconds = time.perf_counter() - job.started
             finally:
                 if handing is not None:
-                    handing.join()
-            self.last_save_seconds = time.perf_counter() - job.started
+                    handing.join()  # the snapshot's memory is the tier's to copy until then
         except BaseException as err:  # noqa: BLE001 - surfaces at the next save()/wait()
             job.error = err
             if self.ranks.rank == 0:  # every rank has the error now (the save's steps agree on it)
