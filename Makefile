@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP) ## create .venv and install relaunch with its pinned dependencies
 
-run: $(STAMP) ## run the whole pipeline locally: 2 torchrun "nodes" on CPU, local store, local MLflow
+run: $(STAMP) ## run the whole pipeline locally: 2 simulated nodes on CPU, local store, local MLflow
 	$(BIN)/relaunch run $(ARGS)
 
 tune: $(STAMP) ## a small study of the default task on this machine: 4 trials, 2 at once, Optuna (about 25 seconds)

@@ -298,7 +298,7 @@ class TrainJobConfig(_Model):
 
 class LaunchConfig(_Model):
     backend: str = Field(
-        "local", description="Where training runs: local torchrun agents, a Kubeflow PyTorchJob (Training Operator "
+        "local", description="Where training runs: local agents (relaunch's in-place agents with train.memory_tier, else torchrun), a Kubeflow PyTorchJob (Training Operator "
         "v1) or a TrainJob (Kubeflow Trainer v2); any backend registered in components/launchers/__init__.py.")
     nodes: int = Field(2, ge=1, description="Nodes (local: simulated node groups on this machine).")
     procs_per_node: int = Field(1, ge=1, description="Training processes per node.")
