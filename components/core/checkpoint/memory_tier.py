@@ -4,7 +4,7 @@ replica of one peer's, so that a killed worker's replacement and its survivors r
     tier = MemoryTier(rank, world_size, registry)      # registry: a key-value store every rank reaches
     tier.keep(step, snapshot, fingerprint)             # a step's snapshot (a thread beside the training), or a
                                                        # save's copy (beside the store's writes)
-    held, where = tier.own_or_from_holder()            # at a (re)start: this rank's committed state, or None
+    held, where = tier.own_or_from_holder()            # at a (re)start: this rank's newest state, or None
     restore_into(state, *held)                         # copied into the memory the state already holds
 
 Ring replication: rank ``r`` holds the replica of rank ``(r - 1) mod W``'s shard, so its holder is
@@ -19,8 +19,9 @@ bytes of its shard of model, optimizer, RNG and counters; no pickling: a JSON tr
 raw tensor bytes), reused in place from snapshot to snapshot when its size is unchanged: 2x the shard.
 Snapshots are of whole steps: every few steps (``train.memory_snapshot_every_steps``, taken beside the
 training by :class:`relaunch.components.core.trainer.inplace.StepSnapshots`) and each checkpoint
-save's copy, kept while the store is still written (with that 0, only those). Each is tagged with its step and the checkpoint's model fingerprint, and the
-ranks agree on one step that every rank holds before any of them restores: a loss in the middle of a
+save's copy, kept while the store is still written (with that 0, only those). Each is tagged with its
+step and the checkpoint's model fingerprint, and the ranks agree on one step that every rank holds
+before any of them restores: a loss in the middle of a
 snapshot's hand-over (one rank's own ahead of the replica of another) leaves them at different steps,
 and the store serves.
 """
