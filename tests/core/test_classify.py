@@ -280,6 +280,9 @@ def test_a_pods_status_is_classified_by_reason_and_exit_code(pod, expected):
 @pytest.mark.parametrize("returncode,record,expected", [
     (0, None, 0), (-9, None, 137), (-15, None, 143), (1, None, 137),
     (1, {"exit_code": 3, "time": 10.0}, 3), (1, {"exit_code": 2, "time": 1.0}, 137),
+    # torchrun aborting in its own shutdown after a preemption the training recorded (seen in CI's cold lane)
+    (-6, {"exit_code": 143, "time": 10.0}, 143), (-6, None, 134), (-6, {"exit_code": 143, "time": 1.0}, 134),
+    (-11, {"exit_code": 2, "time": 10.0}, 2), (-15, {"exit_code": 2, "time": 10.0}, 143),
 ])
 def test_torchruns_status_has_one_mapping(returncode, record, expected):
     assert torchrun_exit(returncode, record, started_at=5.0) == expected

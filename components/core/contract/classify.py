@@ -26,6 +26,7 @@ Pods and containers end with statuses, not exceptions: :func:`classify_pod` read
 from __future__ import annotations
 
 import errno
+import signal
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -276,18 +277,27 @@ def classify_pod(pod: dict, container: str) -> list[tuple[ExitCode | int, str]]:
     return found
 
 
+AGENT_CRASH_CODES = frozenset(128 + int(s) for s in (signal.SIGABRT, signal.SIGBUS, signal.SIGSEGV))
+"""A torchrun that ended so crashed itself: no launcher, kubelet or scheduler stops an agent with these."""
+
+
 def torchrun_exit(returncode: int, record: dict | None, started_at: float) -> int:
     """The contract's code of a torchrun that ended with ``returncode`` (every launcher's one mapping).
 
     torchrun exits 1 whenever a worker failed, whatever the worker's own code; ``record`` (the
     training's ``runs/exit.json``, see :mod:`relaunch.components.core.tracking.goodput`), when written after
     ``started_at``, says what really happened; a failure without such a record is a worker that died
-    without control (SIGKILL, OOM): 137. A torchrun killed by a signal maps to 128 + signal.
+    without control (SIGKILL, OOM): 137. A torchrun killed by a signal maps to 128 + signal, unless it
+    crashed itself (:data:`AGENT_CRASH_CODES`) after the training recorded how it ended: torch's agent
+    can abort in its own shutdown after a SIGTERM ("terminate called without an active exception"),
+    which would make a preemption that committed its checkpoint look like a permanent 134.
     """
     code = normalize(returncode)
+    fresh = record is not None and record.get("time", 0) >= started_at and record.get("exit_code")
+    if code in AGENT_CRASH_CODES and fresh:
+        return int(record["exit_code"])
     if code != ExitCode.BUG:
         return int(code)
-    fresh = record is not None and record.get("time", 0) >= started_at and record.get("exit_code")
     return unrecorded_end(int(record["exit_code"]) if fresh else None)
 
 
