@@ -402,14 +402,6 @@ def agent_args(spec: Any, run_id: str, *, warm: bool = False, node_rank: int | s
             "-m", spec.module, "--config-json", spec.config_json]
 
 
-def runs_in_place(config: Any) -> bool:
-    """Whether a launch of ``config`` (local, or in pods) runs this agent: ``train.memory_tier`` on
-    (:func:`~relaunch.components.core.contract.config.memory_tier_on`)."""
-    from relaunch.components.core.contract.config import memory_tier_on  # not at the agent's own start
-
-    return memory_tier_on(config)
-
-
 def memory_tier(spec: Any) -> bool:
     """Whether the job of ``spec`` recovers from memory (``train.memory_tier`` of its configuration: a
     cluster's job only when set, :func:`~relaunch.components.core.contract.config.memory_tier_on`)."""

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from relaunch.components.core.contract import events
-from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.config import RelaunchConfig, memory_tier_on
 from relaunch.components.core.contract.errors import Preempted
 from relaunch.components.core.contract.events import Kind
 from relaunch.components.core.contract.exitcodes import ExitCode, is_retryable
@@ -50,7 +50,7 @@ from relaunch.components.core.runtime.net import free_port
 from relaunch.components.core.runtime.zygote import Zygote, client_command
 from relaunch.components.core.runtime.zygote_client import ZYGOTE_ENV
 from relaunch.components.launchers import LaunchResult, inplace
-from relaunch.components.launchers.inplace import agent_args, runs_in_place
+from relaunch.components.launchers.inplace import agent_args
 from relaunch.components.launchers.jobs import JobSpec, job_spec
 from relaunch.components.launchers.torchrun import exit_code
 
@@ -87,7 +87,7 @@ def launch(config: RelaunchConfig, *, pipeline_run_id: str, resume_from: str | N
     config = config.model_copy(deep=True)
     if resume_from:
         config.train.resume_from = resume_from
-    config.train.memory_tier = in_place = runs_in_place(config)  # the workers get the setting resolved
+    config.train.memory_tier = in_place = memory_tier_on(config)  # the workers get the setting resolved
     job_id = re.sub(r"[^a-zA-Z0-9-]", "-", f"{config.name}-{pipeline_run_id or 'manual'}")[:60]
     spec = job_spec(config)
     warm = runtime_warm.forked and not os.environ.get(COLD_ENV)

@@ -16,12 +16,11 @@ from rich.markup import escape
 
 from relaunch.components.core.checkpoint import CheckpointManager
 from relaunch.pipelines.spec import EVALUATE, FINALIZE, LAUNCH, LOCATE, PREPARE, REGISTER, STEP_TABLE
-from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.config import RelaunchConfig, memory_tier_on
 from relaunch.components.core.contract.events import Event, Kind, read_file
 from relaunch.components.core.contract.exitcodes import MEANING, ExitCode, is_retryable, unrecorded_end
 from relaunch.components.core.store import open_store, records
 from relaunch.components.core.tracking.lineage import run_url
-from relaunch.components.launchers.inplace import runs_in_place
 
 STEPS = tuple(STEP_TABLE)  # the five steps and the exit task
 
@@ -288,7 +287,7 @@ def render_summary(config: RelaunchConfig, result, console) -> None:
                                      f"ETTR {lau.ettr:.3f}"))
         launch_retries = max(0, s[LAUNCH.name].attempts - 1)
         restarter = ("Ray round" if config.launch.backend == "ray" else
-                     "in-place agent" if config.launch.backend == "local" and runs_in_place(config) else "torchrun")
+                     "in-place agent" if config.launch.backend == "local" and memory_tier_on(config) else "torchrun")
         in_place = _in_place_recoveries(config)
         replaced = f", {len(in_place)} worker(s) replaced in place" if in_place else ""
         rows.append(("fault tolerance", f"{lau.restarts} {restarter} restart(s){replaced}, {launch_retries} launch retr"

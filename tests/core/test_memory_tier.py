@@ -15,9 +15,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from relaunch.components.core.checkpoint.layout import MANIFEST, step_key
+from relaunch.components.core.checkpoint.manager import CheckpointManager
 from relaunch.components.core.checkpoint.memory_tier import MemoryTier, holder_of, pack, restore_into
 from relaunch.components.core.checkpoint.snapshot import Snapshotter
+from relaunch.components.core.store import open_store
+from relaunch.components.core.trainer.inplace import CountingStore, StepSnapshots
 from tests.core.helpers import assert_bitwise_equal, fingerprint, make_state, train_steps
+from tests.core.store_hooks import Partition
 from tests.services import free_port
 
 
@@ -146,8 +151,6 @@ def _step(state, snapshots) -> None:
 
 
 def test_a_step_snapshot_taken_beside_the_training_is_exactly_that_steps_state(registry):
-    from relaunch.components.core.trainer.inplace import StepSnapshots
-
     tier = MemoryTier(0, 1, registry)
     snapshots = StepSnapshots(tier, every=1)
     original = make_state()
@@ -194,10 +197,6 @@ def test_across_nodes_each_rank_replicates_to_the_same_local_rank_on_the_next_no
 
 
 def test_the_bytes_a_restore_reads_from_the_store_count_checkpoints_not_the_trackers_attempt_records(tmp_path):
-    from relaunch.components.core.checkpoint.layout import step_key
-    from relaunch.components.core.store import open_store
-    from relaunch.components.core.trainer.inplace import CountingStore
-
     raw = open_store(str(tmp_path / "store"))
     raw.write_bytes(f"{step_key(20)}/shard-0", b"s" * 300)
     raw.write_bytes("runs/attempts/attempt-0001.json", b"{}" * 350)  # what the MLflow logger's thread reads
@@ -211,10 +210,6 @@ def test_the_bytes_a_restore_reads_from_the_store_count_checkpoints_not_the_trac
 
 def held_at_the_commit_point(tmp_path):
     """A file store that holds the commit point (a manifest's write) until ``heal()``."""
-    from relaunch.components.core.checkpoint.layout import MANIFEST
-    from relaunch.components.core.store import open_store
-    from tests.core.store_hooks import Partition
-
     return Partition(open_store(str(tmp_path / "store")),
                      lambda name, args: name == "write_bytes" and str(args[0]).endswith(MANIFEST))
 
@@ -222,8 +217,6 @@ def held_at_the_commit_point(tmp_path):
 def save_step_2(store, on_snapshot):
     """The manager saving a trained state as step 2 to ``store``, ``on_snapshot`` its callback, and the
     state's fingerprint as saved (its RNG streams drawn from where the save took them)."""
-    from relaunch.components.core.checkpoint.manager import CheckpointManager
-
     state = make_state()
     train_steps(state, 2)
     manager = CheckpointManager(store, keep_last=2, owner="tier-test")
@@ -260,9 +253,6 @@ def test_a_saves_copy_reaches_the_tier_before_the_store_commits_it(tmp_path, reg
 
 def test_a_commit_does_not_wait_for_the_tiers_hand_over(tmp_path):
     # the hand-over to a peer may be slow (its holder gone, a busy link): the checkpoint commits anyway
-    from relaunch.components.core.checkpoint.layout import MANIFEST, step_key
-    from relaunch.components.core.store import open_store
-
     store = open_store(str(tmp_path / "store"))
     seen_committed = []
 

@@ -21,9 +21,8 @@ Snapshots are of whole steps: every few steps (``train.memory_snapshot_every_ste
 training by :class:`relaunch.components.core.trainer.inplace.StepSnapshots`) and each checkpoint
 save's copy, kept while the store is still written (with that 0, only those). Each is tagged with its
 step and the checkpoint's model fingerprint, and the ranks agree on one step that every rank holds
-before any of them restores: a loss in the middle of a
-snapshot's hand-over (one rank's own ahead of the replica of another) leaves them at different steps,
-and the store serves.
+before any of them restores: a loss in the middle of a snapshot's hand-over (one rank's own ahead of
+the replica of another) leaves them at different steps, and the store serves.
 """
 
 from __future__ import annotations
