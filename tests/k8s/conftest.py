@@ -120,6 +120,9 @@ class Cluster:
                 and (method is None or r.method == kmock_lib.method(method.upper()))
                 and str(r.url.path).startswith(prefix)]
 
+    def log_requested(self) -> bool:
+        return bool(self.requests("GET", f"/api/v1/namespaces/{NAMESPACE}/pods/"))
+
     def watching(self) -> int:
         return sum(r.params.get("watch") == "true" for r in self.requests("GET"))
 
@@ -138,6 +141,28 @@ class Cluster:
     async def set_status(self, name: str, status: dict) -> None:
         async with self.kmock.patch(f"{self.op.jobs_path}/{name}/status", json={"status": status}) as resp:
             assert resp.status < 300, await resp.text()
+
+    async def settle(self, name: str, status: dict, seen, what: str, limit: float = 30.0) -> None:
+        """Set the job's status, and set it again each second until ``seen()``, as an operator's resync does.
+
+        kmock 0.8 streams a new watch's existing objects first and subscribes it to later changes only
+        after that (``_serve_watch``), so a change landing in between is never sent; a real API server
+        watches on from the state it listed. Once is enough there; here, repeating it closes the gap.
+        """
+        deadline = time.monotonic() + limit
+        while True:
+            await self.set_status(name, status)
+            for _ in range(50):
+                if seen():
+                    return
+                await asyncio.sleep(0.02)
+            if time.monotonic() > deadline:
+                raise AssertionError(f"gave up waiting for {what}")
+
+    async def finish(self, task: asyncio.Task, name: str, status: dict):
+        """Move the job to the status that ends it and return the launcher's result (``task``'s)."""
+        await self.settle(name, status, task.done, "the launcher to see the job end")
+        return await task
 
     async def add_pod(self, name: str, status: dict, labels: dict[str, str] | None = None) -> None:
         """A pod of a job; ``name`` is the job's name and ``labels`` None: the node-0 pod of that job."""

@@ -44,8 +44,7 @@ async def test_launch_creates_the_job_and_succeeds_when_it_succeeds(cluster, k8s
     assert job["metadata"]["name"] == expected["metadata"]["name"]
     assert job["spec"] == expected["spec"]
     await cluster.set_status(job["metadata"]["name"], cluster.op.running())
-    await cluster.set_status(job["metadata"]["name"], cluster.op.succeeded())
-    result = await task
+    result = await cluster.finish(task, job["metadata"]["name"], cluster.op.succeeded())
     assert (result.exit_code, result.job_name) == (0, job["metadata"]["name"])
     assert len(cluster.requests("POST")) == 1
 
@@ -59,8 +58,7 @@ async def test_a_409_on_create_adopts_the_existing_job_instead_of_making_a_secon
     cluster.kmock["get", f"{cluster.op.jobs_path}/{name}"][:1] << kmock.KubernetesObjectNotFoundError
     task = start_launch(k8s_config)
     await cluster.wait_for(lambda: cluster.requests("POST"), "the launcher's create")
-    await cluster.set_status(name, cluster.op.succeeded())
-    result = await task
+    result = await cluster.finish(task, name, cluster.op.succeeded())
     assert result.exit_code == 0
     (job,) = cluster.jobs()
     assert job["metadata"]["labels"] == {"made-by": "the-other-attempt"}
@@ -82,8 +80,7 @@ async def test_a_launcher_killed_mid_wait_and_started_again_leaves_exactly_one_j
     await cluster.set_status(name, cluster.op.running())
     task = start_launch(k8s_config)
     await cluster.wait_for(lambda: cluster.watching() >= 2, "the second launcher to be watching")
-    await cluster.set_status(name, cluster.op.succeeded())
-    result = await task
+    result = await cluster.finish(task, name, cluster.op.succeeded())
     assert result.exit_code == 0
     assert len(cluster.jobs()) == 1
     assert len(cluster.requests("POST")) == 1, "the second launcher must adopt, not create"
@@ -102,8 +99,7 @@ async def test_a_job_failed_with_a_retryable_code_is_recreated_once(cluster, k8s
     # and the launcher leaves the next recreation to the next attempt.
     await cluster.delete_node0_pod(name)
     await cluster.add_pod(name, {"phase": "Failed", "reason": "Evicted", "message": "node low on memory"})
-    await cluster.set_status(name, cluster.op.failed("pod evicted"))
-    result = await task
+    result = await cluster.finish(task, name, cluster.op.failed("pod evicted"))
     assert result.exit_code == ExitCode.PREEMPTED
     assert len(cluster.requests("DELETE")) == 1
     assert len(cluster.requests("POST")) == 1
@@ -141,8 +137,7 @@ async def test_a_suspended_job_is_waited_for_not_failed_until_it_is_admitted_and
     await cluster.wait_for(lambda: cluster.watching() >= 1, "the launcher to keep watching")
     assert not task.done(), "a Suspended job must not end the wait"
     await cluster.set_status(name, cluster.op.running())
-    await cluster.set_status(name, cluster.op.succeeded())
-    assert (await task).exit_code == 0
+    assert (await cluster.finish(task, name, cluster.op.succeeded())).exit_code == 0
 
 
 async def test_a_job_still_suspended_at_the_timeout_is_a_retryable_138_and_is_left_queued(cluster, k8s_config):
@@ -173,9 +168,8 @@ async def test_a_pod_that_can_never_start_fails_the_launch_as_bad_input(cluster,
     name = cluster.jobs()[0]["metadata"]["name"]
     await cluster.add_pod(name, {"phase": "Pending", "containerStatuses": [{"name": cluster.op.container, "state": {
         "waiting": {"reason": "CreateContainerConfigError", "message": 'secret "relaunch-store" not found'}}}]})
-    await cluster.set_status(name, {"conditions": [{"type": "Created", "status": "True", "reason": "Created",
-                                                    "message": ""}]})
-    result = await task
+    result = await cluster.finish(task, name, {"conditions": [{"type": "Created", "status": "True", "reason": "Created",
+                                                               "message": ""}]})
     assert result.exit_code == ExitCode.BAD_INPUT
     assert "relaunch-store" in result.message
 
@@ -186,11 +180,16 @@ async def test_trainer_status_progress_is_reported_while_the_job_runs(cluster, k
     task = start_launch(k8s_config)
     await cluster.wait_for(lambda: cluster.jobs(), "the job to be created")
     name = cluster.jobs()[0]["metadata"]["name"]
-    await cluster.set_status(name, {**cluster.op.running(), "trainerStatus": {
-        "progressPercentage": 42, "estimatedRemainingSeconds": 120, "metrics": [{"name": "loss", "value": "0.31"}]}})
-    await cluster.set_status(name, cluster.op.succeeded())
-    assert (await task).exit_code == 0
-    assert re.search(r"Running .*42% ~120 s left loss=0\.31", capfd.readouterr().err)
+    printed: list[str] = []
+
+    def progress_printed() -> bool:
+        printed.append(capfd.readouterr().err)
+        return re.search(r"Running .*42% ~120 s left loss=0\.31", "".join(printed)) is not None
+
+    await cluster.settle(name, {**cluster.op.running(), "trainerStatus": {
+        "progressPercentage": 42, "estimatedRemainingSeconds": 120, "metrics": [{"name": "loss", "value": "0.31"}]}},
+        progress_printed, "the launcher to print the trainer's progress")
+    assert (await cluster.finish(task, name, cluster.op.succeeded())).exit_code == 0
 
 
 async def test_the_launcher_calls_exactly_what_the_backends_role_grants(cluster, k8s_config, backend):
@@ -207,11 +206,9 @@ async def test_the_launcher_calls_exactly_what_the_backends_role_grants(cluster,
     await cluster.wait_for(lambda: cluster.requests("POST"), "the job to be created again")
     await cluster.delete_node0_pod(name)
     await cluster.add_pod(name, {"phase": "Running"})
-    await cluster.set_status(name, cluster.op.running())
-    await cluster.wait_for(lambda: cluster.requests("GET", f"/api/v1/namespaces/{NAMESPACE}/pods/"), "the log request")
+    await cluster.settle(name, cluster.op.running(), cluster.log_requested, "the log request")
     # kmock's pods have no log endpoint: the launcher shrugs (the log is a courtesy) and keeps watching.
-    await cluster.set_status(name, cluster.op.succeeded())
-    assert (await task).exit_code == 0
+    assert (await cluster.finish(task, name, cluster.op.succeeded())).exit_code == 0
     assert (await asyncio.to_thread(delete_job, k8s_config, RUN_ID)).deleted
 
     used = {api_call(r) for r in cluster.requests(None, "/")}

@@ -157,10 +157,8 @@ async def test_launch_creates_the_rayjob_watches_it_and_succeeds_calling_only_wh
     name = job["metadata"]["name"]
     assert job["spec"] == build_rayjob(rayjob_config, pipeline_run_id=RUN_ID)["spec"]
     await cluster.add_pod(f"{name}-head-x7k2p", {"phase": "Running"}, labels=_head_pod(name))
-    await cluster.set_status(name, RUNNING)
-    await cluster.wait_for(lambda: cluster.requests("GET", f"/api/v1/namespaces/{NAMESPACE}/pods/"), "the log request")
-    await cluster.set_status(name, SUCCEEDED)
-    result = await task
+    await cluster.settle(name, RUNNING, cluster.log_requested, "the log request")
+    result = await cluster.finish(task, name, SUCCEEDED)
     assert (result.exit_code, result.job_name) == (0, name)
     assert cluster.watching() >= 1 and len(cluster.requests("POST")) == 1
     # the exit handler's delete completes the Role's verbs
@@ -183,8 +181,7 @@ async def test_a_running_rayjob_of_an_earlier_attempt_is_adopted_not_created_aga
     await cluster.put_job(manifest, RUNNING)
     task = asyncio.create_task(asyncio.to_thread(_launch, rayjob_config))
     await cluster.wait_for(lambda: cluster.watching(), "the launcher's watch")
-    await cluster.set_status(manifest["metadata"]["name"], SUCCEEDED)
-    assert (await task).exit_code == 0
+    assert (await cluster.finish(task, manifest["metadata"]["name"], SUCCEEDED)).exit_code == 0
     assert not cluster.requests("POST") and len(cluster.jobs()) == 1
 
 
@@ -212,8 +209,7 @@ async def test_a_rayjob_failed_with_a_retryable_record_is_deleted_and_created_ag
     task = asyncio.create_task(asyncio.to_thread(_launch, rayjob_config))
     await cluster.wait_for(lambda: cluster.requests("POST"), "the RayJob to be created again")
     assert len(cluster.requests("DELETE")) == 1
-    await cluster.set_status(name, SUCCEEDED)
-    result = await task
+    result = await cluster.finish(task, name, SUCCEEDED)
     assert result.exit_code == 0 and "recreated" in result.message
 
 
@@ -224,5 +220,5 @@ async def test_a_rayjob_past_its_deadline_is_a_retryable_138(rayjob_cluster, ray
     task = asyncio.create_task(asyncio.to_thread(_launch, rayjob_config))
     await cluster.wait_for(lambda: cluster.jobs(), "the RayJob to be created")
     name = cluster.jobs()[0]["metadata"]["name"]
-    await cluster.set_status(name, {"jobDeploymentStatus": "Failed", "reason": "DeadlineExceeded"})
-    assert (await task).exit_code == ExitCode.RETRY_ME
+    result = await cluster.finish(task, name, {"jobDeploymentStatus": "Failed", "reason": "DeadlineExceeded"})
+    assert result.exit_code == ExitCode.RETRY_ME

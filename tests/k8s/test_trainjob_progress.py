@@ -55,8 +55,7 @@ async def test_rank_0_reports_progress_into_the_trainjob_status_and_the_launcher
     assert {m["name"]: m["value"] for m in status["metrics"]} == {"loss": "0.1", "epoch": "2"}
     assert re.match(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$", status["lastUpdatedTime"])
     assert reporter.on and reporter.sent >= 1
-    await cluster.set_status(job["metadata"]["name"], cluster.op.succeeded())
-    assert (await task).exit_code == 0
+    assert (await cluster.finish(task, job["metadata"]["name"], cluster.op.succeeded())).exit_code == 0
     assert re.search(r"100% ~0 s left loss=0\.1 epoch=2", capfd.readouterr().err)
 
 
