@@ -19,7 +19,7 @@ import yaml
 
 from relaunch.components.core.contract.exitcodes import ExitCode
 from relaunch.components.launchers import backend_module
-from tests.k8s.conftest import BACKENDS, NAMESPACE
+from tests.k8s.conftest import BACKENDS
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN_ID = "9f3c2a1e-0000-4000-8000-00000000abcd"
