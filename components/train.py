@@ -254,6 +254,7 @@ class Training:
         manager = setup.open_checkpoints(self.config, self.store, self.run_id, self.parts.module)
         if self.inplace is not None:
             self.inplace.attach(manager, self.parts.state)
+            self.injection.settle = self.inplace.settle
         self.checkpoints = TrainerCheckpoints(
             self.config, env, manager, self.parts.state, self.tracker, self.log, self.attempt,
             lambda: self.task.evaluate(self.parts.module, self.data.splits["val"]), self._peers,

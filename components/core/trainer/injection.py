@@ -1,8 +1,13 @@
 """``launch.inject_failure``: the faults a demo or a test asks the training to suffer, on purpose.
 
-    kill-worker@step=N       the last rank SIGKILLs itself before step N (torchrun restarts the group)
+    kill-worker@step=N       the last rank SIGKILLs itself before step N (torchrun restarts the group; with
+                             the memory tier, once its snapshot in flight reached its holder, see below)
     preempt@step=N           rank 0 sends SIGTERM to every rank before step N (checkpoint, exit 143)
     storage-outage@step=N    every store call stalls for OUTAGE_SECONDS, as a transient error + backoff would
+
+With the memory tier, the kill waits for the rank's memory snapshot still being handed over (the step
+just done, taken beside the training): a rank lost during a hand-over is rightly recovered from the store,
+and a demo or test of the recovery from memory must not land there by the machine's scheduling.
 
 Each fires once per training: the rank that fires claims a marker in the store first, so a resumed
 attempt passing step N again does not fire it again. (Not to be confused with ``tests/core/faults.py``,
@@ -15,6 +20,7 @@ import os
 import signal
 import sys
 import time
+from typing import Callable
 
 from relaunch.components.core.contract.config import parse_failure_spec
 from relaunch.components.core.store.records import injected_key
@@ -30,6 +36,7 @@ class Injection:
         self.kind, self.step = parse_failure_spec(spec)  # validated by the config model
         self.store, self.rank, self.world, self.pids = store, rank, world, pids
         self.outage_until = 0.0
+        self.settle: Callable[[], object] | None = None  # waits for a memory snapshot in flight (the tier sets it)
 
     @classmethod
     def for_world(cls, spec: str | None, store, env) -> "Injection":
@@ -50,6 +57,8 @@ class Injection:
         if step != self.step:
             return
         if self.kind == "kill-worker" and self.rank == self.world - 1 and self._claim():
+            if self.settle is not None:
+                self.settle()
             print(f"relaunch: inject {self.kind}@step={step}: SIGKILL to rank {self.rank}", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.kind == "preempt" and self.rank == 0 and self._claim():

@@ -246,6 +246,11 @@ class InPlace:
         if self.snapshots is not None:
             self.snapshots.after_step(step)
 
+    def settle(self, timeout: float = 30.0) -> None:
+        """Wait (up to ``timeout``) until the snapshot being taken or handed over, if any, reached the holder."""
+        if self.snapshots is not None:
+            self.snapshots.halt(timeout)
+
     def before_optimizer_step(self) -> None:
         """The optimizer step changes what a snapshot may still be copying: wait for it."""
         if self.snapshots is not None:
