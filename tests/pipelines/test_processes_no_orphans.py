@@ -79,8 +79,10 @@ def test_sigkill_of_relaunch_run_leaves_no_process_of_the_run_and_the_training_i
         tree = psutil.Process(proc.pid).children(recursive=True)
         commands = [" ".join(p.cmdline()) for p in _alive(tree)]
         assert sum(agent in c for c in commands) == 2, commands  # agents in their own sessions
-        if mode != "cold":  # two warm servers, the launch step, the agents, two zygote clients and their two
-            # workers (forks of the full server), and the guardian
+        # warm in-place agents are forks of the full server too (through a zygote client); torchrun's and cold ones not
+        assert [f"zygote_client.py -m {agent}" in c for c in commands if agent in c] == [mode == "warm"] * 2, commands
+        if mode != "cold":  # two warm servers, the launch step, the agents (warm: their clients and forks), two
+            # zygote clients and their two workers (forks of the full server), and the guardian
             assert sum("zygote_client.py" in c and agent not in c for c in commands) == 2, commands
             assert len(commands) >= 9, commands
         else:  # kfp.local's sh, the launch step, the agents, their workers, and the guardian

@@ -70,6 +70,15 @@ pool, and pyarrow's jemalloc background thread (MLflow imports pyarrow)."""
 MODULE = "relaunch.components.core.runtime.zygote"
 
 
+def _kill_group(pid: int) -> None:
+    """SIGKILL a child and the processes it started: each child leads its own session, so its process
+    group holds what it started (an in-place agent's worker clients) unless they left it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
 def client_command(python: str = sys.executable, client: str | os.PathLike = CLIENT_SOURCE) -> list[str]:
     """The worker command prefix torchrun runs with ``--no-python``: ``python -I -S client``."""
     return [python, "-I", "-S", str(client)]
@@ -190,8 +199,7 @@ class ForkServer:
         if isinstance(item, socket.socket):
             # the client ended (it never sends after its request): its worker must not outlive it
             pidfd = self.watching.pop(item)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.running[pidfd][0], signal.SIGKILL)
+            _kill_group(self.running[pidfd][0])
             return None
         pid, conn = self.running.pop(item)  # a child ended
         self.watching.pop(conn, None)
@@ -240,8 +248,7 @@ class ForkServer:
     def stop(self) -> None:
         """Kill the children still running and report them."""
         for pidfd, (pid, conn) in self.running.items():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+            _kill_group(pid)
             with contextlib.suppress(ChildProcessError):
                 _, status = os.waitpid(pid, 0)
                 _send(conn, {"status": status})
