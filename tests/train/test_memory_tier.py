@@ -266,6 +266,9 @@ def test_a_rank_killed_on_one_of_two_nodes_is_replaced_there_from_its_replica_on
 def test_a_node_lost_whole_and_started_again_restores_its_ranks_from_replicas_on_the_other_node_bitwise(
         tmp_path, tmp_path_factory, nproc):
     cfg = config(tmp_path, "lost", "ddp", nodes=2, procs_per_node=nproc)
+    # the tier fed by the saves only (steps 10, 20, 30): the kill after step 24 falls 200 ms after the hand-over
+    # of step 20, not inside one (snapshots every step: often inside), where a node lost is rightly served by the store
+    cfg["train"]["memory_snapshot_every_steps"] = 0
     port = free_port()
     node0, node1 = (Agent(cfg, tmp_path, nproc, node=(node, 2, port)) for node in (0, 1))
     node0.wait_for_step(24)
