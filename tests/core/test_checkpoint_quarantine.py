@@ -263,6 +263,8 @@ def test_an_intact_committed_step_is_still_never_overwritten(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("root", ["fs", pytest.param("s3", marks=pytest.mark.ci_lane)], indirect=True)  # s3: the fs case
+# in make test proves the quarantine's part; S3's, a crash at any of its operations: test_checkpoint_crash's S3 cases
 def test_a_crash_at_any_operation_of_saving_a_damaged_step_again_leaves_a_store_that_goes_on(root, tmp_path):
     from tests.core.faults import FaultyStore, InjectedCrash
 
