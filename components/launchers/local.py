@@ -17,8 +17,8 @@ restarted, is a fork of a single-threaded pre-imported process: the mechanism a 
 With ``train.memory_tier`` each node's agent is :mod:`relaunch.components.launchers.inplace` instead of
 torchrun (node 0's hosts the store on the rendezvous port): a killed worker is replaced while its peers,
 on every node, keep their processes and their memory. Warm, the in-place agents are forks of the zygote
-too (through its client): each would otherwise spend ~2 s of CPU importing torch.distributed for its
-store, on the launch's critical path (``relaunch run``'s launch step: 4.0-4.8 s, 2.6 s so).
+too (through its client): a fresh one spends seconds of CPU importing torch.distributed for its store, on
+the launch's critical path (docs/warm-runtime.md has the figures).
 
 It streams the agents' output, reads rank 0's events (:mod:`relaunch.components.core.contract.events`) from it, passes
 them on to the run's event file (or draws a progress bar), and maps the outcome to the exit-code
