@@ -3,6 +3,10 @@ tracker wrote is read back from the run's own ``.wandb`` transaction logs (tests
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
 from relaunch.components.core.checkpoint import step_key
@@ -65,6 +69,52 @@ def test_three_attempts_write_one_wandb_run_whose_steps_are_unique_and_increasin
     references = [entry.ref for artifact in run.artifacts for entry in artifact.manifest.contents]
     assert any("/checkpoints/step-000000000005/" in ref for ref in references), references
     assert {artifact.type for artifact in run.artifacts} == {"checkpoint"}
+
+
+KILLED_ATTEMPT = textwrap.dedent("""
+    import os, signal, sys
+    from relaunch.components.core.contract.config import RelaunchConfig
+    from relaunch.components.core.store import open_store
+    from relaunch.components.core.tracking.trackers import AttemptStart
+    from relaunch.components.core.tracking.wandb_tracker import open_tracker
+
+    store, checkpoint, last = open_store(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    config = RelaunchConfig.model_validate({"tracking": {"wandb": {"project": "relaunch-test", "mode": "offline"}}})
+    tracker = open_tracker(config, store, run_id="mlflow-run-1", attempt=1)
+    tracker.start(AttemptStart(attempt=1, resumed_from=-1, resumed_uri=None, world_size=2))
+    for step in range(1, last + 1):
+        tracker.log_metrics({"train/loss": 1.0 / step}, step)
+        if step == checkpoint:
+            tracker.before_checkpoint(step)
+    os.kill(os.getpid(), signal.SIGKILL)  # rank 0 lost: W&B's service stops with it
+""")
+
+
+@pytest.mark.parametrize("checkpoint, killed_at", [(5, 8), (250, 300)], ids=["nothing-written", "one-block-written"])
+def test_a_rank_0_killed_before_wandb_wrote_its_points_leaves_no_step_missing_or_twice(
+        offline, tmp_path, checkpoint, killed_at, capfd):
+    config, store = _config(), open_store(str(tmp_path / "store"))
+    killed = subprocess.run([sys.executable, "-c", KILLED_ATTEMPT, store.uri, str(checkpoint), str(killed_at)])
+    assert killed.returncode == -9
+    first = read_offline_runs(str(offline))
+    assert first.steps == list(range(1, len(first.steps) + 1)) and len(first.steps) < killed_at, \
+        "W&B wrote part of the attempt, in order, not all of it"
+
+    last = _attempt(config, store, 2, checkpoint, range(checkpoint + 1, killed_at + 10), finished=True)
+    assert last.errors == 0
+    run = read_offline_runs(str(offline))
+    assert run.files == 2 and run.steps == list(range(1, killed_at + 10)), "every step once, in order"
+    assert "relaunch/wandb_missing_steps" not in run.summary and "not in the W&B run" not in capfd.readouterr().err
+
+
+def test_steps_no_pending_record_holds_are_named_in_the_summary_and_on_stderr(offline, tmp_path, capfd):
+    config, store = _config(), open_store(str(tmp_path / "store"))
+    killed = subprocess.run([sys.executable, "-c", KILLED_ATTEMPT, store.uri, "0", "8"])  # no checkpoint seen
+    assert killed.returncode == -9
+    _attempt(config, store, 2, 5, range(6, 10), finished=True)
+    run = read_offline_runs(str(offline))
+    assert run.steps == [6, 7, 8, 9] and run.summary["relaunch/wandb_missing_steps"] == "1..5"
+    assert "relaunch: wandb: steps 1..5 are not in the W&B run" in capfd.readouterr().err
 
 
 def test_the_registered_version_is_recorded_in_the_trainings_run(offline, tmp_path):

@@ -1,10 +1,8 @@
-"""Read back what an offline W&B run wrote: the records of its ``run-<id>.wandb`` transaction log.
+"""Read back what an offline W&B run wrote: the records of its ``run-<id>.wandb`` transaction logs.
 
-wandb 0.31 ships no Python reader of that file, so this is one, from public parts only: the file is a
-7-byte header (``:W&B``, magic ``0xBEE1``, version 0) followed by LevelDB's log format (32 KiB blocks; each
-record fragment a 7-byte header: CRC32C, little-endian length, type FULL/FIRST/MIDDLE/LAST), and each
-record is a ``wandb.proto.wandb_internal_pb2.Record`` protobuf (wandb's public generated module).
-A changed header fails loudly here, by name.
+wandb 0.31 ships no Python reader of that file; the tracker has one (``log_records``: W&B's 7-byte header,
+then LevelDB's log format, each record a public ``wandb_internal_pb2.Record``), used here too. A changed
+header fails loudly here, by name.
 """
 
 from __future__ import annotations
@@ -12,40 +10,17 @@ from __future__ import annotations
 import glob
 import json
 import os
-import struct
 from dataclasses import dataclass, field
 
-HEADER = b":W&B"
-BLOCK = 32768
-FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+from relaunch.components.core.tracking.wandb_tracker import LOG_HEADER, log_records
 
 
 def records(path: str):
     """Every ``Record`` of one ``.wandb`` file, in order."""
-    from wandb.proto import wandb_internal_pb2
-
     data = open(path, "rb").read()
-    ident, magic, version = data[:4], struct.unpack("<H", data[4:6])[0], data[6]
-    assert (ident, magic, version) == (HEADER, 0xBEE1, 0), f"{path}: unknown .wandb header {data[:7]!r}"
-    pos, pending = 7, b""
-    while pos + 7 <= len(data):
-        left = BLOCK - pos % BLOCK
-        if left < 7:  # a block's tail too short for a header is padding
-            pos += left
-            continue
-        length, kind = struct.unpack("<HB", data[pos + 4:pos + 7])
-        if kind == 0 and length == 0:  # zero fill at the end of a file still being written
-            break
-        chunk = data[pos + 7:pos + 7 + length]
-        pos += 7 + length
-        if kind in (FULL, FIRST):
-            pending = chunk
-        else:
-            pending += chunk
-        if kind in (FULL, LAST):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            yield record
+    assert data[:len(LOG_HEADER)] == LOG_HEADER, f"{path}: unknown .wandb header {data[:7]!r}"
+    for record, _ in log_records(data):
+        yield record
 
 
 @dataclass

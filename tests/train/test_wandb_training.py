@@ -1,5 +1,6 @@
 """A real torchrun training with ``tracking.wandb`` (offline) killed twice: one W&B run across the three
-attempts, every step logged once and in order, read back from the run's own files."""
+attempts, every step logged once and in order, read back from the run's own files, whether or not rank 0
+closed its W&B run before torchrun stopped it (on a busy machine it often does not)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def test_a_training_killed_twice_keeps_one_wandb_run_with_every_step_once_in_ord
     [mlflow_run] = mlflow_runs(tracking, config["tracking"]["experiment"])
     run = read_offline_runs(str(wandb_dir))
     assert run.files == 3 and set(run.run_ids) == {wandb_run_id(mlflow_run.info.run_id, "")}
-    assert run.steps == sorted(set(run.steps)), f"a step logged twice or out of order: {run.steps}"
-    assert run.steps[0] == 1 and run.steps[-1] == 40
+    assert run.steps == list(range(1, 41)), f"a step missing, twice or out of order: {run.steps}"
+    assert "relaunch/wandb_missing_steps" not in run.summary
     assert run.config["world_size"] == 2 and run.summary["relaunch/attempt"] == 3
     assert run.summary["checkpoint.latest"].endswith("checkpoints/step-000000000040") and run.artifacts

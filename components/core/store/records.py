@@ -11,6 +11,8 @@ the helpers below. All keys are relative to the store root.
     runs/summary.json                the training summary (:func:`write_summary`, :func:`read_summary`)
     runs/metrics-pending.json        metric points (and outage tags) the tracking server had not confirmed
                                      at a checkpoint or when an attempt ended; sent by prepare and finalize
+    runs/wandb-pending.json          W&B metric points its run's files may not hold yet at a checkpoint
+                                     (:mod:`relaunch.components.core.tracking.wandb_tracker`)
     runs/injected/<kind>-step-<n>    a fault of ``launch.inject_failure`` that already fired
     runs/pipeline-finished.json      a pipeline of this training went through to its end (finalize)
     runs/pipeline-lock.json          the process running a pipeline of this training now
@@ -34,6 +36,7 @@ ATTEMPTS_PREFIX = RUNS_PREFIX + "attempts/"
 EXIT_KEY = RUNS_PREFIX + "exit.json"
 SUMMARY_KEY = RUNS_PREFIX + "summary.json"
 PENDING_METRICS_KEY = RUNS_PREFIX + "metrics-pending.json"
+WANDB_PENDING_KEY = RUNS_PREFIX + "wandb-pending.json"
 INJECTED_PREFIX = RUNS_PREFIX + "injected/"
 PIPELINE_FINISHED_KEY = RUNS_PREFIX + "pipeline-finished.json"
 PIPELINE_LOCK_KEY = RUNS_PREFIX + "pipeline-lock.json"
@@ -256,6 +259,18 @@ def read_pending(store) -> dict[str, Any]:
     """The whole pending record: ``points``, ``tags`` and ``status`` (None), empty when there is none."""
     record = read_json(store, PENDING_METRICS_KEY) or {}
     return {"points": record.get("points", []), "tags": record.get("tags", {}), "status": record.get("status")}
+
+
+def write_wandb_pending(store, run: str, held: int, through_step: int, points: list[list]) -> None:
+    """W&B run ``run``'s points ([step, metrics] pairs) of the steps after ``held`` (what its files held
+    then) through ``through_step`` (the checkpoint being written): every one, logged or replayed."""
+    write_json(store, WANDB_PENDING_KEY, {"run": run, "held": held, "through_step": through_step, "points": points})
+
+
+def read_wandb_pending(store, run: str) -> dict[str, Any] | None:
+    """The W&B pending record of run ``run`` (``held``, ``through_step``, ``points``), or None."""
+    record = read_json(store, WANDB_PENDING_KEY)
+    return record if isinstance(record, dict) and record.get("run") == run else None
 
 
 # ---- the pipeline's end
