@@ -101,23 +101,3 @@ def test_off_rank_0_no_tracker_is_opened(toy_tracker):
     tracker.start(resumed_from=-1, resumed_uri=None, params={"a": 1}, world_size=2)
     assert tracker.trackers == [] and ToyTracker.opened == []
 
-
-def test_tensorboard_is_opened_only_when_its_folder_is_set_and_a_missing_package_is_bad_input(tmp_path):
-    from relaunch.components.core.tracking.tensorboard_tracker import TensorBoardTracker
-    from relaunch.components.core.tracking.trackers import open_trackers
-
-    plain = open_trackers(RelaunchConfig(), None, run_id="r", attempt=1)
-    assert not any(isinstance(t, TensorBoardTracker) for t in plain)
-    config = RelaunchConfig.model_validate({"tracking": {"tensorboard_dir": str(tmp_path / "tb")}})
-    board = next(t for t in open_trackers(config, None, run_id="r", attempt=1) if isinstance(t, TensorBoardTracker))
-    try:
-        import tensorboard  # noqa: F401
-    except ImportError:
-        with pytest.raises(BadInput, match="tracking.tensorboard_dir is set but the tensorboard package"):
-            board.start(AttemptStart(attempt=1, resumed_from=-1, resumed_uri=None, world_size=1))
-        return
-    board.start(AttemptStart(attempt=1, resumed_from=-1, resumed_uri=None, world_size=1))
-    board.log_metrics({"train/loss": 0.5}, 1)
-    board.close(1.0)
-    board.close(1.0)
-    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))

@@ -1,6 +1,7 @@
-"""A real torchrun training with ``tracking.wandb`` (offline) killed twice: one W&B run across the three
-attempts, every step logged once and in order, read back from the run's own files, whether or not rank 0
-closed its W&B run before torchrun stopped it (on a busy machine it often does not)."""
+"""A real torchrun training with ``tracking.wandb`` (offline) and ``tracking.tensorboard_dir`` killed twice:
+one W&B run across the three attempts, every step logged once and in order, read back from the run's own
+files, whether or not rank 0 closed its W&B run before torchrun stopped it (on a busy machine it often does
+not); TensorBoard's loader shows every step once too."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from tests.core.wandb_records import read_offline_runs
 from tests.train.conftest import mlflow_runs, run_torchrun, train_config
 
 pytest.importorskip("wandb")
+EventAccumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator").EventAccumulator
 pytestmark = pytest.mark.slow
 
 
@@ -24,6 +26,7 @@ def test_a_training_killed_twice_keeps_one_wandb_run_with_every_step_once_in_ord
     env = {"WANDB_DIR": str(wandb_dir), "WANDB_SILENT": "true"}
     config = train_config(tmp_path, tracking)
     config["tracking"]["wandb"] = {"project": "relaunch-test", "mode": "offline"}
+    config["tracking"]["tensorboard_dir"] = str(tmp_path / "tb")
 
     config["launch"] = {"inject_failure": "kill-worker@step=15"}
     first = run_torchrun(config, tmp_path, name="first", env=env)
@@ -38,4 +41,7 @@ def test_a_training_killed_twice_keeps_one_wandb_run_with_every_step_once_in_ord
     assert run.steps == list(range(1, 41)), f"a step missing, twice or out of order: {run.steps}"
     assert "relaunch/wandb_missing_steps" not in run.summary
     assert run.config["world_size"] == 2 and run.summary["relaunch/attempt"] == 3
+    board = EventAccumulator(str(tmp_path / "tb"))
+    board.Reload()
+    assert [event.step for event in board.Scalars("train/loss")] == list(range(1, 41))
     assert run.summary["checkpoint.latest"].endswith("checkpoints/step-000000000040") and run.artifacts

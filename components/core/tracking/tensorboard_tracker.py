@@ -1,5 +1,10 @@
 """The TensorBoard tracker (:class:`~relaunch.components.core.tracking.trackers.Tracker`): every metric point as a
-scalar in ``tracking.tensorboard_dir``; used only when that folder is set."""
+scalar in ``tracking.tensorboard_dir``; used only when that folder is set.
+
+Across restarts the folder shows each step once: the writer is flushed before every checkpoint (a rank 0
+killed later loses only points after it, which the next attempt computes again), and every attempt
+opens its writer with ``purge_step`` at its first step (TensorBoard hides what earlier attempts wrote from
+that step on)."""
 
 from __future__ import annotations
 
@@ -26,12 +31,18 @@ class TensorBoardTracker(TrackerBase):
         except ImportError:
             raise BadInput("tracking.tensorboard_dir is set but the tensorboard package is not installed; "
                            "pip install tensorboard or unset it") from None
-        self.writer = SummaryWriter(self.folder)
+        # every attempt computes the steps after the one it resumed from (all of them when none): TensorBoard
+        # hides what earlier attempts wrote from there on
+        self.writer = SummaryWriter(self.folder, purge_step=start.resumed_from + 1)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         if self.writer is not None:
             for key, value in metrics.items():
                 self.writer.add_scalar(key, value, step)
+
+    def before_checkpoint(self, step: int) -> None:
+        if self.writer is not None:
+            self.writer.flush()
 
     def close(self, timeout: float) -> None:
         if self.writer is not None:
