@@ -94,6 +94,29 @@ def test_a_registered_toy_tracker_is_fed_params_metrics_checkpoints_and_the_end_
     assert run.info.status == "FAILED"
 
 
+def test_steps_computed_again_after_a_recovery_in_place_reach_no_tracker_twice(toy_tracker, mlflow_server, tmp_path):
+    from relaunch.components.core.tracking.client import ensure_run
+    from relaunch.components.core.trainer.tracking import TrainingTracker
+
+    config = RelaunchConfig.model_validate({"tracking": {"uri": mlflow_server.uri, "experiment": "toy-tracker"}})
+    store = open_store(str(tmp_path))
+    tracker = TrainingTracker(config, store, enabled=True, run_id=ensure_run(config, pipeline_run_id="toy-2"), attempt=1)
+    tracker.start(resumed_from=-1, resumed_uri=None, params={}, world_size=2)
+
+    def steps(*numbers):
+        for step in numbers:
+            tracker.log_step(step, {"train/loss": 1.0 / step}, {}, total_steps=5, epoch=0, spike=False)
+            if step == 4:
+                tracker.log_evaluation(step, {"val/loss": 0.4}, before_checkpoint=False)
+
+    steps(1, 2, 3, 4)
+    steps(3, 4, 5)  # a peer was lost in step 5: the survivors resumed in place from their snapshot of step 2
+    tracker.close(5.0)
+    logged = [(call[1], sorted(call[2])) for call in ToyTracker.opened[-1].calls if call[0] == "metrics"]
+    assert logged == [(1, ["train/loss"]), (2, ["train/loss"]), (3, ["train/loss"]), (4, ["train/loss"]),
+                      (4, ["val/loss"]), (5, ["train/loss"])]
+
+
 def test_off_rank_0_no_tracker_is_opened(toy_tracker):
     from relaunch.components.core.trainer.tracking import TrainingTracker
 

@@ -76,6 +76,7 @@ class TrainingTracker:
         self.trackers: list[Tracker] = (open_trackers(config, store, run_id=run_id, attempt=attempt)
                                         if enabled else [])
         self._counters: tuple | None = None
+        self._logged: tuple[int, set[str]] = (-1, set())  # the highest step logged by this process, its keys
 
     # ---- the attempt's start
 
@@ -122,6 +123,17 @@ class TrainingTracker:
                 tracker.before_checkpoint(step)
 
     def _log(self, step: int, metrics: dict[str, float]) -> None:
+        """``metrics`` of ``step`` to every tracker, unless this process logged them already: after a
+        recovery in place the survivors compute again the steps after their snapshot, bitwise equal to
+        what they logged before the loss (W&B would refuse them with a warning each, TensorBoard show them
+        twice)."""
+        last, keys = self._logged
+        if step < last or (step == last and keys.issuperset(metrics)):
+            return
+        if step > last:
+            self._logged = (step, set(metrics))
+        else:
+            keys.update(metrics)
         for tracker in self.trackers:
             tracker.log_metrics(metrics, step)
 
