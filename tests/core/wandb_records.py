@@ -2,7 +2,7 @@
 
 wandb 0.31 ships no Python reader of that file; the tracker has one (``log_records``: W&B's 7-byte header,
 then LevelDB's log format, each record a public ``wandb_internal_pb2.Record``), used here too. A changed
-header fails loudly here, by name.
+header fails loudly (``log_records`` raises, naming it).
 """
 
 from __future__ import annotations
@@ -12,14 +12,12 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from relaunch.components.core.tracking.wandb_tracker import LOG_HEADER, log_records
+from relaunch.components.core.tracking.wandb_tracker import log_records
 
 
 def records(path: str):
     """Every ``Record`` of one ``.wandb`` file, in order."""
-    data = open(path, "rb").read()
-    assert data[:len(LOG_HEADER)] == LOG_HEADER, f"{path}: unknown .wandb header {data[:7]!r}"
-    for record, _ in log_records(data):
+    for record, _ in log_records(open(path, "rb").read()):  # an unknown header raises, naming it
         yield record
 
 

@@ -148,6 +148,7 @@ class WandbTracker(TrackerBase):
         self.run = None
         self.held = -1  # the last step the W&B run held before this attempt logged
         self.unwritten: list[tuple[int, dict]] = []  # points this attempt's transaction log may not hold yet
+        self.log_path = ""  # this attempt's transaction log
         self.log_offset, self.log_step = 0, -1  # how far this attempt's log was read, the last step it holds
         self.errors = 0
 
@@ -170,20 +171,22 @@ class WandbTracker(TrackerBase):
             _say("the run could not be opened, W&B is off for this attempt", err)
             self.run = None
             return
-        self.held = self._held_step()
+        settings = self.run.settings  # W&B hands out a deep copy at each read
+        self.log_path = settings.sync_file
+        self.held = self._held_step(settings)
         if start.attempt > 0:  # 0: not an attempt, a step adding to the run (record_registered_version)
             self._guard("the attempt's summary", self.run.summary.update,
                         {"relaunch/attempt": start.attempt, "relaunch/resumed_from_step": start.resumed_from,
                          "relaunch/resumed_from": start.resumed_uri or "none", "relaunch/world_size": start.world_size})
             self._log_pending(start.resumed_from)
 
-    def _held_step(self) -> int:
+    def _held_step(self, settings) -> int:
         """The last step the run holds: online, the server's; offline, the history of the run's earlier
         transaction logs under ``WANDB_DIR`` (each attempt writes its own)."""
-        if self.run.settings.run_mode != "offline-run":
+        if settings.run_mode != "offline-run":
             return (self.run.starting_step or 0) - 1 if self.run.resumed else -1
-        own = os.path.abspath(self.run.settings.sync_file)
-        pattern = os.path.join(glob.escape(self.run.settings.wandb_dir), f"*-{self.id}", f"run-{self.id}.wandb")
+        own = os.path.abspath(self.log_path)
+        pattern = os.path.join(glob.escape(settings.wandb_dir), f"*-{self.id}", f"run-{self.id}.wandb")
         return max((last_logged_step(path) for path in glob.glob(pattern) if os.path.abspath(path) != own),
                    default=-1)
 
@@ -240,7 +243,7 @@ class WandbTracker(TrackerBase):
     def _read_own_log(self) -> None:
         """Advance :attr:`log_step` over what this attempt's transaction log holds now."""
         try:
-            with open(self.run.settings.sync_file, "rb") as fh:
+            with open(self.log_path, "rb") as fh:
                 fh.seek(self.log_offset)
                 for record, end in log_records(fh.read(), self.log_offset):
                     self.log_offset = end
