@@ -57,7 +57,7 @@ def stop_pid(proc: subprocess.Popen, timeout: float = 15) -> None:
 
 @dataclass
 class S3Server:
-    """moto's S3 server over HTTP on 127.0.0.1; the code under test talks to it as to MinIO."""
+    """moto's S3 server over HTTP on 127.0.0.1 (``tests/moto_s3.py``); the code under test talks to it as to MinIO."""
 
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
@@ -78,7 +78,7 @@ class S3Server:
     def start(self) -> "S3Server":
         self.log = Path(tempfile.mkstemp(prefix="moto-", suffix=".log")[1])
         self.proc = subprocess.Popen(
-            [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(self.port)],
+            [sys.executable, "-I", str(Path(__file__).with_name("moto_s3.py")), "-H", "127.0.0.1", "-p", str(self.port)],
             stdout=self.log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
         )
         wait_until(lambda: http_ok(f"{self.endpoint}/moto-api/"), 30, "moto S3 server")
