@@ -244,6 +244,13 @@ def _detail(step: str, rec: StepRecord) -> str:
     return ""
 
 
+def _ettr(ettr: float) -> str:
+    """The summary's ETTR with what it counts: goodput's productive seconds over the wall time from the
+    training's first attempt to its last (a pause between a Ctrl-C and ``--resume`` included), not the
+    ratio of the two figures before it."""
+    return f"ETTR {ettr:.2f} (productive training time / wall time since the training's first attempt)"
+
+
 def _metrics(text: str | None) -> str:
     try:
         values = json.loads(text or "{}")
@@ -281,10 +288,10 @@ def render_summary(config: RelaunchConfig, result, console) -> None:
         resumed = [x for x in json.loads(lau.resumed_from_steps or "[]") if x >= 0]
         if lau.duration_seconds or lau.job_name:
             rows.append(("training", f"{lau.train_seconds:.1f}s training in {lau.duration_seconds:.1f}s "
-                                     f"launch; ETTR {lau.ettr:.3f}"))
+                                     f"launch; {_ettr(lau.ettr)}"))
         else:  # a finish-only resume: launch found the training at its end and started nothing
             rows.append(("training", f"nothing launched: trained earlier ({lau.train_seconds:.1f}s of training); "
-                                     f"ETTR {lau.ettr:.3f}"))
+                                     f"{_ettr(lau.ettr)}"))
         launch_retries = max(0, s[LAUNCH.name].attempts - 1)
         restarter = ("Ray round" if config.launch.backend == "ray" else
                      "in-place agent" if config.launch.backend == "local" and memory_tier_on(config) else "torchrun")

@@ -51,3 +51,17 @@ def test_a_training_that_did_not_reach_its_end_is_named_as_why_nothing_was_regis
     skipped = EvaluateOutputs(metrics_json="{}", passed=False, checkpoint_uri="", step=-1)
     text = _summary(tmp_path, launch=short, evaluate=skipped, register=None)
     assert "not registered: the training did not reach its end" in text
+
+
+def test_the_summary_of_a_resumed_training_says_what_its_ettr_counts(tmp_path):
+    """After a Ctrl-C and ``--resume`` the row read "8.0s training in 9.8s launch; ETTR 0.331", a ratio of
+    neither figure: it is goodput's productive time over the training's wall time since its first attempt."""
+    resumed = LaunchOutputs(restarts=1, resumed_from_steps="[-1, 20]", train_seconds=8.0, duration_seconds=9.8,
+                            ettr=0.331, last_checkpoint_uri="/c/step-40", job_name="j", completed=True)
+    text = _summary(tmp_path, launch=resumed)
+    assert ("8.0s training in 9.8s launch; ETTR 0.33 (productive training time / wall time since the "
+            "training's first attempt)") in text
+    earlier = dataclasses.replace(resumed, duration_seconds=0.0, job_name="")
+    (tmp_path / "again").mkdir()
+    assert ("trained earlier (8.0s of training); ETTR 0.33 (productive training time / wall time since the "
+            "training's first attempt)") in _summary(tmp_path / "again", launch=earlier)

@@ -49,6 +49,27 @@ def test_prepare_of_a_resume_reopens_a_run_an_interrupted_pipeline_marked_killed
     assert run.info.status == "RUNNING" and END_REASON_TAG not in run.data.tags
 
 
+def test_finalize_sends_the_metric_points_a_training_left_unsent_and_empties_their_record(config):
+    """A training that ended while the tracking server was away left its points in the store's pending
+    record; the pipeline's finalize delivers them into the run before marking it finished."""
+    from mlflow.tracking import MlflowClient
+
+    from relaunch.components import finalize
+    from relaunch.components.core.store import open_store, records
+    from relaunch.components.core.tracking.client import tracking_uri
+
+    run_id = prepare.run(config).run_id
+    store = open_store(config.store.uri)
+    points = [[step, {"train/loss": 1.0 / step}] for step in range(1, 6)]
+    records.write_pending_metrics(store, 5, points, {"relaunch.tracking.lost_contact": "true"}, "FINISHED")
+    done = config.model_copy(update={"tracking": config.tracking.model_copy(update={"run_id": run_id})})
+    assert finalize.run(done).status == "FINISHED"
+    client = MlflowClient(tracking_uri(config))
+    assert sorted(m.step for m in client.get_metric_history(run_id, "train/loss")) == [1, 2, 3, 4, 5]
+    assert client.get_run(run_id).data.tags["relaunch.tracking.lost_contact"] == "true"
+    assert records.read_pending(store) == {"points": [], "tags": {}, "status": None}
+
+
 def _save(config: RelaunchConfig, step: int, hidden: int | None = None) -> CheckpointManager:
     cfg = config if hidden is None else config.model_copy(update={"train": config.train.model_copy(update={"hidden_size": hidden})})
     mgr = CheckpointManager(cfg.store.uri, async_save=False)
