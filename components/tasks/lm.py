@@ -1,0 +1,476 @@
+"""The language-model example: a small decoder-only transformer (GPT-2's shape, built from torch's own
+modules) trained on the bytes of a text corpus every machine has, the Python standard library's source.
+
+    relaunch run --config configs/lm.yaml
+
+The tokenizer is byte-level (256 bytes and an end-of-document token), described in the dataset's
+``meta`` so it is versioned with the data. prepare commits the corpus as sequences of ``seq_len + 1``
+tokens (the field ``tokens``, uint16): documents joined with the end-of-document token, cut into
+non-overlapping windows, each file in train, val or test by a stable hash of its relative path.
+
+Options (``train.task_options``, defaults in :attr:`LMTask.options`): the model's ``d_model``,
+``n_layers``, ``n_heads``, ``seq_len`` and ``dropout``; the ``corpus`` (``stdlib``, or a folder whose
+``*.py``, ``*.txt`` and ``*.md`` files are read) and ``max_corpus_bytes``, the cap on what is read of it;
+``max_new_tokens``, the length of a served continuation.
+
+torch is imported by the methods that use it: prepare only builds the dataset, and a process that does
+not train should not pay for importing torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+import os
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator
+
+import numpy as np
+
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.errors import BadInput
+
+try:
+    from relaunch.components.core.data import DatasetSource
+except ImportError:  # until the data room lands: the shape it exports
+    @dataclass
+    class DatasetSource:  # type: ignore[no-redef]
+        splits: dict[str, Callable[[], Iterator[dict[str, np.ndarray]]]]
+        meta: dict[str, Any]
+        source_key: str | None
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+VOCAB_SIZE = 257
+"""The 256 byte values and the end-of-document token."""
+EOS = 256
+"""The end-of-document token: between documents in the corpus, and the context a prompt starts from."""
+TOKENIZER = {"kind": "bytes", "vocab_size": VOCAB_SIZE, "eos": EOS}
+CHUNK_SEQUENCES = 1024
+"""Sequences per chunk a split's iterator yields (~264 KB of uint16 at seq_len 128)."""
+CORPUS_SUFFIXES = (".py", ".txt", ".md")
+"""The files read of a folder named as the corpus."""
+STDLIB_SKIPPED = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"})
+"""Folders of the standard library left out of the corpus: installed packages, test suites, IDLE."""
+EVAL_BATCH = 64
+"""Sequences per forward pass in :meth:`LMTask.evaluate`."""
+
+
+# ---- the tokenizer: bytes, and one end-of-document token
+
+def encode(text: str | bytes) -> np.ndarray:
+    """The tokens of ``text`` (UTF-8 bytes), uint16, without an end-of-document token."""
+    data = text.encode("utf-8") if isinstance(text, str) else text
+    return np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
+
+
+def decode(tokens: Iterable[int] | np.ndarray) -> str:
+    """The text of ``tokens``: end-of-document tokens skipped, bytes that are not UTF-8 replaced."""
+    arr = np.asarray(tokens if isinstance(tokens, np.ndarray) else list(tokens), dtype=np.int64)
+    return arr[(arr >= 0) & (arr < 256)].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+# ---- the corpus: which files, in which split, cut into sequences
+
+def corpus_root(corpus: str) -> Path:
+    """The folder the ``corpus`` option names: ``stdlib``, the standard library of this interpreter.
+
+    Raises:
+        BadInput: ``corpus`` is neither ``stdlib`` nor an existing folder.
+    """
+    if corpus == "stdlib":
+        return Path(sysconfig.get_paths()["stdlib"])
+    root = Path(corpus).expanduser()
+    if not root.is_dir():
+        raise BadInput(f"train.task_options.corpus={corpus!r} is neither 'stdlib' nor an existing folder; "
+                       f"name a folder of *.py, *.txt or *.md files")
+    return root
+
+
+def corpus_files(corpus: str, max_bytes: int) -> list[tuple[str, Path, int]]:
+    """``[(relative path, path, bytes to read)]`` of the corpus in sorted relative-path order, read up to
+    ``max_bytes`` in all (the last file cut short). Hidden folders are left out, and of the standard
+    library installed packages, test suites and IDLE.
+
+    Raises:
+        BadInput: the corpus holds no file to read.
+    """
+    root = corpus_root(corpus)
+    suffixes = (".py",) if corpus == "stdlib" else CORPUS_SUFFIXES
+    skipped = STDLIB_SKIPPED if corpus == "stdlib" else frozenset({"__pycache__"})
+    found = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in skipped and not d.startswith(".")]
+        for name in names:
+            if name.endswith(suffixes):
+                path = Path(folder, name)
+                if path.is_file():
+                    found.append((path.relative_to(root).as_posix(), path))
+    found.sort()
+    files, total = [], 0
+    for rel, path in found:
+        if total >= max_bytes:
+            break
+        size = min(path.stat().st_size, max_bytes - total)
+        if size:
+            files.append((rel, path, size))
+            total += size
+    if not files:
+        raise BadInput(f"train.task_options.corpus={corpus!r}: {root} holds no {', '.join(suffixes)} file to read")
+    return files
+
+
+def split_of(rel: str, val_fraction: float, test_fraction: float, seed: int) -> str:
+    """``train``, ``val`` or ``test``: where the file at relative path ``rel`` goes, by a stable hash of
+    ``seed`` and the path (the same on every machine and Python)."""
+    u = int.from_bytes(hashlib.sha256(f"{seed}:{rel}".encode()).digest()[:8], "big") / 2.0**64
+    return "test" if u < test_fraction else "val" if u < test_fraction + val_fraction else "train"
+
+
+def file_digest(path: Path, size: int) -> str:
+    """sha256 of the first ``size`` bytes of ``path`` (what the corpus reads of it)."""
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        left = size
+        while left:
+            block = fh.read(min(left, 1 << 20))
+            if not block:
+                break
+            h.update(block)
+            left -= len(block)
+    return h.hexdigest()
+
+
+def sequences(paths: Iterable[tuple[Path, int]], seq_len: int,
+              chunk: int = CHUNK_SEQUENCES) -> Iterator[dict[str, np.ndarray]]:
+    """Chunks ``{"tokens": uint16 [n, seq_len + 1]}`` of the documents at ``paths`` (each read up to its
+    size), joined with the end-of-document token and cut into non-overlapping windows, in order; the
+    tail shorter than a window is dropped. Every chunk has ``chunk`` rows but the last."""
+    width = seq_len + 1
+    buf, pos = np.empty(chunk * width, dtype=np.uint16), 0
+    for path, size in paths:
+        with path.open("rb") as fh:
+            doc = np.frombuffer(fh.read(size), dtype=np.uint8)
+        at = 0
+        while at <= len(doc):  # the document's bytes, then its end-of-document token, across chunks
+            n = min(len(doc) - at, len(buf) - pos)
+            buf[pos:pos + n] = doc[at:at + n]  # the cast to uint16 is the tokenizer
+            pos, at = pos + n, at + n
+            if at == len(doc) and pos < len(buf):
+                buf[pos] = EOS
+                pos, at = pos + 1, at + 1
+            if pos == len(buf):
+                yield {"tokens": buf.reshape(chunk, width)}
+                buf, pos = np.empty(chunk * width, dtype=np.uint16), 0
+    if pos >= width:
+        yield {"tokens": buf[:pos - pos % width].reshape(-1, width)}
+
+
+# ---- the model
+
+@functools.cache
+def _model_classes() -> tuple[type, type]:
+    """The transformer's classes, defined on first use (torch is imported by what trains)."""
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    class Block(nn.Module):
+        """Pre-norm causal self-attention and a GELU MLP, each around a residual."""
+
+        def __init__(self, d_model: int, n_heads: int, dropout: float):
+            super().__init__()
+            self.n_heads, self.dropout = n_heads, dropout
+            self.ln1 = nn.LayerNorm(d_model)
+            self.qkv = nn.Linear(d_model, 3 * d_model)
+            self.proj = nn.Linear(d_model, d_model)
+            self.ln2 = nn.LayerNorm(d_model)
+            self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+            self.drop = nn.Dropout(dropout)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, t, d = x.shape
+            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0)
+            x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, d)))
+            return x + self.drop(self.mlp(self.ln2(x)))
+
+    class DecoderLM(nn.Module):
+        """Token and learned position embeddings, ``n_layers`` blocks, a final LayerNorm, and an output
+        head whose weight is the token embedding's (tied)."""
+
+        def __init__(self, vocab_size: int, seq_len: int, d_model: int, n_layers: int, n_heads: int,
+                     dropout: float):
+            super().__init__()
+            self.seq_len = seq_len
+            self.tok_emb = nn.Embedding(vocab_size, d_model)
+            self.pos_emb = nn.Embedding(seq_len, d_model)
+            self.drop = nn.Dropout(dropout)
+            self.blocks = nn.ModuleList(Block(d_model, n_heads, dropout) for _ in range(n_layers))
+            self.ln_f = nn.LayerNorm(d_model)
+            self.head = nn.Linear(d_model, vocab_size, bias=False)
+            self.head.weight = self.tok_emb.weight
+            for name, p in self.named_parameters():  # GPT-2's initialisation
+                if name.endswith("bias"):
+                    nn.init.zeros_(p)
+                elif p.dim() >= 2:
+                    std = 0.02 / math.sqrt(2 * n_layers) if name.endswith(("proj.weight", "mlp.2.weight")) else 0.02
+                    nn.init.normal_(p, mean=0.0, std=std)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            """Logits ``[b, t, vocab]`` of the next token at each position of ``tokens`` ``[b, t]``."""
+            t = tokens.shape[1]
+            if t > self.seq_len:
+                raise ValueError(f"{t} tokens exceed the model's context of {self.seq_len}")
+            pos = torch.arange(t, device=tokens.device)
+            x = self.drop(self.tok_emb(tokens) + self.pos_emb(pos))
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.ln_f(x))
+
+    return Block, DecoderLM
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _texts(inputs: Any, what: str) -> list[str]:
+    """The strings of ``inputs``: a list of strings, a pandas DataFrame (its ``prompt`` column, or its only
+    column) or Series, a numpy array, or one string.
+
+    Raises:
+        BadInput: ``inputs`` is none of these, or holds something that is not a string.
+    """
+    if isinstance(inputs, str):
+        inputs = [inputs]
+    elif hasattr(inputs, "columns"):  # a pandas DataFrame
+        columns = list(inputs.columns)
+        if "prompt" in columns:
+            inputs = inputs["prompt"]
+        elif len(columns) == 1:
+            inputs = inputs[columns[0]]
+        else:
+            raise BadInput(f"{what}: a DataFrame needs a 'prompt' column (or exactly one column); got {columns}")
+    if hasattr(inputs, "tolist"):  # a pandas Series, a numpy array
+        inputs = inputs.tolist()
+    if not isinstance(inputs, (list, tuple)):
+        raise BadInput(f"{what}: give a list of strings (or a DataFrame with a 'prompt' column); "
+                       f"got {type(inputs).__name__}")
+    odd = next((s for s in inputs if not isinstance(s, str)), None)
+    if odd is not None:
+        raise BadInput(f"{what}: give a list of strings (or a DataFrame with a 'prompt' column); "
+                       f"got a list holding {type(odd).__name__} {odd!r:.40}")
+    return list(inputs)
+
+
+# ---- the task
+
+@dataclass
+class LMTask:
+    """A byte-level decoder-only transformer, AdamW with linear warm-up then cosine decay."""
+
+    config: RelaunchConfig
+
+    options: ClassVar[dict[str, Any]] = {
+        "d_model": 128, "n_layers": 2, "n_heads": 4, "seq_len": 128, "dropout": 0.0,
+        "corpus": "stdlib", "max_corpus_bytes": 4_000_000, "max_new_tokens": 32,
+    }
+
+    def __post_init__(self) -> None:
+        o = {**self.options, **self.config.train.task_options}
+        for name in ("d_model", "n_layers", "n_heads", "seq_len", "max_corpus_bytes", "max_new_tokens"):
+            if not isinstance(o[name], int) or isinstance(o[name], bool) or o[name] < 1:
+                raise BadInput(f"train.task_options.{name}={o[name]!r} must be a whole number >= 1")
+        if o["d_model"] % o["n_heads"]:
+            raise BadInput(f"train.task_options.d_model={o['d_model']} must be divisible by "
+                           f"n_heads={o['n_heads']}")
+        if o["seq_len"] >= 1 << 16:
+            raise BadInput(f"train.task_options.seq_len={o['seq_len']} must be below 65536")
+        if not isinstance(o["dropout"], (int, float)) or not 0 <= o["dropout"] < 1:
+            raise BadInput(f"train.task_options.dropout={o['dropout']!r} must be a number in [0, 1)")
+        if not isinstance(o["corpus"], str) or not o["corpus"]:
+            raise BadInput(f"train.task_options.corpus={o['corpus']!r} must be 'stdlib' or a folder path")
+        self.o = o
+
+    # -- data
+
+    def build_dataset(self) -> DatasetSource:
+        """The corpus's train/val/test sequences, the tokenizer in ``meta``, and a ``source_key`` of what
+        they depend on (every file's path and digest, the tokenizer, seq_len, the split rule).
+
+        Raises:
+            BadInput: the corpus is missing or empty, or too small for a split to hold one sequence.
+        """
+        o, d = self.o, self.config.data
+        seq_len = o["seq_len"]
+        files = corpus_files(o["corpus"], o["max_corpus_bytes"])
+        by_split: dict[str, list[tuple[Path, int]]] = {"train": [], "val": [], "test": []}
+        held: dict[str, int] = {"train": 0, "val": 0, "test": 0}
+        for rel, path, size in files:
+            name = split_of(rel, d.val_fraction, d.test_fraction, d.split_seed)
+            by_split[name].append((path, size))
+            held[name] += size + 1
+        for name, tokens in held.items():
+            if tokens < seq_len + 1:
+                raise BadInput(f"train.task_options: the {name} split of corpus={o['corpus']!r} holds {tokens} "
+                               f"tokens, fewer than one sequence of seq_len+1={seq_len + 1}; raise "
+                               f"max_corpus_bytes (now {o['max_corpus_bytes']}) or data.{name}_fraction")
+        split_rule = {"hash": "sha256(f'{split_seed}:{relative path}')", "val_fraction": d.val_fraction,
+                      "test_fraction": d.test_fraction, "split_seed": d.split_seed}
+        key = hashlib.sha256()
+        key.update(repr((TOKENIZER, seq_len, split_rule)).encode())
+        for rel, path, size in files:
+            key.update(f"{rel}\0{size}\0{file_digest(path, size)}\n".encode())
+        meta = {
+            "tokenizer": TOKENIZER, "seq_len": seq_len,
+            "corpus": {"name": o["corpus"], "root": str(corpus_root(o["corpus"])), "files": len(files),
+                       "bytes": sum(size for _, _, size in files), "max_corpus_bytes": o["max_corpus_bytes"],
+                       "python": sys.version.split()[0] if o["corpus"] == "stdlib" else None},
+            "split": split_rule,
+            "documents": {name: len(paths) for name, paths in by_split.items()},
+        }
+        splits = {name: functools.partial(sequences, paths, seq_len) for name, paths in by_split.items()}
+        return DatasetSource(splits=splits, meta=meta, source_key=f"lm-bytes-{key.hexdigest()}")
+
+    # -- model and optimisation
+
+    def build_model(self) -> nn.Module:
+        o = self.o
+        _, DecoderLM = _model_classes()
+        return DecoderLM(VOCAB_SIZE, o["seq_len"], o["d_model"], o["n_layers"], o["n_heads"], float(o["dropout"]))
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """AdamW, ``train.weight_decay`` on the matrices (the linears and the embeddings, the tied head
+        with them), none on biases and LayerNorms."""
+        import torch
+
+        t = self.config.train
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        other = [p for p in model.parameters() if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": other, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=t.lr, betas=(0.9, 0.95))
+
+    def build_scheduler(self, optimizer: torch.optim.Optimizer, total_steps: int):
+        """Linear warm-up over the first 5% of the steps, then cosine decay to a tenth of the peak."""
+        import torch
+
+        total = max(1, total_steps)
+        warmup = max(1, total // 20)
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+    def shard_blocks(self, model: nn.Module) -> list[nn.Module]:
+        """The transformer's blocks, sharded one by one; the embeddings, the final norm and the tied head
+        stay with the root."""
+        return list(model.blocks)
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Mean next-token cross-entropy over every position of ``batch["tokens"]`` ``[b, seq_len + 1]``."""
+        from torch.nn.functional import cross_entropy
+
+        tokens = batch["tokens"].long()
+        logits = model(tokens[:, :-1])
+        return cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
+
+    # -- evaluation and serving
+
+    def evaluate(self, model: nn.Module, split) -> dict[str, float]:
+        """``loss`` (mean token cross-entropy), ``perplexity`` (its exp) and ``token_accuracy`` (the
+        next-token argmax's) over every sequence of ``split``, streamed in batches."""
+        import torch
+        from torch.nn.functional import cross_entropy
+
+        was_training = model.training
+        model.eval()
+        total, correct, count = 0.0, 0, 0
+        device = _device(model)
+        try:
+            with torch.no_grad():
+                for batch in split.batches(EVAL_BATCH):
+                    tokens = torch.as_tensor(batch["tokens"]).long().to(device)
+                    logits = model(tokens[:, :-1]).float()
+                    target = tokens[:, 1:]
+                    total += float(cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                                                 reduction="sum"))
+                    correct += int((logits.argmax(-1) == target).sum())
+                    count += target.numel()
+        finally:
+            model.train(was_training)
+        if not count:
+            raise BadInput("evaluate: the split holds no sequence")
+        loss = total / count
+        return {"loss": loss, "perplexity": math.exp(loss) if loss < 700 else math.inf,
+                "token_accuracy": correct / count}
+
+    def serve(self, model: nn.Module, inputs: Any) -> list[str]:
+        """The greedy continuation (up to ``max_new_tokens`` bytes, ending early at an end-of-document
+        token) of each prompt in ``inputs``: a list of strings, a DataFrame with a ``prompt`` column, or a
+        Series. Each prompt starts after an end-of-document token, as a document does in training."""
+        import torch
+
+        prompts = _texts(inputs, "serve")
+        was_training = model.training
+        model.eval()
+        device, seq_len, outputs = _device(model), self.o["seq_len"], []
+        try:
+            with torch.no_grad():
+                for prompt in prompts:
+                    context = torch.from_numpy(np.concatenate([[EOS], encode(prompt)]).astype(np.int64)).to(device)
+                    new: list[int] = []
+                    for _ in range(self.o["max_new_tokens"]):
+                        token = int(model(context[-seq_len:][None])[0, -1].argmax())
+                        if token == EOS:
+                            break
+                        new.append(token)
+                        context = torch.cat([context, context.new_tensor([token])])
+                    outputs.append(decode(new))
+        finally:
+            model.train(was_training)
+        return outputs
+
+    def example_input(self) -> list[str]:
+        """What the registered model's signature is inferred from."""
+        return ["def fibonacci(n):\n", "import os\n"]
+
+    def score(self, model: nn.Module, texts: Any) -> list[float]:
+        """The mean token cross-entropy of each text (NaN for an empty one), each read after an
+        end-of-document token, in windows of ``seq_len`` predictions."""
+        import torch
+        from torch.nn.functional import cross_entropy
+
+        was_training = model.training
+        model.eval()
+        device, seq_len, scores = _device(model), self.o["seq_len"], []
+        try:
+            with torch.no_grad():
+                for text in _texts(texts, "score"):
+                    tokens = torch.from_numpy(np.concatenate([[EOS], encode(text)]).astype(np.int64)).to(device)
+                    n = len(tokens) - 1
+                    total = 0.0
+                    for start in range(0, n, seq_len):
+                        window = tokens[start:start + seq_len + 1]
+                        logits = model(window[None, :-1])[0].float()
+                        total += float(cross_entropy(logits, window[1:], reduction="sum"))
+                    scores.append(total / n if n else math.nan)
+        finally:
+            model.train(was_training)
+        return scores
+
+
+def make_task(config: RelaunchConfig) -> LMTask:
+    """Factory named by ``train.task: relaunch.components.tasks.lm:make_task``."""
+    return LMTask(config)
