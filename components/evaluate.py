@@ -1,7 +1,8 @@
 """Step 4, ``evaluate``: load the final (or best) committed checkpoint, compute the task's metrics on
 the held-out split, and give the register gate its verdict (``evaluate.gate_metric >= evaluate.gate_min``).
 In the MLflow run the checkpoint becomes a LoggedModel (at its step, linked to the run) and the
-metrics are logged linked to it and to the dataset, beside a confusion-matrix image.
+metrics are logged linked to it and to the dataset, beside a confusion-matrix image when the task is a
+classifier (it has ``predict``).
 
     python -m relaunch.components.evaluate --config-json "$(cat resolved.json)"
 """
@@ -56,36 +57,54 @@ def run(config: RelaunchConfig, training_completed: bool | str = True) -> Evalua
             raise BadInput(f"evaluate: no committed checkpoint in {config.store.uri!r}; did launch run?")
         model = load_model(task, mgr, info.step)
     split = _split(config, task)
-    metrics = task.evaluate(model, split)
+    metrics = {name: float(value) for name, value in task.evaluate(model, split).items()}
     gate = config.evaluate.gate_metric
     if gate not in metrics:
         raise BadInput(f"evaluate.gate_metric: {gate!r} is not computed by the task (it gives {', '.join(metrics)})")
     if config.tracking.run_id:
-        _log(config, metrics, info.step, task.predict(model, split["x"]), split["y"], info.uri,
+        labels = _labels(task, model, split)
+        _log(config, metrics, info.step, labels, info.uri,
              write_model=lambda path: save_model(config, info.uri, path, task=task, model=model))
     return EvaluateOutputs(metrics_json=json.dumps(metrics, sort_keys=True), passed=metrics[gate] >= config.evaluate.gate_min,
                            checkpoint_uri=info.uri, step=info.step)
 
 
-def _split(config: RelaunchConfig, task) -> dict:
-    if config.data.version:
-        from relaunch.components.core.store.datasets import read_dataset
+def _split(config: RelaunchConfig, task):
+    """The held-out split, streamed from the committed dataset (committed here first when the pipeline
+    did not prepare one: a step run by hand)."""
+    from relaunch.components.core.data import commit_task_data, open_split, own_dataset
 
-        return read_dataset(open_store(config.store.uri), config.data.version)[config.evaluate.split]
-    return task.build_splits()[config.evaluate.split]
+    store = open_store(config.store.uri)
+    version = config.data.version
+    if version is None and not own_dataset(task):
+        version = commit_task_data(task, store)[0].version
+    return open_split(config, task, store, version, config.evaluate.split)
 
 
-def _log(config: RelaunchConfig, metrics: dict, step: int, predicted, actual, checkpoint_uri: str,
+def _labels(task, model, split):
+    """``(actual, predicted)`` labels for a classifier's confusion matrix (a task with ``predict`` and a
+    ``y`` field), else None."""
+    if not callable(getattr(task, "predict", None)) or split.manifest is None:
+        return None
+    names = [f["name"] for f in split.manifest.fields]
+    if names != ["x", "y"]:
+        return None
+    arrays = split.arrays()
+    return arrays["y"], task.predict(model, arrays["x"])
+
+
+def _log(config: RelaunchConfig, metrics: dict, step: int, labels, checkpoint_uri: str,
          write_model) -> None:
     client, run_id = tracking_client(tracking_uri(config)), config.tracking.run_id
     model_id = logged_model(config, checkpoint_uri, step, write_model)
     log_model_metrics(config, model_id, metrics, step, prefix=f"eval_{config.evaluate.split}_")
     call("tag the run", client.set_tag, run_id, "relaunch.evaluated_checkpoint", checkpoint_uri)
     with tempfile.TemporaryDirectory() as tmp:
-        png = Path(tmp) / f"confusion_matrix_{config.evaluate.split}.png"
-        confusion_png(actual, predicted, png, title=f"{config.evaluate.split} split, step {step}")
+        if labels is not None:  # what a classifier offers
+            png = Path(tmp) / f"confusion_matrix_{config.evaluate.split}.png"
+            confusion_png(*labels, png, title=f"{config.evaluate.split} split, step {step}")
+            call("upload the confusion matrix", client.log_artifact, run_id, str(png), "evaluation")
         (Path(tmp) / "metrics.json").write_text(json.dumps({"step": step, "checkpoint_uri": checkpoint_uri, **metrics}, indent=2))
-        call("upload the confusion matrix", client.log_artifact, run_id, str(png), "evaluation")
         call("upload the metrics", client.log_artifact, run_id, str(Path(tmp) / "metrics.json"), "evaluation")
 
 

@@ -39,7 +39,7 @@ class PrepareOutputs:
 
 
 def run(config: RelaunchConfig, pipeline_run_id: str = "", **overrides: Any) -> PrepareOutputs:
-    """Build or reuse the dataset, open the MLflow run, return the resolved configuration.
+    """Commit the task's dataset (or find it committed), open the MLflow run, return the resolved configuration.
 
     Args:
         config: the pipeline's configuration.
@@ -51,7 +51,7 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", **overrides: Any) -> 
         BadInput: an override, the task, the store or the tracking URI is wrong.
         TransientFailure: the store or tracking server could not be reached.
     """
-    from relaunch.components.core.store.datasets import dataset_uri, write_dataset
+    from relaunch.components.core.data import commit_task_data, dataset_uri
     from relaunch.components.tasks.base import load_task
 
     config = with_pipeline_parameters(config, overrides)
@@ -60,19 +60,23 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", **overrides: Any) -> 
     probe_writable(store)  # the first write of a pipeline: a full or read-only store ends it here, exit 2
     _refuse_a_second_pipeline(store, pipeline_run_id)
     refuse_another_identity(store, json.loads(config.to_json()))
-    splits = task.build_splits()
-    version = write_dataset(store, splits)
+    manifest, written = commit_task_data(task, store)  # a task's own dataset: nothing to commit
+    version = manifest.version if manifest is not None else ""
+    if manifest is not None:
+        print(f"prepare: dataset {version}: {manifest.samples('train')} training samples in "
+              f"{len(manifest.split('train'))} shard(s); {written or 'nothing'} written", file=sys.stderr, flush=True)
     run_id = ensure_run(lineage.with_run_name(config, version), pipeline_run_id=pipeline_run_id or None)
     if config.tracking.run_id or pipeline_run_id:  # an existing run: a resume, a retried pipeline
         reopen_run(config, run_id)
     # what `relaunch run --resume` continues; the first one stays
     remember_run(store, run_id, tracking_uri=tracking_uri(config), experiment=config.tracking.experiment)
     resolved = config.model_copy(deep=True)
-    resolved.data.version = version
+    resolved.data.version = version or None
     resolved.tracking.run_id = run_id
     _log_config(resolved)
-    uri = dataset_uri(store, version)
-    lineage.log_dataset_input(resolved, run_id, splits, version, uri)
+    uri = dataset_uri(store, version) if version else ""
+    if manifest is not None:
+        lineage.log_dataset_input(resolved, run_id, manifest, uri)
     experiment_id = lineage.describe_run(resolved, run_id, version, uri)
 
     deliver_pending_metrics(resolved, store, run_id, who="prepare")  # a resume: what an outage left unsent

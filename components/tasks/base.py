@@ -3,17 +3,31 @@
 A task is built by a factory ``package.module:factory`` that takes the :class:`RelaunchConfig` and
 returns an object with the methods below (``train.task`` names it; the default is
 ``relaunch.components.tasks.digits:make_task``). The trainer owns distribution, data order, checkpoints,
-signals and tracking; the task owns the model, the optimiser, the data splits and the maths.
+signals and tracking; the task owns the model, the optimiser, its data and the maths.
 
-Batches reach :meth:`Task.loss` as a dict of tensors: ``x`` and ``y`` (this rank's slice of the
-global batch), ``index`` (the global sample indices of those rows in the train split) and ``step``
-(the optimiser step being computed, 0-based, a 0-d tensor).
+Where the data comes from (:mod:`relaunch.components.core.data`), the first the task has of:
+
+- ``dataset(split, rank, world_size)``: its own map-style ``Dataset`` (relaunch orders its indices
+  globally: any world size resumes it), its own ``IterableDataset`` (sharded by the task for ``rank``;
+  read through torchdata's ``StatefulDataLoader``) or its own stateful loader (iterable, with
+  ``state_dict``/``load_state_dict``);
+- ``build_dataset() -> DatasetSource``: chunks of samples per split, which prepare commits to the
+  store as checked shards and every rank streams (a corpus larger than memory);
+- ``build_splits() -> {split: {field: array}}``: whole arrays (small data), committed the same way.
+
+Batches reach :meth:`Task.loss` as a dict of tensors: the dataset's fields (this rank's share of the
+global batch; for a stored dataset, ``index``: the rows' global sample indices) and ``step`` (the
+optimiser step being computed, a 0-d tensor). A task's own dataset's batches are as its collate makes
+them (``index`` and ``step`` added to a dict).
+
+``options`` (a class attribute, ``{name: default}``) declares every ``train.task_options`` key the task
+reads; any other is refused, in ``relaunch run`` and in a study's search space alike.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -24,6 +38,7 @@ if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
 
     from relaunch.components.core.contract.config import RelaunchConfig
+    from relaunch.components.core.data.loader import SplitData
 
 Splits = dict[str, dict[str, np.ndarray]]
 """``{"train"|"val"|"test": {"x": array, "y": array}}``; every split has the same keys."""
@@ -33,10 +48,6 @@ Splits = dict[str, dict[str, np.ndarray]]
 class Task(Protocol):
     """What the trainer, evaluate and register steps call. Every method must be deterministic
     given the config's seed, so that a resumed training is bitwise equal to an uninterrupted one."""
-
-    def build_splits(self) -> Splits:
-        """The train/val/test arrays (numpy; ``x`` float32, ``y`` int64 for classifiers)."""
-        ...
 
     def build_model(self) -> "torch.nn.Module":
         """A freshly initialised model (the trainer seeds torch before calling)."""
@@ -54,17 +65,20 @@ class Task(Protocol):
         """The scalar training loss of ``batch`` (mean over its rows)."""
         ...
 
-    def evaluate(self, model: "torch.nn.Module", split: dict[str, np.ndarray]) -> dict[str, float]:
-        """Metrics of ``model`` on a whole split, e.g. ``{"loss": ..., "accuracy": ...}``."""
+    def evaluate(self, model: "torch.nn.Module", split: "SplitData") -> dict[str, float]:
+        """Metrics of ``model`` on a held-out split, e.g. ``{"loss": ..., "accuracy": ...}``:
+        ``split.batches(n)`` streams it, ``split["y"]`` is a field of the whole split."""
         ...
 
-    def predict(self, model: "torch.nn.Module", x: np.ndarray) -> np.ndarray:
-        """Predicted labels of ``x`` (used for the confusion matrix)."""
-        ...
-
-    # Optional: ``shard_blocks(model) -> list[torch.nn.Module]``, the submodules that
-    # ``train.parallelism=fsdp`` shards one by one (e.g. a transformer's layers) before the root.
-    # Without it every direct child that holds parameters is one block (components/core/trainer/parallel.py).
+    # Optional:
+    # - data: ``dataset(split, rank, world_size)``, ``build_dataset()`` or ``build_splits()`` (one is needed);
+    # - ``options: dict[str, Any]``: the ``train.task_options`` it reads, with their defaults;
+    # - ``predict(model, x) -> labels``: a classifier's; evaluate then logs a confusion matrix;
+    # - ``serve(model, inputs)`` and ``example_input()``: what the registered model's ``predict`` does
+    #   (default: ``predict`` on a float32 array);
+    # - ``shard_blocks(model) -> list[torch.nn.Module]``, the submodules that ``train.parallelism=fsdp``
+    #   shards one by one (e.g. a transformer's layers) before the root; without it every direct child
+    #   that holds parameters is one block (components/core/trainer/parallel.py).
 
 
 def load_task(spec: str, config: "RelaunchConfig") -> Task:
@@ -87,8 +101,34 @@ def load_task(spec: str, config: "RelaunchConfig") -> Task:
         task = factory(config)
     except TypeError as err:  # a factory with another signature: the spec names the wrong thing
         raise BadInput(f"train.task: {spec!r} cannot be called as factory(config): {err}") from None
-    missing = [m for m in ("build_splits", "build_model", "build_optimizer", "build_scheduler", "loss",
-                           "evaluate", "predict") if not callable(getattr(task, m, None))]
+    missing = [m for m in ("build_model", "build_optimizer", "build_scheduler", "loss", "evaluate")
+               if not callable(getattr(task, m, None))]
+    if not any(callable(getattr(task, m, None)) for m in DATA_METHODS):
+        missing.append(" or ".join(DATA_METHODS))
     if missing:
         raise BadInput(f"train.task: {spec!r} returned {type(task).__name__} without {', '.join(missing)}")
+    check_task_options(task, config.train.task_options, spec)
     return task  # type: ignore[return-value]
+
+
+DATA_METHODS = ("dataset", "build_dataset", "build_splits")
+
+
+def task_options(task) -> dict[str, Any]:
+    """The ``train.task_options`` keys ``task`` declares it reads, with their defaults."""
+    declared = getattr(task, "options", None) or {}
+    return dict(declared)
+
+
+def check_task_options(task, given: dict[str, Any], spec: str, what: str = "train.task_options") -> None:
+    """Refuse a ``train.task_options`` key the task does not read (one line naming it and the keys it reads).
+
+    Raises:
+        BadInput: an unknown key.
+    """
+    known = task_options(task)
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        reads = f"it reads {', '.join(sorted(known))}" if known else "it reads none"
+        raise BadInput(f"{what}.{unknown[0]}: the task {spec} does not read this option ({reads}); "
+                       f"remove it or declare it in the task's options")

@@ -75,7 +75,7 @@ def _by_hand(workdir: Path, params: list[dict], steps: int, series: str) -> list
     trials (stored beside it, ``data.version`` set); their wall times."""
     from relaunch.components.core.contract.config import apply_suggestions, load_config
     from relaunch.components.core.store import open_store
-    from relaunch.components.core.store.datasets import write_dataset
+    from relaunch.components.core.data import commit_task_data
     from relaunch.components.core.tracking.client import ensure_run
     from relaunch.components.tasks.base import load_task
 
@@ -87,7 +87,7 @@ def _by_hand(workdir: Path, params: list[dict], steps: int, series: str) -> list
             f"tracking.artifact_location={workdir / 'hand-art'}", f"train.max_steps={steps}",
             f"train.checkpoint_every_steps={CHECKPOINT_EVERY}", f"train.step_sleep_seconds={STEP_SLEEP}"])
         config = apply_suggestions(config, values)
-        config.data.version = write_dataset(open_store(str(store_uri)), load_task(config.train.task, config).build_splits())
+        config.data.version = commit_task_data(load_task(config.train.task, config), open_store(str(store_uri)))[0].version
         config.tracking.run_id = ensure_run(config)  # as prepare opens a pipeline's run before its launch step
         env = {**_env(), "RELAUNCH_EVENTS": str(store_uri / "events.jsonl")}  # as a trial's: no progress printed
         began = time.monotonic()

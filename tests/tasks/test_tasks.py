@@ -26,7 +26,7 @@ def test_the_digits_task_reads_exactly_what_sklearn_load_digits_returns():
     ("no.such.module:make", "cannot import module"),
     ("relaunch.components.tasks.digits:nope", "no callable 'nope'"),
     ("relaunch.components.core.contract.config:RelaunchConfig", "cannot be called as factory"),
-    ("relaunch.components.core.contract.errors:BadInput", "without build_splits"),
+    ("relaunch.components.core.contract.errors:BadInput", "without build_model"),
 ])
 def test_load_task_refuses_a_bad_spec_with_one_line_naming_it(spec, words):
     with pytest.raises(BadInput, match=words):

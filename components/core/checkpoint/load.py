@@ -154,12 +154,13 @@ class Loader:
         from relaunch.components.core.checkpoint.dcp_io import safe_load_planner
 
         template = state.state_dict() if wrapped else dict(state)
-        if isinstance(template.get("rng"), dict):  # another world size: a rank's stream may be absent
-            for name in list(template["rng"]):
-                if not any(k.startswith(f"rng.{name}.") for k in stored):
-                    del template["rng"][name]
-            if not template["rng"]:
-                del template["rng"]
+        for per_rank in ("rng", "data"):  # another world size (or an older checkpoint): a rank's entry may be absent
+            if isinstance(template.get(per_rank), dict):
+                for name in list(template[per_rank]):
+                    if not any(k.startswith(f"{per_rank}.{name}.") for k in stored):
+                        del template[per_rank][name]
+                if not template[per_rank]:
+                    del template[per_rank]
         try:
             dcp.load(template, storage_reader=reader, planner=safe_load_planner(), process_group=self.ranks.group)
         except RelaunchError:

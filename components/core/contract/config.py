@@ -192,6 +192,8 @@ class DataConfig(_Model):
     val_fraction: float = Field(0.15, gt=0, lt=0.5, description="Fraction held out for validation.")
     test_fraction: float = Field(0.15, gt=0, lt=0.5, description="Fraction held out for the final test.")
     split_seed: int = Field(0, ge=0, description="Seed of the train/validation/test split.")
+    num_workers: int = Field(1, ge=0, description="Loader worker processes per rank that fetch and check the shards of its batches (0: in the training process).")
+    prefetch_batches: int = Field(2, ge=1, description="Batches each loader worker fetches ahead.")
 
 
 class TrainConfig(_Model):
@@ -199,6 +201,7 @@ class TrainConfig(_Model):
     epochs: int = Field(4, ge=1, description="Passes over the training split.")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (overrides epochs).")
     global_batch_size: int = Field(64, ge=1, description="Samples per optimizer step across all ranks.")
+    grad_accum_steps: int = Field(1, ge=1, description="Micro-batches each rank's share of a global batch is cut into (forward and backward each, gradients accumulated, one optimizer step).")
     lr: float = Field(0.05, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW/SGD weight decay.")
     hidden_size: int = Field(128, ge=1, description="Width of the default task's hidden layer.")

@@ -60,6 +60,15 @@ class CorruptCheckpoint(RelaunchError):
     kind = "corrupt-checkpoint"
 
 
+class CorruptDataset(RelaunchError):
+    """A committed dataset that fails its check as it is read (a shard whose bytes do not match their
+    digest, a manifest that does not hash to its version): the store holds damaged data, which a
+    retry reads again; permanent, with the way to write it anew in the message."""
+
+    exit_code = ExitCode.BAD_INPUT
+    kind = "corrupt-dataset"
+
+
 class StoreUnwritable(RelaunchError):
     """The store cannot be written and stays so (full: ENOSPC, EDQUOT; read-only: EROFS, or an object
     store's quota or 403 on a write): an environment to fix, not a crash; permanent, never retried."""

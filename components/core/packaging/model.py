@@ -19,6 +19,7 @@ from relaunch.components.core.checkpoint.start import checked_step
 from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.core.contract.errors import BadInput
 from relaunch.components.core.store import open_store
+from relaunch.components.core.runtime.wiring import wire
 from relaunch.components.core.trainer.state import TrainingState
 from relaunch.components.tasks.base import load_task
 
@@ -58,7 +59,7 @@ def save_model(config: RelaunchConfig, checkpoint_uri: str, path: Path, task=Non
         store_uri, step = parse_checkpoint_uri(checkpoint_uri)
         with CheckpointManager(open_store(store_uri), async_save=False) as mgr:
             model = load_model(task, mgr, step)
-    x = np.asarray(task.build_splits()["test"]["x"][:2])
+    x = example_input(task)
     # save_model copies both into ``path``
     with tempfile.TemporaryDirectory(prefix="relaunch-model-") as tmp, \
             tempfile.TemporaryDirectory(prefix="relaunch-code-") as code:
@@ -68,9 +69,33 @@ def save_model(config: RelaunchConfig, checkpoint_uri: str, path: Path, task=Non
         mlflow.pyfunc.save_model(
             str(path), loader_module=__name__, data_path=str(data),
             code_paths=code_paths(config.train.task, Path(code)),
-            signature=infer_signature(x, task.predict(model, x)),
+            signature=infer_signature(x, serve(task, model, x)),
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "safetensors", "numpy", "pydantic>=2",
                               "pyyaml", "scikit-learn"])
+
+
+def example_input(task):
+    """What the registered model's signature is inferred from: the task's ``example_input()``, else two
+    rows of a classifier's test split."""
+    import numpy as np
+
+    if callable(getattr(task, "example_input", None)):
+        return task.example_input()
+    if callable(getattr(task, "build_splits", None)):
+        return np.asarray(task.build_splits()["test"]["x"][:2])
+    raise BadInput(f"the task {type(task).__name__} has no example_input(): add one to register its model")
+
+
+def serve(task, model, inputs):
+    """The registered model's ``predict``: the task's ``serve``, else a classifier's ``predict`` of a
+    float32 array."""
+    import numpy as np
+
+    if callable(getattr(task, "serve", None)):
+        return task.serve(model, inputs)
+    if callable(getattr(task, "predict", None)):
+        return task.predict(model, np.asarray(inputs, dtype=np.float32))
+    raise BadInput(f"the task {type(task).__name__} has neither serve() nor predict(): add one to register its model")
 
 
 def code_paths(task_spec: str, staging: Path) -> list[str]:
@@ -102,9 +127,7 @@ class _LoadedModel:
         self.task, self.model = task, model
 
     def predict(self, model_input, params=None):
-        import numpy as np
-
-        return self.task.predict(self.model, np.asarray(model_input, dtype=np.float32))
+        return serve(self.task, self.model, model_input)
 
 
 def _load_pyfunc(data_path: str) -> _LoadedModel:
@@ -112,6 +135,7 @@ def _load_pyfunc(data_path: str) -> _LoadedModel:
     from safetensors.torch import load_file
 
     root = Path(data_path)
+    wire()  # a fresh interpreter (mlflow.pyfunc.load_model): this is its entry point
     config = RelaunchConfig.from_json((root / "config.json").read_text())
     task = load_task(config.train.task, config)
     model = task.build_model()

@@ -247,21 +247,29 @@ def backend_params(flat: dict[str, Any], backend: str) -> dict[str, Any]:
 # the dataset
 
 
-def log_dataset_input(config, run_id: str, splits: dict, version: str, uri: str) -> None:
-    """The prepared dataset as a run input (context ``training``); MLflow keeps one per digest."""
+def log_dataset_input(config, run_id: str, manifest, uri: str) -> None:
+    """The prepared dataset as a run input (context ``training``); MLflow keeps one per digest (the
+    version). Its schema is the train split's fields; its profile counts the samples and shards of
+    every split (the data stays in the store: nothing of it is read here)."""
+    import json
+
     import mlflow.data
     import numpy as np
-    from mlflow.entities import DatasetInput, InputTag
+    from mlflow.entities import Dataset, DatasetInput, InputTag
 
     from relaunch.components.core.tracking.client import call, client as tracking_client, tracking_uri
 
-    train = splits["train"]
     if uri.startswith("az://"):  # MLflow resolves Azure dataset sources by their wasbs:// name only
-
         uri = wasbs_uri(uri)
-    dataset = mlflow.data.from_numpy(np.asarray(train["x"]), targets=np.asarray(train["y"]), source=uri,
-                                     name=config.data.dataset, digest=version)
-    entity = DatasetInput(dataset_entity(dataset), tags=[InputTag("mlflow.data.context", DATASET_CONTEXT)])
+    empty = {f["name"]: np.zeros((0, *f["shape"]), dtype=np.dtype(f["dtype"])) for f in manifest.fields}
+    described = dataset_entity(mlflow.data.from_numpy(empty, source=uri, name=config.data.dataset,
+                                                      digest=manifest.version))
+    profile = {"num_rows": manifest.samples("train"),
+               "splits": {name: {"samples": sum(s.samples for s in shards), "shards": len(shards),
+                                 "bytes": sum(s.bytes for s in shards)} for name, shards in sorted(manifest.splits.items())}}
+    entity = DatasetInput(Dataset(name=described.name, digest=described.digest, source_type=described.source_type,
+                                  source=described.source, schema=described.schema, profile=json.dumps(profile)),
+                          tags=[InputTag("mlflow.data.context", DATASET_CONTEXT)])
     client = tracking_client(tracking_uri(config))
     call("log the dataset input", client.log_inputs, run_id, datasets=[entity])
 

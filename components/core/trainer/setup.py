@@ -1,7 +1,7 @@
 """What one attempt of the training builds before its loop, and where it starts.
 
-Build, then act: :func:`check_world_size`, :func:`seed`, :func:`load_data` (the splits, the global-batch arithmetic and the data
-order), :func:`build_model` (model, parallel wrapper, optimiser, scheduler, AMP scaler and the
+Build, then act: :func:`check_world_size`, :func:`seed`, :func:`load_data` (this rank's loader over the
+committed dataset, the global-batch arithmetic), :func:`build_model` (model, parallel wrapper, optimiser, scheduler, AMP scaler and the
 checkpointed :class:`~relaunch.components.core.trainer.state.TrainingState`), :func:`open_checkpoints` (the manager,
 one writer identity per training) and :func:`restore` (the start point every rank agrees on, loaded).
 The loop itself is :class:`relaunch.components.train.Training`'s.
@@ -21,7 +21,8 @@ from relaunch.components.core.checkpoint import CheckpointManager
 from relaunch.components.core.checkpoint.fingerprint import model_fingerprint
 from relaunch.components.core.checkpoint.start import start_point
 from relaunch.components.core.contract.errors import BadInput
-from relaunch.components.core.store.datasets import read_dataset
+from relaunch.components.core.data import TrainData, commit_task_data, open_split, open_training_data, own_dataset
+from relaunch.components.core.runtime import distributed as distr
 from relaunch.components.core.tracking.warm_start import warm_start_checkpoint
 
 
@@ -43,32 +44,6 @@ def seed(config) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-@dataclass
-class TrainData:
-    """The splits and the data order: the global sample index ``step * global_batch_size`` into a
-    seeded per-epoch permutation, each rank taking its slice of the global batch, so the order after
-    a resume equals an uninterrupted run's at any world size."""
-
-    splits: dict
-    x: torch.Tensor
-    y: torch.Tensor
-    global_batch_size: int
-    seed: int
-    steps_per_epoch: int
-    total_steps: int
-
-    def permutation(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.x))
-
-    def batch(self, step: int, perm: np.ndarray, rank: int, world_size: int, device) -> dict[str, torch.Tensor]:
-        g = self.global_batch_size
-        start = (step % self.steps_per_epoch) * g
-        local = perm[start + rank * (g // world_size): start + (rank + 1) * (g // world_size)]
-        index = torch.from_numpy(local.astype(np.int64))
-        return {"x": self.x[index].to(device), "y": self.y[index].to(device), "index": index,
-                "step": torch.tensor(step, dtype=torch.int64)}
-
-
 def check_world_size(config, world_size: int) -> None:
     """Refuse a global batch that does not divide by the world size (before any process group)."""
     if config.train.global_batch_size % world_size:
@@ -76,25 +51,81 @@ def check_world_size(config, world_size: int) -> None:
                        f"size {world_size}; pick a multiple")
 
 
-def load_data(config, task, store) -> TrainData:
-    """The stored dataset version (``data.version``), else the splits the task builds.
+def load_data(config, task, store, rank: int, world_size: int) -> TrainData:
+    """This rank's loader over the train split: the committed ``data.version``; without one (a worker
+    started by hand, a test) rank 0 commits the task's data first, as prepare does, and every rank
+    reads that version. A task's own dataset is read as it is.
 
     Raises:
-        BadInput: the global batch exceeds the training split.
+        BadInput: the global batch exceeds the training split, or the task's data is unusable.
     """
-    t = config.train
-    if config.data.version:
-        splits = read_dataset(store, config.data.version)
-    else:
-        splits = task.build_splits()
-    x = torch.from_numpy(np.ascontiguousarray(splits["train"]["x"]))
-    y = torch.from_numpy(np.ascontiguousarray(splits["train"]["y"]))
-    steps_per_epoch = len(x) // t.global_batch_size
-    if steps_per_epoch == 0:
-        raise BadInput(f"train.global_batch_size={t.global_batch_size} exceeds the {len(x)} training samples; "
-                       "lower it")
-    return TrainData(splits, x, y, t.global_batch_size, t.seed, steps_per_epoch,
-                     t.max_steps or t.epochs * steps_per_epoch)
+    version = config.data.version
+    if version is None and not own_dataset(task):
+        if rank == 0:
+            manifest, _ = commit_task_data(task, store)
+            version = manifest.version
+        version = distr.broadcast_object(version)
+    if config.train.global_batch_size % (world_size * config.train.grad_accum_steps):
+        raise BadInput(f"train.global_batch_size={config.train.global_batch_size} is not divisible by the world size "
+                       f"{world_size} x train.grad_accum_steps={config.train.grad_accum_steps}; pick a multiple")
+    return open_training_data(config, task, store, version, rank, world_size)
+
+
+def validation_split(config, task, store, data: TrainData):
+    """The split validation reads (``val``), streamed from the version the training reads."""
+    return open_split(config, task, store, data.version, "val")
+
+
+def to_device(batch: Any, device) -> Any:
+    """A batch's tensors on ``device`` (a dict, list or tuple of them; the rest as it is)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def micro_batches(batch: Any, count: int) -> list[Any]:
+    """``batch`` cut into ``count`` micro-batches along its first dimension (a dict's tensors with one;
+    0-d values such as ``step`` go to each); ``[batch]`` for one."""
+    if count == 1:
+        return [batch]
+    if not isinstance(batch, dict):
+        raise BadInput("train.grad_accum_steps > 1 needs batches that are dicts of tensors")
+    parts: list[dict[str, Any]] = [{} for _ in range(count)]
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            if len(value) % count:
+                raise BadInput(f"train.grad_accum_steps={count} does not divide this rank's batch of {len(value)}")
+            for part, chunk in zip(parts, value.chunk(count)):
+                part[key] = chunk
+        else:
+            for part in parts:
+                part[key] = value
+    return parts
+
+
+def gradient_sync(model: torch.nn.Module, sync: bool):
+    """Around a micro-batch's backward: gradients are reduced across ranks only on the last one (DDP's
+    ``no_sync``; FSDP2's ``set_requires_gradient_sync``)."""
+    import contextlib
+
+    if sync:
+        return contextlib.nullcontext()
+    if hasattr(model, "no_sync"):
+        return model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):
+        @contextlib.contextmanager
+        def held():
+            model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)
+        return held()
+    return contextlib.nullcontext()
 
 
 @dataclass
@@ -125,8 +156,9 @@ class ModelParts:
         return overflowed
 
 
-def build_model(config, task, device, total_steps: int, health: Any) -> ModelParts:
-    """The task's model on ``device``, wrapped for ``train.parallelism``, its optimiser and schedule."""
+def build_model(config, task, device, total_steps: int, health: Any, loader: Any = None) -> ModelParts:
+    """The task's model on ``device``, wrapped for ``train.parallelism``, its optimiser and schedule;
+    ``loader`` (this rank's) is checkpointed with the state."""
     from relaunch.components.core.trainer.parallel import wrap_model
     from relaunch.components.core.trainer.state import TrainingState
 
@@ -137,7 +169,7 @@ def build_model(config, task, device, total_steps: int, health: Any) -> ModelPar
     optimizer = task.build_optimizer(module)
     scheduler = task.build_scheduler(optimizer, total_steps)
     scaler = torch.amp.GradScaler("cuda") if t.amp and device.type == "cuda" else None
-    state = TrainingState(module, optimizer, scheduler, scaler, extra={"health": health})
+    state = TrainingState(module, optimizer, scheduler, scaler, extra={"health": health}, loader=loader)
     return ModelParts(module, model, optimizer, scheduler, scaler, state)
 
 

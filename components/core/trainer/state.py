@@ -119,9 +119,11 @@ class TrainingState:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 scheduler: Any = None, scaler: Any = None, extra: dict[str, Any] | None = None):
+                 scheduler: Any = None, scaler: Any = None, extra: dict[str, Any] | None = None,
+                 loader: Any = None):
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.extra = dict(extra or {})
+        self.loader = loader  # this rank's data loader: its position is this rank's, like its RNG
         self.step = 0
         self.epoch = 0
         self.samples_seen = 0
@@ -196,6 +198,8 @@ class TrainingState:
             sd["scaler"] = self.scaler.state_dict()
         if self.extra:
             sd["extra"] = {name: obj.state_dict() for name, obj in self.extra.items()}
+        if self.loader is not None:
+            sd["data"] = {f"rank{_rank()}": self.loader.state_dict()}
         return sd
 
     def load_state_dict(self, sd: dict[str, Any], *, in_place: bool = False) -> None:
@@ -230,6 +234,9 @@ class TrainingState:
         for name, obj in self.extra.items():
             if name in sd.get("extra", {}):
                 obj.load_state_dict(sd["extra"][name])
+        loader_state = sd.get("data", {}).get(f"rank{_rank()}")
+        if self.loader is not None and loader_state is not None:
+            self.loader.load_state_dict(loader_state)
         mine = sd.get("rng", {}).get(f"rank{_rank()}")
         self.rng_restored = mine is not None
         if mine is not None:

@@ -26,7 +26,7 @@ from relaunch.components.core.contract.config import RelaunchConfig, TuneConfig,
 from relaunch.components.core.contract.errors import BadInput, RelaunchError
 from relaunch.components.core.contract.exitcodes import ExitCode, is_retryable
 from relaunch.components.core.store import open_store
-from relaunch.components.core.store.datasets import read_dataset, write_dataset
+from relaunch.components.core.data.shards import copy_dataset
 from relaunch.components.core.store.records import (dotted, identity_changes, read_summary, refuse_resume_changes,
                                                     remember_run, write_training_config)
 from relaunch.components.core.tracking.client import (PARENT_RUN_TAG, call, client as tracking_client, ensure_run,
@@ -196,9 +196,7 @@ def give_dataset(study_store, trial_store, version: str) -> None:
     """The prepared dataset ``version`` in the trial's folder, where its training and evaluation read it:
     read back from the study's folder (verified) and written under the same content address (a no-op
     write when the trial has it: a resumed trial)."""
-    written = write_dataset(trial_store, read_dataset(study_store, version))
-    if written != version:
-        raise RelaunchError(f"the dataset {version} read back as {written}")
+    copy_dataset(study_store, trial_store, version)
 
 
 def objective(config: RelaunchConfig, reported: dict[int, dict[str, float]]) -> tuple[float, int] | None:
@@ -281,15 +279,19 @@ def check_objective_metric(config: RelaunchConfig, metrics: dict[str, float]) ->
 
 
 def check_validation_metric(config: RelaunchConfig) -> None:
-    """Refuse, before anything is written, a ``tune.objective.metric`` the task's validation does not
-    give: the task's metrics of a freshly built model on its validation split, named as the trainer
-    names them (``val_<name>``).
+    """Refuse, before anything is written, a ``train.task_options.<name>`` in the search space that the
+    task does not read, and a ``tune.objective.metric`` the task's validation does not give: the task's
+    metrics of a freshly built model on the first samples of its validation split, named as the
+    trainer names them (``val_<name>``).
 
     Raises:
         BadInput: one line naming the metric and the ones there are.
     """
-    from relaunch.components.tasks.base import load_task
+    from relaunch.components.core.data import preview_split
+    from relaunch.components.tasks.base import check_task_options, load_task
 
     task = load_task(config.train.task, config)
-    split = task.build_splits()["val"]
+    searched = {key.split(".", 2)[2]: None for key in config.tune.space if key.startswith("train.task_options.")}
+    check_task_options(task, searched, config.train.task, what="tune.space: train.task_options")
+    split = preview_split(task, "val")
     check_objective_metric(config, {f"val_{k}": v for k, v in task.evaluate(task.build_model(), split).items()})
