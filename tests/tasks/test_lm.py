@@ -82,6 +82,7 @@ def test_sequences_are_the_documents_joined_by_end_of_document_tokens_cut_into_w
 def test_the_configured_stdlib_corpus_splits_deterministically_and_every_split_holds_sequences():
     config = load_config(ROOT / "configs" / "lm.yaml")
     assert config.train.task == "relaunch.components.tasks.lm:make_task"
+    assert set(config.train.task_options) <= set(make_task(config).options)  # each one the task reads
     first, second = make_task(config).build_dataset(), make_task(config).build_dataset()
     assert first.source_key == second.source_key
     seq_len = first.meta["seq_len"]
