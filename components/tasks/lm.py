@@ -27,21 +27,14 @@ import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator
 
 import numpy as np
 
 from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.core.contract.errors import BadInput
 
-try:
-    from relaunch.components.core.data import DatasetSource
-except ImportError:  # until the data room lands: the shape it exports
-    @dataclass
-    class DatasetSource:  # type: ignore[no-redef]
-        splits: dict[str, Callable[[], Iterator[dict[str, np.ndarray]]]]
-        meta: dict[str, Any]
-        source_key: str | None
+from relaunch.components.core.data import DatasetSource
 
 if TYPE_CHECKING:
     import torch
