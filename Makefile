@@ -3,12 +3,13 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+LINKS := $(VENV)/relaunch-src
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha256sum | cut -c1-12)
 IMAGE ?= ghcr.io/relaunch/relaunch
 TAG ?= 0.1.0
 ARGS ?=
 
-.PHONY: help venv run tune test bench ui ui-check compile golden images clean
+.PHONY: help venv links run tune test bench ui ui-check compile golden images clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  make %-10s %s\n", $$1, $$2}'
@@ -16,9 +17,20 @@ help: ## list the targets
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e '.[test]'
+	@$(MAKE) --no-print-directory links
 	@rm -f $(VENV)/.installed-*; touch $@
 
 venv: $(STAMP) ## create .venv and install relaunch with its pinned dependencies
+
+# The import names relaunch.components and relaunch.pipelines as folders that static tools (pyright,
+# Pylance, jedi, a structure tool) can follow: $(LINKS)/relaunch/ holds two links to the source folders
+# and a .pth puts $(LINKS) on the interpreter's path. pip's editable install maps the names with an import
+# hook, which only a running interpreter sees; a file added to components/ or pipelines/ is seen at once.
+links: ## (part of venv) link .venv/relaunch-src/relaunch/{components,pipelines} to the folders, on sys.path
+	@mkdir -p $(LINKS)/relaunch
+	@ln -sfn ../../../components $(LINKS)/relaunch/components
+	@ln -sfn ../../../pipelines $(LINKS)/relaunch/pipelines
+	@echo "$(abspath $(LINKS))" > "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/relaunch-src.pth"
 
 run: $(STAMP) ## run the whole pipeline locally: 2 simulated nodes on CPU, local store, local MLflow
 	$(BIN)/relaunch run $(ARGS)

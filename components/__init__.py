@@ -2,9 +2,6 @@
 backends (``launchers/``), the training tasks (``tasks/``) and the libraries they share (``core/``);
 the pipeline that wires the steps is :mod:`relaunch.pipelines.spec`.
 
-Importing the package registers the store URI rules and the launch backends the configuration
-validates against (:mod:`relaunch.components.core.contract.registry`), whatever an entry point imports first.
+Importing the package does nothing else: the tables the configuration validates against are filled by
+the one wiring function, :func:`relaunch.components.core.runtime.wiring.wire`, which every entry point calls.
 """
-
-import relaunch.components.core.store  # noqa: F401 - registers the store URI rules
-import relaunch.components.launchers  # noqa: F401 - registers the launch backends

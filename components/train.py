@@ -68,7 +68,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from relaunch.components.core.runtime import distributed as distr  # noqa: E402
-from relaunch.components.core.runtime import logs  # noqa: E402
+from relaunch.components.core.runtime import logs, wiring  # noqa: E402
 from relaunch.components.core.store import HintWrites, UNWRITABLE_ADVICE, open_store, probe_writable, records
 from relaunch.components.core.tracking import goodput  # noqa: E402
 from relaunch.components.core.trainer import setup  # noqa: E402
@@ -536,6 +536,7 @@ def run(config: RelaunchConfig) -> TrainSummary:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m relaunch.components.train --config FILE | --config-json JSON [--set k=v ...]``."""
+    wiring.wire()
     parser = argparse.ArgumentParser(prog="python -m relaunch.components.train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", help="YAML configuration file")
     parser.add_argument("--config-json", help="the whole configuration as JSON (what pipelines pass)")

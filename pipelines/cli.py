@@ -20,17 +20,22 @@ import importlib
 import sys
 
 from relaunch.components.core.contract.entry import exit_on_error
+from relaunch.components.core.runtime.wiring import wire
 
-COMMANDS: dict[str, str] = {
-    "run": "run the whole pipeline on this machine (kfp.local)",
-    "tune": "run a study of trainings on this machine (Optuna): trials that resume from their checkpoints",
-    "checkpoints": "list, locate and verify committed checkpoints in a store",
-    "trainings": "list the trainings of a store with their state (running, interrupted, trained, finished)",
-    "compile": "compile the pipeline for Kubeflow Pipelines or Argo Workflows",
-    "submit": "submit one pipeline run to a cluster",
-    "schedule": "create a recurring run on a cluster",
-    "render": "write the PyTorchJob, TrainJob, ClusterTrainingRuntime or Slurm script the launcher would submit",
+COMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("relaunch.pipelines.commands.run", "run the whole pipeline on this machine (kfp.local)"),
+    "tune": ("relaunch.pipelines.commands.tune",
+             "run a study of trainings on this machine (Optuna): trials that resume from their checkpoints"),
+    "checkpoints": ("relaunch.pipelines.commands.checkpoints", "list, locate and verify committed checkpoints in a store"),
+    "trainings": ("relaunch.pipelines.commands.trainings",
+                  "list the trainings of a store with their state (running, interrupted, trained, finished)"),
+    "compile": ("relaunch.pipelines.commands.compile", "compile the pipeline for Kubeflow Pipelines or Argo Workflows"),
+    "submit": ("relaunch.pipelines.commands.submit", "submit one pipeline run to a cluster"),
+    "schedule": ("relaunch.pipelines.commands.schedule", "create a recurring run on a cluster"),
+    "render": ("relaunch.pipelines.commands.render",
+               "write the PyTorchJob, TrainJob, ClusterTrainingRuntime or Slurm script the launcher would submit"),
 }
+"""Each subcommand: its module (imported only when asked for) and its help line."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -66,10 +71,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = _Parser(prog="relaunch", description="Fault-tolerant, resumable PyTorch training pipelines.")
     parser.add_argument("--version", action="version", version=f"relaunch {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for name, help_text in COMMANDS.items():
+    for name, (module, help_text) in COMMANDS.items():
         if only is None or only == name:
-            module = importlib.import_module(f"relaunch.pipelines.commands.{name}")
-            module.add_parser(sub, help_text)
+            importlib.import_module(module).add_parser(sub, help_text)
         else:
             sub.add_parser(name, help=help_text)
     return parser
@@ -77,6 +81,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 @exit_on_error("relaunch")
 def main(argv: list[str] | None = None) -> int:
+    wire()
     argv = list(sys.argv[1:] if argv is None else argv)
     only = argv[0] if argv and argv[0] in COMMANDS else None
     parser = build_parser(only)

@@ -31,6 +31,7 @@ from relaunch.components.core.contract import events
 from relaunch.components.core.contract.events import Kind
 from relaunch.components.core.contract.exitcodes import ExitCode
 from relaunch.components.core.runtime import logs
+from relaunch.components.core.runtime.wiring import wire
 
 _failed_with: list[int] = []
 _ends_without_teardown = False
@@ -63,6 +64,7 @@ def call(step: str, config_json: str, **inputs: Any) -> tuple:
     from relaunch.components.core.contract.config import RelaunchConfig
 
     global _ends_without_teardown
+    wire()
     if _in_kfp_executor() and not _ends_without_teardown and not warm.forked:  # a warm fork ends so itself
         _ends_without_teardown = True
         atexit.register(_end_without_teardown)

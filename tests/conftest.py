@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from relaunch.components.core.runtime.wiring import wire
 from tests.services import MlflowServer, Postgres, S3Server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,6 +21,7 @@ def _interrupt(signum, frame):
 
 
 def pytest_configure(config):
+    wire()  # the tests' process is an entry point: its configurations validate against the full tables
     # A session stopped by SIGTERM (CI's or timeout's) tears its servers down like a Ctrl-C does,
     # instead of leaving PostgreSQL, moto and mlflow running.
     signal.signal(signal.SIGTERM, _interrupt)

@@ -1,13 +1,19 @@
 """The house's rules, checked on the source: the rooms are layers, each importing only the rooms below
 it (:data:`LAYERS`, the order docs/architecture.md draws); steps never import each other; no two
 modules or packages import each other, directly or round a circle. Every import counts, those inside
-functions too: they are the same dependency, merely taken later. And relaunch installs under
-``relaunch.*`` only: nothing of ours is imported under a generic top-level name."""
+functions too (they are the same dependency, merely taken later), relative ones, and those made by name:
+``importlib.import_module("relaunch....")`` or ``__import__`` with a literal, and in a module that imports
+by a name it computes, every module of ours it names in a string (a preload list, a ``"module:factory"``
+table). No module fills the contract's registry when imported: one function wires a process. And relaunch
+installs under ``relaunch.*`` only: nothing of ours is imported under a generic top-level name."""
 
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -19,6 +25,7 @@ LAYERS = (
     "relaunch.components.core.contract",    # the config model, exit codes, errors, events, the step names
     "relaunch.components.core.store",       # bytes in a store: filesystem and object-store drivers, records
     "relaunch.components.core.runtime",     # processes: distributed set-up, the warm zygote, a step's CLI
+    "relaunch.components.core.data",        # datasets as committed shards, the global sample order, the loaders
     "relaunch.components.tasks",            # what is trained: a task's model and data
     "relaunch.components.core.checkpoint",  # the commit protocol, sharded save and load, leases, retention
     "relaunch.components.core.tracking",    # MLflow and the other trackers, lineage, goodput
@@ -42,15 +49,52 @@ def _sources() -> list[Path]:
     return [p for top in FOLDERS for p in (ROOT / top).rglob("*.py")]
 
 
+IMPORTERS = {"import_module", "__import__", "run_module"}
+"""Functions that import a module by name (``importlib.import_module``, ``__import__``, ``runpy.run_module``)."""
+
+
+def _callee(node: ast.Call) -> str:
+    return node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+
+
+def _absolute(path: Path, level: int, module: str | None) -> str:
+    """The absolute name of ``from <level dots><module> import ...`` in ``path``."""
+    package = _module_of(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    base = package[:len(package) - level + 1]
+    return ".".join([*base, *([module] if module else [])])
+
+
 def _imported(path: Path) -> list[tuple[int, str, list[str]]]:
-    """``[(line, module, names)]`` of every absolute import in ``path``, inside functions too."""
-    found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    """``[(line, module, names)]`` of every import in ``path``: inside functions too, relative ones made
+    absolute, and those made by name (:data:`IMPORTERS` with a literal; in a module that imports by a computed
+    name, every string naming a module of ours, ``"module"`` or ``"module:attribute"``)."""
+    tree = ast.parse(path.read_text())
+    found, by_name, strings = [], False, []
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found += [(node.lineno, a.name, []) for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            found.append((node.lineno, node.module, [a.name for a in node.names]))
+        elif isinstance(node, ast.ImportFrom):
+            module = _absolute(path, node.level, node.module) if node.level else node.module
+            if module:
+                found.append((node.lineno, module, [a.name for a in node.names]))
+        elif isinstance(node, ast.Call) and _callee(node) in IMPORTERS and node.args:
+            name = node.args[0]
+            if isinstance(name, ast.Constant) and isinstance(name.value, str):
+                found.append((node.lineno, name.value, []))
+            else:
+                by_name = True
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("relaunch."):
+            strings.append((node.lineno, node.value.partition(":")[0], []))
+    if by_name and path.is_relative_to(ROOT / "components") or by_name and path.is_relative_to(ROOT / "pipelines"):
+        found += [s for s in strings if s[1] in _our_modules()]
     return found
+
+
+@functools.cache
+def _our_modules() -> frozenset[str]:
+    return frozenset(_module_of(p) for p in _sources())
 
 
 def _imports() -> dict[str, set[str]]:
@@ -166,3 +210,134 @@ def test_every_import_of_a_project_module_names_something_it_has():
                     except ModuleNotFoundError:
                         missing.append(f"{path.relative_to(ROOT)}:{line} {module}.{name}")
     assert missing == []
+
+
+def test_the_house_sees_imports_made_by_name_and_relative_ones():
+    """A dependency taken through ``importlib`` or a ``"module:factory"`` table is a dependency too."""
+    graph = _imports()
+    assert "relaunch.pipelines.commands.run" in graph["relaunch.pipelines.cli"]  # importlib.import_module(name)
+    assert "relaunch.components.core.tracking.mlflow_tracker" in graph["relaunch.components.core.tracking.trackers"]
+    store = ROOT / "components" / "core" / "store"
+    assert _absolute(store / "s3.py", 1, "object_store") == "relaunch.components.core.store.object_store"
+    assert _absolute(store / "__init__.py", 2, "contract.errors") == "relaunch.components.core.contract.errors"
+
+
+def test_every_import_by_name_of_a_module_of_ours_names_it_in_a_literal():
+    """``import_module(f"relaunch.x.{name}")`` hides its modules from the house (and from a reader): a
+    module that imports by a computed name keeps the names it may import as literals."""
+    hidden = []
+    for path in _sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and _callee(node) in IMPORTERS and node.args:
+                first = node.args[0]
+                parts = first.values if isinstance(first, ast.JoinedStr) else [first.left] if isinstance(
+                    first, ast.BinOp) else []
+                if any(isinstance(p, ast.Constant) and str(p.value).startswith("relaunch.") for p in parts):
+                    hidden.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(first)}")
+    assert hidden == []
+
+
+REGISTRY = "relaunch.components.core.contract.registry"
+MUTATORS = {"append", "extend", "insert", "update", "setdefault", "pop", "clear", "__setitem__"}
+
+
+def _registering() -> tuple[set[str], list[str]]:
+    """``(functions, calls)``: the qualified names of the functions of ours that fill the contract's registry
+    (mutate one of its tables, or call such a function), and ``"file:line name"`` of every such call made
+    while a module is imported (at module level, in a class body, a decorator, a default value)."""
+    registry_path = ROOT / "components" / "core" / "contract" / "registry.py"
+    tables = {f"{REGISTRY}.{t.id}" for node in ast.parse(registry_path.read_text()).body
+              if isinstance(node, (ast.Assign, ast.AnnAssign))
+              for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)}
+    trees = {_module_of(p): (p, ast.parse(p.read_text())) for p in _sources()}
+    aliases: dict[str, dict[str, str]] = {}  # module -> local name -> qualified name
+    for me, (_, tree) in trees.items():
+        names = aliases.setdefault(me, {})
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                for a in node.names:
+                    names[a.asname or a.name] = f"{node.module}.{a.name}"
+            elif isinstance(node, ast.Import):
+                names.update({a.asname or a.name: a.name for a in node.names if a.asname})
+        names.update({n.name: f"{me}.{n.name}" for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))})
+
+    def resolve(me: str, expr: ast.expr) -> str:
+        if isinstance(expr, ast.Name):
+            qualified = aliases[me].get(expr.id, f"{me}.{expr.id}")
+        elif isinstance(expr, ast.Attribute):
+            qualified = f"{resolve(me, expr.value)}.{expr.attr}"
+        else:
+            return ""
+        for _ in range(5):  # a name re-exported by a package (launchers' register_launch_backend)
+            module, _, name = qualified.rpartition(".")
+            qualified = aliases.get(module, {}).get(name, qualified) if module != me else qualified
+        return qualified
+
+    def fills(me: str, body: ast.AST, known: set[str]) -> list[tuple[int, str]]:
+        out = []
+        for node in ast.walk(body):
+            if isinstance(node, ast.Call):
+                callee = resolve(me, node.func)
+                owner = resolve(me, node.func.value) if isinstance(node.func, ast.Attribute) else ""
+                if callee in known or owner in tables and node.func.attr in MUTATORS:
+                    out.append((node.lineno, callee))
+            elif isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+                targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+                out += [(node.lineno, resolve(me, t.value)) for t in targets
+                        if isinstance(t, ast.Subscript) and resolve(me, t.value) in tables]
+        return out
+
+    functions: set[str] = set()
+    while True:
+        grown = {f"{me}.{fn.name}" for me, (_, tree) in trees.items() for fn in ast.walk(tree)
+                 if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fills(me, fn, functions)}
+        if grown <= functions:
+            break
+        functions |= grown
+
+    def at_import(node: ast.AST):  # what runs while a module is imported: not its functions' bodies, nor its main
+        if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
+            return
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):  # a decorator is a call
+            yield from (d if isinstance(d, ast.Call) else ast.copy_location(ast.Call(d, [], []), d)
+                        for d in node.decorator_list)
+            node.decorator_list = []  # (a copy of the tree per test: parsed anew each time)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            yield from node.args.defaults
+            return
+        yield node
+        for child in ast.iter_child_nodes(node):
+            yield from at_import(child)
+
+    calls = []
+    for me, (path, tree) in trees.items():
+        for statement in tree.body:
+            for node in at_import(statement):
+                if isinstance(node, (ast.Call, ast.Assign, ast.AugAssign, ast.Delete)):
+                    shallow = ast.Module(body=[ast.Expr(node)] if isinstance(node, ast.Call) else [node], type_ignores=[])
+                    calls += [f"{path.relative_to(ROOT)}:{line} {name}" for line, name in fills(me, shallow, functions)]
+    return functions, sorted(set(calls))
+
+
+def test_no_module_fills_the_contracts_registry_when_imported():
+    """The registry is filled by one function every entry point calls
+    (:func:`relaunch.components.core.runtime.wiring.wire`), never as a side effect of an import: which
+    backends a process knew would otherwise depend on what it happened to import first."""
+    functions, calls = _registering()
+    assert {f"{REGISTRY}.register_store_uri_parser", f"{REGISTRY}.register_launch_backend",
+            "relaunch.components.core.runtime.wiring.wire"} <= functions  # the check finds the fillers
+    assert calls == []
+
+
+def test_importing_the_packages_and_entry_points_leaves_the_registry_empty_until_wired():
+    """The same, run: a fresh interpreter imports the package roots and every entry point's module."""
+    modules = sorted({"relaunch.components", "relaunch.components.launchers", "relaunch.components.core.store",
+                      "relaunch.components.core.tracking.trackers", "relaunch.pipelines.cli", "relaunch.pipelines.kfp_entry",
+                      "relaunch.components.core.runtime.stepcli", *(f"relaunch.components.{s}" for s in STEPS - {"train"})})
+    code = (f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\n"
+            "from relaunch.components.core.contract import registry as r\n"
+            "from relaunch.components.core.runtime.wiring import wire\n"
+            "print(r.wired(), sorted(r.LAUNCH_BACKENDS)); wire(); print(r.wired())")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT / "tests", capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["False []", "True"]

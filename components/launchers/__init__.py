@@ -6,8 +6,8 @@ module implementing
 and, for each ``relaunch render`` kind it offers, a function ``(config, run_id) -> str | dict`` (a
 dict is written as YAML). :data:`LAUNCH_BACKENDS` is the one table of them: the config accepts a
 ``launch.backend`` it lists, ``relaunch.components.launch`` runs its module, ``relaunch render`` offers its
-kinds. Adding a backend is its module plus one :func:`register_launch_backend` line at the end of
-this file. The cluster backends share one contract, :mod:`relaunch.components.launchers.cluster`. Every
+kinds. Adding a backend is its module plus one :func:`register_launch_backend` line in
+:func:`relaunch.components.core.runtime.wiring.wire`, the one place that fills the table. The cluster backends share one contract, :mod:`relaunch.components.launchers.cluster`. Every
 backend runs the one training entrypoint of the neutral :class:`relaunch.components.launchers.jobs.JobSpec`:
 under torchrun (:meth:`~relaunch.components.launchers.jobs.JobSpec.torchrun_args`), under relaunch's in-place
 agent (``train.memory_tier``, :mod:`~relaunch.components.launchers.inplace`), or in Ray actors that give it
@@ -19,7 +19,8 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 
-from relaunch.components.core.contract.registry import LAUNCH_BACKENDS, LaunchBackend, launch_backend
+from relaunch.components.core.contract.registry import LAUNCH_BACKENDS, LaunchBackend, launch_backend  # noqa: F401
+from relaunch.components.core.contract.registry import register_launch_backend  # noqa: F401 - the seam, from here too
 from relaunch.components.core.contract.registry import launch_backend_names  # noqa: F401 - the names, from here too
 
 
@@ -33,16 +34,6 @@ class LaunchResult:
     resumed_from_steps: list[int] = field(default_factory=list)
     duration_seconds: float = 0.0
     job_name: str | None = None
-
-
-def register_launch_backend(name: str, module: str | None = None, *, cluster: bool = False, launches: bool = True,
-                            renders: dict[str, str] | None = None, in_place: bool = False) -> LaunchBackend:
-    """Register backend ``name``, implemented by ``module`` (default ``relaunch.components.launchers.<name>``);
-    ``renders`` maps each ``relaunch render`` kind it offers to the module's function that renders it;
-    ``in_place``: it runs the in-place agent (:mod:`~relaunch.components.launchers.inplace`) with ``train.memory_tier``."""
-    backend = LaunchBackend(name, module or f"{__name__}.{name}", cluster, launches, dict(renders or {}), in_place)
-    LAUNCH_BACKENDS[name] = backend
-    return backend
 
 
 def backend_module(config):
@@ -64,14 +55,3 @@ def _lazy(module: str, function: str):
         return getattr(importlib.import_module(module), function)(config, run_id)
 
     return render
-
-
-register_launch_backend("local", in_place=True)
-register_launch_backend("pytorchjob", cluster=True, renders={"pytorchjob": "render"}, in_place=True)
-register_launch_backend("trainjob", cluster=True,
-                        renders={"trainjob": "render", "trainingruntime": "render_training_runtime"}, in_place=True)
-register_launch_backend("slurm", launches=False, renders={"slurm": "render"})
-register_launch_backend("ray")
-register_launch_backend("rayjob", cluster=True, renders={"rayjob": "render"})
-register_launch_backend("katib", cluster=True, launches=False, renders={"katib": "render"})
-register_launch_backend("optimizationjob", cluster=True, launches=False, renders={"optimizationjob": "render"})

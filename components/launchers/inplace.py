@@ -62,6 +62,7 @@ from relaunch.components.core.contract.entry import exit_on_error
 from relaunch.components.core.contract.errors import BadInput
 from relaunch.components.core.contract.exitcodes import ExitCode, is_retryable
 from relaunch.components.core.runtime.net import free_port
+from relaunch.components.core.runtime.wiring import wire
 from relaunch.components.core.store.procfs import stat_fields
 from relaunch.components.core.runtime.zygote import CLIENT_PATH, CLIENT_SOURCE, client_command
 from relaunch.components.core.runtime.zygote_client import ZYGOTE_ENV
@@ -431,6 +432,7 @@ def pod_env(spec: Any) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m relaunch.components.launchers.inplace --nproc-per-node N [--max-restarts K] -m MODULE ARGS...``"""
+    wire()
     parser = argparse.ArgumentParser(prog="python -m relaunch.components.launchers.inplace",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc-per-node", type=int, required=True)

@@ -53,7 +53,7 @@ from relaunch.components.core.runtime.zygote import Zygote, client_command
 from relaunch.components.core.runtime.zygote_client import ZYGOTE_ENV
 from relaunch.components.launchers import LaunchResult, inplace
 from relaunch.components.launchers.inplace import agent_args
-from relaunch.components.launchers.jobs import JobSpec, job_spec
+from relaunch.components.launchers.jobs import TRAIN_MODULE, JobSpec, job_spec
 from relaunch.components.launchers.torchrun import exit_code
 
 _TORCHRUN_EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
@@ -123,7 +123,8 @@ def _zygotes(nodes: int, task_module: str):
         yield [{}] * nodes
         return
     with tempfile.TemporaryDirectory(prefix="relaunch-zygote-") as directory:
-        zygotes = [Zygote(os.path.join(directory, f"node{node}.sock"), (task_module,)) for node in range(nodes)]
+        zygotes = [Zygote(os.path.join(directory, f"node{node}.sock"), (TRAIN_MODULE, task_module))
+                   for node in range(nodes)]
         try:
             yield [zygote.env for zygote in zygotes]
         finally:

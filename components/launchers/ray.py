@@ -51,6 +51,7 @@ from relaunch.components.core.contract.config import RelaunchConfig, config_from
 from relaunch.components.core.contract.errors import BadInput, Preempted
 from relaunch.components.core.contract.exitcodes import PERMANENT, ExitCode, is_retryable, normalize
 from relaunch.components.core.runtime.net import free_port
+from relaunch.components.core.runtime.wiring import wire
 from relaunch.components.core.store.procfs import boot_ticks, exited, processes
 from relaunch.components.launchers import LaunchResult
 from relaunch.components.launchers.jobs import JobSpec, job_spec
@@ -361,6 +362,7 @@ def drive(config: RelaunchConfig, *, address: str, job_id: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``drive``: the driver of a training on a running Ray cluster (the RayJob's entrypoint)."""
+    wire()
     parser = argparse.ArgumentParser(prog=f"python -m {__name__}", description=main.__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("drive")

@@ -26,7 +26,7 @@ from relaunch.components.core.contract import suggestions
 from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.core.contract.entry import exit_on_error
 from relaunch.components.core.contract.errors import BadInput
-from relaunch.components.core.runtime import logs
+from relaunch.components.core.runtime import logs, wiring
 from relaunch.components.core.runtime.zygote import for_command
 from relaunch.components.launchers import inplace
 from relaunch.components.launchers.torchrun import exit_code
@@ -65,6 +65,7 @@ def supervise(command: list[str]) -> int:
 
 @exit_on_error("relaunch supervise")
 def main(argv: list[str] | None = None) -> int:
+    wiring.wire()
     command = list(sys.argv[1:] if argv is None else argv)
     if not command:
         raise BadInput("usage: python -m relaunch.components.launchers.supervise torchrun ... --config-json JSON")

@@ -20,6 +20,7 @@ from relaunch.components.core.contract.errors import RelaunchError
 from relaunch.components.core.contract.exitcodes import ExitCode, normalize
 from relaunch.components.core.store import open_store
 from relaunch.components.core.store.records import read_exit_record
+from relaunch.components.core.runtime.wiring import wire
 
 def exit_code(config: RelaunchConfig, returncode: int, started_at: float, *, reported: int | None = None) -> int:
     """The contract's exit code of a torchrun of ``config`` that ended with ``returncode``.
@@ -47,6 +48,7 @@ def exit_code(config: RelaunchConfig, returncode: int, started_at: float, *, rep
 
 def main(argv: list[str] | None = None) -> int:
     """``--map-exit RC``: exit with the contract's code for a torchrun that ended with RC (Slurm script)."""
+    wire()
     parser = argparse.ArgumentParser(prog="python -m relaunch.components.launchers.torchrun", description=main.__doc__)
     parser.add_argument("--config", help="YAML configuration file")
     parser.add_argument("--config-json", help="the whole configuration as JSON")

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import sys
 import threading
 from dataclasses import asdict, dataclass
 
@@ -165,8 +164,3 @@ def registered_version(store, run_id: str | None) -> str | None:
     asking.join(REGISTRY_SECONDS)
     return found[0] if found else None
 
-
-if __name__ == "__main__":
-    from relaunch.pipelines.cli import main
-
-    sys.exit(main(["trainings", *sys.argv[1:]]))

@@ -106,7 +106,7 @@ def test_the_zygote_preloads_every_module_a_worker_imports_before_its_first_step
     first = _first_step(lines)
     # what the preload lacks and imports (-X importtime also lists the optional imports that failed)
     probe = ("import importlib, json, sys; from relaunch.components.core.runtime import zygote as z; "
-             "z.preload_modules([*z.PRELOAD, 'relaunch.components.tasks.digits']); have = set(sys.modules); "
+             "z.preload_modules([*z.PRELOAD, 'relaunch.components.train', 'relaunch.components.tasks.digits']); have = set(sys.modules); "
              "needed = json.loads(sys.stdin.read()); missing = []\n"
              "for name in needed:\n"
              "    try:\n"

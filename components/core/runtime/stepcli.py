@@ -24,6 +24,7 @@ from relaunch.components.core.contract.entry import exit_on_error
 from relaunch.components.core.contract.errors import BadInput
 from relaunch.components.core.runtime import logs
 from relaunch.components.core.runtime.stdlib_private import run_exit_handlers
+from relaunch.components.core.runtime.wiring import wire
 
 
 def outputs_as_dict(outputs: Any) -> dict[str, Any]:
@@ -46,7 +47,9 @@ def write_outputs(outputs: dict[str, Any], directory: Path) -> None:
 
 
 def step_main(step: str, run: Callable[..., Any], argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m relaunch.components.<step>``; returns the process exit code."""
+    """Entry point of ``python -m relaunch.components.<step>``; returns the process exit code. It wires the
+    process first (:func:`~relaunch.components.core.runtime.wiring.wire`)."""
+    wire()
 
     @exit_on_error(step)
     def main() -> int:

@@ -30,6 +30,7 @@ import atexit
 import contextlib
 import gc
 import importlib
+import importlib.util
 import io
 import json
 import os
@@ -42,6 +43,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,15 +53,13 @@ from relaunch.components.core.runtime.warm import die_with_parent
 from relaunch.components.core.runtime.zygote_client import HEADER, ZYGOTE_ENV
 
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.run", "torch.distributed.checkpoint",
-           "torch.distributed.checkpoint.state_dict", "relaunch.components.train", "relaunch.components.core.checkpoint.manager",
-           "relaunch.components.core.checkpoint.start", "relaunch.components.core.checkpoint.load", "relaunch.components.core.trainer.parallel",
-           "relaunch.components.core.trainer.state", "relaunch.components.core.tracking.client", "relaunch.components.core.tracking.runlogger",
-           "relaunch.components.core.tracking.mlflow_tracker", "relaunch.components.core.tracking.tensorboard_tracker",
-           "relaunch.components.core.tracking.wandb_tracker", "relaunch.components.core.checkpoint.dcp_io",
-           "relaunch.components.core.checkpoint.safe_pickle", "relaunch.components.core.runtime.stepcli", "relaunch.components.launchers", "numpy.ma",
-           "xxhash", "torch.utils.serialization")
-"""What a worker imports before its first step (measured: the modules new in a forked worker at its
-``first-step`` event), MLflow excepted, which loads after it; a task module is added per job."""
+           "torch.distributed.checkpoint.state_dict", "numpy.ma", "xxhash", "torch.utils.serialization")
+"""What every worker imports before its first step besides our own modules (measured: the modules new in a
+forked worker at its ``first-step`` event), MLflow excepted, which loads after it. Our modules are not named
+here: the starter names the worker's module and its task (``--preload``), and :func:`preload_modules` adds
+the modules of ours that those import inside functions or name in a table (:func:`named_modules`)."""
+OURS = __name__.split(".")[0] + "."
+"""The prefix of our modules' names (``relaunch.``)."""
 ZYGOTE_DIR = "/tmp/relaunch-zygote"
 """Where :func:`run` puts the socket and a copy of the client in a pod (one training container per pod)."""
 CLIENT_PATH = f"{ZYGOTE_DIR}/client.py"
@@ -101,21 +101,80 @@ def single_threaded() -> str | None:
 
 
 def preload_modules(names: tuple[str, ...] | list[str]) -> None:
-    """Import ``names`` (one that fails is skipped: the worker then imports, or fails on, it itself, as cold),
-    then :func:`warm_up`, then freeze what was imported out of the garbage collector's reach, so that the
-    forks never scan, and so never copy, those pages."""
+    """Import ``names`` and every module of ours they reach (:func:`named_modules`, to the end; one that fails
+    is skipped: the worker then imports, or fails on, it itself, as cold), then :func:`warm_up`, then freeze
+    what was imported out of the garbage collector's reach, so that the forks never scan, and so never copy,
+    those pages."""
     gc.disable()  # imports allocate millions of objects that live as long as the process: ~20% faster
     try:
-        for name in names:
+        todo, seen = list(names), set()
+        while todo:
+            name = todo.pop(0)
+            if name in seen:
+                continue
+            seen.add(name)
             try:
-                importlib.import_module(name)
+                module = importlib.import_module(name)
             except Exception as err:  # noqa: BLE001
-                print(f"relaunch zygote: could not preload {name}: {type(err).__name__}: {err}", file=sys.stderr,
-                      flush=True)
+                if name in names:
+                    print(f"relaunch zygote: could not preload {name}: {type(err).__name__}: {err}", file=sys.stderr,
+                          flush=True)
+                continue
+            if name.startswith(OURS):
+                todo += sorted(named_modules(module) - seen)
+            todo += sorted(m for m in list(sys.modules) if m.startswith(OURS) and m not in seen)
         warm_up()
     finally:
         gc.enable()
     gc.freeze()
+
+
+def named_modules(module: types.ModuleType) -> set[str]:
+    """The modules of ours that ``module`` imports inside its functions (the names their compiled code
+    imports) or names in a string it keeps (a ``"module:attribute"`` table): what it would import later.
+    Read from the loaded code, not its source: no parsing."""
+    found: set[str] = set()
+
+    def code(c: types.CodeType) -> None:
+        imported = [n for n in c.co_names if n.startswith(OURS)]
+        found.update(imported)
+        for const in c.co_consts:
+            if isinstance(const, types.CodeType):
+                code(const)
+            elif imported and isinstance(const, tuple) and all(isinstance(x, str) for x in const):
+                found.update(f"{package}.{item}" for package in imported for item in const if item.isidentifier())
+
+    def value(v: object, depth: int = 0) -> None:
+        if isinstance(v, str):
+            if v.startswith(OURS):
+                found.add(v.partition(":")[0])
+        elif isinstance(v, types.FunctionType):
+            code(v.__code__)
+        elif isinstance(v, type) and v.__module__ == module.__name__ and depth == 0:
+            for member in vars(v).values():
+                value(getattr(member, "__func__", member), depth + 1)
+        elif isinstance(v, (tuple, list, frozenset, set)) and depth == 0:
+            for item in v:
+                value(item, depth + 1)
+        elif isinstance(v, dict) and depth == 0:
+            for item in (*v.keys(), *v.values()):
+                value(item, depth + 1)
+
+    for v in list(vars(module).values()):
+        value(v)
+    return {name for name in found if _is_module(name)}
+
+
+def _is_module(name: str) -> bool:
+    """``name`` is a module (``package.function``, which a ``from package import function`` also names, is not)."""
+    parent, _, child = name.rpartition(".")
+    package = sys.modules.get(parent)
+    if package is not None and not isinstance(getattr(package, child, None), (types.ModuleType, type(None))):
+        return False
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def warm_up() -> None:
@@ -423,11 +482,20 @@ def for_command(command: list[str], preload: tuple[str, ...] = (), directory: st
         return
     os.makedirs(directory, exist_ok=True)
     shutil.copyfile(CLIENT_SOURCE, os.path.join(directory, "client.py"))
-    zygote = Zygote(os.path.join(directory, "socket"), preload)
+    zygote = Zygote(os.path.join(directory, "socket"), (*worker_module(command), *preload))
     try:
         yield {**os.environ, **zygote.env}
     finally:
         zygote.close()
+
+
+def worker_module(command: list[str]) -> tuple[str, ...]:
+    """``(MODULE,)`` of a command whose workers are the zygote client (``... client.py -m MODULE ...``): the
+    module the zygote preloads for them; ``()`` for any other command."""
+    for i, arg in enumerate(command[:-2]):
+        if arg.endswith("client.py") and command[i + 1] == "-m":
+            return (command[i + 2],)
+    return ()
 
 
 def run(command: list[str], preload: tuple[str, ...], directory: str = ZYGOTE_DIR) -> int:
@@ -436,7 +504,7 @@ def run(command: list[str], preload: tuple[str, ...], directory: str = ZYGOTE_DI
     when it was killed by one)."""
     os.makedirs(directory, exist_ok=True)
     shutil.copyfile(CLIENT_SOURCE, os.path.join(directory, "client.py"))
-    zygote = Zygote(os.path.join(directory, "socket"), preload)
+    zygote = Zygote(os.path.join(directory, "socket"), (*worker_module(command), *preload))
     try:
         child = subprocess.Popen(command, env={**os.environ, **zygote.env})
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):

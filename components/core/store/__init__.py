@@ -31,7 +31,6 @@ from typing import Any, Callable, ClassVar, Iterable, Protocol, TypeVar, runtime
 
 from relaunch.components.core.contract.classify import is_store_unwritable
 from relaunch.components.core.contract.errors import BadInput, StoreUnwritable
-from relaunch.components.core.contract.registry import register_store_uri_parser
 
 # A ranged read fills its buffers in blocks of this size and reports each (``sink``): small enough
 # that a check of the block (a digest) finds it still in the CPU's cache, which made the digest
@@ -149,8 +148,6 @@ def parse_store_uri(uri: str) -> tuple[str, str, str]:
     location, prefix = backend.parse(uri)
     return scheme, location, prefix
 
-
-register_store_uri_parser(parse_store_uri)
 
 def _refuse_malformed_scheme(uri: str, scheme: str, rest: str) -> None:
     """Nothing for ``<registered scheme>://...``; ValueError naming the fix for any other ``<scheme>:``."""

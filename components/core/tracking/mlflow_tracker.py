@@ -42,7 +42,7 @@ from relaunch.components.core.contract.events import Kind, emit
 from relaunch.components.core.contract.exitcodes import MEANING
 from relaunch.components.core.store import records
 from relaunch.components.core.tracking import goodput
-from relaunch.components.core.tracking.trackers import AttemptEnd, AttemptStart, TrackerBase
+from relaunch.components.core.tracking.tracker_protocol import AttemptEnd, AttemptStart, TrackerBase
 
 DELETED_BY_RETENTION = "deleted by retention"
 FLUSH_SECONDS_BEFORE_PLOT = 30.0

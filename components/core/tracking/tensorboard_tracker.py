@@ -9,7 +9,7 @@ that step on)."""
 from __future__ import annotations
 
 from relaunch.components.core.contract.errors import BadInput
-from relaunch.components.core.tracking.trackers import AttemptStart, TrackerBase
+from relaunch.components.core.tracking.tracker_protocol import AttemptStart, TrackerBase
 
 
 def open_tracker(config, store, *, run_id: str | None, attempt: int) -> "TensorBoardTracker | None":
