@@ -201,6 +201,7 @@ class TrainConfig(_Model):
     epochs: int = Field(4, ge=1, description="Passes over the training split.")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (overrides epochs).")
     global_batch_size: int = Field(64, ge=1, description="Samples per optimizer step across all ranks.")
+    grad_clip_norm: float | None = Field(None, gt=0, description="Clip the global gradient norm to this before each optimizer step (none: not clipped; the norm is logged either way).")
     grad_accum_steps: int = Field(1, ge=1, description="Micro-batches each rank's share of a global batch is cut into (forward and backward each, gradients accumulated, one optimizer step).")
     lr: float = Field(0.05, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW/SGD weight decay.")

@@ -69,6 +69,15 @@ class CorruptDataset(RelaunchError):
     kind = "corrupt-dataset"
 
 
+class LoaderWorkerLost(RelaunchError):
+    """A data-loader worker process of this rank died (SIGKILL, OOM) while the rank waited for its
+    batch: the rank ends as a killed process does (137, retryable), and its restart reads the same
+    batches again from its position."""
+
+    exit_code = ExitCode.KILLED
+    kind = "loader-worker-lost"
+
+
 class StoreUnwritable(RelaunchError):
     """The store cannot be written and stays so (full: ENOSPC, EDQUOT; read-only: EROFS, or an object
     store's quota or 403 on a write): an environment to fix, not a crash; permanent, never retried."""

@@ -19,12 +19,13 @@ Three kinds, one interface (:class:`Loader`: ``batches(start_step)``, ``state_di
 from __future__ import annotations
 
 import collections
+import weakref
 from typing import Any, Iterator, Protocol
 
 import numpy as np
 import torch
 
-from relaunch.components.core.contract.errors import BadInput, RelaunchError, error_for
+from relaunch.components.core.contract.errors import BadInput, LoaderWorkerLost, RelaunchError, error_for
 from relaunch.components.core.data.order import WINDOW_SHARDS, GlobalOrder, rank_positions
 from relaunch.components.core.data.shards import Manifest, iter_rows, read_legacy_split, read_shard
 
@@ -49,6 +50,95 @@ def _as_is(batch: Any) -> Any:
 
 
 FAILED = "__relaunch_failed__"
+
+
+class WorkerPids:
+    """The process ids of a loader's workers, each written by the worker as it starts (shared memory,
+    inherited), so that a loader that fails can tell whether one of them died. Those of a loader in use
+    are listed (:func:`loader_worker_loss` reads them) until :meth:`done`."""
+
+    def __init__(self, count: int):
+        import multiprocessing
+
+        self.pids = multiprocessing.Array("q", max(count, 1), lock=False)
+
+    def start(self) -> None:
+        """A pass begins: its workers will write their ids."""
+        for i in range(len(self.pids)):
+            self.pids[i] = 0
+        _IN_USE.add(self)
+
+    def done(self) -> None:
+        _IN_USE.discard(self)
+
+    def __call__(self, worker_id: int) -> None:  # the DataLoader's worker_init_fn
+        import os
+
+        self.pids[worker_id] = os.getpid()
+
+    def lost(self) -> list[int]:
+        """The workers that are gone (or dead, not yet reaped)."""
+        import psutil
+
+        gone = []
+        for pid in self.pids:
+            if pid <= 0:
+                continue
+            try:
+                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                    gone.append(pid)
+            except psutil.NoSuchProcess:
+                gone.append(pid)
+        return gone
+
+
+_IN_USE: "weakref.WeakSet[WorkerPids]" = weakref.WeakSet()
+
+
+def loader_worker_loss(err: BaseException) -> LoaderWorkerLost | None:
+    """What ``err`` is when a worker of a loader in use died: torch raises a bare ``RuntimeError`` for
+    it, in the training process wherever its main thread is (from its ``SIGCHLD`` handler too), so the
+    training asks here, about the processes, not the text, before taking it for anything else."""
+    if not isinstance(err, RuntimeError) or isinstance(err, RelaunchError):
+        return None
+    lost = [pid for workers in list(_IN_USE) for pid in workers.lost()]
+    if not lost:
+        return None
+    # the rank ends now: torch's handler would raise again at each other worker's exit on the way out
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    return LoaderWorkerLost(f"data-loader worker process {', '.join(map(str, lost))} died (SIGKILL or OOM)")
+
+
+def each_batch(loader, workers: WorkerPids | None) -> Iterator[Any]:
+    """A pass over a torch ``loader`` whose workers' ids ``workers`` holds; when one of them dies,
+    :class:`LoaderWorkerLost`. However the pass ends (an error, the generator closed), its iterator is
+    dropped at once, which stops the other workers and takes the pass's workers out of torch's
+    ``SIGCHLD`` watch (an exception's traceback would otherwise keep it alive, and torch would raise
+    again at each worker's exit)."""
+    if workers is not None:
+        workers.start()
+    iterator = iter(loader)
+    failure = None
+    try:
+        while True:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            yield batch
+    except RuntimeError as err:
+        failure = loader_worker_loss(err)
+        if failure is None:
+            raise
+    finally:
+        del iterator
+        if workers is not None:
+            workers.done()
+    raise failure
 
 
 def raise_failure(batch: Any) -> Any:
@@ -144,22 +234,24 @@ class _OrderedLoader:
         self.spe, self.total, self.g = steps_per_epoch, total_steps, global_batch
         self.rank, self.world = rank, world_size
         self.num_workers, self.prefetch, self.seed, self.collate = num_workers, prefetch_batches, seed, collate
-        self._loader = None
+        self._loader, self._workers, self._pass = None, None, None
         self.at = 0  # the step whose batch comes next
 
     def batches(self, start_step: int) -> Iterator[dict[str, Any]]:
         self.close()
         sampler = StepBatches(self.order, self.spe, self.total, self.g, self.rank, self.world, start_step)
         # its own generator: a loader's start must not draw from the training's torch RNG stream
+        self._workers = WorkerPids(self.num_workers) if self.num_workers else None
         self._loader = torch.utils.data.DataLoader(
             self.dataset, batch_sampler=sampler, num_workers=self.num_workers, collate_fn=self.collate,
-            prefetch_factor=self.prefetch if self.num_workers else None,
+            prefetch_factor=self.prefetch if self.num_workers else None, worker_init_fn=self._workers,
             generator=torch.Generator().manual_seed(self.seed), persistent_workers=False)
         self.at = start_step
-        return self._iterate()
+        self._pass = self._iterate()
+        return self._pass
 
     def _iterate(self) -> Iterator[dict[str, Any]]:
-        for batch in self._loader:
+        for batch in each_batch(self._loader, self._workers):
             raise_failure(batch)
             if isinstance(batch, dict):
                 batch["step"] = torch.tensor(self.at, dtype=torch.int64)
@@ -179,8 +271,10 @@ class _OrderedLoader:
         """Nothing to load: the position is the training's step, at any world size."""
 
     def close(self) -> None:
-        loader, self._loader = self._loader, None
-        del loader  # its iterator's workers end with it
+        """Stop the pass in progress and its workers (idempotent)."""
+        if self._pass is not None:
+            self._pass.close()
+        self._pass, self._loader = None, None
 
 
 class ShardLoader(_OrderedLoader):
@@ -237,6 +331,7 @@ class IterableLoader:
 
     def __init__(self, source, *, local_batch: int, num_workers: int, prefetch_batches: int, seed: int,
                  world_size: int):
+        self._workers = None
         if hasattr(source, "state_dict") and hasattr(source, "load_state_dict") and not isinstance(
                 source, torch.utils.data.Dataset):
             self.loader, self.dataset = source, None
@@ -244,15 +339,22 @@ class IterableLoader:
             from torchdata.stateful_dataloader import StatefulDataLoader
 
             self.dataset = source
+            self._workers = WorkerPids(num_workers) if num_workers else None
             self.loader = StatefulDataLoader(source, batch_size=local_batch, num_workers=num_workers,
                                              prefetch_factor=prefetch_batches if num_workers else None,
+                                             worker_init_fn=self._workers,
                                              generator=torch.Generator().manual_seed(seed))
         self.world_size, self.epoch, self.at = world_size, 0, 0
         self._pending: dict[str, Any] | None = None
+        self._pass: Iterator[dict[str, Any]] | None = None
 
     def batches(self, start_step: int) -> Iterator[dict[str, Any]]:
+        """The batches from ``start_step`` on: the loader's own position, or the one its last
+        :meth:`load_state_dict` gave (a resume's, a recovery's)."""
+        self.close()
         self.at = start_step
-        return self._iterate()
+        self._pass = self._iterate()
+        return self._pass
 
     def _iterate(self) -> Iterator[dict[str, Any]]:
         while True:
@@ -263,7 +365,8 @@ class IterableLoader:
                 self.loader.load_state_dict(self._pending)
                 self._pending = None
             produced = False
-            for batch in self.loader:
+            for batch in each_batch(self.loader, self._workers):
+                raise_failure(batch)
                 produced = True
                 if isinstance(batch, dict):
                     batch["step"] = torch.tensor(self.at, dtype=torch.int64)
@@ -291,7 +394,9 @@ class IterableLoader:
         self._pending = state["loader"]
 
     def close(self) -> None:
-        pass
+        if self._pass is not None:
+            self._pass.close()
+        self._pass = None
 
 
 class SplitData:

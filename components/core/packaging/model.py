@@ -52,7 +52,7 @@ def save_model(config: RelaunchConfig, checkpoint_uri: str, path: Path, task=Non
     import numpy as np
     import torch
     from mlflow.models import infer_signature
-    from safetensors.torch import save_file
+    from safetensors.torch import save_model as save_weights
 
     task = task or load_task(config.train.task, config)
     if model is None:
@@ -64,7 +64,7 @@ def save_model(config: RelaunchConfig, checkpoint_uri: str, path: Path, task=Non
     with tempfile.TemporaryDirectory(prefix="relaunch-model-") as tmp, \
             tempfile.TemporaryDirectory(prefix="relaunch-code-") as code:
         data = Path(tmp)
-        save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(data / "model.safetensors"))
+        save_weights(model, str(data / "model.safetensors"))  # safetensors' save_model: tied weights stored once
         (data / "config.json").write_text(config.to_json())
         mlflow.pyfunc.save_model(
             str(path), loader_module=__name__, data_path=str(data),
@@ -132,12 +132,12 @@ class _LoadedModel:
 
 def _load_pyfunc(data_path: str) -> _LoadedModel:
     """MLflow's loader hook: rebuild the task's model and load the safetensors weights."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load_model as load_weights
 
     root = Path(data_path)
     wire()  # a fresh interpreter (mlflow.pyfunc.load_model): this is its entry point
     config = RelaunchConfig.from_json((root / "config.json").read_text())
     task = load_task(config.train.task, config)
     model = task.build_model()
-    model.load_state_dict(load_file(str(root / "model.safetensors")))
+    load_weights(model, str(root / "model.safetensors"))  # tied weights: stored once, both names filled
     return _LoadedModel(task, model.eval())

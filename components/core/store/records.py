@@ -80,7 +80,7 @@ def write_json_if_absent(store, key: str, value: Any) -> bool:
 TRAINING_IDENTITY: tuple[str, ...] = (
     "train.task", "train.epochs", "train.max_steps", "train.global_batch_size", "train.hidden_size",
     "train.seed", "train.lr", "train.weight_decay", "train.parallelism", "train.mixed_precision", "train.amp",
-    "train.deterministic", "train.warm_start_model", "train.resume_from", "train.task_options",
+    "train.deterministic", "train.warm_start_model", "train.resume_from", "train.task_options", "train.grad_clip_norm",
     "data.dataset", "data.version", "data.val_fraction", "data.test_fraction", "data.split_seed",
     "tracking.uri", "tracking.experiment", "launch.backend")
 """The configuration keys that say what a training is: its task, model, data, total steps and

@@ -84,9 +84,10 @@ def _fully_shard(module: torch.nn.Module, device: torch.device, mixed_precision:
     return module
 
 
-def total_grad_norm(module: torch.nn.Module) -> float:
-    """The global gradient norm (max over all elements), also when the gradients are DTensor shards."""
-    norm: Any = torch.nn.utils.clip_grad_norm_(module.parameters(), float("inf"))
+def total_grad_norm(module: torch.nn.Module, max_norm: float | None = None) -> float:
+    """The global gradient norm (L2 over all elements), also when the gradients are DTensor shards;
+    with ``max_norm`` the gradients are clipped to it in the same pass (``train.grad_clip_norm``)."""
+    norm: Any = torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm or float("inf"))
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     return float(norm)
