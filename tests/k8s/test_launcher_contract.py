@@ -66,7 +66,8 @@ async def test_a_409_on_create_adopts_the_existing_job_instead_of_making_a_secon
 
 async def test_a_launcher_killed_mid_wait_and_started_again_leaves_exactly_one_job(cluster, k8s_config):
     env = dict(os.environ, KUBECONFIG=str(cluster.kubeconfig))
-    code = ("import sys; from relaunch.components.core.contract.config import RelaunchConfig; "
+    code = ("import sys; from relaunch.components.core.runtime.wiring import wire; wire(); "
+            "from relaunch.components.core.contract.config import RelaunchConfig; "
             "from relaunch.components.launchers import backend_module; c = RelaunchConfig.from_json(sys.argv[1]); "
             f"backend_module(c).launch(c, pipeline_run_id={RUN_ID!r}, resume_from=None)")
     first = subprocess.Popen([sys.executable, "-c", code, k8s_config.to_json()], env=env, cwd=ROOT,

@@ -53,7 +53,9 @@ from relaunch.components.core.runtime.warm import die_with_parent
 from relaunch.components.core.runtime.zygote_client import HEADER, ZYGOTE_ENV
 
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.run", "torch.distributed.checkpoint",
-           "torch.distributed.checkpoint.state_dict", "numpy.ma", "xxhash", "torch.utils.serialization")
+           "torch.distributed.checkpoint.state_dict", "numpy.ma", "xxhash", "torch.utils.serialization",
+           # the data loader's worker processes and their queues (components/core/data/loader.py)
+           "multiprocessing.heap", "multiprocessing.popen_fork", "multiprocessing.queues", "multiprocessing.sharedctypes")
 """What every worker imports before its first step besides our own modules (measured: the modules new in a
 forked worker at its ``first-step`` event), MLflow excepted, which loads after it. Our modules are not named
 here: the starter names the worker's module and its task (``--preload``), and :func:`preload_modules` adds
