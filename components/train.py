@@ -67,6 +67,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
+from relaunch.components.core.runtime import causes  # noqa: E402
 from relaunch.components.core.runtime import distributed as distr  # noqa: E402
 from relaunch.components.core.runtime import logs, wiring  # noqa: E402
 from relaunch.components.core.store import HintWrites, UNWRITABLE_ADVICE, open_store, probe_writable, records
@@ -373,8 +374,15 @@ class Training:
 
     def _cause_of(self, err: RelaunchError) -> RelaunchError:
         """A :class:`PeerFailure` is the consequence of another rank's ending: when that rank recorded its
-        ending in this attempt before it went (a watchdog's hang), that is the attempt's ending."""
-        if not isinstance(err, PeerFailure) or self.store is None or self.env is None:
+        cause before it went (in the launcher's store, :mod:`~relaunch.components.core.runtime.causes`: a
+        full store, a bad input, a bug; or in ``runs/exit.json``: a watchdog's hang), that is the attempt's
+        ending, not a killed peer."""
+        if not isinstance(err, PeerFailure) or self.env is None:
+            return err
+        recorded = causes.recorded(self.env)
+        if recorded is not None:
+            return recorded
+        if self.store is None:
             return err
         record = records.read_exit_record(self.store) or {}
         if (record.get("attempt") == self.attempt and record.get("elastic_run_id") == self.env.elastic_run_id
@@ -441,10 +449,14 @@ class Training:
 
     def fail(self, err: RelaunchError) -> TrainSummary:
         """Record how the attempt ended, tell MLflow (FAILED when permanent, KILLED when preempted; a
-        retryable failure leaves the run RUNNING for the next attempt), re-raise for the exit code."""
+        retryable failure leaves the run RUNNING for the next attempt), re-raise for the exit code. A
+        cause of this rank's own is first recorded for its peers, whose collectives break when it goes."""
+        told_peers = isinstance(err, PeerFailure) or causes.record(self.env, err)
         err = self._cause_of(err)
         main = self.env is not None and self.env.is_main and self.store is not None
         if main:  # first, before torchrun (told by a faster rank) stops us: the launcher reads this
+            self._record_exit(err)
+        elif not told_peers and self.store is not None:  # no launcher's store: the peers' _cause_of reads this
             self._record_exit(err)
         elif isinstance(err, StoreUnwritable) and self.env is not None and self.env.local_rank == 0:
             self._record_exit_locally(err)  # this node's next attempt must not start again
@@ -470,8 +482,9 @@ class Training:
         raise err
 
     def _record_exit(self, err: RelaunchError) -> None:
-        """Rank 0: ``runs/exit.json``; where the store cannot take it, this node's file (and the exit
-        event and the line on stderr say how the attempt ended to the launcher)."""
+        """Rank 0 (and a rank with a cause of its own that no launcher's store took: its peers read it
+        there): ``runs/exit.json``; where the store cannot take it, this node's file (and the exit event
+        and the line on stderr say how the attempt ended to the launcher)."""
         try:
             goodput.write_exit_record(self.store, self.attempt, err.exit_code, str(err), self.env.elastic_run_id)
         except Exception as write_err:  # noqa: BLE001 - classified: only an unwritable store is expected

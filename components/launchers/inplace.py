@@ -25,8 +25,9 @@ follows a generation another started (a whole-group one: it restarts its workers
   until its timeout). One lost after it entered may have left its address there: a new generation.
 - Every worker killed: the whole group starts again (a new generation; the store serves it).
 - Any other failure (a hang's 138, a bad input's 2, a divergence's 3, a preemption's 143): the
-  existing path, the whole group stopped; restarted when the code is retryable and restarts are left,
-  else the agent ends with that code.
+  existing path, the whole group stopped (after up to ``END_GRACE_SECONDS`` in which the others end by
+  themselves with the cause the worker recorded); restarted when the code is retryable and restarts are
+  left, else the agent ends with that code.
 
 Across nodes: a killed worker is replaced by its own node's agent (the survivors on every node keep
 their processes); a node lost whole (its pod gone: the agent and its workers) is replaced when its agent
@@ -76,6 +77,7 @@ SETTLE_SECONDS = 0.005  # after a death: then the others already dying with it (
 PF_EXITING = 0x4  # include/linux/sched.h: the task is in do_exit (a SIGKILL delivered)
 SIGKILL_BIT = 1 << (signal.SIGKILL - 1)  # in /proc/<pid>/status's pending-signal masks
 STOP_SECONDS = 15.0
+END_GRACE_SECONDS = 5.0  # a worker ended with a code of its own: how long its peers get to end by themselves
 POLL_SECONDS = 0.05
 
 
@@ -191,6 +193,16 @@ class InPlaceAgent:
             if not dying:
                 return
             self._wait_for_an_end(POLL_SECONDS)
+
+    def _let_end(self) -> None:
+        """A worker ended with a code of its own (not killed), here or on another node: until this node's
+        other workers have ended by themselves, or for ``END_GRACE_SECONDS``. The worker left its cause in
+        this store (:mod:`relaunch.components.core.runtime.causes`) and its peers, whose collectives it broke,
+        end with that cause at once, each recording it and saying it: a SIGTERM would stop them in the
+        middle of that (and the job would end with this agent's line instead of the cause)."""
+        end = time.monotonic() + END_GRACE_SECONDS
+        while time.monotonic() < end and any(p is not None and p.poll() is None for p in self.workers):
+            self._wait_for_an_end(end - time.monotonic())
 
     def _pids(self) -> str:
         return " ".join(f"rank{self._rank(r)}={p.pid}" for r, p in enumerate(self.workers) if p is not None)
@@ -328,6 +340,7 @@ class InPlaceAgent:
             elsewhere = self._ended_elsewhere()
             if elsewhere is not None:
                 say(f"another node ended the job with {elsewhere}: stopping this node's workers")
+                self._let_end()
                 self._stop_all()
                 return elsewhere
             failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
@@ -341,6 +354,7 @@ class InPlaceAgent:
             worst = next((codes[r] for r in failed if not _killed(codes[r])), None)
             if worst is not None:  # not a lost worker: the existing path, the whole group
                 say(f"rank {self._rank(failed[0])} ended with {worst}: stopping the group")
+                self._let_end()
                 self._stop_all()
                 code = int(worst)
                 if not is_retryable(code) or self.restarts >= self.max_restarts:

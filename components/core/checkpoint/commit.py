@@ -31,7 +31,7 @@ from relaunch.components.core.checkpoint.readers import deletion_done
 from relaunch.components.core.checkpoint.retention import Retention
 from relaunch.components.core.checkpoint.snapshot import Snapshotter, copy_deferred, optimizers_of, state_bytes
 from relaunch.components.core.checkpoint.verify import CHUNK_BYTES, DIGEST
-from relaunch.components.core.contract.classify import CarriedError, dcp_original, is_store_unwritable
+from relaunch.components.core.contract.classify import CarriedError, as_error, dcp_original, is_store_unwritable
 from relaunch.components.core.contract.errors import BadInput, CorruptCheckpoint
 from relaunch.components.core.store import PreconditionFailed, Store
 
@@ -40,6 +40,30 @@ if TYPE_CHECKING:
 
 FILE_BYTES = 64 * 1024 * 1024  # a rank's state is spread over files of about this size (a file is
 # the most one ranged read asks for; many files also give S3 parallel uploads and downloads)
+
+
+def agreed(err: BaseException) -> BaseException:
+    """``err``, a failure of this rank's part of a save that every rank of the save has learned (their
+    agreement completed), as it is raised on this rank: a ``RuntimeError`` (what torch raises for a
+    writer's failure, a bug) becomes the contract's error of its class (:func:`as_error`, raised from
+    it), because a caller that waits on peers takes a ``RuntimeError`` for a collective a lost peer
+    broke; the peers are alive and end with the same cause. Anything else is raised as it is."""
+    if isinstance(err, RuntimeError):
+        contract = as_error(err)
+        contract.__cause__ = err
+        return contract
+    return err
+
+
+def _own(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` (rank 0's store operations of a save, no collective among them) with its failure
+    :func:`agreed` before the ranks agree on it."""
+    def run() -> Any:
+        try:
+            return fn()
+        except RuntimeError as err:
+            raise agreed(err) from err
+    return run
 
 
 class SaveJob:
@@ -252,7 +276,7 @@ class Committer:
 
         from relaunch.components.core.checkpoint.dcp_io import StoreWriter
 
-        self.ranks.agree(self.ranks.rank0(lambda: self._preflight(job.step)))
+        self.ranks.agree(self.ranks.rank0(_own(lambda: self._preflight(job.step))))
         files_per_rank = max(1, -(-state_bytes(job.snapshot) // FILE_BYTES))
         writer = StoreWriter(self.store, step_key(job.step), files_per_rank=files_per_rank,
                              threads=reading.IO_THREADS)
@@ -271,8 +295,8 @@ class Committer:
             gathered: list[Any] = [None] * self.ranks.world_size
             local = outcome if outcome[0] == "ok" else ("err", CarriedError.of(outcome[1]))
             dist.all_gather_object(gathered, local, group=self.ranks.group)
-            if outcome[0] == "err":
-                raise outcome[1]
+            if outcome[0] == "err":  # every rank learned it: this rank's own failure, not a broken collective
+                raise agreed(outcome[1])
             files: dict[str, Any] = {}
             for r, (kind, value) in enumerate(gathered):
                 if kind == "err":
@@ -282,7 +306,7 @@ class Committer:
             if outcome[0] == "err":
                 raise outcome[1]
             files = outcome[1]
-        return self.ranks.agree(self.ranks.rank0(lambda: self._commit(job, files)))
+        return self.ranks.agree(self.ranks.rank0(_own(lambda: self._commit(job, files))))
 
     def _preflight(self, step: int) -> None:
         self.leases.fence()  # a renewal, off the training thread; a writer taken over stops here

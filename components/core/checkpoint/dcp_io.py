@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import errno
 import io
 import math
+import os
 import pickle
 import threading
 import uuid
@@ -44,8 +46,9 @@ from relaunch.components.core.checkpoint import verify
 from relaunch.components.core.checkpoint.layout import METADATA
 from relaunch.components.core.checkpoint.torch_private import storage_info
 from relaunch.components.core.checkpoint.verify import REQUEST_BYTES, ChunkDigests, digest
-from relaunch.components.core.contract.classify import dcp_mismatch
+from relaunch.components.core.contract.classify import classify, dcp_mismatch, unwritable_cause
 from relaunch.components.core.contract.errors import BadInput, CorruptCheckpoint
+from relaunch.components.core.contract.exitcodes import ExitCode
 from relaunch.components.core.store import Store
 
 DCP_SUFFIX = ".distcp"
@@ -172,6 +175,34 @@ class DataFile:
         return {"size": self.pos, "chunks": self.chunks, "payloads": self.payloads}
 
 
+def write_failure(store: Store, key: str, err: Exception, left: int) -> BaseException:
+    """What the failed write of ``key`` raises, so that every rank learns the real cause (DCP carries
+    each rank's error to the others pickled, without its ``__context__``): the ``OSError`` of a full or
+    read-only store that ``err`` wraps (torch's zip writer raises ``RuntimeError: unexpected pos`` over
+    the ``ENOSPC`` of a disk that filled in the middle of a tensor); for an error without an errno that
+    no adapter classifies (it would be a bug), an ``ENOSPC`` when the store says it has less room than
+    the ``left`` bytes of the item being written (``free_bytes``, where the store can tell: a
+    filesystem's ``statvfs``); else ``err`` itself."""
+    cause = unwritable_cause(err)
+    if cause is not None:
+        return cause
+    if classify(err) != ExitCode.BUG:
+        return err
+    free_bytes = getattr(store, "free_bytes", None)  # a store that can tell its free space (a filesystem)
+    free = free_bytes(key) if callable(free_bytes) else None
+    if free is not None and free < max(left, 0) + FULL_SLACK_BYTES:
+        return OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({free} bytes free, {max(left, 0)} more to "
+                                     f"write; the write failed with {type(err).__name__}: "
+                                     f"{str(err).splitlines()[0][:200] if str(err) else ''})", store.uri_for(key))
+    return err
+
+
+FULL_SLACK_BYTES = 64 * 1024
+"""A store with less room than an item's bytes still to write plus this (its archive's records, a page
+or two of a filesystem's own) cannot take the item: a write that failed without an errno there failed
+because the store is full."""
+
+
 def split_by_size_and_type(bins: int, items: list[Any]) -> list[list[Any]]:
     """``items`` dealt into ``bins`` lists as DCP's ``FileSystemWriter`` deals a rank's items into its
     files: the bytes items in turn, then each tensor item, largest first, to the list with the fewest
@@ -235,6 +266,7 @@ class StoreWriter(StorageWriter):
     def _write_file(self, name: str, items: list[Any], planner: Any) -> list[WriteResult]:
         out = DataFile(self.store.open_writer(f"{self.key}/{name}"))
         results = []
+        item, offset = None, 0  # the item being written, where it began
         try:
             ordered = [i for i in items if i.type == WriteItemType.BYTE_IO] + \
                       [i for i in items if i.type != WriteItemType.BYTE_IO]
@@ -251,6 +283,13 @@ class StoreWriter(StorageWriter):
                 results.append(WriteResult(index=item.index, size_in_bytes=out.pos - offset,
                                            storage_data=storage_info(name, offset, out.pos - offset)))
             out.close()
+        except Exception as err:
+            out.writer.abort()
+            size = _item_bytes(item) if item is not None and item.type != WriteItemType.BYTE_IO else 0
+            failure = write_failure(self.store, f"{self.key}/{name}", err, size - (out.pos - offset))
+            if failure is err:
+                raise
+            raise failure from (err if failure.__traceback__ is None else None)  # a wrapped OSError: raised itself
         except BaseException:
             out.writer.abort()
             raise

@@ -14,7 +14,10 @@ source gave it, never its message (a URL's port or a run id can hold "401"; a pr
 - torch.distributed: ``DistError`` (backend, network, store) and the elastic rendezvous errors;
 - the Kubernetes API: an ``ApiException`` by its HTTP status;
 - Python: Ctrl-C, ``ConnectionError`` and ``TimeoutError``; an ``OSError`` of a full or read-only
-  store (ENOSPC, EDQUOT, EROFS) is :class:`~relaunch.components.core.contract.errors.StoreUnwritable` (2).
+  store (ENOSPC, EDQUOT, EROFS) is :class:`~relaunch.components.core.contract.errors.StoreUnwritable` (2),
+  also where a library wrapped it in an error of its own that no adapter knows (torch's zip writer
+  raises ``RuntimeError: unexpected pos`` after the ``OSError`` of a disk that filled in the middle of a
+  tensor): the ``OSError`` in its ``__cause__``/``__context__`` chain is the failure (:func:`unwritable_cause`).
 
 Anything else is a bug (1). A library's types are looked up only when that library is already
 imported (an exception of it cannot exist otherwise), so classifying costs no import.
@@ -61,12 +64,13 @@ UNWRITABLE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 
 def classify(exc: BaseException) -> ExitCode:
     """The contract's exit code for ``exc``, from its type and its source's error code (see the module
-    docstring for the adapters); 1 (a bug) for anything no adapter knows."""
+    docstring for the adapters); an error no adapter knows that wraps the ``OSError`` of an unwritable
+    store is that store's (2, :func:`unwritable_cause`); 1 (a bug) for anything else."""
     for adapter in ADAPTERS:
         code = adapter(exc)
         if code is not None:
             return code
-    return ExitCode.BUG
+    return ExitCode.BAD_INPUT if unwritable_cause(exc) is not None else ExitCode.BUG
 
 
 def as_error(exc: BaseException, what: str = "") -> RelaunchError:
@@ -80,18 +84,43 @@ def as_error(exc: BaseException, what: str = "") -> RelaunchError:
         if original is not exc:
             return as_error(original, what)
     code = classify(exc)
-    text = str(exc).splitlines()[0][:300] if str(exc) else ""
-    message = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-    if _unwritable(exc) is not None:
+    cause = unwritable_cause(exc)
+    named = cause if cause is not None else exc  # a wrapped full disk: the OSError says what happened
+    text = str(named).splitlines()[0][:300] if str(named) else ""
+    message = f"{type(named).__name__}: {text}" if text else type(named).__name__
+    if cause is not None:
         return StoreUnwritable(f"could not {what}: {message}" if what else message)
     return error_for(code, f"could not {what}: {message}" if what else message)
 
 
 def is_store_unwritable(exc: BaseException) -> bool:
     """Whether ``exc`` says that the store cannot be written (full, over quota, read-only): a
-    :class:`StoreUnwritable`, an ``OSError`` of :data:`UNWRITABLE_ERRNOS`, or a DCP failure or a
-    carried error of either; by type and code only."""
+    :class:`StoreUnwritable`, an ``OSError`` of :data:`UNWRITABLE_ERRNOS` (also wrapped, see
+    :func:`unwritable_cause`), or a DCP failure or a carried error of either; by type and code only."""
     return isinstance(as_error(exc), StoreUnwritable)
+
+
+def unwritable_cause(exc: BaseException) -> OSError | None:
+    """The ``OSError`` of :data:`UNWRITABLE_ERRNOS` that ``exc`` is, or that it wraps when no adapter
+    knows ``exc`` itself (it would be a bug, 1): the first such error of its ``__cause__`` and
+    ``__context__`` chain. A library that fails while it handles the ``OSError`` of a full disk raises
+    an error of its own without the errno (torch's zip writer: ``RuntimeError: [enforce fail at
+    inline_container.cc] unexpected pos``), with the ``OSError`` as its context. An error some adapter
+    classifies (a broken collective, a server's answer) is what it says, whatever it was raised from."""
+    if _unwritable(exc) is not None:
+        return exc  # type: ignore[return-value]
+    if any(adapter(exc) is not None for adapter in ADAPTERS):
+        return None
+    seen, chain = {id(exc)}, [exc.__cause__, exc.__context__]
+    while chain:
+        err = chain.pop(0)
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        if _unwritable(err) is not None:
+            return err  # type: ignore[return-value]
+        chain += [err.__cause__, err.__context__]
+    return None
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,18 @@ GENERATION_KEY = "relaunch/generation"
 
 
 def generation_key(generation: int) -> str:
-    """Set by the agent when ``generation`` starts: a survivor waits for the next one's key (no poll)."""
+    """Set by the agent when ``generation`` starts: a survivor looks for the next one's key."""
     return f"{GENERATION_KEY}/{generation}"
+
+
+RECOVERING_KEY = "relaunch/inplace/recovering"
+"""``{key}/{generation}``: how many workers of that generation took a broken collective for a lost peer and
+wait for the next generation. All of them: no worker was lost (none to replace, no agent starts one), so
+they end at once with the collective's failure instead of waiting out the generation's timeout."""
+
+
+def recovering_key(generation: int) -> str:
+    return f"{RECOVERING_KEY}/{generation}"
 
 
 JOINED_KEY = "relaunch/inplace/joined"

@@ -290,6 +290,19 @@ class FileStore:
     def uri_for(self, key: str) -> str:
         return join_uri(self.uri, key)
 
+    def free_bytes(self, key: str = "") -> int | None:
+        """The bytes this process may still write where ``key`` lies (``statvfs`` of its nearest existing
+        folder: ``f_bavail``), or None where that cannot be read. A writer asks when a write failed
+        without saying why (a library that wraps the ``OSError`` of a full disk loses its errno)."""
+        path = self.path(key)
+        while not path.exists() and path != path.parent:
+            path = path.parent
+        try:
+            stat = os.statvfs(path)
+        except OSError:
+            return None
+        return stat.f_bavail * stat.f_frsize
+
 
 class _FileWriter:
     def __init__(self, store: FileStore, path: Path):
@@ -311,7 +324,10 @@ class _FileWriter:
         _fsync_dir(self.path.parent)
 
     def abort(self) -> None:
-        self.fh.close()
+        # a full store fails the buffered writer's last flush again: the file is removed all the same
+        # (its space is what the next save needs), and the write's own error is the one that counts
+        with contextlib.suppress(OSError):
+            self.fh.close()
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
         self.store._prune(self.path.parent)

@@ -18,7 +18,7 @@ import time
 from typing import Any, Callable, Iterator
 
 from relaunch.components.core.trainer.health import save_fits_grace
-from relaunch.components.core.contract.classify import as_error, is_store_unwritable
+from relaunch.components.core.contract.classify import as_error, is_store_unwritable, unwritable_cause
 from relaunch.components.core.contract.errors import StoreUnwritable
 from relaunch.components.core.contract.events import Kind, emit
 from relaunch.components.core.runtime import distributed as distr
@@ -207,7 +207,8 @@ class TrainerCheckpoints:
         step, self._saving = self._saving, None
         self._pending.pop(step, None)
         self.failed_saves.append(step if step is not None else -1)
-        cause = err.strerror if isinstance(err, OSError) and err.strerror else str(as_error(err))
+        origin = unwritable_cause(err)  # the OSError itself, also where a library wrapped it
+        cause = origin.strerror if origin is not None and origin.strerror else str(as_error(err))
         kept = (f"step {self.last_committed.step}, the last committed checkpoint, is intact"
                 if self.last_committed is not None else "no checkpoint of this training is committed")
         if last or len(self.failed_saves) >= self.unwritable_limit:

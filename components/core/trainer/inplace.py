@@ -18,6 +18,7 @@ error of the loop is recovered, and the agent replaces only a worker that was ki
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -34,12 +35,17 @@ from relaunch.components.core.checkpoint.memory_tier import MemoryTier, restore_
 from relaunch.components.core.contract.config import memory_tier_on
 from relaunch.components.core.contract.events import Kind, emit
 from relaunch.components.core.runtime import distributed as distr
-from relaunch.components.core.runtime.generations import GENERATION_ENV, GENERATION_KEY, NODE_ADDRESS_ENV, generation_key
+from relaunch.components.core.contract.classify import as_error
+from relaunch.components.core.contract.errors import RelaunchError, error_for
+from relaunch.components.core.runtime import causes
+from relaunch.components.core.runtime.generations import (GENERATION_ENV, GENERATION_KEY, NODE_ADDRESS_ENV, generation_key,
+                                                          recovering_key)
 from relaunch.components.core.trainer import setup
 from relaunch.components.core.trainer.injection import Injection
 from relaunch.components.core.trainer.state import rng_now, rng_state
 
 ABANDON_SECONDS = 30.0
+POLL_SECONDS = 0.01  # a survivor looks this often for the agent's next generation (and for why none comes)
 
 
 def generation() -> int | None:
@@ -300,10 +306,21 @@ class InPlace:
 
     def recover(self, training: Any, cause: BaseException) -> bool:
         """A peer was lost under ``training``'s loop: rejoin the next generation with its replacement
-        and restore from memory (collective with the replacement's start). False when the agent
-        started no next generation in time (the caller ends the process as before)."""
+        and restore from memory (collective with the replacement's start). False when no peer was
+        lost but one ended for a cause of its own that it recorded (a full store: the caller ends with
+        it, :mod:`~relaunch.components.core.runtime.causes`), when the agent stops the group, or when
+        it started no next generation in time (the caller ends the process as before).
+
+        Raises:
+            RelaunchError: every rank of the group recovers, so none was lost (no agent replaces a
+                worker then): the failure of the collective itself, at once.
+        """
         began = time.time()
         lost_at = training.step
+        if causes.recorded(self.env) is not None:  # the peer went for a cause of its own, not killed
+            return False
+        with contextlib.suppress(torch.distributed.DistError):  # the agent's store gone: no generation comes either
+            self.registry.add(recovering_key(self.generation), 1)
         print(f"relaunch: rank {self.env.rank}: a peer was lost at step {lost_at}; recovering in place "
               f"(this process stays)", file=sys.stderr, flush=True)
         distr.sever()  # a peer still blocked in a collective of the old group fails now, not at its timeout
@@ -312,7 +329,7 @@ class InPlace:
             self.snapshots.halt(ABANDON_SECONDS)
         self.tier.forget_holder()
         training.checkpoints.manager.abandon(ABANDON_SECONDS)
-        gen = self._next_generation(self.config.train.process_group_timeout_seconds)
+        gen = self._next_generation(self.config.train.process_group_timeout_seconds, training.preempt, cause)
         if gen is None:
             return False
         self.generation = gen
@@ -343,15 +360,38 @@ class InPlace:
                  recovery_seconds=round(result.seconds, 4), store_bytes_read=result.store_bytes_read)
         return True
 
-    def _next_generation(self, timeout: float) -> int | None:
-        """The generation the agent started after this worker's, once it did (its key set), or None
-        after ``timeout`` or when the agent's store is gone."""
+    def _next_generation(self, timeout: float, told_to_go: Any, cause: BaseException) -> int | None:
+        """The generation the agent started after this worker's, once it did (its key set, looked for
+        every ``POLL_SECONDS``), or None: a peer recorded a cause of its own meanwhile, the agent told this
+        worker to go (``told_to_go.raised``: it stops the group after a worker ended badly), ``timeout``
+        passed, or the agent's store is gone. Every rank of the group waiting (:func:`recovering_key`)
+        means none was lost: the failure of the collective (``cause``'s) is raised at once."""
+        key, recovering = generation_key(self.generation + 1), recovering_key(self.generation)
+        deadline = time.monotonic() + timeout
         try:
-            self.registry.wait([generation_key(self.generation + 1)], datetime.timedelta(seconds=timeout))
+            while not self.registry.check([key]):
+                why = ("a peer ended for a cause of its own" if causes.recorded(self.env) is not None
+                       else "the agent stops the group" if told_to_go.raised
+                       else f"none after {timeout:.0f} s" if time.monotonic() >= deadline else None)
+                if why is not None:
+                    print(f"relaunch: in-place recovery: no next generation: {why}", file=sys.stderr, flush=True)
+                    return None
+                if self.registry.add(recovering, 0) >= self.env.world_size:
+                    raise _nobody_lost(cause)
+                time.sleep(POLL_SECONDS)
             return int(self.registry.get(GENERATION_KEY))
         except (torch.distributed.DistError, ValueError) as err:
             print(f"relaunch: in-place recovery: no next generation from the agent: {err}", file=sys.stderr, flush=True)
             return None
+
+
+def _nobody_lost(cause: BaseException) -> RelaunchError:
+    """The error of a collective that failed while every rank lived (``cause``: the :class:`PeerFailure`
+    of the training's entry, raised from the collective's own error): that error as the contract's
+    (its kind and code: a ``DistError`` is retryable, 138), saying that no peer was lost."""
+    err = as_error(cause.__cause__ or cause)
+    return error_for(int(err.exit_code), f"a collective failed with every rank alive (none was lost and none "
+                                         f"recorded a cause): {err}", type(err).kind)
 
 
 def ddp_warm_up(training: Any) -> Callable[[], None] | None:
