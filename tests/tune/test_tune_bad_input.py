@@ -20,6 +20,8 @@ CONFIG = "configs/tune.yaml"
     ("tune.space.train.hidden_size={type: int, low: 16, high: 64, step: 2.5}", "an int parameter needs a whole step"),
     ("tune.space.train.hidden_size={type: int, low: 16, high: 64, step: 4, log: true}", "takes no step"),
     ("tune.objective.metric=val_f1", "'val_f1' is not a validation metric of the task (it gives val_accuracy, val_loss)"),
+    ("tune.space.train.task_options.dropout={type: uniform, low: 0.0, high: 0.5}",
+     "tune.space: train.task_options.dropout: the task relaunch.components.tasks.digits:make_task does not read this option"),
 ])
 def test_a_bad_tune_section_is_refused_in_one_line_and_nothing_is_written(tmp_path, override, says):
     root = tmp_path / "store"

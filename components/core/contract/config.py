@@ -582,7 +582,7 @@ def check_tunable(path: str, parameter: TuneParameter) -> None:
         field = _field(path)
     except (KeyError, AttributeError):
         guess = _did_you_mean(parts)
-        hint = f"did you mean {guess!r}?" if guess else "name a field such as train.lr (README: configuration)"
+        hint = f"did you mean {guess!r}?" if guess else "name a field such as train.lr (docs/configuration.md)"
         raise ValueError(f"key {path!r} is not a configuration field; {hint}") from None
     annotation = field.annotation
     kinds = {t for t in (int, float, str, bool) if t is annotation or t in getattr(annotation, "__args__", ())}
@@ -682,7 +682,7 @@ def describe_validation_error(err: ValidationError) -> str:
     if first["type"] == "extra_forbidden":
         guess = _did_you_mean([str(p) for p in first["loc"]])
         hint = f"did you mean {guess!r}?" if guess else "remove it or check the spelling"
-        return f"config: unknown key {field!r}; {hint} (see README: configuration)"
+        return f"config: unknown key {field!r}; {hint} (see docs/configuration.md)"
     value = first.get("input")
     shown = "" if isinstance(value, dict) else f" (got {_redacted(value)!r})"
     more = f" and {len(err.errors()) - 1} more error(s)" if len(err.errors()) > 1 else ""
@@ -767,7 +767,7 @@ def config_from_cli(config: str | None, config_json: str | None, overrides: list
 
 
 def config_reference_markdown() -> str:
-    """The README's configuration table, generated from the model so the docs cannot drift."""
+    """The configuration table of docs/configuration.md, generated from the model so the docs cannot drift."""
     rows = ["| field | default | meaning |", "|---|---|---|"]
 
     def walk(model: type[BaseModel], prefix: str) -> None:
@@ -794,7 +794,7 @@ def exit_code_markdown() -> str:
     return "\n".join(rows)
 
 
-if __name__ == "__main__":  # python -m relaunch.components.core.contract.config  → the README tables
+if __name__ == "__main__":  # python -m relaunch.components.core.contract.config  → the tables of docs/configuration.md and README
     print(config_reference_markdown())
     print()
     print(exit_code_markdown())
