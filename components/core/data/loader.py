@@ -441,7 +441,10 @@ class SplitData:
     def arrays(self) -> dict[str, np.ndarray]:
         """Every field of the whole split (read whole: for small splits)."""
         if self.manifest is None and self.rows is None:
-            raise BadInput("split.arrays() needs a dataset committed in the store; iterate split.batches(n)")
+            batches = list(self.batches(1024))
+            if not batches or not all(isinstance(b, dict) for b in batches):
+                raise BadInput("split[field] needs samples that are dicts of tensors; iterate split.batches(n)")
+            return {name: torch.cat([b[name] for b in batches]).numpy() for name in batches[0]}
         rows = np.concatenate(list(self._chunks()))
         return {name: np.ascontiguousarray(rows[name]) for name in rows.dtype.names}
 
