@@ -42,9 +42,12 @@ def _assert_bitwise_equal(a: dict, b: dict) -> None:
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
 
 
-def test_the_language_model_killed_mid_epoch_resumes_from_its_shards_bitwise_equal(tmp_path, tracking):
-    plain = train_config(tmp_path / "plain", tracking, **TINY_LM)
-    killed = train_config(tmp_path / "killed", tracking, **TINY_LM)
+# FSDP2 with bf16 autocast: the same code path for the data, another for the state (the extended lane)
+@pytest.mark.parametrize("parallel", ["ddp", pytest.param("fsdp", marks=pytest.mark.ci_extended)])
+def test_the_language_model_killed_mid_epoch_resumes_from_its_shards_bitwise_equal(tmp_path, tracking, parallel):
+    lm = {**TINY_LM, "parallelism": parallel, "amp": parallel == "fsdp"}
+    plain = train_config(tmp_path / "plain", tracking, **lm)
+    killed = train_config(tmp_path / "killed", tracking, **lm)
     for config in (plain, killed):
         config["data"] = {"num_workers": 2}
     killed["launch"] = {"inject_failure": "kill-worker@step=17"}
