@@ -132,12 +132,15 @@ def check_inputs(config: RelaunchConfig) -> None:
 def _check_world_sizes(config: RelaunchConfig) -> None:
     """Every world size the launch may reach (``min_nodes``..``nodes`` x ``procs_per_node``) must divide
     ``train.global_batch_size``; the trainer would refuse it only after the workers started."""
-    launch, batch = config.launch, config.train.global_batch_size
+    launch, batch, micro = config.launch, config.train.global_batch_size, config.train.grad_accum_steps
     for nodes in range(launch.min_nodes or launch.nodes, launch.nodes + 1):
         world = nodes * launch.procs_per_node
         if batch % world:
             raise BadInput(f"train.global_batch_size={batch} is not divisible by the world size {world} "
                            f"({nodes} node(s) x launch.procs_per_node={launch.procs_per_node}); pick a multiple")
+        if batch % (world * micro):
+            raise BadInput(f"train.global_batch_size={batch} does not split into train.grad_accum_steps={micro} "
+                           f"micro-batches on each of {world} ranks; pick a multiple of {world * micro}")
 
 
 def _check_tracking(config: RelaunchConfig) -> None:

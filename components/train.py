@@ -70,6 +70,7 @@ import torch  # noqa: E402
 from relaunch.components.core.runtime import causes  # noqa: E402
 from relaunch.components.core.runtime import distributed as distr  # noqa: E402
 from relaunch.components.core.runtime import logs, wiring  # noqa: E402
+from relaunch.components.core.data.loader import loader_worker_loss  # noqa: E402
 from relaunch.components.core.store import HintWrites, UNWRITABLE_ADVICE, open_store, probe_writable, records
 from relaunch.components.core.tracking import goodput  # noqa: E402
 from relaunch.components.core.trainer import setup  # noqa: E402
@@ -139,12 +140,16 @@ def waiting_on_peers(world_size: int):
     broadcasts, the checkpoint manager's agreements). Classified by type and place, never by message
     text: torch's distributed errors (``DistError``, what NCCL and the c10d store raise) anywhere, and
     a ``RuntimeError`` raised here while there are peers (what gloo raises when a peer's socket
-    closes), are a :class:`PeerFailure`; our own errors pass unchanged."""
+    closes), are a :class:`PeerFailure`; our own errors pass unchanged. A ``RuntimeError`` that a dead
+    data-loader worker of this rank explains is that (:func:`loader_worker_loss`), not a lost peer."""
     try:
         yield
     except RelaunchError:
         raise
     except (torch.distributed.DistError, RuntimeError) as err:
+        lost = loader_worker_loss(err)
+        if lost is not None:
+            raise lost from err
         if isinstance(err, torch.distributed.DistError) or world_size > 1:
             raise PeerFailure(err) from err
         raise
@@ -227,17 +232,13 @@ class Training:
         self.inplace = InPlace.for_worker(self.config, env, raw_store)
         self.store = wrap_store(self.inplace.store if self.inplace else raw_store, self.injection)
         setup.seed(self.config)
-        self.data = setup.load_data(self.config, self.task, self.store)
-        self.phases["data"] = time.time() - _PROCESS_START
-        self.total_steps = self.data.total_steps
-        self.parts = setup.build_model(self.config, self.task, self.device, self.total_steps, self.spikes)
-        self.phases["build"] = time.time() - _PROCESS_START
-        refusal = None
+        refusal, version = None, self.config.data.version
         if env.is_main:
             # the first writes of the training: a store that cannot take them is refused here, on every
             # rank alike (the answer rides on the broadcast below), before anything is written
             try:
                 probe_writable(raw_store)
+                version = setup.committed_version(self.config, self.task, raw_store)  # a worker started by hand
                 record = goodput.claim_attempt(self.store, _PROCESS_START, env.world_size, created=_PROCESS_CREATED)
                 self.log = goodput.AttemptLog(HintWrites(self.store), record)
                 self.attempt = record.attempt
@@ -247,9 +248,15 @@ class Training:
                     raise
                 refusal = str(err) if isinstance(err, StoreUnwritable) else (
                     f"store {raw_store.uri} cannot be written: {as_error(err)}; {UNWRITABLE_ADVICE}")
-        self.attempt, self.run_id, refusal = distr.broadcast_object((self.attempt, self.run_id, refusal))
+        self.attempt, self.run_id, refusal, version = distr.broadcast_object(
+            (self.attempt, self.run_id, refusal, version))
         if refusal is not None:
             raise StoreUnwritable(refusal)
+        self.data = setup.load_data(self.config, self.task, raw_store, version, env.rank, env.world_size)
+        self.phases["data"] = time.time() - _PROCESS_START
+        self.total_steps = self.data.total_steps
+        self.parts = setup.build_model(self.config, self.task, self.device, self.total_steps, self.spikes, self.data.loader)
+        self.phases["build"] = time.time() - _PROCESS_START
         self.tracker = TrainingTracker(self.config, HintWrites(self.store), enabled=env.is_main, run_id=self.run_id,
                                        attempt=self.attempt)
         manager = setup.open_checkpoints(self.config, self.store, self.run_id, self.parts.module)
@@ -258,7 +265,7 @@ class Training:
             self.injection.settle = self.inplace.settle
         self.checkpoints = TrainerCheckpoints(
             self.config, env, manager, self.parts.state, self.tracker, self.log, self.attempt,
-            lambda: self.task.evaluate(self.parts.module, self.data.splits["val"]), self._peers,
+            lambda: self.task.evaluate(self.parts.module, setup.validation_split(self.config, self.task, raw_store, self.data)), self._peers,
             self.data.steps_per_epoch, self.total_steps)
 
     def resume(self) -> None:
@@ -292,16 +299,14 @@ class Training:
             self.log.record.loop_start = time.time()  # written with the first step's record (no fsync before that step)
         cadence = self.checkpoints.cadence
         cadence.restart_clock()
-        perm_epoch, perm = -1, None
+        batches = self.data.loader.batches(self.step)  # from this step on: a resume's, a recovery's
         loop_started = time.monotonic() - self.train_seconds  # a survivor's loop resumed in place adds to its time
         try:
             while self.step < self.total_steps:
                 epoch = self.step // self.data.steps_per_epoch
-                if epoch != perm_epoch:
-                    perm_epoch, perm = epoch, self.data.permutation(epoch)
                 self.injection.before_step(self.step)
                 began = time.perf_counter()
-                batch = self.data.batch(self.step, perm, self.env.rank, self.env.world_size, self.device)
+                batch = setup.to_device(next(batches), self.device)
                 loss, grad_norm = self._forward_backward(batch)
                 snapshot_due, snapshot_busy = self.inplace.snapshot_vote(self.step + 1) if self.inplace else (0.0, 1.0)
                 with self._peers():
@@ -342,6 +347,7 @@ class Training:
                     self._honour_preemption()
         finally:
             watchdog.stop()
+            self.data.loader.close()
             self.train_seconds = time.monotonic() - loop_started
 
     def _first_step_done(self) -> None:
@@ -394,16 +400,19 @@ class Training:
         p = self.parts
         # Every part waits on the peers: FSDP gathers parameters in forward, DDP and FSDP reduce the
         # gradients in backward, and the norm of sharded gradients is a collective.
+        micro = setup.micro_batches(batch, self.t.grad_accum_steps)
+        total = 0.0
         with self._peers():
-            with torch.autocast(self.device.type, dtype=torch.bfloat16 if self.device.type == "cpu" else torch.float16,
-                                enabled=self.t.amp):
-                loss = self.task.loss(p.model, batch)
+            for i, part in enumerate(micro):
+                with setup.gradient_sync(p.model, i == len(micro) - 1):
+                    with torch.autocast(self.device.type, dtype=torch.bfloat16 if self.device.type == "cpu" else torch.float16,
+                                        enabled=self.t.amp):
+                        loss = self.task.loss(p.model, part) / len(micro)
+                    (p.scaler.scale(loss) if p.scaler is not None else loss).backward()
+                total += float(loss.detach())
             if p.scaler is not None:
-                p.scaler.scale(loss).backward()
                 p.scaler.unscale_(p.optimizer)
-            else:
-                loss.backward()
-            return float(loss.detach()), total_grad_norm(p.module)
+            return total, total_grad_norm(p.module, self.t.grad_clip_norm)
 
     def _after_step(self, loss: float, grad_norm: float, seconds: float, epoch: int) -> None:
         spike = self.spikes.update(loss)
@@ -533,6 +542,9 @@ def run(config: RelaunchConfig) -> TrainSummary:
     except RelaunchError as err:
         return training.fail(err)
     except Exception as err:
+        lost = loader_worker_loss(err)  # torch raises it wherever the training is when the worker dies
+        if lost is not None:
+            return training.fail(lost)
         if isinstance(err, torch.distributed.DistError):  # another rank died, outside waiting_on_peers
             return training.fail(PeerFailure(err))
         # recorded with the contract's code for it (a bug 1, a server's 503 138, ...), then the entry

@@ -68,6 +68,8 @@ CASES = [
     ("task-factory-missing", ["--set", "train.task=relaunch.components.tasks.digits:nosuch"], {}, "no callable 'nosuch'"),
     ("task-not-a-spec", ["--set", "train.task=notaspec"], {}, "is not package.module:factory"),
     ("task-not-a-task", ["--set", "train.task=collections:OrderedDict"], {}, "without build_model"),
+    ("batch-not-split-into-micro-batches", ["--set", "train.grad_accum_steps=3"], {},
+     "train.global_batch_size=64 does not split into train.grad_accum_steps=3 micro-batches on each of 2 ranks"),
     ("task-option-the-task-does-not-read", ["--set", "train.task_options.dropout=0.1"], {},
      "train.task_options.dropout: the task relaunch.components.tasks.digits:make_task does not read this option (it reads none)"),
     ("name-not-kebab", ["--set", "name=Bad_Name"], {}, "name"),

@@ -339,10 +339,13 @@ class InPlace:
         training.env = env
         distr.init(env, self.config.train.process_group_timeout_seconds)
         training.injection = Injection.for_world(self.config.launch.inject_failure, training.injection.store, env)
+        # the collectives of the replacement's setup, in its order: the broadcast of what rank 0 decided
+        # (the attempt, its run, the dataset version), then the model's wrapping
+        training.attempt, training.run_id, _, _ = distr.broadcast_object(
+            (training.attempt, training.run_id, None, training.data.version))
         parts = training.parts
         parts.optimizer.zero_grad(set_to_none=True)  # what the interrupted backward left
         training.parts = parts = _rewrapped(self.config, training, parts)
-        training.attempt, training.run_id, _ = distr.broadcast_object((training.attempt, training.run_id, None))
         manager = setup.open_checkpoints(self.config, training.store, training.run_id, parts.module)
         self.attach(manager, parts.state)
         result = self.restore(self.config, manager, parts, training._peers, ddp_warm_up(training))
@@ -405,8 +408,10 @@ def ddp_warm_up(training: Any) -> Callable[[], None] | None:
         return None
 
     def warm_up() -> None:
-        data, env = training.data, training.env
-        batch = data.batch(0, data.permutation(0), env.rank, env.world_size, training.device)
+        batch = training.data.loader.first_batch()
+        if batch is None:  # a task's own iterable loader: reading one would move it
+            return
+        batch = setup.to_device(batch, training.device)
         (training.task.loss(training.parts.model, batch) * 0.0).backward()
         training.parts.optimizer.zero_grad(set_to_none=True)
 

@@ -22,7 +22,6 @@ from relaunch.components.core.checkpoint.fingerprint import model_fingerprint
 from relaunch.components.core.checkpoint.start import start_point
 from relaunch.components.core.contract.errors import BadInput
 from relaunch.components.core.data import TrainData, commit_task_data, open_split, open_training_data, own_dataset
-from relaunch.components.core.runtime import distributed as distr
 from relaunch.components.core.tracking.warm_start import warm_start_checkpoint
 
 
@@ -45,29 +44,32 @@ def seed(config) -> None:
 
 
 def check_world_size(config, world_size: int) -> None:
-    """Refuse a global batch that does not divide by the world size (before any process group)."""
-    if config.train.global_batch_size % world_size:
-        raise BadInput(f"train.global_batch_size={config.train.global_batch_size} is not divisible by the world "
+    """Refuse a global batch that does not divide by the world size, into ``train.grad_accum_steps``
+    micro-batches each (before any process group)."""
+    t = config.train
+    if t.global_batch_size % world_size:
+        raise BadInput(f"train.global_batch_size={t.global_batch_size} is not divisible by the world "
                        f"size {world_size}; pick a multiple")
+    if t.global_batch_size % (world_size * t.grad_accum_steps):
+        raise BadInput(f"train.global_batch_size={t.global_batch_size} does not split into "
+                       f"train.grad_accum_steps={t.grad_accum_steps} micro-batches on each of {world_size} ranks; "
+                       f"pick a multiple of {world_size * t.grad_accum_steps}")
 
 
-def load_data(config, task, store, rank: int, world_size: int) -> TrainData:
-    """This rank's loader over the train split: the committed ``data.version``; without one (a worker
-    started by hand, a test) rank 0 commits the task's data first, as prepare does, and every rank
-    reads that version. A task's own dataset is read as it is.
+def committed_version(config, task, store) -> str | None:
+    """Rank 0: the dataset version the training reads: ``data.version`` (prepare's), else the task's
+    data committed here as prepare does (a worker started by hand); None for a task's own dataset."""
+    if config.data.version is not None or own_dataset(task):
+        return config.data.version
+    return commit_task_data(task, store)[0].version
+
+
+def load_data(config, task, store, version: str | None, rank: int, world_size: int) -> TrainData:
+    """This rank's loader over the train split of the committed ``version`` (or the task's own dataset).
 
     Raises:
         BadInput: the global batch exceeds the training split, or the task's data is unusable.
     """
-    version = config.data.version
-    if version is None and not own_dataset(task):
-        if rank == 0:
-            manifest, _ = commit_task_data(task, store)
-            version = manifest.version
-        version = distr.broadcast_object(version)
-    if config.train.global_batch_size % (world_size * config.train.grad_accum_steps):
-        raise BadInput(f"train.global_batch_size={config.train.global_batch_size} is not divisible by the world size "
-                       f"{world_size} x train.grad_accum_steps={config.train.grad_accum_steps}; pick a multiple")
     return open_training_data(config, task, store, version, rank, world_size)
 
 
