@@ -646,9 +646,9 @@ def safe_load_planner():
             if why:
                 raise BadInput(why)
             unasked = set(self.metadata.state_dict_metadata) - set(self.state_dict)
-            if self.allow_partial_load or any(not key.startswith("rng.") for key in unasked):
+            if self.allow_partial_load or any(not key.startswith(("rng.", "data.")) for key in unasked):
                 # partial loads and keys this state lacks (DCP then tries torch 2.3's key layout): DCP's
-                # way; the only stored keys a TrainingState leaves out are other ranks' RNG streams
+                # way; the only stored keys a TrainingState leaves out are other ranks' RNG streams and loaders
                 return super().create_local_plan()
             return fast_local_load_plan(self.state_dict, self.metadata)
 
