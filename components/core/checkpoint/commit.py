@@ -335,10 +335,11 @@ class Committer:
         self.leases.fence()  # a writer that lost its lease (stalled past it) commits nothing
         self.store.write_bytes(f"{key}/{MANIFEST}", body)  # the commit point
         manifest["_sha256"] = hashlib.sha256(body).hexdigest()
+        self.locator.remember(job.step, body)  # retention does not read it back
         self._advance_latest(job.step, manifest["_sha256"])
         try:
             self.retention.apply(in_flight=job.step, manifest=self.locator.manifest, claim=self.leases.claim,
-                                 done=lambda s: deletion_done(self.store, s))
+                                 done=lambda s: deletion_done(self.store, s), listed=self.locator.retained)
         except Exception as err:  # noqa: BLE001 - classified: anything but an unwritable store is raised
             if not is_store_unwritable(err):
                 raise

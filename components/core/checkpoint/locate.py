@@ -42,6 +42,10 @@ class Locator:
         self._last_checked: tuple[str, int, dict[str, Any]] | None = None  # (store, step, manifest) checked last
         self._loading = False  # find_for_load is locating: the manifest check reads .metadata too
         self._metadata_read: tuple[str, int, str, Any] | None = None  # (store, step, manifest sha256, bytes or error)
+        # committed manifests this writer wrote or retention read under its write lease: (store URI, step) ->
+        # manifest. A committed manifest never changes; only the lease holder writes a step again, after
+        # moving the old one aside (forget), and a lease once lost is never held again by this manager
+        self._committed: dict[tuple[str, int], dict[str, Any]] = {}
 
     def latest(self, skip: set[int] | frozenset = frozenset()) -> CheckpointInfo | None:
         """The newest intact committed checkpoint not in ``skip``, under a read lease (checked again
@@ -207,6 +211,31 @@ class Locator:
             self._metadata_read = (store.uri, step, sha, rest[1])
         return manifest
 
+    def remember(self, step: int, body: bytes) -> None:
+        """Remember the manifest this writer just committed for ``step`` (its bytes, no request)."""
+        self._committed[(self.store.uri, step)] = parse_manifest(self.store, step, body)
+
+    def retained(self, step: int, keys: set[str], markers: set[str]) -> dict[str, Any]:
+        """:meth:`manifest` for retention, which holds the write lease and has just listed the store:
+        ``keys``, the keys of the step's directory, ``markers``, the quarantine markers. A manifest
+        remembered (committed or read here before) is not read again while every file it names is
+        listed and no marker covers it; otherwise it is read and checked as :meth:`manifest` does.
+
+        Raises:
+            CorruptCheckpoint, BadInput: as :meth:`manifest`.
+        """
+        known = self._committed.get((self.store.uri, step))
+        if known is not None:
+            key = step_key(step)
+            if quarantine.marker_key(step, known["_sha256"]) in markers:  # a reader found it damaged
+                raise CorruptCheckpoint(f"{self.store.uri_for(key)} is quarantined as damaged")
+            if all(f"{key}/{name}" in keys for name in known["files"]):
+                return known
+            self._committed.pop((self.store.uri, step), None)  # a file is gone: checked again, as damage
+        manifest = self.manifest(step)
+        self._committed[(self.store.uri, step)] = manifest
+        return manifest
+
     def checked(self, step: int, store: Store | None = None) -> CheckpointInfo:
         """The info of committed checkpoint ``step`` after :meth:`manifest`'s check."""
         store = store or self.store
@@ -217,6 +246,7 @@ class Locator:
     def forget(self, step: int) -> None:
         """Forget the damage found in ``step`` (moved aside: the step may be written again)."""
         self._damaged.pop((self.store.uri, step), None)
+        self._committed.pop((self.store.uri, step), None)
 
     def _checked_quiet(self, step: int) -> CheckpointInfo | None:
         try:
@@ -227,6 +257,7 @@ class Locator:
     def found_damaged(self, store: Store, step: int, manifest_sha256: str, reason: str) -> None:
         """Record checkpoint ``step`` as damaged: here, and in the store (rank 0, best effort)."""
         self._damaged[(store.uri, step)] = (manifest_sha256, reason)
+        self._committed.pop((store.uri, step), None)
         if self.rank == 0:
             quarantine.record(store, step, manifest_sha256, reason, found_by=self.leases.owner)
 

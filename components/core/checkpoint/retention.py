@@ -15,6 +15,10 @@ from relaunch.components.core.contract.errors import BadInput, CorruptCheckpoint
 from relaunch.components.core.store import Store
 
 
+# (step, the keys of its directory, the quarantine markers) -> the step's checked manifest
+Listed = Callable[[int, set[str], set[str]], dict[str, Any]]
+
+
 class Retention:
     """The retention policy of one store: which committed checkpoints to keep after a commit.
 
@@ -49,17 +53,18 @@ class Retention:
             raise BadInput(f"keep_last ({keep_last}) and keep_best ({keep_best}) must be >= 0")
 
     def apply(self, *, in_flight: int | None, manifest: Callable[[int], dict[str, Any]],
-              claim: Callable[[int], bool] | None = None, done: Callable[[int], None] | None = None) -> list[int]:
+              claim: Callable[[int], bool] | None = None, done: Callable[[int], None] | None = None,
+              listed: Listed | None = None) -> list[int]:
         """Delete what the policy does not keep (:func:`apply_retention`); returns the deleted steps."""
         return apply_retention(self.store, keep_last=self.keep_last, keep_best=self.keep_best,
                                best_metric=self.best_metric, mode=self.mode, in_flight=in_flight,
-                               manifest=manifest, claim=claim, done=done)
+                               manifest=manifest, claim=claim, done=done, listed=listed)
 
 
 def apply_retention(store: Store, *, keep_last: int, keep_best: int, best_metric: str | None, mode: str,
                     in_flight: int | None, manifest: Callable[[int], dict[str, Any]],
                     claim: Callable[[int], bool] | None = None,
-                    done: Callable[[int], None] | None = None) -> list[int]:
+                    done: Callable[[int], None] | None = None, listed: Listed | None = None) -> list[int]:
     """Delete every step directory that is not kept: the last ``keep_last`` intact committed (0:
     all committed), the best ``keep_best`` intact by ``best_metric``, the step latest.json names,
     pinned steps, ``in_flight`` and damaged (quarantined) checkpoints. ``manifest(step)`` returns
@@ -69,10 +74,13 @@ def apply_retention(store: Store, *, keep_last: int, keep_best: int, best_metric
 
     ``claim(step)`` runs right before a step is deleted (the writer's fence and the read-lease
     handshake, :mod:`readers`): False keeps the step; ``done(step)`` runs after its deletion.
-    Returns the deleted steps."""
+    ``listed(step, keys, markers)``, when given, replaces ``manifest(step)`` with what this listing
+    shows: the keys of the step's directory and every quarantine marker (a writer's remembered
+    manifests, :meth:`Locator.retained`, are then not read again). Returns the deleted steps."""
     dirs: dict[int, set[str]] = {}
     pinned: set[int] = set()
     marked: set[int] = set()
+    markers: set[str] = set()
     for k in store.list(PREFIX + "/"):
         parts = k.split("/")
         if len(parts) >= 3 and (m := STEP_DIR.match(parts[1])):
@@ -81,6 +89,7 @@ def apply_retention(store: Store, *, keep_last: int, keep_best: int, best_metric
             pinned.add(p[0])
         elif (q := marker_step(k)) is not None:
             marked.add(q)
+            markers.add(k)
     committed = sorted(s for s, ks in dirs.items() if f"{step_key(s)}/{MANIFEST}" in ks)
     manifests: dict[int, dict[str, Any]] = {}
     damaged: set[int] = set()
@@ -88,7 +97,7 @@ def apply_retention(store: Store, *, keep_last: int, keep_best: int, best_metric
     def intact(s: int) -> bool:
         if s not in manifests and s not in damaged:
             try:
-                manifests[s] = manifest(s)
+                manifests[s] = manifest(s) if listed is None else listed(s, dirs[s], markers)
             except (CorruptCheckpoint, FileNotFoundError):
                 damaged.add(s)
         return s in manifests
