@@ -45,6 +45,7 @@ def _tree(root: Path) -> dict[str, bytes]:
 def test_an_imported_stock_model_and_optimizer_loads_into_the_tasks_training_state_at_its_step(tmp_path, capsys):
     from relaunch.components.core.checkpoint import CheckpointManager
     from relaunch.components.core.contract.config import load_config
+    from relaunch.components.core.data import step_counts
     from relaunch.components.core.trainer import setup
     from relaunch.components.core.trainer.health import SpikeDetector
     from relaunch.components.tasks.base import load_task
@@ -56,11 +57,11 @@ def test_an_imported_stock_model_and_optimizer_loads_into_the_tasks_training_sta
     assert json.loads(capsys.readouterr().out)["step"] == 12
     config = load_config(None, TINY_SETS)
     task = load_task(config.train.task, config)
-    data = setup.load_data(config, task, None)
-    parts = setup.build_model(config, task, torch.device("cpu"), data.total_steps, SpikeDetector(3.0))
+    steps_per_epoch, total_steps = step_counts(config, task)
+    parts = setup.build_model(config, task, torch.device("cpu"), total_steps, SpikeDetector(3.0))
     with CheckpointManager(root, async_save=False) as mgr:
         info = mgr.load(parts.state)  # what the trainer's resume does: refused before the import made it whole
-    assert info.step == 12 and parts.state.step == 12 and parts.state.epoch == 12 // data.steps_per_epoch
+    assert info.step == 12 and parts.state.step == 12 and parts.state.epoch == 12 // steps_per_epoch
     for key, value in weights.items():
         assert torch.equal(parts.module.state_dict()[key], value), key
     assert parts.scheduler.last_epoch == 12  # the schedule where an uninterrupted training has it at step 12

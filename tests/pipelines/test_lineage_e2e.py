@@ -68,7 +68,7 @@ def test_the_run_has_a_logged_model_of_the_evaluated_checkpoint_with_its_metrics
 
 def test_the_run_has_the_prepared_dataset_as_input_with_its_content_address_as_digest(finished):
     cwd, _, _, run, _ = finished
-    (folder,) = (cwd / ".relaunch/store").glob("trainings/*/datasets/*")  # relaunch run: one training, one dataset
+    (folder,) = (cwd / ".relaunch/store").glob("trainings/*/datasets/sha256-*")  # relaunch run: one training, one dataset
     stored = folder.name
     (entry,) = run.inputs.dataset_inputs
     assert (entry.dataset.name, entry.dataset.digest) == ("digits", stored)

@@ -22,7 +22,8 @@ def test_a_process_checks_an_s3_bucket_once_however_often_its_steps_open_the_sto
     s3_env.create_bucket(bucket)
     config = RelaunchConfig.model_validate({"store": {"uri": f"s3://{bucket}/exp"},
                                             "tracking": {"uri": f"sqlite:///{tmp_path}/mlflow.db"}})
-    script = ("import sys; from relaunch.components.core.contract.config import RelaunchConfig; "
+    script = ("import sys; from relaunch.components.core.runtime.wiring import wire; wire(); "
+              "from relaunch.components.core.contract.config import RelaunchConfig; "
               "from relaunch.components import locate, prepare; from relaunch.components.core.store import open_store; "
               "config = RelaunchConfig.from_json(sys.argv[1]); "
               "prepare.check_inputs(config); locate.run(config); locate.run(config); "

@@ -9,7 +9,8 @@ import torch
 
 from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.core.trainer.checkpoints import SaveCadence
-from relaunch.components.core.trainer.setup import TrainData
+from relaunch.components.core.data.loader import StepBatches
+from relaunch.components.core.data.order import GlobalOrder
 
 
 def _train(**fields):
@@ -37,13 +38,12 @@ def test_only_the_rank_that_keeps_the_time_says_a_timed_save_is_due():
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_the_ranks_slices_of_a_step_are_the_global_batch_whatever_the_world_size(world_size):
-    n, global_batch = 64, 8
-    data = TrainData({}, torch.arange(n, dtype=torch.float32)[:, None], torch.arange(n), global_batch, seed=3,
-                     steps_per_epoch=n // global_batch, total_steps=20)
-    perm = data.permutation(epoch=1)
-    for step in (0, 5, 9):
-        rows = [data.batch(step, perm, rank, world_size, "cpu")["index"] for rank in range(world_size)]
-        start = (step % data.steps_per_epoch) * global_batch
-        assert np.array_equal(torch.cat(rows).numpy(), perm[start:start + global_batch])
-    assert not np.array_equal(data.permutation(0), data.permutation(1))
-    assert np.array_equal(data.permutation(1), perm)
+    global_batch = 8
+    order = GlobalOrder([16, 16, 16, 16], seed=3, window_shards=2)
+    steps = [list(StepBatches(order, 8, 20, global_batch, rank, world_size, start_step=0)) for rank in range(world_size)]
+    for step in (0, 5, 9, 17):
+        epoch, within = divmod(step, 8)
+        rows = [i for rank in range(world_size) for i in steps[rank][step]]
+        assert rows == order.indices(epoch, np.arange(within * global_batch, (within + 1) * global_batch)).tolist()
+    epoch0 = order.indices(0, np.arange(64)).tolist()
+    assert sorted(epoch0) == list(range(64)) and epoch0 != order.indices(1, np.arange(64)).tolist()

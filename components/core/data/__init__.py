@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 # are imported by the functions that make one.
 
 __all__ = ["DatasetSource", "Manifest", "TrainData", "commit_task_data", "dataset_uri", "own_dataset",
-           "open_split", "open_training_data", "preview_split", "read_manifest"]
+           "open_split", "open_training_data", "preview_split", "read_manifest", "step_counts"]
 
 
 def own_dataset(task) -> bool:
@@ -73,6 +73,24 @@ def _steps(config, samples: int | None) -> tuple[int, int]:
     if steps_per_epoch == 0:
         raise BadInput(f"train.global_batch_size={t.global_batch_size} exceeds the {samples} training samples; lower it")
     return steps_per_epoch, t.max_steps or t.epochs * steps_per_epoch
+
+
+def step_counts(config, task) -> tuple[int, int]:
+    """``(steps_per_epoch, total_steps)`` of a training of ``task`` with ``config``, counted from the
+    task's own data without committing it (a checkpoint imported from outside relaunch).
+
+    Raises:
+        BadInput: the global batch exceeds the training split, or no count is possible (set max_steps).
+    """
+    if own_dataset(task):
+        source = task.dataset("train", 0, 1)
+        try:
+            samples = len(source)
+        except TypeError:
+            samples = None
+    else:
+        samples = sum(len(next(iter(chunk.values()))) for chunk in task_source(task).splits["train"]())
+    return _steps(config, samples)
 
 
 def open_training_data(config, task, store, version: str | None, rank: int, world_size: int) -> TrainData:

@@ -87,8 +87,13 @@ class WorkerPids:
 
     def __call__(self, worker_id: int) -> None:  # the DataLoader's worker_init_fn
         import os
+        import signal
 
         self.pids[worker_id] = os.getpid()
+        # A SIGTERM or Ctrl-C sent to the rank's process group (a preemption, `relaunch run` stopping) is the
+        # rank's to honour (it saves, then exits 143); its workers end with it (torch's watch of the parent).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def lost(self) -> list[int]:
         """The workers that are gone (or dead, not yet reaped)."""

@@ -28,16 +28,16 @@ def training_state(folder: dict[str, Any], config: Any, step: int, source: str) 
     import torch
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-    from relaunch.components.core.trainer import setup
+    from relaunch.components.core.data import step_counts
     from relaunch.components.core.trainer.health import SpikeDetector
     from relaunch.components.core.trainer.state import TrainingState
     from relaunch.components.tasks.base import load_task
 
     task = load_task(config.train.task, config)
-    data = setup.load_data(config, task, None)
-    if step > data.total_steps:
-        raise BadInput(f"--step {step} is past the {data.total_steps} steps of a training of {config.train.task} "
-                       f"with this configuration; import at a step up to {data.total_steps}")
+    steps_per_epoch, total_steps = step_counts(config, task)
+    if step > total_steps:
+        raise BadInput(f"--step {step} is past the {total_steps} steps of a training of {config.train.task} "
+                       f"with this configuration; import at a step up to {total_steps}")
     module = task.build_model()
     optimizer = task.build_optimizer(module)
     try:
@@ -49,7 +49,7 @@ def training_state(folder: dict[str, Any], config: Any, step: int, source: str) 
         first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
         raise BadInput(f"{source} does not fit the model and optimizer of train.task={config.train.task} "
                        f"({first}); pass the --config/--set of the training that is to resume from it") from None
-    scheduler = task.build_scheduler(optimizer, data.total_steps)
+    scheduler = task.build_scheduler(optimizer, total_steps)
     if scheduler is not None:
         with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": no optimizer step here
             warnings.simplefilter("ignore")
@@ -57,7 +57,7 @@ def training_state(folder: dict[str, Any], config: Any, step: int, source: str) 
                 scheduler.step()
     state = TrainingState(module, optimizer, scheduler, None,
                           extra={"health": SpikeDetector(config.train.loss_spike_factor)})
-    epoch = step // data.steps_per_epoch
+    epoch = step // steps_per_epoch
     state.step, state.epoch = step, epoch
     state.samples_seen, state.sampler_epoch = step * config.train.global_batch_size, epoch
     torch.manual_seed(config.train.seed)  # the saved RNG stream: the one a fresh training starts with
