@@ -51,7 +51,7 @@ class DigitStream(torch.utils.data.IterableDataset):
         if worker is not None:
             order = order[worker.id::worker.num_workers]
         for i in order:
-            yield {"x": torch.from_numpy(self.x[i]), "y": torch.tensor(int(self.y[i]))}
+            yield {"x": torch.from_numpy(self.x[i]), "y": torch.tensor(int(self.y[i])), "index": torch.tensor(int(i))}
 
 
 class DigitBatches:

@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from docs.examples.own_data import DigitStream, IterableTask
 from relaunch.components.tasks.digits import DigitsTask
 
 
@@ -54,47 +55,27 @@ def nan_task(config):
     return NanTask(config)
 
 
-class OwnRows(torch.utils.data.IterableDataset):
-    """A user's own IterableDataset: the digits training rows of one rank (every world_size-th), in an
-    order shuffled per epoch (``set_epoch``), each worker taking every num_workers-th of them. With
-    $KILL_LOADER_AT set, the worker that is to yield that sample index SIGKILLs itself first, once
-    (a marker file beside it says it happened)."""
-
-    def __init__(self, x, y, rank: int, world_size: int, seed: int):
-        self.x, self.y, self.rank, self.world, self.seed, self.epoch = x, y, rank, world_size, seed, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+class KillingStream(DigitStream):
+    """docs/examples/own_data.py's IterableDataset; with $KILL_LOADER_AT set, the loader worker that is to
+    yield that sample index SIGKILLs itself first, once (a marker file beside it says it happened)."""
 
     def __iter__(self):
-        import numpy as np
-
-        order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.x))[self.rank::self.world]
-        info = torch.utils.data.get_worker_info()
-        if info is not None:
-            order = order[info.id::info.num_workers]
         kill_at, marker = os.environ.get("KILL_LOADER_AT"), os.environ.get("KILL_LOADER_MARKER", "")
-        for i in order:
-            if kill_at is not None and int(i) == int(kill_at) and marker and not os.path.exists(marker):
+        for sample in super().__iter__():
+            if kill_at is not None and int(sample["index"]) == int(kill_at) and marker and not os.path.exists(marker):
                 open(marker, "w").close()
                 os.kill(os.getpid(), 9)
-            yield {"x": torch.from_numpy(self.x[i]), "y": torch.tensor(int(self.y[i])), "index": torch.tensor(int(i))}
+            yield sample
 
 
-class OwnIterableTask(DigitsTask):
-    """The digits task handing relaunch its own IterableDataset (:class:`OwnRows`) instead of its arrays."""
+class OwnIterableTask(IterableTask):
+    """docs/examples/own_data.py's task handing relaunch its own IterableDataset, whose worker may kill itself."""
 
     def dataset(self, split: str, rank: int, world_size: int):
-        arrays = self.build_splits()[split]
         if split != "train":
-            return torch.utils.data.TensorDataset(torch.from_numpy(arrays["x"]), torch.from_numpy(arrays["y"]))
-        return OwnRows(arrays["x"], arrays["y"], rank, world_size, self.config.train.seed)
-
-    def evaluate(self, model, split):
-        import numpy as np
-
-        arrays = next(iter(split.batches(100_000)))  # a TensorDataset's one batch: [x, y]
-        return super().evaluate(model, {"x": arrays[0].numpy(), "y": arrays[1].numpy().astype(np.int64)})
+            return super().dataset(split, rank, world_size)
+        arrays = self.build_splits()[split]
+        return KillingStream(arrays["x"], arrays["y"], rank, world_size, self.config.train.seed)
 
 
 def own_iterable_task(config):

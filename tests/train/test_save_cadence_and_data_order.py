@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.core.trainer.checkpoints import SaveCadence
