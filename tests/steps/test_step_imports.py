@@ -18,6 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 _LOCATE = """
 import json, sys
+from relaunch.components.core.runtime.wiring import wire
+wire()  # as the step's entry point does
 from relaunch.components.core.contract.config import RelaunchConfig
 import relaunch.components.locate as locate
 out = locate.run(RelaunchConfig.from_json(sys.argv[1]))

@@ -74,10 +74,11 @@ class WorkerPids:
     inherited), so that a loader that fails can tell whether one of them died. Those of a loader in use
     are listed (:func:`loader_worker_loss` reads them) until :meth:`done`."""
 
-    def __init__(self, count: int):
+    def __init__(self, count: int, *, leave_signals_to_the_rank: bool = True):
         import multiprocessing
 
         self.pids = multiprocessing.Array("q", max(count, 1), lock=False)
+        self.leave_signals_to_the_rank = leave_signals_to_the_rank
 
     def start(self) -> None:
         """A pass begins: its workers will write their ids."""
@@ -95,8 +96,10 @@ class WorkerPids:
         self.pids[worker_id] = os.getpid()
         # A SIGTERM or Ctrl-C sent to the rank's process group (a preemption, `relaunch run` stopping) is the
         # rank's to honour (it saves, then exits 143); its workers end with it (torch's watch of the parent).
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # Not for StatefulDataLoader's workers: it keeps its iterator, and they would outlive the rank.
+        if self.leave_signals_to_the_rank:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def lost(self) -> list[int]:
         """The workers that are gone (or dead, not yet reaped)."""
@@ -364,7 +367,7 @@ class IterableLoader:
             from torchdata.stateful_dataloader import StatefulDataLoader
 
             self.dataset = source
-            self._workers = WorkerPids(num_workers) if num_workers else None
+            self._workers = WorkerPids(num_workers, leave_signals_to_the_rank=False) if num_workers else None
             self.loader = StatefulDataLoader(source, batch_size=local_batch, num_workers=num_workers,
                                              prefetch_factor=prefetch_batches if num_workers else None,
                                              worker_init_fn=self._workers,
