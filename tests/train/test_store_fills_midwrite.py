@@ -15,7 +15,6 @@ import errno
 import json
 import os
 import re
-import signal
 import subprocess
 import time
 
@@ -25,9 +24,10 @@ import torch
 from relaunch.components.core.checkpoint.layout import LATEST, PREFIX, read_json
 from relaunch.components.core.store import FileStore
 from relaunch.components.tasks.digits import DigitsTask
-from tests.cli import RELAUNCH, TINY, kill_agents
+from tests.cli import RELAUNCH, TINY
 from tests.core.store_tmpfs import Tmpfs, mounted_tmpfs
 from tests.train.conftest import ROOT, final_params
+from tests.train.test_store_full_training import _ended as ended
 
 HIDDEN = 2048  # the digits MLP's first layer is then 64 x 2048 floats: 512 KiB, and AdamW's moments of it as much
 LEFT_FREE = 128 * 1024  # less than that tensor, more than every small record of a save
@@ -85,13 +85,7 @@ def _relaunch_run(fs: Tmpfs, cwd, *args: str, env: dict | None = None) -> subpro
 
 
 def _ended(proc: subprocess.Popen, cwd) -> tuple[str, str]:
-    try:
-        return proc.communicate(timeout=ENDS_WITHIN)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        kill_agents(cwd)
-        out, err = proc.communicate()
-        pytest.fail(f"relaunch run did not end in {ENDS_WITHIN} s:\n{out[-3000:]}\n{err[-3000:]}")
+    return ended(proc, cwd, timeout=ENDS_WITHIN)
 
 
 def _committed_step(fs: Tmpfs) -> int | None:

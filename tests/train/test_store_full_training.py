@@ -118,14 +118,15 @@ def _relaunch_run(fs: Tmpfs, cwd, *args: str) -> subprocess.Popen:
                             cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
-def _ended(proc: subprocess.Popen, cwd) -> tuple[str, str]:
+def _ended(proc: subprocess.Popen, cwd, timeout: float = RUN_TIMEOUT) -> tuple[str, str]:
+    """The output of ``relaunch run`` once it ends; past ``timeout`` it and its agents are killed, and the test fails."""
     try:
-        return proc.communicate(timeout=RUN_TIMEOUT)
+        return proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         kill_agents(cwd)
         out, err = proc.communicate()
-        pytest.fail(f"relaunch run did not end in {RUN_TIMEOUT} s:\n{out[-3000:]}\n{err[-3000:]}")
+        pytest.fail(f"relaunch run did not end in {timeout} s:\n{out[-3000:]}\n{err[-3000:]}")
 
 
 @pytest.mark.slow
