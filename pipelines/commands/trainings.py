@@ -24,7 +24,7 @@ import json
 import threading
 from dataclasses import asdict, dataclass
 
-from relaunch.components.core.checkpoint.layout import LATEST, LEASE, read_json as read_object
+from relaunch.components.core.checkpoint.layout import INFLIGHT, LATEST, LEASE, read_json as read_object, read_manifest
 from relaunch.components.core.checkpoint.lease import holder_alive as lease_alive
 from relaunch.components.core.contract.errors import BadInput
 from relaunch.components.core.contract.exitcodes import MEANING, ExitCode, is_retryable
@@ -104,8 +104,7 @@ def training_state(name: str, uri: str) -> TrainingState:
     from relaunch.components.core.tracking.goodput import reached_its_end
 
     store = open_store(uri)
-    latest = read_object(store, LATEST) or {}
-    step = int(latest.get("step", -1)) if isinstance(latest.get("step"), int) else -1
+    step = newest_committed_step(store)
     summary = read_summary(store) or {}
     config = read_training_config(store) or {}
     total = int(summary.get("total_steps") or (config.get("train") or {}).get("max_steps") or 0)
@@ -139,6 +138,23 @@ def training_state(name: str, uri: str) -> TrainingState:
     else:
         out.state, out.detail = "failed", f"{where} (exit {code}: {reason})"
     return out
+
+
+def newest_committed_step(store) -> int:
+    """The step a resume starts from, -1 when none: ``latest.json``'s, or ``inflight.json``'s when that
+    step's manifest was committed after the pointer was last advanced (a kill between the two writes)."""
+    from relaunch.components.core.contract.errors import CorruptCheckpoint
+
+    latest, inflight = read_object(store, LATEST) or {}, read_object(store, INFLIGHT) or {}
+    pointed = latest.get("step") if isinstance(latest.get("step"), int) else -1
+    newer = inflight.get("step")
+    if isinstance(newer, int) and newer > pointed:
+        try:
+            read_manifest(store, newer)
+            return newer
+        except (CorruptCheckpoint, FileNotFoundError):
+            pass
+    return pointed
 
 
 def registered_version(store, run_id: str | None) -> str | None:

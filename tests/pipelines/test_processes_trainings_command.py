@@ -61,6 +61,7 @@ def store_root(tmp_path):
     _training(root, "20260101-000006", attempt={"last_step": TOTAL, "last_committed_step": TOTAL, "exit_code": 0},
               summary={"exit_code": 0, "last_step": TOTAL, "last_committed_step": TOTAL, "reason": "finished"},
               committed=TOTAL, finished=True)
+    _killed_between_manifest_and_pointer(root, "20260101-000007")
     try:
         yield root
     finally:
@@ -68,9 +69,26 @@ def store_root(tmp_path):
         holder.wait()
 
 
+def _killed_between_manifest_and_pointer(root: str, name: str) -> None:
+    """Two real commits (steps 5 and 10), then latest.json put back to step 5: where a kill between step
+    10's manifest and the pointer's advance leaves the store. A resume starts from step 10."""
+    import torch
+
+    from relaunch.components.core.checkpoint import CheckpointManager
+
+    store = _training(root, name, attempt={"last_step": 11, "last_committed_step": 5, "exit_code": 137})
+    with CheckpointManager(store, async_save=False) as manager:
+        manager.save(5, {"w": torch.zeros(4)})
+        pointer_at_5 = store.read_bytes(LATEST)
+        manager.save(10, {"w": torch.ones(4)})
+        assert manager.latest().step == 10
+    store.write_bytes(LATEST, pointer_at_5)
+
+
 EXPECTED = {"20260101-000001": ("prepared", -1), "20260101-000002": ("running", 5),
             "20260101-000003": ("interrupted", 15), "20260101-000004": ("failed", -1),
-            "20260101-000005": ("trained", TOTAL), "20260101-000006": ("finished", TOTAL)}
+            "20260101-000005": ("trained", TOTAL), "20260101-000006": ("finished", TOTAL),
+            "20260101-000007": ("interrupted", 10)}
 
 
 def _listed(command: list[str]) -> dict[str, dict]:
@@ -85,6 +103,7 @@ def test_each_training_is_listed_with_its_state_and_step(store_root):
     assert f"pid " in listed["20260101-000002"]["detail"] and socket.gethostname() in listed["20260101-000002"]["detail"]
     assert "at step 17" in listed["20260101-000003"]["detail"] and "resumes from step 15" in listed["20260101-000003"]["detail"]
     assert "relaunch run --resume" in listed["20260101-000005"]["detail"]
+    assert "resumes from step 10" in listed["20260101-000007"]["detail"]
     table = subprocess.run([RELAUNCH, "trainings", "--store", store_root, "--no-registry"], capture_output=True,
                            text=True, timeout=120)
     assert table.returncode == 0 and table.stdout.splitlines()[0].split()[:3] == ["TRAINING", "STATE", "STEP"]
