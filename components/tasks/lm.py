@@ -30,11 +30,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator
 
 import numpy as np
+import xxhash
 
 from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.core.contract.errors import BadInput
 
 from relaunch.components.core.data import DatasetSource
+from relaunch.components.core.data.shards import SHARD_BYTES
 
 if TYPE_CHECKING:
     import torch
@@ -46,7 +48,7 @@ EOS = 256
 """The end-of-document token: between documents in the corpus, and the context a prompt starts from."""
 TOKENIZER = {"kind": "bytes", "vocab_size": VOCAB_SIZE, "eos": EOS}
 CHUNK_SEQUENCES = 1024
-"""Sequences per chunk a split's iterator yields (~264 KB of uint16 at seq_len 128)."""
+"""Sequences per chunk :func:`sequences` yields by default (~264 KB of uint16 at seq_len 128)."""
 CORPUS_SUFFIXES = (".py", ".txt", ".md")
 """The files read of a folder named as the corpus."""
 STDLIB_SKIPPED = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"})
@@ -71,6 +73,11 @@ def decode(tokens: Iterable[int] | np.ndarray) -> str:
 
 # ---- the corpus: which files, in which split, cut into sequences
 
+def is_store_uri(corpus: str) -> bool:
+    """Whether the ``corpus`` option names a store (``s3://``, ``gs://``, ``az://``, ``file://`` ...)."""
+    return "://" in corpus
+
+
 def corpus_root(corpus: str) -> Path:
     """The folder the ``corpus`` option names: ``stdlib``, the standard library of this interpreter.
 
@@ -82,41 +89,146 @@ def corpus_root(corpus: str) -> Path:
     root = Path(corpus).expanduser()
     if not root.is_dir():
         raise BadInput(f"train.task_options.corpus={corpus!r} is neither 'stdlib' nor an existing folder; "
-                       f"name a folder of *.py, *.txt or *.md files")
+                       f"name a folder of *.py, *.txt or *.md files, or a store URI (s3://bucket/prefix, "
+                       f"gs://..., az://..., file:///path)")
     return root
 
 
+def _walk(root: str, rel: str, skipped: frozenset[str], suffixes: tuple[str, ...],
+          found: list[tuple[str, str, int]]) -> None:
+    """Append ``(relative path, path, size)`` of the files under ``root/rel`` (one ``scandir`` a folder:
+    its entries' types come with the listing; symlinked folders are not followed, as ``os.walk``)."""
+    with os.scandir(os.path.join(root, rel) if rel else root) as entries:
+        for entry in entries:
+            name = entry.name
+            if entry.is_dir() and not entry.is_symlink():
+                if name not in skipped and not name.startswith("."):
+                    _walk(root, f"{rel}{name}/", skipped, suffixes, found)
+            elif name.endswith(suffixes) and entry.is_file():
+                found.append((rel + name, entry.path, entry.stat().st_size))
+
+
+def _capped(found: list[tuple[str, Any, int]], max_bytes: int) -> list[tuple[str, Any, int]]:
+    """``found`` in sorted relative-path order, read up to ``max_bytes`` in all (the last file cut short;
+    empty files left out)."""
+    out, total = [], 0
+    for rel, where, size in sorted(found, key=lambda f: f[0]):
+        if total >= max_bytes:
+            break
+        size = min(size, max_bytes - total)
+        if size:
+            out.append((rel, where, size))
+            total += size
+    return out
+
+
+def _listing(corpus: str, max_bytes: int) -> tuple[Path, list[tuple[str, str, int]]]:
+    root = corpus_root(corpus)
+    suffixes = (".py",) if corpus == "stdlib" else CORPUS_SUFFIXES
+    skipped = STDLIB_SKIPPED if corpus == "stdlib" else frozenset({"__pycache__"})
+    found: list[tuple[str, str, int]] = []
+    _walk(str(root), "", skipped, suffixes, found)
+    files = _capped(found, max_bytes)
+    if not files:
+        raise BadInput(f"train.task_options.corpus={corpus!r}: {root} holds no {', '.join(suffixes)} file to read")
+    return root, files
+
+
 def corpus_files(corpus: str, max_bytes: int) -> list[tuple[str, Path, int]]:
-    """``[(relative path, path, bytes to read)]`` of the corpus in sorted relative-path order, read up to
-    ``max_bytes`` in all (the last file cut short). Hidden folders are left out, and of the standard
+    """``[(relative path, path, bytes to read)]`` of the corpus folder in sorted relative-path order, read
+    up to ``max_bytes`` in all (the last file cut short). Hidden folders are left out, and of the standard
     library installed packages, test suites and IDLE.
 
     Raises:
         BadInput: the corpus holds no file to read.
     """
-    root = corpus_root(corpus)
-    suffixes = (".py",) if corpus == "stdlib" else CORPUS_SUFFIXES
-    skipped = STDLIB_SKIPPED if corpus == "stdlib" else frozenset({"__pycache__"})
-    found = []
-    for folder, dirs, names in os.walk(root):
-        dirs[:] = [d for d in dirs if d not in skipped and not d.startswith(".")]
-        for name in names:
-            if name.endswith(suffixes):
-                path = Path(folder, name)
-                if path.is_file():
-                    found.append((path.relative_to(root).as_posix(), path))
-    found.sort()
-    files, total = [], 0
-    for rel, path in found:
+    return [(rel, Path(path), size) for rel, path, size in _listing(corpus, max_bytes)[1]]
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """The corpus as read, each file once: its documents' bytes one after another in sorted
+    relative-path order (``data``, uint8), document ``i`` being ``data[starts[i]:starts[i + 1]]``."""
+
+    root: str  # the folder or the store URI
+    names: list[str]  # each document's path relative to the root
+    starts: np.ndarray  # int64, len(names) + 1
+    data: np.ndarray
+
+    def doc(self, i: int) -> np.ndarray:
+        return self.data[self.starts[i]:self.starts[i + 1]]
+
+    def size(self, i: int) -> int:
+        return int(self.starts[i + 1] - self.starts[i])
+
+
+def _folder_corpus(corpus: str, max_bytes: int) -> Corpus:
+    """A folder's files (the standard library's), each read once into one buffer (``readinto``: no
+    copy of its bytes)."""
+    root, files = _listing(corpus, max_bytes)
+    starts = np.zeros(len(files) + 1, dtype=np.int64)
+    np.cumsum([size for _, _, size in files], out=starts[1:])
+    data = np.empty(int(starts[-1]), dtype=np.uint8)
+    view = memoryview(data)
+    for i, (rel, path, size) in enumerate(files):
+        with open(path, "rb", buffering=0) as fh:
+            at, end = int(starts[i]), int(starts[i + 1])
+            while at < end:
+                n = fh.readinto(view[at:end])
+                if not n:  # the file shrank since it was listed
+                    raise BadInput(f"train.task_options.corpus={corpus!r}: {path} changed while prepare read it; "
+                                   "run prepare again")
+                at += n
+    return Corpus(str(root), [rel for rel, _, _ in files], starts, data)
+
+
+def _store_corpus(uri: str, max_bytes: int) -> Corpus:
+    """The ``*.py``, ``*.txt`` and ``*.md`` objects under a store URI (credentials from the environment,
+    as for ``store.uri``), hidden folders and ``__pycache__`` left out, read through the store in sorted
+    key order up to ``max_bytes`` (the last one cut short).
+
+    Raises:
+        BadInput: the URI is malformed, its bucket or container does not exist or refuses the
+            credentials, or nothing under it is a file to read.
+    """
+    from relaunch.components.core.store import open_store
+
+    where = f"train.task_options.corpus={uri!r}"
+    try:
+        store = open_store(uri)
+        keys = store.list("", recursive=True)
+    except BadInput as err:
+        raise BadInput(f"{where}: {err}") from None
+    found = [(key, key, -1) for key in keys if key.endswith(CORPUS_SUFFIXES)
+             and not any(part.startswith(".") or part == "__pycache__" for part in key.split("/"))]
+    names, parts, total = [], [], 0
+    for key, _, _ in sorted(found):
         if total >= max_bytes:
             break
-        size = min(path.stat().st_size, max_bytes - total)
-        if size:
-            files.append((rel, path, size))
-            total += size
-    if not files:
-        raise BadInput(f"train.task_options.corpus={corpus!r}: {root} holds no {', '.join(suffixes)} file to read")
-    return files
+        try:
+            data = store.read_bytes(key)[:max_bytes - total]
+        except FileNotFoundError:  # deleted since the listing: not part of this corpus
+            continue
+        if data:
+            names.append(key)
+            parts.append(data)
+            total += len(data)
+    if not names:
+        raise BadInput(f"{where}: no {', '.join(CORPUS_SUFFIXES)} file under it to read ({len(keys)} object(s) "
+                       f"there); put the corpus's text files under that prefix or fix the URI")
+    starts = np.zeros(len(names) + 1, dtype=np.int64)
+    np.cumsum([len(d) for d in parts], out=starts[1:])
+    return Corpus(uri, names, starts, np.frombuffer(b"".join(parts), dtype=np.uint8))
+
+
+def read_corpus(corpus: str, max_bytes: int) -> Corpus:
+    """The documents the ``corpus`` option names (``stdlib``, a folder or a store URI), each read once,
+    up to ``max_bytes`` in all.
+
+    Raises:
+        BadInput: the corpus is missing, cannot be read, or holds no file to read.
+    """
+    return _store_corpus(corpus, max_bytes) if is_store_uri(corpus) else _folder_corpus(corpus, max_bytes)
 
 
 def split_of(rel: str, val_fraction: float, test_fraction: float, seed: int) -> str:
@@ -126,34 +238,25 @@ def split_of(rel: str, val_fraction: float, test_fraction: float, seed: int) -> 
     return "test" if u < test_fraction else "val" if u < test_fraction + val_fraction else "train"
 
 
-def file_digest(path: Path, size: int) -> str:
-    """sha256 of the first ``size`` bytes of ``path`` (what the corpus reads of it)."""
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        left = size
-        while left:
-            block = fh.read(min(left, 1 << 20))
-            if not block:
-                break
-            h.update(block)
-            left -= len(block)
-    return h.hexdigest()
+def shard_rows(seq_len: int) -> int:
+    """Sequences of ``seq_len + 1`` uint16 tokens in one shard of the store's default size: the chunk a
+    split's iterator yields, so each chunk is one shard, written from the chunk's own memory."""
+    return max(1, SHARD_BYTES // (2 * (seq_len + 1)))
 
 
-def sequences(paths: Iterable[tuple[Path, int]], seq_len: int,
-              chunk: int = CHUNK_SEQUENCES) -> Iterator[dict[str, np.ndarray]]:
-    """Chunks ``{"tokens": uint16 [n, seq_len + 1]}`` of the documents at ``paths`` (each read up to its
-    size), joined with the end-of-document token and cut into non-overlapping windows, in order; the
-    tail shorter than a window is dropped. Every chunk has ``chunk`` rows but the last."""
+def windows(docs: Iterable[np.ndarray], seq_len: int, chunk: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+    """Chunks ``{"tokens": uint16 [n, seq_len + 1]}`` of the documents ``docs`` (their bytes, uint8),
+    joined with the end-of-document token and cut into non-overlapping windows, in order; the tail
+    shorter than a window is dropped. Every chunk has ``chunk`` rows (default :func:`shard_rows`) but
+    the last. numpy over whole documents: the cast of a document's bytes to uint16 is the tokenizer."""
     width = seq_len + 1
+    chunk = chunk or shard_rows(seq_len)
     buf, pos = np.empty(chunk * width, dtype=np.uint16), 0
-    for path, size in paths:
-        with path.open("rb") as fh:
-            doc = np.frombuffer(fh.read(size), dtype=np.uint8)
+    for doc in docs:
         at = 0
         while at <= len(doc):  # the document's bytes, then its end-of-document token, across chunks
             n = min(len(doc) - at, len(buf) - pos)
-            buf[pos:pos + n] = doc[at:at + n]  # the cast to uint16 is the tokenizer
+            buf[pos:pos + n] = doc[at:at + n]
             pos, at = pos + n, at + n
             if at == len(doc) and pos < len(buf):
                 buf[pos] = EOS
@@ -163,6 +266,18 @@ def sequences(paths: Iterable[tuple[Path, int]], seq_len: int,
                 buf, pos = np.empty(chunk * width, dtype=np.uint16), 0
     if pos >= width:
         yield {"tokens": buf[:pos - pos % width].reshape(-1, width)}
+
+
+def sequences(paths: Iterable[tuple[Path, int]], seq_len: int,
+              chunk: int = CHUNK_SEQUENCES) -> Iterator[dict[str, np.ndarray]]:
+    """:func:`windows` of the documents at ``paths`` (each read up to its size)."""
+
+    def docs() -> Iterator[np.ndarray]:
+        for path, size in paths:
+            with path.open("rb") as fh:
+                yield np.frombuffer(fh.read(size), dtype=np.uint8)
+
+    return windows(docs(), seq_len, chunk)
 
 
 # ---- the model
@@ -290,7 +405,7 @@ class LMTask:
         if not isinstance(o["dropout"], (int, float)) or not 0 <= o["dropout"] < 1:
             raise BadInput(f"train.task_options.dropout={o['dropout']!r} must be a number in [0, 1)")
         if not isinstance(o["corpus"], str) or not o["corpus"]:
-            raise BadInput(f"train.task_options.corpus={o['corpus']!r} must be 'stdlib' or a folder path")
+            raise BadInput(f"train.task_options.corpus={o['corpus']!r} must be 'stdlib', a folder path or a store URI")
         self.o = o
 
     # -- data
@@ -304,13 +419,13 @@ class LMTask:
         """
         o, d = self.o, self.config.data
         seq_len = o["seq_len"]
-        files = corpus_files(o["corpus"], o["max_corpus_bytes"])
-        by_split: dict[str, list[tuple[Path, int]]] = {"train": [], "val": [], "test": []}
+        corpus = read_corpus(o["corpus"], o["max_corpus_bytes"])
+        by_split: dict[str, list[int]] = {"train": [], "val": [], "test": []}
         held: dict[str, int] = {"train": 0, "val": 0, "test": 0}
-        for rel, path, size in files:
+        for i, rel in enumerate(corpus.names):
             name = split_of(rel, d.val_fraction, d.test_fraction, d.split_seed)
-            by_split[name].append((path, size))
-            held[name] += size + 1
+            by_split[name].append(i)
+            held[name] += corpus.size(i) + 1
         for name, tokens in held.items():
             if tokens < seq_len + 1:
                 raise BadInput(f"train.task_options: the {name} split of corpus={o['corpus']!r} holds {tokens} "
@@ -318,20 +433,22 @@ class LMTask:
                                f"max_corpus_bytes (now {o['max_corpus_bytes']}) or data.{name}_fraction")
         split_rule = {"hash": "sha256(f'{split_seed}:{relative path}')", "val_fraction": d.val_fraction,
                       "test_fraction": d.test_fraction, "split_seed": d.split_seed}
-        key = hashlib.sha256()
+        key = xxhash.xxh3_128()  # of the bytes the tokens are made of, read once
         key.update(repr((TOKENIZER, seq_len, split_rule)).encode())
-        for rel, path, size in files:
-            key.update(f"{rel}\0{size}\0{file_digest(path, size)}\n".encode())
+        for i, rel in enumerate(corpus.names):
+            key.update(f"{rel}\0{corpus.size(i)}\0".encode())
+            key.update(corpus.doc(i))
         meta = {
             "tokenizer": TOKENIZER, "seq_len": seq_len,
-            "corpus": {"name": o["corpus"], "root": str(corpus_root(o["corpus"])), "files": len(files),
-                       "bytes": sum(size for _, _, size in files), "max_corpus_bytes": o["max_corpus_bytes"],
+            "corpus": {"name": o["corpus"], "root": corpus.root, "files": len(corpus.names),
+                       "bytes": int(corpus.starts[-1]), "max_corpus_bytes": o["max_corpus_bytes"],
                        "python": sys.version.split()[0] if o["corpus"] == "stdlib" else None},
             "split": split_rule,
-            "documents": {name: len(paths) for name, paths in by_split.items()},
+            "documents": {name: len(docs) for name, docs in by_split.items()},
         }
-        splits = {name: functools.partial(sequences, paths, seq_len) for name, paths in by_split.items()}
-        return DatasetSource(splits=splits, meta=meta, source_key=f"lm-bytes-{key.hexdigest()}")
+        splits = {name: functools.partial(windows, [corpus.doc(i) for i in docs], seq_len)
+                  for name, docs in by_split.items()}
+        return DatasetSource(splits=splits, meta=meta, source_key=f"lm-bytes-xxh3-{key.hexdigest()}")
 
     # -- model and optimisation
 

@@ -176,3 +176,18 @@ def test_the_digits_task_goes_through_the_same_path(tmp_path):
     assert [f["name"] for f in manifest.fields] == ["x", "y"] and manifest.samples("train") > 1000
     val = open_split(config, make_task(config), store, manifest.version, "val")
     assert len(val) == len(val["y"]) and sum(len(b["y"]) for b in val.batches(100)) == len(val)
+
+
+def test_a_source_that_fills_one_buffer_again_for_every_chunk_gets_each_chunk_stored_as_it_was_handed(tmp_path):
+    store = open_store(str(tmp_path / "store"))
+    buffer = np.empty((7, 4), np.uint16)  # one field: the writer cuts its shards from the chunk's own memory
+
+    def train():
+        for k in range(5):
+            buffer[:] = k
+            yield {"tokens": buffer}
+
+    manifest, _ = commit_source(store, DatasetSource({"train": train}), shard_bytes=10 * 8)
+    assert [s.samples for s in manifest.split("train")] == [10, 10, 10, 5]
+    first = SplitData(store, manifest, "train").arrays()["tokens"][:, 0].tolist()
+    assert first == [k for k in range(5) for _ in range(7)]

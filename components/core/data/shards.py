@@ -120,6 +120,19 @@ def shard_digest(data: bytes | memoryview) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
+def put_shard(store, key: str, payload: memoryview) -> bool:
+    """Write a content-addressed shard the store lacks (durable when this returns: on a filesystem
+    its file and folder are fsync'd, so a manifest written after it never names a shard a crash can
+    lose); False when the store held it (or another prepare wrote the same bytes first).
+
+    ``write_if_absent``: a shard is written once, never replaced, and the file store's ``write_bytes``
+    would hash the payload again for an etag nobody reads."""
+    if store.exists(key):
+        return False
+    data = payload if getattr(store, "scheme", None) == "file" else payload.tobytes()  # a client's request body
+    return bool(store.write_if_absent(key, data))
+
+
 class DatasetWriter:
     """Cuts each split's samples into shards of about ``shard_bytes`` and writes each one the store
     does not hold yet; :meth:`commit` writes the manifest last.
@@ -135,6 +148,7 @@ class DatasetWriter:
         self.written = 0  # shards this writer put (a store that held them already: 0)
         self._pending: dict[str, list[np.ndarray]] = {}
         self._pending_rows: dict[str, int] = {}
+        self._dtype: np.dtype | None = None
 
     def _rows(self, split: str, chunk: Mapping[str, np.ndarray]) -> np.ndarray:
         arrays = {name: np.asarray(a) for name, a in chunk.items()}
@@ -147,26 +161,33 @@ class DatasetWriter:
                 raise BadInput(f"dataset split {split!r} field {name!r}: object arrays cannot be stored safely")
         if self.fields is None:
             self.fields = described
+            self._dtype = np.dtype([(f["name"], np.dtype(f["dtype"]), tuple(f["shape"])) for f in self.fields])
         elif described != self.fields:
             raise BadInput(f"dataset split {split!r}: a chunk's fields {described} differ from the first chunk's {self.fields}")
-        dtype = np.dtype([(f["name"], np.dtype(f["dtype"]), tuple(f["shape"])) for f in self.fields])
-        rows = np.empty(counts.pop(), dtype=dtype)
+        dtype, n = self._dtype, counts.pop()
+        if len(arrays) == 1:
+            (a,) = arrays.values()
+            if a.flags.c_contiguous and n:  # one field: its rows are the shard's rows already (no copy)
+                return a.reshape(n, -1).view(dtype).reshape(n)
+        rows = np.empty(n, dtype=dtype)
         for name, a in arrays.items():
             rows[name] = a
         return rows
 
     def add(self, split: str, chunk: Mapping[str, np.ndarray]) -> None:
         rows = self._rows(split, chunk)
+        borrowed = not rows.flags.owndata  # the caller's memory: it may fill it again after this call
         self.splits.setdefault(split, [])
         at = 0
         per_shard = max(1, self.shard_bytes // max(1, rows.dtype.itemsize))
         while at < len(rows):
             room = per_shard - self._pending_rows.get(split, 0)
             take = rows[at:at + room]
-            self._pending.setdefault(split, []).append(take)
+            full = self._pending_rows.get(split, 0) + len(take) == per_shard  # written before this call returns
+            self._pending.setdefault(split, []).append(take.copy() if borrowed and not full else take)
             self._pending_rows[split] = self._pending_rows.get(split, 0) + len(take)
             at += len(take)
-            if self._pending_rows[split] == per_shard:
+            if full:
                 self._flush(split)
 
     def _flush(self, split: str) -> None:
@@ -175,11 +196,10 @@ class DatasetWriter:
         if not parts:
             return
         rows = np.concatenate(parts) if len(parts) > 1 else parts[0]
-        payload = rows.tobytes()
+        payload = memoryview(rows.view(np.uint8))  # the rows' bytes, not a copy of them
         digest = shard_digest(payload)
         key = f"{PREFIX}/shards/{digest}.bin"
-        if not self.store.exists(key):
-            self.store.write_bytes(key, payload)
+        if put_shard(self.store, key, payload):
             self.written += 1
         self.splits[split].append(Shard(key, len(rows), len(payload), digest))
 
