@@ -20,7 +20,7 @@ from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.core.contract.errors import RelaunchError
 from relaunch.components.core.store import open_store
 from relaunch.components.core.store.records import read_summary as read
-from relaunch.components.core.tracking.goodput import completed, reached_its_end
+from relaunch.components.core.store.ledger import completed, reached_its_end
 from relaunch.components.launchers import backend_module
 
 

@@ -24,7 +24,7 @@ from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.core.contract.exitcodes import ExitCode
 from relaunch.components.core.store import open_store
 from relaunch.components.core.store.records import read_summary
-from relaunch.components.core.tracking.goodput import completed
+from relaunch.components.core.store.ledger import completed
 from relaunch.components.launchers import backend_module
 from relaunch.components.launchers.trials import study_storage
 

@@ -16,7 +16,7 @@ SIGTERM and SIGUSR1 only set a flag; the ranks agree on it at the next step boun
 all-reduce), save when the last save's duration fits the grace period left, and exit 143. A NaN/inf
 loss exits 3 without saving; a hung rank exits 138 (watchdog). Rank 0 alone talks to MLflow, through
 a buffered asynchronous logger. Every attempt ending under our control writes ``runs/exit.json`` and
-``runs/summary.json`` in the store (see :mod:`relaunch.components.core.tracking.goodput`). Rank 0 tells its launcher
+``runs/summary.json`` in the store (see :mod:`relaunch.components.core.store.ledger`). Rank 0 tells its launcher
 what happens with the events of :mod:`relaunch.components.core.contract.events` on stdout (``resumed``, ``first-step``
 (with the start-up phases), ``progress``, ``saving``, ``summary``, ``exit``). What a first step does
 not need (MLflow, psutil, matplotlib) loads after it, off the training thread.
@@ -72,6 +72,7 @@ from relaunch.components.core.runtime import distributed as distr  # noqa: E402
 from relaunch.components.core.runtime import logs, wiring  # noqa: E402
 from relaunch.components.core.data.loader import loader_worker_loss  # noqa: E402
 from relaunch.components.core.store import HintWrites, UNWRITABLE_ADVICE, open_store, probe_writable, records
+from relaunch.components.core.store import ledger  # noqa: E402
 from relaunch.components.core.tracking import goodput  # noqa: E402
 from relaunch.components.core.trainer import setup  # noqa: E402
 from relaunch.components.core.contract.config import RelaunchConfig, config_from_cli  # noqa: E402
@@ -82,7 +83,7 @@ from relaunch.components.core.contract.entry import report  # noqa: E402
 from relaunch.components.core.contract.events import Kind, emit  # noqa: E402
 from relaunch.components.core.contract.exitcodes import PERMANENT, RETRYABLE, ExitCode  # noqa: E402
 from relaunch.components.core.tracking.client import tracking_uri
-from relaunch.components.core.tracking.goodput import TrainSummary  # noqa: E402
+from relaunch.components.core.store.ledger import TrainSummary  # noqa: E402
 from relaunch.components.core.trainer.health import PreemptionFlag, SpikeDetector, Watchdog, is_finite  # noqa: E402
 from relaunch.components.core.trainer.injection import Injection, wrap_store  # noqa: E402
 from relaunch.components.core.trainer import inplace  # noqa: E402
@@ -163,7 +164,7 @@ def local_exit_record(elastic_run_id: str) -> Path:
 
 
 def refuse_restart_recorded_locally(env: distr.DistEnv) -> None:
-    """The store's :func:`goodput.refuse_permanent_restart` for an ending only this node could record:
+    """The store's :func:`ledger.refuse_permanent_restart` for an ending only this node could record:
     the restarted attempt ends at once with the same code and line (what the launcher shows is the
     cause, not the refusal)."""
     if env.restart_count == 0 or not env.elastic_run_id:
@@ -183,7 +184,7 @@ class Training:
     """One attempt of the training, on one rank: the loop, and how it ends. What it builds first is
     :mod:`relaunch.components.core.trainer.setup`'s, when and how it saves :class:`TrainerCheckpoints`', tracking
     :class:`TrainingTracker`'s, faults :mod:`relaunch.components.core.trainer.injection`'s, the attempt records
-    :mod:`relaunch.components.core.tracking.goodput`'s."""
+    :mod:`relaunch.components.core.store.ledger`'s."""
 
     def __init__(self, config: RelaunchConfig):
         self.config = config
@@ -200,7 +201,7 @@ class Training:
         self.spikes = SpikeDetector(self.t.loss_spike_factor)
         self.checkpoints: TrainerCheckpoints | None = None
         self.inplace: InPlace | None = None  # train.memory_tier under the in-place agent
-        self.log: goodput.AttemptLog | None = None  # rank 0's attempt record
+        self.log: ledger.AttemptLog | None = None  # rank 0's attempt record
         self.tracker = TrainingTracker(config, None, enabled=False, run_id=None, attempt=0)
         self.preempt = PreemptionFlag()
         self.system_metrics = None  # on each node's local rank 0 after the first step: a SystemSampler
@@ -227,7 +228,7 @@ class Training:
         self.device = distr.device(env)
         self.task = load_task(self.t.task, self.config)
         raw_store = open_store(self.config.store.uri)
-        goodput.refuse_permanent_restart(raw_store, env.restart_count, env.elastic_run_id)
+        ledger.refuse_permanent_restart(raw_store, env.restart_count, env.elastic_run_id)
         self.injection = Injection.for_world(self.config.launch.inject_failure, raw_store, env)
         self.inplace = InPlace.for_worker(self.config, env, raw_store)
         self.store = wrap_store(self.inplace.store if self.inplace else raw_store, self.injection)
@@ -239,8 +240,8 @@ class Training:
             try:
                 probe_writable(raw_store)
                 version = setup.committed_version(self.config, self.task, raw_store)  # a worker started by hand
-                record = goodput.claim_attempt(self.store, _PROCESS_START, env.world_size, created=_PROCESS_CREATED)
-                self.log = goodput.AttemptLog(HintWrites(self.store), record)
+                record = ledger.claim_attempt(self.store, _PROCESS_START, env.world_size, created=_PROCESS_CREATED)
+                self.log = ledger.AttemptLog(HintWrites(self.store), record)
                 self.attempt = record.attempt
                 self.run_id = resolve_run_id(self.config, self.store)
             except Exception as err:  # noqa: BLE001 - classified: anything but an unwritable store is raised
@@ -373,7 +374,7 @@ class Training:
         """Any rank: the hung rank's record is the attempt's cause, written before it exits, so the peers
         that its exit breaks find it (see :meth:`_cause_of`) instead of recording a killed peer."""
         if self.store is not None:
-            goodput.write_exit_record(self.store, self.attempt, ExitCode.RETRY_ME,
+            records.write_exit_record(self.store, self.attempt, ExitCode.RETRY_ME,
                                       f"rank {self.env.rank} {message}", self.env.elastic_run_id)
         if self.env.is_main and self.log:
             self.log.finish(ExitCode.RETRY_ME)
@@ -451,7 +452,7 @@ class Training:
         if not self.env.is_main:
             return self._summary(ExitCode.OK, "finished")
         self.log.finish(ExitCode.OK)
-        report = goodput.goodput_report(goodput.load_attempts(self.store))
+        report = goodput.goodput_report(ledger.load_attempts(self.store))
         report["tracking_overhead"] = self.tracker.overhead(self.steps_done, self.compute_seconds)
         self.tracker.finish(self.step, self.final_metrics, report)
         return self._summary(ExitCode.OK, "finished", report)
@@ -495,7 +496,7 @@ class Training:
         there): ``runs/exit.json``; where the store cannot take it, this node's file (and the exit event
         and the line on stderr say how the attempt ended to the launcher)."""
         try:
-            goodput.write_exit_record(self.store, self.attempt, err.exit_code, str(err), self.env.elastic_run_id)
+            records.write_exit_record(self.store, self.attempt, err.exit_code, str(err), self.env.elastic_run_id)
         except Exception as write_err:  # noqa: BLE001 - classified: only an unwritable store is expected
             if not is_store_unwritable(write_err):
                 raise
@@ -509,14 +510,14 @@ class Training:
                 {"exit_code": int(err.exit_code), "kind": type(err).kind, "reason": str(err), "time": time.time()}))
 
     def _summary(self, code: int, reason: str, report: dict | None = None) -> TrainSummary:
-        summary = goodput.summarize(
+        summary = ledger.summarize(
             self.store if self.env.is_main else None, code, reason, run_id=self.run_id, attempt=self.attempt,
             last_step=self.step, last_committed=self.checkpoints.last_committed if self.checkpoints else None,
             total_steps=self.total_steps, train_seconds=self.train_seconds, report=report,
             final_metrics=self.final_metrics)
         if self.env.is_main:
             try:
-                goodput.record_ending(self.store, summary, self.env.elastic_run_id)
+                ledger.record_ending(self.store, summary, self.env.elastic_run_id)
             except Exception as err:  # noqa: BLE001 - classified: a store that cannot be written keeps no records
                 if not is_store_unwritable(err):
                     raise

@@ -23,7 +23,7 @@ STEPS = {p.stem for p in (ROOT / "components").glob("*.py") if p.stem != "__init
 
 LAYERS = (
     "relaunch.components.core.contract",    # the config model, exit codes, errors, events, the step names
-    "relaunch.components.core.store",       # bytes in a store: filesystem and object-store drivers, records
+    "relaunch.components.core.store",       # bytes in a store: filesystem and object-store drivers, records, the run ledger
     "relaunch.components.core.runtime",     # processes: distributed set-up, the warm zygote, a step's CLI
     "relaunch.components.core.data",        # datasets as committed shards, the global sample order, the loaders
     "relaunch.components.tasks",            # what is trained: a task's model and data

@@ -51,7 +51,7 @@ from relaunch.components.core.store.records import (identity_changes, pipeline_f
                                                     stored_run_id, write_training_config)
 from relaunch.components.core.store.trainings import training_names, training_uri
 from relaunch.components.core.tracking.client import ensure_run, mark_run_finished, run_exists, tracking_uri
-from relaunch.components.core.tracking.goodput import reached_its_end
+from relaunch.components.core.store.ledger import reached_its_end
 from relaunch.components.prepare import check_inputs
 from relaunch.pipelines.commands import Subcommands
 

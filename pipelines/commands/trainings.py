@@ -100,8 +100,8 @@ def training_state(name: str, uri: str) -> TrainingState:
     from relaunch.components.core.store.pipeline_lock import holder_alive as lock_alive
     from relaunch.components.core.store.records import (PIPELINE_LOCK_KEY, pipeline_finished, read_json, read_summary,
                                                read_training_config, stored_run_id)
-    from relaunch.components.core.tracking.goodput import load_attempts
-    from relaunch.components.core.tracking.goodput import reached_its_end
+    from relaunch.components.core.store.ledger import load_attempts
+    from relaunch.components.core.store.ledger import reached_its_end
 
     store = open_store(uri)
     step = newest_committed_step(store)

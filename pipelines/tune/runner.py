@@ -35,7 +35,7 @@ from relaunch.components.core.tuning.layout import (COMPLETE, FAILED, METRICS_LO
 from relaunch.components.core.tuning.study import PruneVerdict, Study
 from relaunch.components.core.tuning.trials import (StartedTrial, begin_trial, check_objective_metric, end_trial,
                                                     interrupted_trial_run, objective, retryable_end)
-from relaunch.components.core.tracking.goodput import completed
+from relaunch.components.core.store.ledger import completed
 from relaunch.pipelines.tune.console import TuneConsole
 
 POLL_SECONDS = 0.1

@@ -58,7 +58,7 @@ def _env() -> dict[str, str]:
 def _ray_training(config: dict, workdir: Path, *, kill_every: float, kills: int) -> dict:
     """The launch step with ``launch.backend=ray`` to its end, a random trainer SIGKILLed every ``kill_every`` s."""
     from relaunch.components.core.store import open_store
-    from relaunch.components.core.tracking import goodput
+    from relaunch.components.core.store import ledger
 
     rng = random.Random(0)
     store_root = Path(config["store"]["uri"])
@@ -83,7 +83,7 @@ def _ray_training(config: dict, workdir: Path, *, kill_every: float, kills: int)
             os.killpg(proc.pid, signal.SIGKILL)
     if proc.returncode != 0:
         raise RuntimeError(f"the Ray-backend training failed ({proc.returncode}); see {log}")
-    attempts = goodput.load_attempts(open_store(str(store_root)))
+    attempts = ledger.load_attempts(open_store(str(store_root)))
     mttr = []
     for t in kill_times:
         after = [a for a in attempts if a.start > t and a.first_step_time]

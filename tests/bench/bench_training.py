@@ -25,7 +25,7 @@ the last worker of the old group gone: torchrun noticing and stopping the surviv
 start + imports (-> its imports done), process-group init, task + data, model + optimiser (DDP's
 first broadcast; torch.optim imports torch._dynamo), lease + checkpoint load, first step (-> the first step of the
 resumed attempt done). The worker records its phases in its attempt record
-(:class:`relaunch.components.core.tracking.goodput.Attempt`); the floor is a fresh interpreter importing
+(:class:`relaunch.components.core.store.ledger.Attempt`); the floor is a fresh interpreter importing
 torch and torch.distributed, timed before and after each training (the load drifts). torchrun's
 ``--monitor-interval`` is what the launch renders (``launch.monitor_interval_seconds``) unless
 ``BENCH_MONITOR_INTERVAL`` says otherwise. The ETTR rows carry the goodput categories;
@@ -160,6 +160,7 @@ def _training(config: dict, workdir: Path, *, kill_every: float | None, kills: i
     forked worker itself (what the OOM killer would hit), not its client."""
     from relaunch.components.core.runtime.zygote import Zygote, client_command
     from relaunch.components.core.store import open_store, records
+    from relaunch.components.core.store import ledger
     from relaunch.components.core.tracking import goodput
 
     rng = random.Random(0)
@@ -199,7 +200,7 @@ def _training(config: dict, workdir: Path, *, kill_every: float | None, kills: i
     if proc.returncode != 0:
         raise RuntimeError(f"training failed ({proc.returncode}); see {log}")
     store = open_store(config["store"]["uri"])
-    attempts = goodput.load_attempts(store)
+    attempts = ledger.load_attempts(store)
     report = goodput.goodput_report(attempts)
     mttr, breakdowns = [], []
     for i, t in enumerate(kill_times):

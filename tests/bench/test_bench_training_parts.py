@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from relaunch.components.core.tracking.goodput import Attempt
+from relaunch.components.core.store.ledger import Attempt
 from tests.bench.bench_training import PHASES, final_save_seconds, long_run_ettr, plot_breakdown, restart_phases
 
 

@@ -1,5 +1,5 @@
-"""Goodput bookkeeping, the attempt tags, the figure and the torchrun exit mapping
-(components/core/tracking/goodput.py)."""
+"""The goodput report and its figure (components/core/tracking/goodput.py), and the torchrun exit mapping
+over the ledger's exit record."""
 
 from __future__ import annotations
 
@@ -7,16 +7,16 @@ import json
 
 import pytest
 
-from relaunch.components.core.store import records
+from relaunch.components.core.store import ledger, records
 from relaunch.components.core.tracking import goodput
 from relaunch.components.core.contract.classify import torchrun_exit
 from relaunch.components.core.store import open_store
 
 
 def _attempt(n, start, loop, last_step, seen, resumed=-1, commits=None, end=None, stall=0.0, exit_code=None):
-    return goodput.Attempt(attempt=n, start=start, loop_start=loop, first_step_time=loop + 0.1, last_step=last_step,
-                           last_seen=seen, resumed_from_step=resumed, commits=commits or {}, end=end,
-                           stall_seconds=stall, exit_code=exit_code)
+    return ledger.Attempt(attempt=n, start=start, loop_start=loop, first_step_time=loop + 0.1, last_step=last_step,
+                          last_seen=seen, resumed_from_step=resumed, commits=commits or {}, end=end,
+                          stall_seconds=stall, exit_code=exit_code)
 
 
 def _killed_then_finished():
@@ -74,15 +74,6 @@ def test_a_step_kept_in_memory_counts_from_its_own_time_not_from_a_commit_or_a_s
     assert goodput.goodput_report([one])["recomputed"] == pytest.approx(0.2)
 
 
-def test_an_attempt_log_keeps_an_in_place_recovery_in_the_stored_record(tmp_path):
-    store = open_store(str(tmp_path / "store"))
-    log = goodput.AttemptLog(store, goodput.claim_attempt(store, 0.0, 2))
-    log.recovered_in_place(lost_at_step=30, resumed_step=20, lost_at=9.0, seconds=0.5, source="memory")
-    (stored,) = goodput.load_attempts(store)
-    assert stored.in_place == [{"lost_at_step": 30, "resumed_step": 20, "lost_at": 9.0, "seconds": 0.5,
-                                "source": "memory"}]
-
-
 @pytest.mark.parametrize("rc,record,expected", [
     (0, None, 0),
     (1, {"exit_code": 143, "time": 10.0}, 143),
@@ -97,11 +88,3 @@ def test_torchrun_exit_status_maps_to_the_contract(tmp_path, rc, record, expecte
     if record:
         store.write_bytes(records.EXIT_KEY, json.dumps(record).encode())
     assert torchrun_exit(rc, records.read_exit_record(store), 5.0) == expected
-
-
-def test_a_summary_reached_the_end_only_when_it_finished_every_step():
-    done = goodput.TrainSummary(exit_code=0, reason="finished", run_id="r", attempt=1, last_step=76, total_steps=76)
-    assert done.reached_the_end
-    assert not goodput.TrainSummary(exit_code=0, reason="", run_id="r", attempt=1, last_step=40, total_steps=76).reached_the_end
-    assert not goodput.TrainSummary(exit_code=143, reason="", run_id="r", attempt=1, last_step=76,
-                                    total_steps=76).reached_the_end

@@ -89,7 +89,7 @@ def test_importing_a_model_that_does_not_fit_the_training_exits_2_in_one_line_an
 @pytest.mark.timeout(RUN_TIMEOUT + 60)
 def test_a_training_resumes_from_an_imported_stock_dcp_save_of_the_default_model_and_optimizer(tmp_path):
     from relaunch.components.core.store import open_store
-    from relaunch.components.core.tracking.goodput import load_attempts
+    from relaunch.components.core.store.ledger import load_attempts
     from tests.cli import newest_training
 
     _stock_folder(tmp_path / "stock")

@@ -182,12 +182,12 @@ def test_the_checkpoint_history_is_one_artifact_that_marks_what_retention_delete
     from relaunch.components.core.tracking.mlflow_tracker import ATTEMPTS_ARTIFACT, CHECKPOINTS_ARTIFACT, DELETED_BY_RETENTION
     from relaunch.components.core.trainer.tracking import TrainingTracker
 
-    from relaunch.components.core.tracking import goodput
+    from relaunch.components.core.store import ledger
 
     config = _config(mlflow_server.uri, "checkpoint-tags")
     run_id = ensure_run(config, pipeline_run_id="tags-1")
     store = open_store(str(tmp_path))
-    killed = goodput.AttemptLog(store, goodput.claim_attempt(store, 0.0, 1))  # SIGKILLed before its logger sent
+    killed = ledger.AttemptLog(store, ledger.claim_attempt(store, 0.0, 1))  # SIGKILLed before its logger sent
     killed.committed(5, 1.0, 0.0)
 
     def commit(tracker, step):
@@ -198,7 +198,7 @@ def test_the_checkpoint_history_is_one_artifact_that_marks_what_retention_delete
                                                     manifest_sha256=""))
 
     logs = {1: killed}
-    logs[2] = goodput.AttemptLog(store, goodput.claim_attempt(store, 2.0, 1))
+    logs[2] = ledger.AttemptLog(store, ledger.claim_attempt(store, 2.0, 1))
     tracker = TrainingTracker(config, store, enabled=True, run_id=run_id, attempt=2)
     tracker.start(resumed_from=-1, resumed_uri=None, params={}, world_size=1)
     tracker.step_done(1)  # this attempt's first step: the logger starts sending
@@ -208,7 +208,7 @@ def test_the_checkpoint_history_is_one_artifact_that_marks_what_retention_delete
     commit(tracker, 20)
     tracker.close(30)
     store.delete_many(store.list(step_key(10)))  # what retention does, between two attempts
-    logs[3] = goodput.AttemptLog(store, goodput.claim_attempt(store, 3.0, 1))
+    logs[3] = ledger.AttemptLog(store, ledger.claim_attempt(store, 3.0, 1))
     again = TrainingTracker(config, store, enabled=True, run_id=run_id, attempt=3)
     again.start(resumed_from=20, resumed_uri=store.uri_for(step_key(20)), params={}, world_size=1)
     again.step_done(22)

@@ -19,7 +19,7 @@ from mlflow.tracking import MlflowClient
 from relaunch.pipelines.spec import STEP_TABLE
 from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.core.contract.exitcodes import RETRYABLE, ExitCode
-from relaunch.components.core.tracking.goodput import load_attempts
+from relaunch.components.core.store.ledger import load_attempts
 from relaunch.components.core.store import open_store
 from tests.cli import RUN_TIMEOUT, newest_training, relaunch_run
 

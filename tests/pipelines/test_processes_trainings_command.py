@@ -18,7 +18,7 @@ from relaunch.components.core.checkpoint.layout import LATEST, LEASE
 from relaunch.components.core.store import open_store
 from relaunch.components.core.store import records
 from relaunch.components.core.store.trainings import training_uri
-from relaunch.components.core.tracking.goodput import Attempt
+from relaunch.components.core.store.ledger import Attempt
 from tests.cli import RELAUNCH
 
 TOTAL = 60

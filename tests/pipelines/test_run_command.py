@@ -9,7 +9,7 @@ from dataclasses import asdict
 import pytest
 
 from relaunch.components.core.store import records
-from relaunch.components.core.tracking import goodput
+from relaunch.components.core.store import ledger
 from relaunch.components.core.contract.config import RelaunchConfig, config_from_cli
 from relaunch.components.core.contract.errors import BadInput
 from relaunch.components.core.store import open_store
@@ -22,7 +22,7 @@ def _config(root) -> RelaunchConfig:
 
 
 def _summary(store, last_step: int, total: int, code: int = 0) -> None:
-    summary = goodput.TrainSummary(exit_code=code, reason="", run_id="run-a", attempt=1, last_step=last_step,
+    summary = ledger.TrainSummary(exit_code=code, reason="", run_id="run-a", attempt=1, last_step=last_step,
                                    total_steps=total)
     store.write_bytes(records.SUMMARY_KEY, json.dumps(asdict(summary)).encode())
 

@@ -13,7 +13,7 @@ from relaunch.components.core.checkpoint import CheckpointManager
 from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.core.trainer.state import TrainingState
 from relaunch.components import evaluate
-from relaunch.components.core.tracking.goodput import completed
+from relaunch.components.core.store.ledger import completed
 from relaunch.components.tasks.base import load_task
 
 

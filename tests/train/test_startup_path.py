@@ -145,10 +145,10 @@ def test_the_first_step_event_carries_the_start_up_phases_in_order(worker):
 
 def test_the_attempt_record_keeps_the_loop_start_it_writes_with_the_first_step(worker):
     from relaunch.components.core.store import open_store
-    from relaunch.components.core.tracking import goodput
+    from relaunch.components.core.store import ledger
 
     config, _ = worker
-    [attempt] = goodput.load_attempts(open_store(config["store"]["uri"]))
+    [attempt] = ledger.load_attempts(open_store(config["store"]["uri"]))
     assert attempt.start <= attempt.loop_start <= attempt.first_step_time
     assert attempt.phases["resume"] <= attempt.loop_start - attempt.start
 

@@ -13,7 +13,7 @@ from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.core.runtime.distributed import read_env
 from relaunch.components.core.trainer.checkpoints import TrainerCheckpoints
 from relaunch.components.core.store import open_store
-from relaunch.components.core.tracking.goodput import AttemptLog, claim_attempt
+from relaunch.components.core.store.ledger import AttemptLog, claim_attempt
 from relaunch.components.core.trainer.state import TrainingState
 from relaunch.components.tasks.base import load_task
 

@@ -314,7 +314,7 @@ def torchrun_exit(returncode: int, record: dict | None, started_at: float) -> in
     """The contract's code of a torchrun that ended with ``returncode`` (every launcher's one mapping).
 
     torchrun exits 1 whenever a worker failed, whatever the worker's own code; ``record`` (the
-    training's ``runs/exit.json``, see :mod:`relaunch.components.core.tracking.goodput`), when written after
+    training's ``runs/exit.json``, see :mod:`relaunch.components.core.store.ledger`), when written after
     ``started_at``, says what really happened; a failure without such a record is a worker that died
     without control (SIGKILL, OOM): 137. A torchrun killed by a signal maps to 128 + signal, unless it
     crashed itself (:data:`AGENT_CRASH_CODES`) after the training recorded how it ended: torch's agent

@@ -6,7 +6,7 @@ the helpers below. All keys are relative to the store root.
 
     runs/config.json                 the training's configuration (:func:`write_training_config`)
     runs/mlflow-run.json             the training's MLflow run (:func:`remember_run`, :func:`stored_run_id`)
-    runs/attempts/attempt-<nnnn>.json one record per attempt (:mod:`relaunch.components.core.tracking.goodput`)
+    runs/attempts/attempt-<nnnn>.json one record per attempt (:mod:`relaunch.components.core.store.ledger`)
     runs/exit.json                   how the latest attempt ended under our control (:func:`write_exit_record`)
     runs/summary.json                the training summary (:func:`write_summary`, :func:`read_summary`)
     runs/metrics-pending.json        metric points (and outage tags) the tracking server had not confirmed
@@ -231,7 +231,7 @@ def read_exit_record(store) -> dict[str, Any] | None:
 
 
 def write_summary(store, summary: dict[str, Any]) -> None:
-    """The training summary (a :class:`relaunch.components.core.tracking.goodput.TrainSummary` as a dict)."""
+    """The training summary (a :class:`relaunch.components.core.store.ledger.TrainSummary` as a dict)."""
     write_json(store, SUMMARY_KEY, summary, indent=2)
 
 

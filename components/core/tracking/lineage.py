@@ -188,13 +188,13 @@ def record_attempts(config, run_id: str) -> None:
     the side that survives: finalize. Idempotent: an ended attempt's record no longer changes."""
     from mlflow.entities import RunTag
 
-    from relaunch.components.core.tracking import goodput
+    from relaunch.components.core.store import ledger
     from relaunch.components.core.tracking.client import call, client as tracking_client, tracking_uri
     from relaunch.components.core.tracking.mlflow_tracker import (ATTEMPTS_ARTIFACT, CHECKPOINTS_ARTIFACT, attempt_summary_tags,
                                                          attempts_table, checkpoint_history)
 
     store = open_store(config.store.uri)
-    attempts = goodput.load_attempts(store)
+    attempts = ledger.load_attempts(store)
     if not attempts:  # the pipeline stopped before training
         return
     client = tracking_client(tracking_uri(config))

@@ -40,7 +40,7 @@ from relaunch.components.core.checkpoint import checkpoint_steps, step_key
 from relaunch.components.core.contract.errors import BadInput
 from relaunch.components.core.contract.events import Kind, emit
 from relaunch.components.core.contract.exitcodes import MEANING
-from relaunch.components.core.store import records
+from relaunch.components.core.store import ledger, records
 from relaunch.components.core.tracking import goodput
 from relaunch.components.core.tracking.tracker_protocol import AttemptEnd, AttemptStart, TrackerBase
 
@@ -58,7 +58,7 @@ def _iso(seconds: float | None) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds)) if seconds else ""
 
 
-def attempt_summary_tags(attempts: list[goodput.Attempt], *, current: int | None = None) -> dict[str, str]:
+def attempt_summary_tags(attempts: list[ledger.Attempt], *, current: int | None = None) -> dict[str, str]:
     """The attempts in three tags: ``relaunch.attempts``, ``relaunch.restarts`` and
     ``relaunch.last_exit_code`` (of the newest attempt that ended; absent while none has)."""
     tags = {"relaunch.attempts": str(len(attempts)), "relaunch.restarts": str(max(0, len(attempts) - 1))}
@@ -68,7 +68,7 @@ def attempt_summary_tags(attempts: list[goodput.Attempt], *, current: int | None
     return tags
 
 
-def attempts_table(attempts: list[goodput.Attempt], *, current: int | None = None) -> list[dict[str, Any]]:
+def attempts_table(attempts: list[ledger.Attempt], *, current: int | None = None) -> list[dict[str, Any]]:
     """Every attempt as a row of ``relaunch/attempts.json``; ``current`` (still running) without an end.
     An attempt killed without a word ends at its last heartbeat with exit 137 and ``end_recorded`` false."""
     rows = []
@@ -83,7 +83,7 @@ def attempts_table(attempts: list[goodput.Attempt], *, current: int | None = Non
     return rows
 
 
-def checkpoint_history(store, attempts: list[goodput.Attempt], extra: dict[int, int] | None = None) -> list[dict[str, Any]]:
+def checkpoint_history(store, attempts: list[ledger.Attempt], extra: dict[int, int] | None = None) -> list[dict[str, Any]]:
     """Every checkpoint this training committed, oldest first, as rows of ``relaunch/checkpoints.json``:
     step, URI, the attempt that committed it, when, and its state ("kept", or "deleted by retention"
     when its folder is gone). ``extra``: step -> attempt of commits not yet in the attempt records."""
@@ -131,7 +131,7 @@ class MlflowTracker(TrackerBase):
         self._requeue_pending_metrics()
         if self.attempt > 1:
             self.logger.set_status("RUNNING")
-        attempts = goodput.load_attempts(self.store)
+        attempts = ledger.load_attempts(self.store)
         self.logger.set_tags({"relaunch.attempt": self.attempt, "relaunch.resumed_from_step": start.resumed_from,
                               "relaunch.resumed_from": start.resumed_uri or "none",
                               **attempt_summary_tags(attempts, current=self.attempt)})
@@ -201,7 +201,7 @@ class MlflowTracker(TrackerBase):
     def _log_checkpoints(self, client, run_id: str) -> None:
         """On the logger's thread: the checkpoint history as one artifact."""
         try:
-            history = checkpoint_history(self.store, goodput.load_attempts(self.store), self._committed)
+            history = checkpoint_history(self.store, ledger.load_attempts(self.store), self._committed)
         except Exception as err:  # noqa: BLE001 - the store is away: the next commit writes it again
             print(f"relaunch: checkpoint history not logged: {err}", file=sys.stderr)
             return
@@ -210,7 +210,7 @@ class MlflowTracker(TrackerBase):
     def _log_attempts(self, client, run_id: str) -> None:
         """On the logger's thread: every attempt's row as one artifact."""
         try:
-            attempts = goodput.load_attempts(self.store)
+            attempts = ledger.load_attempts(self.store)
         except Exception as err:  # noqa: BLE001 - the store is away: the next ending writes it again
             print(f"relaunch: attempt history not logged: {err}", file=sys.stderr)
             return
@@ -229,7 +229,7 @@ class MlflowTracker(TrackerBase):
         if self._history_due:  # before the run's status changes
             self._write_history()
         if end.exit_code == 0:
-            self.logger.set_tags({**attempt_summary_tags(goodput.load_attempts(self.store)),
+            self.logger.set_tags({**attempt_summary_tags(ledger.load_attempts(self.store)),
                                   **self._goodput_tags(end.report)})
             self.logger.submit(self._log_attempts)
             self.logger.flush(timeout=FLUSH_SECONDS_BEFORE_PLOT)
@@ -237,7 +237,7 @@ class MlflowTracker(TrackerBase):
             self._set_status("FINISHED")
             return
         try:  # this attempt's record is final by now; the store may be what failed, though
-            attempts = attempt_summary_tags(goodput.load_attempts(self.store))
+            attempts = attempt_summary_tags(ledger.load_attempts(self.store))
         except Exception:  # noqa: BLE001 - the next attempt writes these tags again
             attempts = {}
         self.logger.set_tags({**attempts, "relaunch.end_reason": end.reason[:5000],
