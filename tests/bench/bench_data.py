@@ -1,6 +1,8 @@
 """The data path (issue 41): the streamed loader, a rank's memory, prepare and a resume's loader, against their limits.
 
     python -m tests.bench data          # make bench ARGS=data; about 2-3 minutes on 2 cores
+    BENCH_DATA_ROWS=prepare make bench ARGS=data    # only the prepare rows (seconds); names: prepare,
+                                                    # steps, memory, resume (prepare always runs)
 
 Every row is measured side by side in this one run; the sides of a timed row are interleaved, and
 the page cache state of the files each side reads is brought about and checked (``mincore``) before it.
@@ -23,7 +25,9 @@ the page cache state of the files each side reads is brought about and checked (
   what the disk holds with a margin, and said so).
 - **prepare against the tokenizer** (goal >= 0.5): bytes of corpus per second of the LM task's
   ``build_dataset()`` committed by ``commit_source`` into a new filesystem store, over ``encode`` alone
-  on the same files: both read the files from disk (page cache warm for both). And the objects a second
+  on the same files: both read the files from disk (page cache warm for both). Beside it, not a side
+  of the ratio: the disk alone writing and fsyncing the same shards' bytes (a file each, then their
+  folder), a floor no prepare that makes its shards durable goes below. And the objects a second
   prepare of the same corpus writes (goal 0).
 - **The loader's position** (goal <= 50 ms): ``loader.batches(step)`` to the first batch in hand
   (worker started, shards fetched and checked) for a mid-epoch step of the 2 GB dataset, less the same
@@ -61,6 +65,7 @@ RESUME_ROUNDS = 15
 BIG_BYTES = 2_000_000_000
 SMALL_BYTES = 20_000_000
 GOALS = {"keeps_up": 1.05, "rss_mb": 200.0, "prepare": 0.5, "position_ms": 50.0}
+ROW_GROUPS = ("steps", "memory", "prepare", "resume")  # in the table's order
 
 
 def _log(msg: str) -> None:
@@ -100,6 +105,21 @@ def peak_rss_tree(pid: int | None = None) -> dict[int, int]:
     pid = os.getpid() if pid is None else pid
     pids = [pid] + [child.pid for child in psutil.Process(pid).children(recursive=True)]
     return {p: vm_hwm(p) for p in pids}
+
+
+def rows_wanted(names: str) -> set[str]:
+    """The row groups ``BENCH_DATA_ROWS`` names (comma-separated; empty: all), prepare always among them
+    (the step row trains on its dataset).
+
+    Raises:
+        ValueError: a name that is not a row group.
+    """
+    wanted = {n.strip() for n in names.split(",") if n.strip()} or set(ROW_GROUPS)
+    unknown = wanted - set(ROW_GROUPS)
+    if unknown:
+        raise ValueError(f"BENCH_DATA_ROWS={names!r}: no row group {', '.join(sorted(unknown))}; "
+                         f"name some of {', '.join(ROW_GROUPS)}")
+    return wanted | {"prepare"}
 
 
 def fit_to_disk(want: int, free: int, margin: int) -> int:
@@ -206,10 +226,32 @@ def shard_files(root: str, manifest, which: list[int] | None = None) -> list[str
     return [str(store.path(shards[i].key)) for i in (range(len(shards)) if which is None else which)]
 
 
+def disk_write(payloads: list[bytes], folder: Path) -> float:
+    """Seconds to write each of ``payloads`` to a new file in ``folder`` (created) and fsync it, then
+    fsync the folder: what making those bytes durable costs on this disk, with nothing else."""
+    folder.mkdir(parents=True)
+    t0 = time.perf_counter()
+    for i, payload in enumerate(payloads):
+        fd = os.open(folder / f"{i}.bin", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(payload)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t0
+
+
 # ---------------------------------------------------------------------------- a rank, in a process of its own
 def lm_config(store_uri: str, overrides: list[str] = ()):
     """configs/lm.yaml on the store ``store_uri``, steps enough for any start step."""
-    from relaunch.components.core.contract.config import load_config
+    from relaunch.components.core.contract.config_loading import load_config
 
     return load_config(LM_CONFIG, [f"store.uri={store_uri}", "train.max_steps=1000000000", *overrides])
 
@@ -395,10 +437,12 @@ def _prepare_rows(work: Path, rounds: int) -> tuple[list[dict], str, Any]:
     theirs: list[float] = []
     ours: list[float] = []
     built: list[float] = []
+    floor: list[float] = []
     resident: list[float] = []
     before = _load()
     root = ""
     manifest = written = None
+    payloads: list[bytes] = []
     for r in range(rounds):
         resident.append(rawread.settle(paths, "warm"))
         theirs.append(tokenizer())
@@ -411,6 +455,12 @@ def _prepare_rows(work: Path, rounds: int) -> tuple[list[dict], str, Any]:
         manifest, written = commit_source(open_store(root), source)
         ours.append(time.perf_counter() - t0)
         built.append(t1 - t0)
+        if not payloads:
+            store = open_store(root)
+            payloads = [store.read_bytes(s.key) for shards in manifest.splits.values() for s in shards]
+        os.sync()
+        floor.append(disk_write(payloads, work / f"disk-{r}"))
+        shutil.rmtree(work / f"disk-{r}")
         if r < rounds - 1:
             shutil.rmtree(root)
     t0 = time.perf_counter()
@@ -427,8 +477,11 @@ def _prepare_rows(work: Path, rounds: int) -> tuple[list[dict], str, Any]:
              "cache warm)", ratio, f">= {GOALS['prepare']:g}", ratio >= GOALS["prepare"],
              f"encode on the files read: {tokens_mb / t_med:.0f} MB/s ({t_med * 1e3:.1f} ms)",
              f"prepare (the LM task's build_dataset() committed by commit_source into a new fs store, every shard "
-             f"fsync'd) {tokens_mb / o_med:.1f} MB/s ({o_med * 1e3:.0f} ms, of which build_dataset() (the corpus walk "
-             f"and every file's sha256 for the source key) {statistics.median(built) * 1e3:.0f} ms); medians of "
+             f"fsync'd) {tokens_mb / o_med:.1f} MB/s ({o_med * 1e3:.0f} ms, of which build_dataset() (the corpus walk, "
+             f"each file read once, their xxh3 for the source key) {statistics.median(built) * 1e3:.0f} ms); the disk "
+             f"alone writing and fsyncing the same {sum(map(len, payloads)) / 1e6:.1f} MB of shards (uint16 tokens) "
+             f"{statistics.median(floor) * 1e3:.0f} ms (best {min(floor) * 1e3:.0f}; encode / that: "
+             f"{t_med / statistics.median(floor):.3f}, the most any durable prepare could reach here); medians of "
              f"{rounds} interleaved rounds, best: encode {min(theirs) * 1e3:.1f} ms, prepare {min(ours) * 1e3:.0f} ms "
              f"(ratio {min(theirs) / min(ours):.3f}); the whole stdlib: {len(files)} files, {tokens_mb:.2f} MB, "
              f"{manifest.samples('train')} train sequences in {len(manifest.split('train'))} shards; resident "
@@ -576,20 +629,25 @@ def run(quick: bool) -> list[dict]:
     wire()  # this process is an entry point: configurations validate against the full tables
     work = work_dir()
     rounds = 8 if quick else ROUNDS
+    wanted = rows_wanted(os.environ.get("BENCH_DATA_ROWS", ""))
     rows: dict[str, list[dict]] = {}
     try:
         _log(f"prepare of the standard library against the tokenizer ({PREPARE_ROUNDS} rounds)")
         rows["prepare"], lm_root, lm_manifest = _prepare_rows(work, PREPARE_ROUNDS)
-        _log(f"the LM's step streamed against from memory ({rounds} rounds of {BLOCK} steps a side)")
-        rows["steps"] = _step_rows(work, lm_root, lm_manifest, rounds)
-        root, small, big, note = _big_datasets(work, quick)
-        _log(f"a rank's peak RSS over {small.samples('train')} and {big.samples('train')} sequences")
-        rows["memory"] = _memory_rows(work, root, small, big, note)
-        _log(f"the loader's position: a mid-epoch step against step 0 ({RESUME_ROUNDS} rounds)")
-        rows["resume"] = _resume_rows(work, root, big, 5 if quick else RESUME_ROUNDS)
+        if "steps" in wanted:
+            _log(f"the LM's step streamed against from memory ({rounds} rounds of {BLOCK} steps a side)")
+            rows["steps"] = _step_rows(work, lm_root, lm_manifest, rounds)
+        if {"memory", "resume"} & wanted:
+            root, small, big, note = _big_datasets(work, quick)
+        if "memory" in wanted:
+            _log(f"a rank's peak RSS over {small.samples('train')} and {big.samples('train')} sequences")
+            rows["memory"] = _memory_rows(work, root, small, big, note)
+        if "resume" in wanted:
+            _log(f"the loader's position: a mid-epoch step against step 0 ({RESUME_ROUNDS} rounds)")
+            rows["resume"] = _resume_rows(work, root, big, 5 if quick else RESUME_ROUNDS)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return [row for name in ("steps", "memory", "prepare", "resume") for row in rows[name]]
+    return [row for name in ROW_GROUPS if name in rows for row in rows[name]]
 
 
 if __name__ == "__main__":

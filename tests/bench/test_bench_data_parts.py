@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from tests.bench import bench_data
 
@@ -74,3 +75,16 @@ def test_the_dataset_is_scaled_down_to_what_the_disk_holds_with_its_margin():
     assert bench_data.fit_to_disk(2 * gib, 50 * gib, bench_data.disk_margin(50 * gib)) == 2 * gib
     assert bench_data.fit_to_disk(2 * gib, 3 * gib, bench_data.disk_margin(3 * gib)) == gib
     assert bench_data.fit_to_disk(2 * gib, gib, bench_data.disk_margin(gib)) == 0
+
+
+def test_the_row_groups_named_are_run_with_prepare_and_an_unknown_name_is_refused():
+    assert bench_data.rows_wanted("") == set(bench_data.ROW_GROUPS)
+    assert bench_data.rows_wanted("resume, steps") == {"prepare", "resume", "steps"}
+    with pytest.raises(ValueError, match="no row group prepar; name some of steps, memory, prepare, resume"):
+        bench_data.rows_wanted("prepar")
+
+
+def test_the_disk_floor_writes_each_payload_to_a_file_of_its_own(tmp_path):
+    seconds = bench_data.disk_write([b"a" * 10, b"", b"bc"], tmp_path / "floor")
+    assert seconds > 0
+    assert [(tmp_path / "floor" / f"{i}.bin").read_bytes() for i in range(3)] == [b"a" * 10, b"", b"bc"]

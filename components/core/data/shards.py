@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
@@ -33,6 +34,10 @@ from relaunch.components.core.contract.errors import BadInput, CorruptDataset
 
 PREFIX = "datasets"
 SHARD_BYTES = 4 << 20
+WRITE_THREADS = 4
+"""Shards a writer has in flight at once: their writes and fsyncs overlap one another (a filesystem's
+journal commits them together; an object store takes the requests in parallel) and the cutting of the
+next shard; what it holds beyond the shard being cut is at most this many shards."""
 """Target size of a shard: big enough that a request's latency is small beside its transfer, small
 enough that a loader worker holds a few of them (its memory does not grow with the corpus)."""
 FORMAT = "relaunch-shards/1"
@@ -135,14 +140,19 @@ def put_shard(store, key: str, payload: memoryview) -> bool:
 
 class DatasetWriter:
     """Cuts each split's samples into shards of about ``shard_bytes`` and writes each one the store
-    does not hold yet; :meth:`commit` writes the manifest last.
+    does not hold yet (up to ``threads`` at once, each from a buffer of its own: a source may fill a
+    chunk's memory again once :meth:`add` returns); :meth:`commit` waits for every shard, durable, and
+    writes the manifest last.
 
     Raises:
         BadInput: a split without samples, a field whose dtype or sample shape changes, an object dtype.
     """
 
-    def __init__(self, store, *, meta: dict[str, Any] | None = None, shard_bytes: int = SHARD_BYTES):
-        self.store, self.meta, self.shard_bytes = store, dict(meta or {}), shard_bytes
+    def __init__(self, store, *, meta: dict[str, Any] | None = None, shard_bytes: int = SHARD_BYTES,
+                 threads: int = WRITE_THREADS):
+        self.store, self.meta, self.shard_bytes, self.threads = store, dict(meta or {}), shard_bytes, threads
+        self._pool: ThreadPoolExecutor | None = None
+        self._inflight: list[Future] = []
         self.fields: list[dict[str, Any]] | None = None
         self.splits: dict[str, list[Shard]] = {}
         self.written = 0  # shards this writer put (a store that held them already: 0)
@@ -183,8 +193,9 @@ class DatasetWriter:
         while at < len(rows):
             room = per_shard - self._pending_rows.get(split, 0)
             take = rows[at:at + room]
-            full = self._pending_rows.get(split, 0) + len(take) == per_shard  # written before this call returns
-            self._pending.setdefault(split, []).append(take.copy() if borrowed and not full else take)
+            full = self._pending_rows.get(split, 0) + len(take) == per_shard
+            written_now = full and self.threads <= 1  # else the shard is written after this call returns
+            self._pending.setdefault(split, []).append(take.copy() if borrowed and not written_now else take)
             self._pending_rows[split] = self._pending_rows.get(split, 0) + len(take)
             at += len(take)
             if full:
@@ -199,14 +210,36 @@ class DatasetWriter:
         payload = memoryview(rows.view(np.uint8))  # the rows' bytes, not a copy of them
         digest = shard_digest(payload)
         key = f"{PREFIX}/shards/{digest}.bin"
-        if put_shard(self.store, key, payload):
-            self.written += 1
         self.splits[split].append(Shard(key, len(rows), len(payload), digest))
+        if self.threads <= 1:
+            self.written += put_shard(self.store, key, payload)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shard-writer")
+        while len(self._inflight) >= self.threads:
+            self.written += self._inflight.pop(0).result()
+        self._inflight.append(self._pool.submit(put_shard, self.store, key, payload))
+
+    def _wait(self) -> None:
+        """Every shard submitted written (its error raised here), the threads ended."""
+        try:
+            while self._inflight:
+                self.written += self._inflight.pop(0).result()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """End the writing threads (waiting for the writes in flight); idempotent."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._inflight.clear()
 
     def commit(self) -> Manifest:
         """Write the last shards and the manifest (unless the version is committed already)."""
         for split in list(self._pending):
             self._flush(split)
+        self._wait()  # every shard durable before the manifest names it
         empty = [name for name, shards in self.splits.items() if not shards]
         if not self.splits or empty or self.fields is None:
             raise BadInput(f"dataset: the task built no samples for split(s) {', '.join(empty) or 'any'}; "
@@ -227,11 +260,14 @@ def commit_source(store, source: DatasetSource, *, shard_bytes: int = SHARD_BYTE
         if found is not None:
             return found, 0
     writer = DatasetWriter(store, meta=source.meta, shard_bytes=shard_bytes)
-    for split, chunks in source.splits.items():
-        for chunk in chunks():
-            writer.add(split, chunk)
-        writer.splits.setdefault(split, [])
-    manifest = writer.commit()
+    try:
+        for split, chunks in source.splits.items():
+            for chunk in chunks():
+                writer.add(split, chunk)
+            writer.splits.setdefault(split, [])
+        manifest = writer.commit()
+    finally:
+        writer.close()
     if source.source_key:
         record = json.dumps({"version": manifest.version, "source_key": source.source_key}).encode()
         if store.write_if_absent(source_record_key(source.source_key), record):
