@@ -104,6 +104,7 @@ def test_replicated_ddp_state_is_read_once_per_node_from_an_object_store(tmp_pat
     assert_bitwise_equal(_state(tmp_path / "w" / "step1.pt"), _state(tmp_path / "r" / "loaded.pt"))
 
 
+@pytest.mark.ci_lane  # resharding: the filesystem case above in make test; a gs:// store's training: test_store_gcs_run
 def test_a_checkpoint_on_gcs_reshards_fsdp_2_to_1_to_3_ranks(tmp_path, gcs_env):
     root = gcs_env.root("sharded")
     _torchrun(2, "--root", root, "--out", str(tmp_path / "w0"), "--steps", "2", "--save-at", "2")

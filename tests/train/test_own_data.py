@@ -12,7 +12,10 @@ from tests.train.test_streamed_data import _assert_bitwise_equal, _final_state
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("task", ["map_style_task", "iterable_task", "stateful_loader_task"])
+@pytest.mark.parametrize("task", [
+    "map_style_task",
+    pytest.param("iterable_task", marks=pytest.mark.ci_lane),  # the same IterableDataset, its loader worker SIGKILLed: test_streamed_data
+    "stateful_loader_task"])
 def test_a_tasks_own_data_is_preempted_mid_epoch_and_resumes_bitwise_equal(tmp_path, tracking, task):
     own = {"task": f"docs.examples.own_data:{task}", "max_steps": 30, "checkpoint_every_steps": 10}
     plain = train_config(tmp_path / "plain", tracking, **own)

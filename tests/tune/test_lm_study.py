@@ -9,7 +9,9 @@ import pytest
 from tests.cli import relaunch
 from tests.tune.studies import STUDY_TIMEOUT, REPO, study_record, trial_record
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(STUDY_TIMEOUT)]
+# the ci lane: a study over a task option: test_tune_bad_input and the digits studies (test_study_faults); the LM
+# pipeline through prepare, evaluate and register: test_language_model_pipeline
+pytestmark = [pytest.mark.slow, pytest.mark.ci_lane, pytest.mark.timeout(STUDY_TIMEOUT)]
 
 
 def test_a_study_over_the_language_models_learning_rate_and_width_registers_its_best_trial(tmp_path):
