@@ -9,9 +9,16 @@ tokens (the field ``tokens``, uint16): documents joined with the end-of-document
 non-overlapping windows, each file in train, val or test by a stable hash of its relative path.
 
 Options (``train.task_options``, defaults in :attr:`LMTask.options`): the model's ``d_model``,
-``n_layers``, ``n_heads``, ``seq_len`` and ``dropout``; the ``corpus`` (``stdlib``, or a folder whose
-``*.py``, ``*.txt`` and ``*.md`` files are read) and ``max_corpus_bytes``, the cap on what is read of it;
-``max_new_tokens``, the length of a served continuation.
+``n_layers``, ``n_heads``, ``seq_len`` and ``dropout``; the ``corpus`` and ``max_corpus_bytes``, the cap
+on what is read of it; ``max_new_tokens``, the length of a served continuation. The corpus is ``stdlib``,
+a folder, or a store URI (``s3://bucket/prefix``, ``gs://``, ``az://``, ``file://``: whatever ``store.uri``
+accepts, credentials from the environment), of which the ``*.py``, ``*.txt`` and ``*.md`` files are read
+(hidden folders and ``__pycache__`` left out), in sorted path order:
+
+    relaunch run --config configs/lm.yaml --set train.task_options.corpus=s3://my-bucket/texts
+
+prepare reads each file once: the same bytes make the tokens and the source key (an xxh3 of every file's
+path, size and content), so a second prepare of the same files, in a folder or a bucket, writes nothing.
 
 torch is imported by the methods that use it: prepare only builds the dataset, and a process that does
 not train should not pay for importing torch.
