@@ -26,8 +26,8 @@ the page cache state of the files each side reads is brought about and checked (
 - **prepare against the tokenizer** (goal >= 0.5): bytes of corpus per second of the LM task's
   ``build_dataset()`` committed by ``commit_source`` into a new filesystem store, over ``encode`` alone
   on the same files: both read the files from disk (page cache warm for both). Beside it, not a side
-  of the ratio: the disk alone writing and fsyncing the same shards' bytes (a file each, then their
-  folder), a floor no prepare that makes its shards durable goes below. And the objects a second
+  of the ratio: the disk alone writing and fsyncing the same shards' bytes one after another (a file
+  each, then their folder): what making them durable costs here. And the objects a second
   prepare of the same corpus writes (goal 0).
 - **The loader's position** (goal <= 50 ms): ``loader.batches(step)`` to the first batch in hand
   (worker started, shards fetched and checked) for a mid-epoch step of the 2 GB dataset, less the same
@@ -412,7 +412,7 @@ def _spawn(role: str, spec: dict, work: Path) -> dict:
 def _prepare_rows(work: Path, rounds: int) -> tuple[list[dict], str, Any]:
     """Row 3: prepare of the whole standard library against ``encode`` on the same files; the store
     and manifest of the last prepare (row 1's dataset)."""
-    from relaunch.components.core.data.shards import commit_source
+    from relaunch.components.core.data.shards import WRITE_THREADS, commit_source
     from relaunch.components.core.store import open_store
     from relaunch.components.tasks.lm import corpus_files, encode, make_task
 
@@ -479,9 +479,9 @@ def _prepare_rows(work: Path, rounds: int) -> tuple[list[dict], str, Any]:
              f"prepare (the LM task's build_dataset() committed by commit_source into a new fs store, every shard "
              f"fsync'd) {tokens_mb / o_med:.1f} MB/s ({o_med * 1e3:.0f} ms, of which build_dataset() (the corpus walk, "
              f"each file read once, their xxh3 for the source key) {statistics.median(built) * 1e3:.0f} ms); the disk "
-             f"alone writing and fsyncing the same {sum(map(len, payloads)) / 1e6:.1f} MB of shards (uint16 tokens) "
-             f"{statistics.median(floor) * 1e3:.0f} ms (best {min(floor) * 1e3:.0f}; encode / that: "
-             f"{t_med / statistics.median(floor):.3f}, the most any durable prepare could reach here); medians of "
+             f"alone writing and fsyncing the same {sum(map(len, payloads)) / 1e6:.1f} MB of shards (uint16 tokens), one "
+             f"after another, {statistics.median(floor) * 1e3:.0f} ms (best {min(floor) * 1e3:.0f}; encode / that: "
+             f"{t_med / statistics.median(floor):.3f}; prepare writes {WRITE_THREADS} at once); medians of "
              f"{rounds} interleaved rounds, best: encode {min(theirs) * 1e3:.1f} ms, prepare {min(ours) * 1e3:.0f} ms "
              f"(ratio {min(theirs) / min(ours):.3f}); the whole stdlib: {len(files)} files, {tokens_mb:.2f} MB, "
              f"{manifest.samples('train')} train sequences in {len(manifest.split('train'))} shards; resident "
