@@ -70,9 +70,12 @@ def test_the_readme_language_model_line_trains_recovers_and_registers_a_model_th
     _assert_bitwise_equal(states["plain"], states["killed"])
     # the registered model writes text, from the registry as a user loads it
     mlflow.set_tracking_uri(f"sqlite:///{cwd}/.relaunch/mlflow.db")
-    written = mlflow.pyfunc.load_model("models:/relaunch-lm@champion").predict(["def fibonacci(n):\n"])
-    assert isinstance(written[0], str) and written == mlflow.pyfunc.load_model("models:/relaunch-lm@champion").predict(
-        ["def fibonacci(n):\n"])
+    try:
+        written = mlflow.pyfunc.load_model("models:/relaunch-lm@champion").predict(["def fibonacci(n):\n"])
+        again = mlflow.pyfunc.load_model("models:/relaunch-lm@champion").predict(["def fibonacci(n):\n"])
+    finally:
+        mlflow.set_tracking_uri(None)  # it exports MLFLOW_TRACKING_URI; later tests must not inherit it
+    assert isinstance(written[0], str) and written == again
     run = MlflowClient(f"sqlite:///{cwd}/.relaunch/mlflow.db").search_runs(
         [MlflowClient(f"sqlite:///{cwd}/.relaunch/mlflow.db").get_experiment_by_name("relaunch-lm").experiment_id])[0]
     assert run.info.status == "FINISHED"

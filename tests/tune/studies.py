@@ -24,6 +24,11 @@ STUDY = ["--config", str(REPO / "configs" / "tune.yaml"), "--set", "train.max_st
          "--set", "tune.pruner.name=none", "--set", "launch.rdzv_port=0"]
 """Deterministic trainings of ~4 s each (a kill lands between two checkpoints); no pruner, so that which
 trials run to their end does not depend on which finished first."""
+OUTSIDE_TRACKING = ("MLFLOW_",)
+"""What a study's ``relaunch tune`` runs without: MLflow's variables. ``MLFLOW_TRACKING_URI`` wins over
+``tracking.uri``, and ``mlflow.set_tracking_uri`` in a test's process exports it: a study started after
+such a test (pytest-xdist runs files one after the other in a worker) would track into that test's
+database, not into its own cwd's ``.relaunch/mlflow.db`` that the tests read."""
 STUDY_TIMEOUT = 420
 WAIT_TIMEOUT = 240
 """A bound for a hang while a test waits for a study to reach a point, not a timed assertion."""
@@ -31,13 +36,14 @@ WAIT_TIMEOUT = 240
 
 def tune(cwd: Path, *args: str, timeout: float = STUDY_TIMEOUT) -> subprocess.CompletedProcess:
     """``relaunch tune STUDY *args`` in ``cwd`` to its end."""
-    return relaunch(cwd, "tune", *STUDY, *args, timeout=timeout)
+    return relaunch(cwd, "tune", *STUDY, *args, without=OUTSIDE_TRACKING, timeout=timeout)
 
 
 def start_tune(cwd: Path, *args: str) -> subprocess.Popen:
     """``relaunch tune STUDY *args`` in ``cwd``, in a session of its own (a signal reaches it alone)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(OUTSIDE_TRACKING)}
     return subprocess.Popen([RELAUNCH, "tune", *STUDY, *args], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
 
 
 def study_dir(cwd: Path, study: str) -> Path:

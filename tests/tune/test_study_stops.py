@@ -13,8 +13,8 @@ import signal
 import pytest
 
 from tests.cli import relaunch
-from tests.tune.studies import (CHECKPOINT_EVERY, STUDY, STUDY_TIMEOUT, attempts, committed_step, processes_of,
-                                start_tune, summary, trial_record, wait_for, worker_of)
+from tests.tune.studies import (CHECKPOINT_EVERY, OUTSIDE_TRACKING, STUDY, STUDY_TIMEOUT, attempts, committed_step,
+                                processes_of, start_tune, summary, trial_record, wait_for, worker_of)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * STUDY_TIMEOUT)]
 
@@ -28,7 +28,8 @@ def test_a_retried_trial_resumes_a_pruned_one_stops_cleanly_a_second_tune_is_ref
     proc = start_tune(tmp_path, "--study", "stops", *SEQUENTIAL)
     wait_for("trial 0 to run", lambda: trial_record(tmp_path, "stops", 0).get("state") == "running", proc)
 
-    second = relaunch(tmp_path, "tune", *STUDY, "--study", "stops", "--resume", *SEQUENTIAL, timeout=120)
+    second = relaunch(tmp_path, "tune", *STUDY, "--study", "stops", "--resume", *SEQUENTIAL, without=OUTSIDE_TRACKING,
+                      timeout=120)
     assert second.returncode == 2, second.stderr
     assert second.stderr.strip().splitlines() == [second.stderr.strip()]
     assert f"the study stops is being run by pid {proc.pid} on host" in second.stderr
