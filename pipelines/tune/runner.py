@@ -275,9 +275,10 @@ class StudyRunner:
             if trial.proc is not None:
                 trial.proc.wait()
             self._sweep(trial)
-        for trial in stopped:
-            with contextlib.suppress(Exception):  # the storage or the server away: a resume says it again
+        for trial in stopped:  # the storage or the server away: a resume says it again
+            with contextlib.suppress(Exception):
                 self.study.fail(trial.started.trial.number)
+            with contextlib.suppress(Exception):
                 interrupted_trial_run(trial.started.config, trial.started.record)
         self.running = []
         self.stopped = [(t.started.record, t.started.config) for t in stopped]

@@ -247,8 +247,12 @@ def close_trial_run(config: RelaunchConfig, record: TrialRecord) -> None:
 
 
 def interrupted_trial_run(config: RelaunchConfig, record: TrialRecord) -> None:
-    """The MLflow run of a trial stopped with its study: state ``interrupted`` until a resume runs it again."""
+    """The MLflow run of a trial stopped with its study: state ``interrupted`` and status KILLED (nothing
+    trains into it any more) until a resume reopens it (:func:`begin_trial`). The training's own KILLED
+    is not enough: its logger gets a few seconds after the checkpoint and may not deliver it, and a
+    trial killed after the grace says nothing."""
     call("tag the trial's run", tracking_client(tracking_uri(config)).set_tag, record.run_id, STATE_TAG, INTERRUPTED)
+    mark_run_finished(config, record.run_id, "KILLED", "trial interrupted: its study was stopped; a resume runs it again")
 
 
 def best_trial(records: list[TrialRecord | None], direction: str) -> TrialRecord | None:
