@@ -18,7 +18,8 @@ from typing import Any
 
 from relaunch.components.core.checkpoint.layout import LEASE, read_json
 from relaunch.components.core.checkpoint.lease import holder_alive
-from relaunch.components.core.contract.config import RelaunchConfig, with_pipeline_parameters
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.pipeline_parameters import with_pipeline_parameters
 from relaunch.components.core.contract.errors import BadInput, TransientFailure
 from relaunch.components.core.store import open_store, probe_writable
 from relaunch.components.core.store.conditional_probe import require_conditional_writes
@@ -44,7 +45,7 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", **overrides: Any) -> 
     Args:
         config: the pipeline's configuration.
         pipeline_run_id: the orchestrator's run id; the MLflow run is found or created by it.
-        **overrides: pipeline parameters named in :data:`~relaunch.components.core.contract.config.PIPELINE_PARAMETERS`
+        **overrides: pipeline parameters named in :data:`~relaunch.components.core.contract.pipeline_parameters.PIPELINE_PARAMETERS`
             (0 or "" keeps the value).
 
     Raises:

@@ -75,7 +75,8 @@ from relaunch.components.core.store import HintWrites, UNWRITABLE_ADVICE, open_s
 from relaunch.components.core.store import ledger  # noqa: E402
 from relaunch.components.core.tracking import goodput  # noqa: E402
 from relaunch.components.core.trainer import setup  # noqa: E402
-from relaunch.components.core.contract.config import RelaunchConfig, config_from_cli  # noqa: E402
+from relaunch.components.core.contract.config import RelaunchConfig  # noqa: E402
+from relaunch.components.core.contract.config_loading import config_from_cli  # noqa: E402
 from relaunch.components.core.contract import suggestions  # noqa: E402
 from relaunch.components.core.contract.errors import Diverged, Preempted, RelaunchError, StoreUnwritable, error_for  # noqa: E402
 from relaunch.components.core.contract.classify import as_error, is_store_unwritable  # noqa: E402

@@ -14,7 +14,7 @@ inside a ``ParallelFor`` (kubeflow/pipelines#12389), so the trial step relaunche
 :func:`build_pipeline` makes the components and the pipeline for one configuration: its image is
 each component's ``base_image`` (KFP's own setting, nothing rewritten afterwards) and its JSON the
 default of ``config_json``. The typed parameters come from
-:data:`relaunch.components.core.contract.config.PIPELINE_PARAMETERS`. The same definition runs on one machine with
+:data:`relaunch.components.core.contract.pipeline_parameters.PIPELINE_PARAMETERS`. The same definition runs on one machine with
 ``kfp.local`` (``relaunch run``, :mod:`relaunch.pipelines.local.runner`). Retries come from each step of the
 spec; caching is off for every step (a cached "latest checkpoint" is a wrong one, and prepare's
 outputs include this run's MLflow run).
@@ -38,8 +38,9 @@ from kfp import compiler, dsl
 from relaunch.pipelines.spec import (CONFIG, EVALUATE, FINALIZE, LAUNCH, LOCATE, PARAMETERS, PIPELINE, PLAN_TRIALS,
                                      PREPARE, REGISTER, RUN_ID, RUN_TRIAL, SELECT_TRIAL, Condition, Pipeline, Source, Step,
                                      item_field, pipeline_config, pipeline_of)
-from relaunch.components.core.contract.config import (PIPELINE_PARAMETERS, RelaunchConfig, pipeline_parameter_description,
-                                    pipeline_parameter_type)
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.pipeline_parameters import (PIPELINE_PARAMETERS, pipeline_parameter_description,
+                                                                   pipeline_parameter_type)
 
 # ---------------------------------------------------------------- component bodies (shipped as source)
 

@@ -42,7 +42,7 @@ CONFIG = Source("", "config_json")
 RUN_ID = Source("", "run_id")
 """The pipeline run's id (KFP's job id, Argo's ``workflow.uid``)."""
 PARAMETERS = Source("", "parameters")
-"""Every typed pipeline parameter (:data:`relaunch.components.core.contract.config.PIPELINE_PARAMETERS`), each under its own name."""
+"""Every typed pipeline parameter (:data:`relaunch.components.core.contract.pipeline_parameters.PIPELINE_PARAMETERS`), each under its own name."""
 ITEM_PREFIX = "item."
 
 
@@ -238,7 +238,7 @@ def pipeline_config(config):
         BadInput: ``tune.storage`` holds a password (it would be written into the compiled pipeline).
     """
     # the store's modules load pydantic, which the spec's other readers (the KFP entry, the console) load later or never
-    from relaunch.components.core.contract.config import parse_store_uri
+    from relaunch.components.core.store import parse_store_uri
     from relaunch.components.core.tuning.layout import study_uri
 
     if not config.tune.space:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from relaunch.components.core.contract.config import (PIPELINE_PARAMETERS, RelaunchConfig, config_from_cli, load_config,
-                                    parse_failure_spec, parse_store_uri, pipeline_parameter_type,
-                                    with_pipeline_parameters)
+from relaunch.components.core.contract.config import RelaunchConfig, parse_failure_spec
+from relaunch.components.core.contract.config_loading import config_from_cli, load_config
+from relaunch.components.core.contract.pipeline_parameters import (PIPELINE_PARAMETERS, pipeline_parameter_type,
+                                                                   with_pipeline_parameters)
+from relaunch.components.core.store import parse_store_uri
 from relaunch.components.core.contract.errors import BadInput
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from relaunch.components.core.contract.config import load_config
+from relaunch.components.core.contract.config_loading import load_config
 from relaunch.components.core.contract.errors import BadInput
 from tests.cli import relaunch_run
 

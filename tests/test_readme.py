@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from relaunch.components.core.contract.config import config_reference_markdown, exit_code_markdown
+from relaunch.components.core.contract.reference_tables import config_reference_markdown, exit_code_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -41,7 +41,7 @@ def test_a_reference_table_matches_the_code(page, marker, generate):
     found = re.search(rf"<!-- {marker}:start -->\n(.*?)\n<!-- {marker}:end -->", _text(page), re.S)
     assert found, f"{_page_id(page)} lacks the {marker} markers"
     assert found.group(1) == generate(), (f"the table in {_page_id(page)} is not the code's: regenerate it with "
-                                          "python -m relaunch.components.core.contract.config")
+                                          "python -m relaunch.components.core.contract.reference_tables")
 
 
 # -- the README is a page a newcomer reads in ten minutes
@@ -150,7 +150,7 @@ def test_the_figures_the_pages_state_are_the_codes_constants():
 
 
 def test_make_tune_is_the_study_the_pages_say():
-    from relaunch.components.core.contract.config import load_config
+    from relaunch.components.core.contract.config_loading import load_config
 
     tune = load_config(ROOT / "configs" / "tune.yaml").tune
     assert f"{tune.trials} trials, {tune.parallel} at once" in _text(DOCS / "tuning.md")
@@ -208,7 +208,8 @@ def test_the_pages_have_relaunch_command_lines_to_check():
 
 @pytest.mark.parametrize("argv", _relaunch_commands(), ids=lambda a: " ".join(a)[:60])
 def test_every_relaunch_command_in_the_pages_parses_and_its_configuration_is_valid(argv):
-    from relaunch.components.core.contract.config import load_config, with_pipeline_parameters
+    from relaunch.components.core.contract.config_loading import load_config
+    from relaunch.components.core.contract.pipeline_parameters import with_pipeline_parameters
     from relaunch.pipelines.cli import build_parser
 
     argv = [a.replace("mypkg.mytask:make_task", "relaunch.components.tasks.digits:make_task") for a in argv]
@@ -222,7 +223,7 @@ def test_every_relaunch_command_in_the_pages_parses_and_its_configuration_is_val
 def test_the_readmes_cluster_lines_carry_a_configuration_for_the_cluster():
     cluster = [c for c in _relaunch_commands([README]) if c[0] in ("compile", "submit", "schedule", "render")]
     assert cluster and all("--config" in c for c in cluster), [" ".join(c) for c in cluster if "--config" not in c]
-    from relaunch.components.core.contract.config import load_config
+    from relaunch.components.core.contract.config_loading import load_config
     from relaunch.pipelines.commands.compile import local_services
 
     assert local_services(load_config(ROOT / "configs" / "cluster.yaml")) == []

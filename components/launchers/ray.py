@@ -47,7 +47,8 @@ import threading
 import time
 from pathlib import Path
 
-from relaunch.components.core.contract.config import RelaunchConfig, config_from_cli
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.config_loading import config_from_cli
 from relaunch.components.core.contract.errors import BadInput, Preempted
 from relaunch.components.core.contract.exitcodes import PERMANENT, ExitCode, is_retryable, normalize
 from relaunch.components.core.runtime.net import free_port
@@ -62,6 +63,8 @@ HEAD_STOP_SECONDS = 10.0  # from SIGTERM to SIGKILL of the head's process group
 GROUP_GONE_SECONDS = 30.0  # at most, from the head's end to the last of its group reaped
 POLL_SECONDS = 0.05  # how often the driver asks the actors for output and exit status
 PEER_STOP_SECONDS = 10.0  # once a rank failed: how long its killed peers get to be reaped
+ACTOR_BACK_SECONDS = 120.0  # at most, from a round's failure to every actor Ray restarts answering again
+ACTOR_BACK_POLL_SECONDS = 0.2
 AUTH_ENV = {"RAY_AUTH_MODE": "token"}
 TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
 READY_LINE = "Ray runtime started"
@@ -289,9 +292,27 @@ class _Driver:
                 "TORCHELASTIC_MAX_RESTARTS": str(self.spec.restart.max_restarts),
                 "TORCHELASTIC_RUN_ID": self.job_id, "RELAUNCH_NODE": str(rank // ppn), "PYTHONUNBUFFERED": "1"}
 
+    def _actors_back(self) -> bool:
+        """Whether every actor answers within :data:`ACTOR_BACK_SECONDS`: one whose Ray worker was killed
+        refuses calls (``ActorUnavailableError``) while Ray restarts it, a few seconds."""
+        ray = self.ray
+        deadline = time.monotonic() + ACTOR_BACK_SECONDS
+        while True:
+            try:
+                ray.get([a.rendezvous.remote() for a in self.actors])
+                return True
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(ACTOR_BACK_POLL_SECONDS)
+
     def _round(self, restarts: int) -> int:
         """One round: every rank started, watched to its end. The contract's code of the round."""
         ray = self.ray
+        if restarts and not self._actors_back():
+            print(f"relaunch[ray]: a rank actor Ray restarts did not answer within {ACTOR_BACK_SECONDS:g} s",
+                  file=sys.stderr, flush=True)
+            return int(ExitCode.RETRY_ME)
         host, port = ray.get(self.actors[0].rendezvous.remote())
         ray.get([a.start.remote(self.spec.module, self.spec.config_json, self._env(rank, host, port, restarts), os.getcwd())
                  for rank, a in enumerate(self.actors)])

@@ -14,7 +14,8 @@ import argparse
 import sys
 
 from relaunch.components.core.contract.classify import torchrun_exit
-from relaunch.components.core.contract.config import RelaunchConfig, config_from_cli
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.config_loading import config_from_cli
 from relaunch.components.core.contract.entry import exit_on_error
 from relaunch.components.core.contract.errors import RelaunchError
 from relaunch.components.core.contract.exitcodes import ExitCode, normalize

@@ -166,7 +166,7 @@ def _interop(args: argparse.Namespace) -> int:
 def _adopt(args: argparse.Namespace):
     """import: what makes a stock ``{"model", "optimizer"}`` the state a training of ``--config``/``--set``
     resumes from (:func:`relaunch.components.core.trainer.adopt.training_state`)."""
-    from relaunch.components.core.contract.config import load_config
+    from relaunch.components.core.contract.config_loading import load_config
 
     config = load_config(args.config, args.overrides)
 

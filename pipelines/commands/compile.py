@@ -17,7 +17,8 @@ import argparse
 import os
 import sys
 
-from relaunch.components.core.contract.config import config_from_cli, parse_store_uri
+from relaunch.components.core.contract.config_loading import config_from_cli
+from relaunch.components.core.store import parse_store_uri
 from relaunch.components.core.contract.errors import BadInput
 from relaunch.pipelines.commands import Subcommands
 

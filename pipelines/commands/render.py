@@ -11,7 +11,8 @@ import argparse
 
 import yaml
 
-from relaunch.components.core.contract.config import RelaunchConfig, config_from_cli
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.config_loading import config_from_cli
 from relaunch.components.launchers import LAUNCH_BACKENDS, renderers
 from relaunch.pipelines.commands import Subcommands
 from relaunch.pipelines.commands.compile import add_config_args, warn_local_services, write_output

@@ -40,8 +40,10 @@ import sys
 import time
 
 from relaunch.components.core.checkpoint.layout import LATEST, read_json
-from relaunch.components.core.contract.config import (RelaunchConfig, config_from_cli, expand_home,
-                                                      with_pipeline_parameters)
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.config_loading import config_from_cli
+from relaunch.components.core.contract.pipeline_parameters import with_pipeline_parameters
+from relaunch.components.core.contract.uris import expand_home
 from relaunch.components.core.contract.errors import BadInput, RelaunchError
 from relaunch.components.core.contract.exitcodes import ExitCode
 from relaunch.components.core.store import open_store

@@ -12,7 +12,7 @@ import argparse
 import time
 from pathlib import Path
 
-from relaunch.components.core.contract.config import config_from_cli
+from relaunch.components.core.contract.config_loading import config_from_cli
 from relaunch.components.core.contract.errors import BadInput
 from relaunch.pipelines.commands import Subcommands
 from relaunch.pipelines.commands.compile import add_config_args, render, warn_local_services

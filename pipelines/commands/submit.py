@@ -20,7 +20,8 @@ from typing import Callable
 
 import yaml
 
-from relaunch.components.core.contract.config import check_http_url, config_from_cli
+from relaunch.components.core.contract.config_loading import config_from_cli
+from relaunch.components.core.contract.uris import check_http_url
 from relaunch.components.core.contract.errors import BadInput
 from relaunch.components.launchers.cluster import kube_api_client
 from relaunch.pipelines.commands import Subcommands

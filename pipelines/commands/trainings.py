@@ -64,7 +64,7 @@ class TrainingState:
 
 def trainings(args: argparse.Namespace) -> int:
     """List the trainings of the store with their state; exit 0 (2 when the store holds none)."""
-    from relaunch.components.core.contract.config import config_from_cli
+    from relaunch.components.core.contract.config_loading import config_from_cli
 
     root = args.store or config_from_cli(args.config, None, []).store.uri
     found = resolve_trainings(open_store(root))

@@ -37,7 +37,9 @@ import time
 
 from pydantic import ValidationError
 
-from relaunch.components.core.contract.config import RelaunchConfig, config_from_cli, describe_validation_error, expand_home
+from relaunch.components.core.contract.config import RelaunchConfig, describe_validation_error
+from relaunch.components.core.contract.config_loading import config_from_cli
+from relaunch.components.core.contract.uris import expand_home
 from relaunch.components.core.contract.errors import BadInput, RelaunchError
 from relaunch.components.core.contract.exitcodes import ExitCode
 from relaunch.components.core.store import open_store

@@ -61,7 +61,7 @@ def _study_args(workdir: Path, steps: int, trials: int) -> list[str]:
 
 def _trial_params(trials: int) -> list[dict]:
     """The parameters a fresh study of ``configs/tune.yaml`` (seed 0) gives its first ``trials`` trials."""
-    from relaunch.components.core.contract.config import load_config
+    from relaunch.components.core.contract.config_loading import load_config
     from relaunch.components.core.tuning.study import Study
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -73,7 +73,8 @@ def _trial_params(trials: int) -> list[dict]:
 def _by_hand(workdir: Path, params: list[dict], steps: int, series: str) -> list[float]:
     """Each training through the launch step, one after another, on the dataset a study gives its
     trials (stored beside it, ``data.version`` set); their wall times."""
-    from relaunch.components.core.contract.config import apply_suggestions, load_config
+    from relaunch.components.core.contract.config_loading import load_config
+    from relaunch.components.core.contract.suggestions import apply_suggestions
     from relaunch.components.core.store import open_store
     from relaunch.components.core.data import commit_task_data
     from relaunch.components.core.tracking.client import ensure_run
@@ -105,7 +106,8 @@ def _machinery(workdir: Path, trials: int) -> float:
     MLflow child run opened, its folder given its configuration and the dataset, its record written) and
     ended (Optuna told, its record written, its MLflow run closed), without a training between."""
     from relaunch.components import prepare
-    from relaunch.components.core.contract.config import RelaunchConfig, load_config
+    from relaunch.components.core.contract.config import RelaunchConfig
+    from relaunch.components.core.contract.config_loading import load_config
     from relaunch.components.core.store import open_store
     from relaunch.components.core.tuning.layout import COMPLETE, study_uri
     from relaunch.components.core.tuning.study import Study

@@ -23,7 +23,7 @@ def _stock_folder(path: Path, *overrides: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from relaunch.components.core.contract.config import load_config
+    from relaunch.components.core.contract.config_loading import load_config
     from relaunch.components.tasks.base import load_task
 
     config = load_config(None, [*TINY_SETS, *overrides])
@@ -44,7 +44,7 @@ def _tree(root: Path) -> dict[str, bytes]:
 
 def test_an_imported_stock_model_and_optimizer_loads_into_the_tasks_training_state_at_its_step(tmp_path, capsys):
     from relaunch.components.core.checkpoint import CheckpointManager
-    from relaunch.components.core.contract.config import load_config
+    from relaunch.components.core.contract.config_loading import load_config
     from relaunch.components.core.data import step_counts
     from relaunch.components.core.trainer import setup
     from relaunch.components.core.trainer.health import SpikeDetector

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from relaunch.components.core.checkpoint import CheckpointManager
-from relaunch.components.core.contract.config import load_config
+from relaunch.components.core.contract.config_loading import load_config
 from relaunch.components.core.contract.errors import BadInput
 from relaunch.components.core.store import BACKENDS, PreconditionFailed, Segments, join_uri, open_store, register_backend
 from relaunch.pipelines.cli import main

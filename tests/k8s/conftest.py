@@ -14,7 +14,8 @@ import pytest
 import kmock as kmock_lib
 import yaml
 
-from relaunch.components.core.contract.config import RelaunchConfig, load_config
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.config_loading import load_config
 
 NAMESPACE = "relaunch-test"
 BACKENDS = ("pytorchjob", "trainjob")

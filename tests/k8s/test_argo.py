@@ -8,7 +8,7 @@ import re
 import pytest
 from jsonschema import Draft7Validator, Draft202012Validator
 
-from relaunch.components.core.contract.config import load_config
+from relaunch.components.core.contract.config_loading import load_config
 from relaunch.pipelines.spec import DELETE_JOB, EXIT_HANDLER_RETRY, RETRY_POLICIES, STEPS
 from relaunch.components.core.contract.exitcodes import PERMANENT, RETRYABLE, argo_retry_expression
 from relaunch.pipelines.argo import BUILDERS, to_dict

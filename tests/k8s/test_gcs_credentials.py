@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from relaunch.components.core.contract.config import load_config
+from relaunch.components.core.contract.config_loading import load_config
 from relaunch.components.launchers.pytorchjob import build_pytorchjob
 from relaunch.components.launchers.trainjob import build_runtime, build_trainjob
 

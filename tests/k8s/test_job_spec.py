@@ -10,7 +10,8 @@ import json
 import pytest
 import yaml
 
-from relaunch.components.core.contract.config import RelaunchConfig, load_config
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.config_loading import load_config
 from relaunch.components.launchers.jobs import JobSpec, RestartPolicy, Resources, SecretEnv, job_spec
 from relaunch.components.launchers.local import build_commands
 from relaunch.components.launchers.pytorchjob import build_pytorchjob, render_pytorchjob

@@ -15,7 +15,8 @@ import yaml
 from jsonschema import Draft7Validator
 
 from relaunch.components.core.contract import suggestions
-from relaunch.components.core.contract.config import RelaunchConfig, load_config
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.config_loading import load_config
 from relaunch.components.core.contract.exitcodes import PERMANENT, RETRYABLE
 from relaunch.components.core.trainer.metrics_file import format_line
 from relaunch.components.launchers.katib import METRICS_FILE, build_experiment

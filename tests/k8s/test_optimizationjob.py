@@ -18,7 +18,8 @@ import yaml
 from jsonschema import Draft7Validator
 
 from relaunch.components.core.contract import suggestions
-from relaunch.components.core.contract.config import RelaunchConfig, load_config
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.config_loading import load_config
 from relaunch.components.core.contract.errors import BadInput
 from relaunch.components.core.contract.exitcodes import RETRYABLE
 from relaunch.components.launchers.optimizationjob import build_optimization_job

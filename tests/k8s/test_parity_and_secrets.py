@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from relaunch.components.core.contract.config import load_config
+from relaunch.components.core.contract.config_loading import load_config
 from relaunch.pipelines.spec import RETRY_POLICIES, STEPS
 from relaunch.components.launchers.pytorchjob import build_pytorchjob
 from relaunch.components.launchers.trainjob import build_runtime, build_trainjob

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from jsonschema import Draft7Validator
 
-from relaunch.components.core.contract.config import load_config
+from relaunch.components.core.contract.config_loading import load_config
 from relaunch.components.launchers.k8s_naming import MAX_JOB_NAME, job_name
 from relaunch.components.launchers.jobs import owner_from_env
 from relaunch.components.launchers.pytorchjob import build_pytorchjob

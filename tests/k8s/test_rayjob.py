@@ -12,7 +12,7 @@ import pytest
 import yaml
 from jsonschema import Draft7Validator
 
-from relaunch.components.core.contract.config import load_config
+from relaunch.components.core.contract.config_loading import load_config
 from relaunch.components.core.contract.exitcodes import ExitCode
 from relaunch.components.core.store import open_store
 from relaunch.components.core.store.records import write_exit_record

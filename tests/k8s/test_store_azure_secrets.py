@@ -8,7 +8,7 @@ import pytest
 import yaml
 from jsonschema import Draft7Validator
 
-from relaunch.components.core.contract.config import load_config
+from relaunch.components.core.contract.config_loading import load_config
 from relaunch.components.launchers.jobs import AZURE_SECRET_KEYS, STORE_SECRET_KEYS
 from relaunch.components.launchers.pytorchjob import build_pytorchjob
 from relaunch.components.launchers.trainjob import build_runtime, build_trainjob

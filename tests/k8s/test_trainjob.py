@@ -13,7 +13,7 @@ import pytest
 import yaml
 from jsonschema import Draft7Validator
 
-from relaunch.components.core.contract.config import load_config
+from relaunch.components.core.contract.config_loading import load_config
 from relaunch.components.core.contract.exitcodes import MEANING, PERMANENT, RETRYABLE, ExitCode
 from relaunch.components.launchers.trainjob import build_runtime, build_trainjob, jobset_action
 from relaunch.pipelines.cli import main

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from relaunch.components.core.contract.config import RelaunchConfig, load_config
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.config_loading import load_config
 from relaunch.components.core.contract.errors import BadInput
 from relaunch.components.launchers import LAUNCH_BACKENDS, LaunchResult, backend_module, register_launch_backend
 from relaunch.pipelines.cli import main

@@ -35,7 +35,7 @@ def _sets(overrides: list[str]) -> list[str]:
 def _a_training_that_never_ran(tmp_path: Path) -> str:
     """A training ``relaunch run`` started and that stopped before its pipeline opened anything (its
     configuration stored, nothing else): ``--resume`` runs its whole pipeline. Its store URI."""
-    from relaunch.components.core.contract.config import config_from_cli
+    from relaunch.components.core.contract.config_loading import config_from_cli
     from relaunch.pipelines.commands.run import new_training, remember_config
 
     tiny = [TINY[i + 1] for i in range(0, len(TINY), 2)]

@@ -14,7 +14,8 @@ import yaml
 from google.protobuf import json_format
 from kfp.pipeline_spec import pipeline_spec_pb2
 
-from relaunch.components.core.contract.config import PIPELINE_PARAMETERS, RelaunchConfig, pipeline_parameter_type
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.pipeline_parameters import PIPELINE_PARAMETERS, pipeline_parameter_type
 from relaunch.pipelines.spec import PARAMETERS, RETRY_POLICIES, STEP_TABLE, STEPS
 from relaunch.pipelines import kfp_pipeline
 from relaunch.pipelines.commands.compile import render

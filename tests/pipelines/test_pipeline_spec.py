@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from relaunch.pipelines.spec import CONFIG, FINAL_STATUS, PARAMETERS, PIPELINE, RUN_ID, Source, Step
-from relaunch.components.core.contract.config import PIPELINE_PARAMETERS, RelaunchConfig
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.pipeline_parameters import PIPELINE_PARAMETERS
 from relaunch.pipelines.argo import build_workflow, to_dict
 from relaunch.pipelines.commands.compile import render
 

@@ -10,7 +10,8 @@ import pytest
 
 from relaunch.components.core.store import records
 from relaunch.components.core.store import ledger
-from relaunch.components.core.contract.config import RelaunchConfig, config_from_cli
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.config_loading import config_from_cli
 from relaunch.components.core.contract.errors import BadInput
 from relaunch.components.core.store import open_store
 from relaunch.components.core.store.records import write_pipeline_finished

@@ -18,7 +18,8 @@ from google.protobuf import json_format
 from jsonschema import Draft7Validator, Draft202012Validator
 from kfp.pipeline_spec import pipeline_spec_pb2
 
-from relaunch.components.core.contract.config import RelaunchConfig, load_config
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.config_loading import load_config
 from relaunch.components.core.contract.exitcodes import argo_retry_expression
 from relaunch.pipelines import argo
 from relaunch.pipelines.cli import main

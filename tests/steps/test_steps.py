@@ -130,7 +130,7 @@ def test_the_local_launcher_starts_one_torchrun_agent_per_simulated_node(nodes, 
 def test_the_example_configs_are_valid(path):
     from pathlib import Path
 
-    from relaunch.components.core.contract.config import load_config
+    from relaunch.components.core.contract.config_loading import load_config
 
     root = Path(__file__).resolve().parents[2]
     assert load_config(root / path) == RelaunchConfig()  # local.yaml spells out the embedded defaults

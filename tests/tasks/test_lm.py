@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from relaunch.components.core.contract.config import RelaunchConfig, load_config
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.config_loading import load_config
 from relaunch.components.core.contract.errors import BadInput
 from relaunch.components.tasks.lm import EOS, VOCAB_SIZE, decode, encode, make_task, sequences
 

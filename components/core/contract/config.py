@@ -1,49 +1,38 @@
 """The one configuration model of relaunch, read by every step, the training entrypoint, the local
-run and the KFP/Argo definitions.
+run and the KFP/Argo definitions: its sections and fields, each field's validation, and the one-line
+description of a refusal (:func:`describe_validation_error`).
 
-Sources, later ones winning: the defaults below, a YAML file, ``--set dotted.key=value`` overrides.
 Unknown keys and wrong types are refused; every error names the field and the bad value in one line
 (:class:`~relaunch.components.core.contract.errors.BadInput`, exit code 2). Credentials never live here: they come from
-the environment (or Kubernetes Secrets mapped into it).
+the environment (or Kubernetes Secrets mapped into it). Beside it, each concern in its own module:
+
+- :mod:`~relaunch.components.core.contract.config_loading`: defaults, a YAML file or ``--config-json``, then
+  ``--set dotted.key=value`` overrides (``load_config``, ``config_from_cli``);
+- :mod:`~relaunch.components.core.contract.uris`: the URI and path checks the validators call;
+- :mod:`~relaunch.components.core.contract.pipeline_parameters`: the typed KFP/Argo pipeline parameters
+  and their folding into a configuration;
+- :mod:`~relaunch.components.core.contract.suggestions`: a trial's suggested values applied to a configuration;
+- :mod:`~relaunch.components.core.contract.reference_tables`: the generated tables of docs/configuration.md
+  and README.
 """
 
 from __future__ import annotations
 
-import json
-import os
+import difflib
 import re
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 from relaunch.components.core.contract.errors import BadInput
-from relaunch.components.core.contract.registry import launch_backend, launch_backend_names
-from relaunch.components.core.contract.registry import parse_store_uri  # noqa: F401 - validators' rule, also imported from here
+from relaunch.components.core.contract.registry import launch_backend, launch_backend_names, parse_store_uri
+from relaunch.components.core.contract.uris import (MODEL_URI, check_artifact_location, check_http_url,
+                                                    check_tracking_uri, expand_home)
 
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<version>\d+)|@(?P<alias>[A-Za-z0-9_-]+))$")
-"""A registered model version: ``models:/name/version`` or ``models:/name@alias``."""
 FAILURE_SPEC = re.compile(r"^(?P<kind>kill-worker|preempt|storage-outage)@step=(?P<step>\d+)$")
 """``launch.inject_failure``: ``kill-worker@step=N``, ``preempt@step=N`` or ``storage-outage@step=N``."""
-
-
-def expand_home(path: str) -> str:
-    """``path`` with a leading ``~`` or ``~user`` expanded to that home directory (as a shell would:
-    a quoted ``--set store.uri=~/x`` must not become a folder named ``~``); other paths unchanged.
-
-    Raises:
-        ValueError: the ``~`` cannot be expanded (no such user, or no HOME).
-    """
-    if not path.startswith("~"):
-        return path
-    expanded = os.path.expanduser(path)
-    if expanded.startswith("~"):
-        raise ValueError(f"{path!r}: cannot expand {path.split('/', 1)[0]!r} (no such user, or HOME unset); "
-                         f"write the absolute path")
-    return expanded
-
 
 
 RENAMED_TASKS = {"components.tasks.digits:make_task": "relaunch.components.tasks.digits:make_task"}
@@ -54,66 +43,6 @@ training started then stored its ``train.task`` so, and resumes under the new na
 def current_task_spec(spec: Any) -> Any:
     """``spec`` under the name relaunch's own task has now (:data:`RENAMED_TASKS`), else unchanged."""
     return RENAMED_TASKS.get(spec, spec) if isinstance(spec, str) else spec
-
-TRACKING_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "file", "databricks")
-"""Tracking URI schemes MLflow serves (a database one may name its driver: ``postgresql+psycopg2``)."""
-_URI_PREFIX = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):(.*)$", re.S)
-
-
-def check_tracking_uri(uri: str) -> str:
-    """``uri`` if it is a well-formed MLflow tracking URI, else ValueError naming the fix in one line:
-    ``sqlite:x.db`` -> ``sqlite:///x.db``, ``http:/host`` -> ``http://host``, ``HTTP://`` -> lowercase,
-    no credentials in it (they come from MLFLOW_TRACKING_USERNAME/PASSWORD)."""
-    usage = "use sqlite:///path.db, postgresql+psycopg2://..., or http://host:port"
-    for scheme in ("sqlite:///", "file://"):  # a path after the scheme: ~ expanded, as in store.uri
-        if uri.startswith(scheme + "~"):
-            uri = scheme + expand_home(uri[len(scheme):])
-    match = _URI_PREFIX.match(uri)
-    if match is None:
-        raise ValueError(f"unsupported tracking URI {uri!r} (a path is not one); {usage}")
-    scheme, rest = match[1], match[2]
-    base = scheme.split("+")[0].lower()
-    if base not in TRACKING_SCHEMES:
-        raise ValueError(f"unsupported tracking URI {uri!r}: scheme {scheme!r}; {usage}")
-    if scheme != scheme.lower():
-        raise ValueError(f"tracking URI {uri!r}: write the scheme in lowercase: {scheme.lower()}:{rest}")
-    if not rest.startswith("//"):
-        slashes = "///" if base in ("sqlite", "file") else "//"
-        raise ValueError(f"tracking URI {uri!r} is not a well-formed {base} URI; write the URI as "
-                         f"{scheme}:{slashes}{rest.lstrip('/')}")
-    if base == "sqlite" and not rest.startswith("///"):
-        raise ValueError(f"tracking URI {uri!r}: a sqlite URI has three slashes before the file: "
-                         f"sqlite:///{rest.lstrip('/')} (relative) or sqlite:////absolute/path.db")
-    if base in ("http", "https") and not rest[2:].split("/", 1)[0]:
-        raise ValueError(f"tracking URI {uri!r} names no host; write {base}://host:port")
-    if re.match(r"^https?://[^/]*:[^/@]*@", uri):
-        raise ValueError("tracking URI must not carry credentials; set MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD")
-    return uri
-
-
-def check_artifact_location(uri: str) -> str:
-    """``uri`` if it is a path or ``<scheme>://...`` (``mlflow-artifacts:/path`` too), else ValueError:
-    ``s3:/bucket/x`` would be taken as a local folder of that name."""
-    match = _URI_PREFIX.match(uri)
-    if match is None:
-        return expand_home(uri)
-    if match[1] == "mlflow-artifacts":
-        return uri
-    scheme, rest = match[1], match[2]
-    if scheme != scheme.lower():
-        raise ValueError(f"artifact location {uri!r}: write the scheme in lowercase: {scheme.lower()}:{rest}")
-    if not rest.startswith("//"):
-        slashes = "///" if scheme == "file" else "//"
-        raise ValueError(f"artifact location {uri!r} is not a well-formed URI; write the URI as "
-                         f"{scheme}:{slashes}{rest.lstrip('/')} (a local directory of that name is written ./{uri})")
-    return uri
-
-
-def check_http_url(url: str, what: str) -> str:
-    """``url`` if it is ``http(s)://host[:port][/...]``, else ValueError naming ``what``."""
-    if not re.match(r"^https?://[^/\s]+", url):
-        raise ValueError(f"{what} {url!r} is not http(s)://host[:port]")
-    return url
 
 
 def parse_failure_spec(spec: str | None) -> tuple[str | None, int]:
@@ -367,9 +296,6 @@ class LoggingConfig(_Model):
         "step (for Loki or Elasticsearch); passed to child processes as RELAUNCH_LOG_FORMAT.")
 
 
-TUNABLE_TYPES = ("uniform", "log_uniform", "int", "categorical")
-
-
 class TuneParameter(_Model):
     """How one configuration field is searched."""
 
@@ -540,25 +466,12 @@ class RelaunchConfig(_Model):
             raise BadInput(describe_validation_error(err)) from None
 
 
-PIPELINE_PARAMETERS: dict[str, str] = {
-    "epochs": "train.epochs",
-    "max_steps": "train.max_steps",
-    "learning_rate": "train.lr",
-    "nodes": "launch.nodes",
-    "procs_per_node": "launch.procs_per_node",
-    "inject_failure": "launch.inject_failure",
-    "resume_from": "train.resume_from",
-    "warm_start_model": "train.warm_start_model",
-    "run_name": "tracking.run_name",
-}
-"""Typed pipeline parameter -> the configuration field it overrides: the one table the KFP and Argo
-parameters (their types, "keep" defaults and descriptions) and prepare's folding are built from."""
+def config_field(path: str) -> FieldInfo:
+    """The field of the configuration at ``path`` (``train.lr``), its annotation and description.
 
-KEEP_VALUES = (None, "", 0, 0.0, "0", "0.0")
-"""A pipeline parameter holding one of these keeps the configuration's value (Argo passes text)."""
-
-
-def _field(path: str):
+    Raises:
+        KeyError, AttributeError: no such field.
+    """
     model: type[BaseModel] = RelaunchConfig
     *sections, name = path.split(".")
     for section in sections:
@@ -579,7 +492,7 @@ def check_tunable(path: str, parameter: TuneParameter) -> None:
     if parts[0] == "tune":
         raise ValueError(f"key {path!r}: the study's own settings cannot be tuned")
     try:
-        field = _field(path)
+        field = config_field(path)
     except (KeyError, AttributeError):
         guess = _did_you_mean(parts)
         hint = f"did you mean {guess!r}?" if guess else "name a field such as train.lr (docs/configuration.md)"
@@ -593,72 +506,8 @@ def check_tunable(path: str, parameter: TuneParameter) -> None:
                          f"so it cannot take a {parameter.type} float; use type: int or categorical")
 
 
-def apply_suggestions(config: RelaunchConfig, values: dict[str, Any]) -> RelaunchConfig:
-    """A copy of ``config`` with each ``dotted.path -> value`` of a trial set and validated by its field.
-
-    Raises:
-        BadInput: a value its field refuses (named in one line).
-    """
-    data = json.loads(config.model_dump_json())
-    for path, value in values.items():
-        *sections, name = path.split(".")
-        node = data
-        for section in sections:
-            node = node.setdefault(section, {})
-        node[name] = value
-    try:
-        return RelaunchConfig.model_validate(data)
-    except ValidationError as err:
-        raise BadInput(describe_validation_error(err)) from None
-
-
-def pipeline_parameter_type(name: str) -> type:
-    """``int``, ``float`` or ``str``: the type of the field parameter ``name`` overrides, less ``None``."""
-    annotation = _field(PIPELINE_PARAMETERS[name]).annotation
-    return next(t for t in (int, float, str) if t is annotation or t in getattr(annotation, "__args__", ()))
-
-
-def pipeline_parameter_description(name: str) -> str:
-    """``train.epochs: Passes over the training split. 0 keeps the configuration's value.``"""
-    path = PIPELINE_PARAMETERS[name]
-    keep = "Empty" if pipeline_parameter_type(name) is str else "0"
-    return f"{path}: {_field(path).description} {keep} keeps the configuration's value."
-
-
-def with_pipeline_parameters(config: RelaunchConfig, values: dict[str, Any]) -> RelaunchConfig:
-    """A copy of ``config`` with the pipeline parameters that differ from their "keep" value.
-
-    Each value is validated once, by assignment to its field (no text round trip); the rest of the
-    configuration was validated when it was loaded.
-
-    Raises:
-        BadInput: an unknown parameter, or a value its field refuses (named in one line).
-    """
-    unknown = sorted(set(values) - set(PIPELINE_PARAMETERS))
-    if unknown:
-        raise BadInput(f"unknown pipeline parameter(s) {', '.join(unknown)}; known: {', '.join(PIPELINE_PARAMETERS)}")
-    changed = {name: v for name, v in values.items() if v not in KEEP_VALUES}
-    if not changed:
-        return config
-    folded = config.model_copy(deep=True)
-    for name, value in changed.items():
-        *sections, field = PIPELINE_PARAMETERS[name].split(".")
-        target = folded
-        for section in sections:
-            target = getattr(target, section)
-        try:
-            setattr(target, field, value)
-        except ValidationError as err:
-            first = err.errors()[0]
-            raise BadInput(f"config: {PIPELINE_PARAMETERS[name]} (pipeline parameter {name}): "
-                           f"{first['msg'].removeprefix('Value error, ')} (got {value!r})") from None
-    return folded
-
-
 def _did_you_mean(loc: list[str]) -> str | None:
     """The known key nearest to the unknown ``loc`` (``train.epoch`` -> ``train.epochs``), or None."""
-    import difflib
-
     model: Any = RelaunchConfig
     for part in loc[:-1]:
         field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
@@ -687,114 +536,3 @@ def describe_validation_error(err: ValidationError) -> str:
     shown = "" if isinstance(value, dict) else f" (got {_redacted(value)!r})"
     more = f" and {len(err.errors()) - 1} more error(s)" if len(err.errors()) > 1 else ""
     return f"config: {field}: {msg}{shown}{more}"
-
-
-def _parse_value(raw: str) -> Any:
-    try:
-        return yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError:
-        return raw
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``dotted.key=value`` strings (values parsed as YAML scalars/collections) to ``data``."""
-    for item in overrides:
-        if "=" not in item:
-            raise BadInput(f"--set {item!r}: expected dotted.key=value, e.g. --set train.lr=0.1")
-        key, raw = item.split("=", 1)
-        parts = key.strip().split(".")
-        if not all(parts):
-            raise BadInput(f"--set {item!r}: empty key segment; expected dotted.key=value")
-        node = data
-        for part in parts[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise BadInput(f"--set {item!r}: {part!r} is not a section")
-            node = child
-        node[parts[-1]] = _parse_value(raw)
-    return data
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RelaunchConfig:
-    """Build and validate the configuration.
-
-    Args:
-        path: a YAML file, or None for the defaults.
-        overrides: ``dotted.key=value`` strings applied after the file.
-
-    Raises:
-        BadInput: unreadable file, invalid YAML, unknown key, wrong type or out-of-range value.
-    """
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            p = Path(expand_home(str(path)))
-        except ValueError as err:
-            raise BadInput(f"config file {err}") from None
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except FileNotFoundError:
-            raise BadInput(f"config file {str(p)!r} does not exist") from None
-        except yaml.YAMLError as err:
-            raise BadInput(f"config file {str(p)!r} is not valid YAML: {str(err).splitlines()[0]}") from None
-        except OSError as err:
-            raise BadInput(f"config file {str(p)!r} cannot be read: {err.strerror}") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise BadInput(f"config file {str(p)!r} must hold a mapping at the top, got {type(loaded).__name__}")
-        data = loaded
-    data = apply_overrides(data, list(overrides or []))
-    try:
-        return RelaunchConfig.model_validate(data)
-    except ValidationError as err:
-        raise BadInput(describe_validation_error(err)) from None
-
-
-def config_from_cli(config: str | None, config_json: str | None, overrides: list[str] | None) -> RelaunchConfig:
-    """What every step CLI does: ``--config FILE`` or ``--config-json TEXT``, then ``--set`` overrides."""
-    if config_json:
-        try:
-            data = json.loads(config_json)
-        except json.JSONDecodeError as err:
-            raise BadInput(f"--config-json is not valid JSON: {err.msg} at position {err.pos}") from None
-        data = apply_overrides(data, list(overrides or []))
-        try:
-            return RelaunchConfig.model_validate(data)
-        except ValidationError as err:
-            raise BadInput(describe_validation_error(err)) from None
-    return load_config(config, overrides)
-
-
-def config_reference_markdown() -> str:
-    """The configuration table of docs/configuration.md, generated from the model so the docs cannot drift."""
-    rows = ["| field | default | meaning |", "|---|---|---|"]
-
-    def walk(model: type[BaseModel], prefix: str) -> None:
-        for name, field in model.model_fields.items():
-            annotation = field.annotation
-            if isinstance(annotation, type) and issubclass(annotation, _Model):
-                walk(annotation, f"{prefix}{name}.")
-                continue
-            default = field.get_default(call_default_factory=True)
-            shown = "—" if default is None else f"`{json.dumps(default)}`"
-            rows.append(f"| `{prefix}{name}` | {shown} | {field.description or ''} |")
-
-    walk(RelaunchConfig, "")
-    return "\n".join(rows)
-
-
-def exit_code_markdown() -> str:
-    """The README's exit-code table, generated from :mod:`relaunch.components.core.contract.exitcodes`."""
-    from relaunch.components.core.contract.exitcodes import MEANING, RETRYABLE
-
-    rows = ["| code | meaning | retried |", "|---|---|---|"]
-    for code, meaning in sorted(MEANING.items()):
-        rows.append(f"| {int(code)} | {meaning} | {'yes' if code in RETRYABLE else ('—' if code == 0 else 'no')} |")
-    return "\n".join(rows)
-
-
-if __name__ == "__main__":  # python -m relaunch.components.core.contract.config  → the tables of docs/configuration.md and README
-    print(config_reference_markdown())
-    print()
-    print(exit_code_markdown())

@@ -1,4 +1,6 @@
-"""A cluster study's suggestions, as the training entrypoint finds them in its environment.
+"""A study's suggestions: a trial's values applied to a configuration (:func:`apply_suggestions`, for every
+trial, local or on a cluster), and a cluster trial's values as the training entrypoint finds them in its
+environment.
 
 On a cluster a study's trials are not started by relaunch: Katib (an ``Experiment``) or the Trainer (an
 ``OptimizationJob``) starts one training job per trial and hands it the trial's values as environment
@@ -20,13 +22,16 @@ checkpoints.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
 from collections.abc import Mapping
 from typing import Any
 
-from relaunch.components.core.contract.config import RelaunchConfig, TuneParameter, apply_suggestions
+from pydantic import ValidationError
+
+from relaunch.components.core.contract.config import RelaunchConfig, TuneParameter, describe_validation_error
 from relaunch.components.core.contract.errors import BadInput
 
 OPT_ENV_PREFIX = "KUBEFLOW_TRAINER_OPT_"
@@ -131,6 +136,25 @@ def suggestions(config: RelaunchConfig, environ: Mapping[str, str]) -> dict[str,
                        "render the study again from this configuration")
     return {by_variable[name]: parse_value(by_variable[name], space[by_variable[name]], text)
             for name, text in sorted(given.items())}
+
+
+def apply_suggestions(config: RelaunchConfig, values: dict[str, Any]) -> RelaunchConfig:
+    """A copy of ``config`` with each ``dotted.path -> value`` of a trial set and validated by its field.
+
+    Raises:
+        BadInput: a value its field refuses (named in one line).
+    """
+    data = json.loads(config.model_dump_json())
+    for path, value in values.items():
+        *sections, name = path.split(".")
+        node = data
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[name] = value
+    try:
+        return RelaunchConfig.model_validate(data)
+    except ValidationError as err:
+        raise BadInput(describe_validation_error(err)) from None
 
 
 def from_environment(config: RelaunchConfig, environ: Mapping[str, str] | None = None) -> RelaunchConfig:

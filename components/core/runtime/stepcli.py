@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, NoReturn
 
-from relaunch.components.core.contract.config import config_from_cli
+from relaunch.components.core.contract.config_loading import config_from_cli
 from relaunch.components.core.contract.entry import exit_on_error
 from relaunch.components.core.contract.errors import BadInput
 from relaunch.components.core.runtime import logs

@@ -60,7 +60,7 @@ def tracking_uri(config) -> str:
     from_env = os.environ.get("MLFLOW_TRACKING_URI")
     if not from_env:
         return config.tracking.uri
-    from relaunch.components.core.contract.config import check_tracking_uri
+    from relaunch.components.core.contract.uris import check_tracking_uri
 
     try:
         return check_tracking_uri(from_env)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from relaunch.components.core.contract.config import MODEL_URI
+from relaunch.components.core.contract.uris import MODEL_URI
 from relaunch.components.core.contract.errors import BadInput
 from relaunch.components.core.tracking import client as tracking
 

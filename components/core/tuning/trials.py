@@ -22,7 +22,8 @@ from typing import Any
 
 import optuna
 
-from relaunch.components.core.contract.config import RelaunchConfig, TuneConfig, apply_suggestions
+from relaunch.components.core.contract.config import RelaunchConfig, TuneConfig
+from relaunch.components.core.contract.suggestions import apply_suggestions
 from relaunch.components.core.contract.errors import BadInput, RelaunchError
 from relaunch.components.core.contract.exitcodes import ExitCode, is_retryable
 from relaunch.components.core.store import open_store
