@@ -130,7 +130,7 @@ def in_place_recovery(cwd: Path) -> dict:
     return recovery
 
 
-def test_the_killed_worker_was_replaced_in_place_its_state_from_its_peers_memory(embedded):
+def test_the_killed_worker_was_replaced_in_place_within_its_attempt_from_its_peers_memory_or_the_store(embedded):
     cwd, _ = embedded
     recovery = in_place_recovery(cwd)
     assert recovery["lost_at_step"] == 30 and 0 < recovery["resumed_step"] <= 30
