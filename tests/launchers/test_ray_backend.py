@@ -36,8 +36,9 @@ def ray_config(tmp_path: Path, tracking: str, **train) -> RelaunchConfig:
     return RelaunchConfig.model_validate(config)
 
 
-def trainers(marker: str) -> list[tuple[int, int, int]]:
-    """``(pid, parent pid, rank)`` of every running trainer whose command line holds ``marker`` (its store)."""
+def trainers(marker: str, *, loader_workers: bool = False) -> list[tuple[int, int, int]]:
+    """``(pid, parent pid, rank)`` of every running trainer whose command line holds ``marker`` (its store);
+    with ``loader_workers``, of the trainers' loader worker processes instead (forked: the same command line)."""
     found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -51,7 +52,8 @@ def trainers(marker: str) -> list[tuple[int, int, int]]:
         except (OSError, ValueError, IndexError):
             continue
         found.append((int(proc.name), parent, int(env.get("RANK", -1))))
-    return found
+    pids = {pid for pid, _, _ in found}
+    return [t for t in found if (t[1] in pids) == loader_workers]
 
 
 def kill_a_ray_worker_at(config: RelaunchConfig, step: int, killed: list[int]) -> threading.Thread:
