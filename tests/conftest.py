@@ -41,6 +41,18 @@ def pytest_sessionfinish(session, exitstatus):
     warm_processes.stop()
 
 
+@pytest.fixture(autouse=True)
+def mlflow_environment_restored():
+    """MLflow's variables as they were before each test: ``mlflow.set_tracking_uri`` in a test's process
+    exports ``MLFLOW_TRACKING_URI``, which relaunch prefers to ``tracking.uri``, so a later test of the same
+    xdist worker would track into that test's database (test_study_stops found no trial run in its own)."""
+    before = {k: v for k, v in os.environ.items() if k.startswith("MLFLOW_")}
+    yield
+    for key in [k for k in os.environ if k.startswith("MLFLOW_") and k not in before]:
+        del os.environ[key]
+    os.environ.update(before)
+
+
 @pytest.fixture(scope="session")
 def schemas_dir() -> Path:
     """``../shared/schemas``: skipped with a reason when absent, a failure when CI is set."""
