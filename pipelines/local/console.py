@@ -145,13 +145,14 @@ class RunView:
         self._print(f"    [red]■[/] attempt {attempt}: {escape(reason)} -> exit {code}, {after}")
 
     def _attempts_ended_without_a_word(self, attempt: int) -> None:
-        """Attempts before ``attempt`` (just started) that sent no summary: their rank 0 was killed."""
+        """Attempts before ``attempt`` (just started) that sent no summary: rank 0 was killed, or was ended
+        with a lost peer before it could say so (which rank died is not known here)."""
         earlier = [n for n in range(max(self.ended, default=0) + 1, attempt)
                    if n not in self.ended and any(r.get("attempt") == n for r in self.resumed)]
         for n in earlier:
             code = unrecorded_end(None)
             self.ended[n] = {"exit_code": code}
-            self._print(f"    [red]■[/] attempt {n}: rank 0 ended without a word ({MEANING[code]}) -> exit {code}, retrying")
+            self._print(f"    [red]■[/] attempt {n} ended before rank 0 could report it: taken as {MEANING[code]} -> exit {code}, retrying")
 
     def _print_saves(self) -> None:
         """One line for the checkpoints an attempt saved, once it ended (or the next one started): the

@@ -104,7 +104,7 @@ def test_each_attempts_end_is_shown_with_its_exit_code_and_its_reason_in_words(t
                 "attempt 2 resumed from step 31",
                 f"attempt 2: {PEER_KILLED} -> exit 137, retrying",
                 "attempt 3 resumed from step 31",
-                "attempt 3: rank 0 ended without a word (killed (SIGKILL, OOM)) -> exit 137, retrying",
+                "attempt 3 ended before rank 0 could report it: taken as killed (SIGKILL, OOM) -> exit 137, retrying",
                 "attempt 4 resumed from step 31",
                 "attempt 4 finished at step 76 -> exit 0"]
     found = [next((i for i, line in enumerate(lines) if want in line), -1) for want in expected]
