@@ -76,6 +76,8 @@ class Task(Protocol):
     # - ``predict(model, x) -> labels``: a classifier's; evaluate then logs a confusion matrix;
     # - ``serve(model, inputs)`` and ``example_input()``: what the registered model's ``predict`` does
     #   (default: ``predict`` on a float32 array);
+    # - ``package_meta() -> dict`` and ``use_package_meta(meta)``: what a registered model keeps beside its
+    #   weights (JSON, e.g. its tokenizer), handed back to the task before ``build_model`` when it is loaded;
     # - ``shard_blocks(model) -> list[torch.nn.Module]``, the submodules that ``train.parallelism=fsdp``
     #   shards one by one (e.g. a transformer's layers) before the root; without it every direct child
     #   that holds parameters is one block (components/core/trainer/parallel.py).

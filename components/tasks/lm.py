@@ -3,9 +3,15 @@ modules) trained on the bytes of a text corpus every machine has, the Python sta
 
     relaunch run --config configs/lm.yaml
 
-The tokenizer is byte-level (256 bytes and an end-of-document token), described in the dataset's
-``meta`` so it is versioned with the data. prepare commits the corpus as sequences of ``seq_len + 1``
-tokens (the field ``tokens``, uint16): documents joined with the end-of-document token, cut into
+The tokenizer is byte-level and its tokens are bytes: the end-of-document token is the byte NUL (0),
+which text does not hold; a NUL byte in a file (or a prompt) becomes SUB (0x1A, ASCII's "substitute":
+a character found invalid), never an end of document. 256 tokens, stored as uint8. It is described in
+the dataset's ``meta`` (``{"kind": "bytes", "vocab_size": 256, "eos": 0, "nul_as": 26}``), so it is
+versioned with the data, and the task reads it from the dataset it trains on (``data.version``):
+datasets prepared before (uint16 tokens, ``{"kind": "bytes", "vocab_size": 257, "eos": 256}``) still
+train, evaluate and register, with a model of their vocabulary. A registered model carries its
+tokenizer's description and serves with it. prepare commits the corpus as sequences of ``seq_len + 1``
+tokens (the field ``tokens``): documents joined with the end-of-document token, cut into
 non-overlapping windows, each file in train, val or test by a stable hash of its relative path.
 
 Options (``train.task_options``, defaults in :attr:`LMTask.options`): the model's ``d_model``,
@@ -49,13 +55,83 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-VOCAB_SIZE = 257
-"""The 256 byte values and the end-of-document token."""
-EOS = 256
+NUL_AS = 0x1A
+"""What a NUL byte of the text becomes (SUB, ASCII's substitute for an invalid character): NUL is the
+end-of-document token."""
+
+
+@dataclass(frozen=True)
+class ByteTokenizer:
+    """A byte-level tokenizer: a token per byte of the UTF-8 text, and ``eos``, the end of a document.
+
+    Two are read: :data:`BYTES`, what prepare builds (the end of a document is the byte NUL, a NUL of
+    the text becomes :data:`NUL_AS`; 256 tokens, uint8), and :data:`BYTES_EOS_256`, what it built
+    before (the end of a document is a 257th token; uint16)."""
+
+    vocab_size: int
+    eos: int
+    nul_as: int | None = None  # what a NUL byte becomes when NUL is ``eos``
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The stored tokens' dtype: the narrowest that holds the vocabulary."""
+        return np.dtype(np.uint8 if self.vocab_size <= 256 else np.uint16)
+
+    def describe(self) -> dict[str, Any]:
+        """The description stored in a dataset's meta and a registered model's package."""
+        d = {"kind": "bytes", "vocab_size": self.vocab_size, "eos": self.eos}
+        return d if self.nul_as is None else {**d, "nul_as": self.nul_as}
+
+    @classmethod
+    def of(cls, description: Any, where: str) -> "ByteTokenizer":
+        """The tokenizer a description (a dataset's ``meta["tokenizer"]``) names.
+
+        Raises:
+            BadInput: it is not one of the byte tokenizers this task reads.
+        """
+        for known in (BYTES, BYTES_EOS_256):
+            if description == known.describe():
+                return known
+        raise BadInput(f"{where}: the tokenizer {description!r} is not one the LM task reads (it reads "
+                       f"{BYTES.describe()} and {BYTES_EOS_256.describe()}); prepare the corpus again with "
+                       f"this version (unset data.version)")
+
+    def bytes_of(self, doc: np.ndarray) -> np.ndarray:
+        """The tokens of a document's bytes (uint8), without an end-of-document token: ``doc`` itself
+        unless it holds a NUL that this tokenizer maps (then a copy with each one :data:`NUL_AS`)."""
+        if self.nul_as is None or not len(doc) or doc.min():
+            return doc
+        doc = doc.copy()
+        doc[doc == 0] = self.nul_as
+        return doc
+
+    def encode(self, text: str | bytes) -> np.ndarray:
+        """The tokens of ``text`` (UTF-8 bytes), :attr:`dtype`, without an end-of-document token; uint8
+        tokens are a read-only view of the text's bytes (no copy), each NUL replaced first."""
+        data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        if self.nul_as is not None:
+            if b"\0" in data:  # memchr: the text holds a NUL (rarely)
+                data = data.replace(b"\0", bytes([self.nul_as]))
+            return np.frombuffer(data, dtype=np.uint8)
+        return np.frombuffer(data, dtype=np.uint8).astype(self.dtype)
+
+    def decode(self, tokens: Iterable[int] | np.ndarray) -> str:
+        """The text of ``tokens``: end-of-document tokens skipped, bytes that are not UTF-8 replaced."""
+        arr = np.asarray(tokens if isinstance(tokens, np.ndarray) else list(tokens), dtype=np.int64)
+        keep = (arr >= 0) & (arr < 256) & (arr != self.eos)
+        return arr[keep].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+BYTES = ByteTokenizer(vocab_size=256, eos=0, nul_as=NUL_AS)
+"""The tokenizer prepare builds: 256 byte tokens, the end of a document NUL (a NUL of the text SUB), uint8."""
+BYTES_EOS_256 = ByteTokenizer(vocab_size=257, eos=256)
+"""The tokenizer of datasets prepared before: 256 bytes and a 257th token ending a document, uint16."""
+VOCAB_SIZE = BYTES.vocab_size
+EOS = BYTES.eos
 """The end-of-document token: between documents in the corpus, and the context a prompt starts from."""
-TOKENIZER = {"kind": "bytes", "vocab_size": VOCAB_SIZE, "eos": EOS}
+TOKENIZER = BYTES.describe()
 CHUNK_SEQUENCES = 1024
-"""Sequences per chunk :func:`sequences` yields by default (~264 KB of uint16 at seq_len 128)."""
+"""Sequences per chunk :func:`sequences` yields by default (~132 KB of uint8 at seq_len 128)."""
 CORPUS_SUFFIXES = (".py", ".txt", ".md")
 """The files read of a folder named as the corpus."""
 STDLIB_SKIPPED = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"})
@@ -64,18 +140,17 @@ EVAL_BATCH = 64
 """Sequences per forward pass in :meth:`LMTask.evaluate`."""
 
 
-# ---- the tokenizer: bytes, and one end-of-document token
+# ---- the tokenizer prepare builds
 
 def encode(text: str | bytes) -> np.ndarray:
-    """The tokens of ``text`` (UTF-8 bytes), uint16, without an end-of-document token."""
-    data = text.encode("utf-8") if isinstance(text, str) else text
-    return np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
+    """The tokens of ``text`` (UTF-8 bytes), uint8 (a read-only view of them), without an end-of-document
+    token; each NUL becomes :data:`NUL_AS` (:data:`BYTES`)."""
+    return BYTES.encode(text)
 
 
 def decode(tokens: Iterable[int] | np.ndarray) -> str:
     """The text of ``tokens``: end-of-document tokens skipped, bytes that are not UTF-8 replaced."""
-    arr = np.asarray(tokens if isinstance(tokens, np.ndarray) else list(tokens), dtype=np.int64)
-    return arr[(arr >= 0) & (arr < 256)].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+    return BYTES.decode(tokens)
 
 
 # ---- the corpus: which files, in which split, cut into sequences
@@ -245,38 +320,42 @@ def split_of(rel: str, val_fraction: float, test_fraction: float, seed: int) -> 
     return "test" if u < test_fraction else "val" if u < test_fraction + val_fraction else "train"
 
 
-def shard_rows(seq_len: int) -> int:
-    """Sequences of ``seq_len + 1`` uint16 tokens in one shard of the store's default size: the chunk a
+def shard_rows(seq_len: int, tokenizer: ByteTokenizer = BYTES) -> int:
+    """Sequences of ``seq_len + 1`` tokens in one shard of the store's default size: the chunk a
     split's iterator yields, so each chunk is one shard, written from the chunk's own memory."""
-    return max(1, SHARD_BYTES // (2 * (seq_len + 1)))
+    return max(1, SHARD_BYTES // (tokenizer.dtype.itemsize * (seq_len + 1)))
 
 
-def windows(docs: Iterable[np.ndarray], seq_len: int, chunk: int | None = None) -> Iterator[dict[str, np.ndarray]]:
-    """Chunks ``{"tokens": uint16 [n, seq_len + 1]}`` of the documents ``docs`` (their bytes, uint8),
-    joined with the end-of-document token and cut into non-overlapping windows, in order; the tail
-    shorter than a window is dropped. Every chunk has ``chunk`` rows (default :func:`shard_rows`) but
-    the last. numpy over whole documents: the cast of a document's bytes to uint16 is the tokenizer."""
+def windows(docs: Iterable[np.ndarray], seq_len: int, chunk: int | None = None,
+            tokenizer: ByteTokenizer = BYTES) -> Iterator[dict[str, np.ndarray]]:
+    """Chunks ``{"tokens": [n, seq_len + 1]}`` (the tokenizer's dtype) of the documents ``docs`` (their
+    bytes, uint8), joined with the end-of-document token and cut into non-overlapping windows, in
+    order; the tail shorter than a window is dropped. Every chunk has ``chunk`` rows (default
+    :func:`shard_rows`) but the last. numpy over whole documents: a document's bytes are its tokens
+    (:meth:`ByteTokenizer.bytes_of`), copied into the chunk."""
     width = seq_len + 1
-    chunk = chunk or shard_rows(seq_len)
-    buf, pos = np.empty(chunk * width, dtype=np.uint16), 0
+    chunk = chunk or shard_rows(seq_len, tokenizer)
+    eos, dtype = tokenizer.eos, tokenizer.dtype
+    buf, pos = np.empty(chunk * width, dtype=dtype), 0
     for doc in docs:
+        doc = tokenizer.bytes_of(doc)
         at = 0
         while at <= len(doc):  # the document's bytes, then its end-of-document token, across chunks
             n = min(len(doc) - at, len(buf) - pos)
             buf[pos:pos + n] = doc[at:at + n]
             pos, at = pos + n, at + n
             if at == len(doc) and pos < len(buf):
-                buf[pos] = EOS
+                buf[pos] = eos
                 pos, at = pos + 1, at + 1
             if pos == len(buf):
                 yield {"tokens": buf.reshape(chunk, width)}
-                buf, pos = np.empty(chunk * width, dtype=np.uint16), 0
+                buf, pos = np.empty(chunk * width, dtype=dtype), 0
     if pos >= width:
         yield {"tokens": buf[:pos - pos % width].reshape(-1, width)}
 
 
-def sequences(paths: Iterable[tuple[Path, int]], seq_len: int,
-              chunk: int = CHUNK_SEQUENCES) -> Iterator[dict[str, np.ndarray]]:
+def sequences(paths: Iterable[tuple[Path, int]], seq_len: int, chunk: int = CHUNK_SEQUENCES,
+              tokenizer: ByteTokenizer = BYTES) -> Iterator[dict[str, np.ndarray]]:
     """:func:`windows` of the documents at ``paths`` (each read up to its size)."""
 
     def docs() -> Iterator[np.ndarray]:
@@ -284,7 +363,7 @@ def sequences(paths: Iterable[tuple[Path, int]], seq_len: int,
             with path.open("rb") as fh:
                 yield np.frombuffer(fh.read(size), dtype=np.uint8)
 
-    return windows(docs(), seq_len, chunk)
+    return windows(docs(), seq_len, chunk, tokenizer)
 
 
 # ---- the model
@@ -414,6 +493,38 @@ class LMTask:
         if not isinstance(o["corpus"], str) or not o["corpus"]:
             raise BadInput(f"train.task_options.corpus={o['corpus']!r} must be 'stdlib', a folder path or a store URI")
         self.o = o
+        self._tokenizer: ByteTokenizer | None = None
+
+    # -- the tokenizer: the dataset's
+
+    @property
+    def tokenizer(self) -> ByteTokenizer:
+        """The tokenizer of the data this task's model is for: the one a registered model's package
+        names (:meth:`use_package_meta`), else the meta of the dataset ``data.version`` names, else
+        the one prepare builds (:data:`BYTES`: the dataset is built by this version).
+
+        Raises:
+            BadInput: the dataset's meta names no tokenizer this task reads.
+        """
+        if self._tokenizer is None:
+            version = self.config.data.version
+            if version is None:
+                self._tokenizer = BYTES
+            else:
+                from relaunch.components.core.data.shards import read_manifest
+                from relaunch.components.core.store import open_store
+
+                meta = read_manifest(open_store(self.config.store.uri), version).meta
+                self._tokenizer = ByteTokenizer.of(meta.get("tokenizer"), f"data.version={version}")
+        return self._tokenizer
+
+    def package_meta(self) -> dict[str, Any]:
+        """What a registered model's package keeps beside its weights: the tokenizer's description."""
+        return {"tokenizer": self.tokenizer.describe()}
+
+    def use_package_meta(self, meta: dict[str, Any]) -> None:
+        """Serve with the tokenizer a package names (its model's), not the store's."""
+        self._tokenizer = ByteTokenizer.of(meta.get("tokenizer"), "the registered model's package")
 
     # -- data
 
@@ -441,12 +552,12 @@ class LMTask:
         split_rule = {"hash": "sha256(f'{split_seed}:{relative path}')", "val_fraction": d.val_fraction,
                       "test_fraction": d.test_fraction, "split_seed": d.split_seed}
         key = xxhash.xxh3_128()  # of the bytes the tokens are made of, read once
-        key.update(repr((TOKENIZER, seq_len, split_rule)).encode())
+        key.update(repr((BYTES.describe(), seq_len, split_rule)).encode())
         for i, rel in enumerate(corpus.names):
             key.update(f"{rel}\0{corpus.size(i)}\0".encode())
             key.update(corpus.doc(i))
         meta = {
-            "tokenizer": TOKENIZER, "seq_len": seq_len,
+            "tokenizer": BYTES.describe(), "seq_len": seq_len,
             "corpus": {"name": o["corpus"], "root": corpus.root, "files": len(corpus.names),
                        "bytes": int(corpus.starts[-1]), "max_corpus_bytes": o["max_corpus_bytes"],
                        "python": sys.version.split()[0] if o["corpus"] == "stdlib" else None},
@@ -462,7 +573,7 @@ class LMTask:
     def build_model(self) -> nn.Module:
         o = self.o
         _, DecoderLM = _model_classes()
-        return DecoderLM(VOCAB_SIZE, o["seq_len"], o["d_model"], o["n_layers"], o["n_heads"], float(o["dropout"]))
+        return DecoderLM(self.tokenizer.vocab_size, o["seq_len"], o["d_model"], o["n_layers"], o["n_heads"], float(o["dropout"]))
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """AdamW, ``train.weight_decay`` on the matrices (the linears and the embeddings, the tied head
@@ -536,25 +647,26 @@ class LMTask:
     def serve(self, model: nn.Module, inputs: Any) -> list[str]:
         """The greedy continuation (up to ``max_new_tokens`` bytes, ending early at an end-of-document
         token) of each prompt in ``inputs``: a list of strings, a DataFrame with a ``prompt`` column, or a
-        Series. Each prompt starts after an end-of-document token, as a document does in training."""
+        Series. Each prompt starts after an end-of-document token, as a document does in training; the
+        tokens are the task's :attr:`tokenizer`'s (the model's)."""
         import torch
 
         prompts = _texts(inputs, "serve")
         was_training = model.training
         model.eval()
-        device, seq_len, outputs = _device(model), self.o["seq_len"], []
+        device, seq_len, outputs, tok = _device(model), self.o["seq_len"], [], self.tokenizer
         try:
             with torch.no_grad():
                 for prompt in prompts:
-                    context = torch.from_numpy(np.concatenate([[EOS], encode(prompt)]).astype(np.int64)).to(device)
+                    context = torch.from_numpy(np.concatenate([[tok.eos], tok.encode(prompt)]).astype(np.int64)).to(device)
                     new: list[int] = []
                     for _ in range(self.o["max_new_tokens"]):
                         token = int(model(context[-seq_len:][None])[0, -1].argmax())
-                        if token == EOS:
+                        if token == tok.eos:
                             break
                         new.append(token)
                         context = torch.cat([context, context.new_tensor([token])])
-                    outputs.append(decode(new))
+                    outputs.append(tok.decode(new))
         finally:
             model.train(was_training)
         return outputs
@@ -571,11 +683,11 @@ class LMTask:
 
         was_training = model.training
         model.eval()
-        device, seq_len, scores = _device(model), self.o["seq_len"], []
+        device, seq_len, scores, tok = _device(model), self.o["seq_len"], [], self.tokenizer
         try:
             with torch.no_grad():
                 for text in _texts(texts, "score"):
-                    tokens = torch.from_numpy(np.concatenate([[EOS], encode(text)]).astype(np.int64)).to(device)
+                    tokens = torch.from_numpy(np.concatenate([[tok.eos], tok.encode(text)]).astype(np.int64)).to(device)
                     n = len(tokens) - 1
                     total = 0.0
                     for start in range(0, n, seq_len):

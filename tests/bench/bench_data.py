@@ -158,20 +158,20 @@ def work_dir() -> Path:
 
 def write_synthetic(store, nbytes: int, seq_len: int = 128, seed: int = 0,
                     shard_bytes: int | None = None) -> tuple[Any, int]:
-    """A committed dataset of about ``nbytes`` of LM token rows (``tokens``: uint16 ``[seq_len + 1]``,
-    each below the byte tokenizer's vocabulary) in one ``train`` split, cut into shards of
+    """A committed dataset of about ``nbytes`` of LM token rows (``tokens``: ``[seq_len + 1]`` of the byte
+    tokenizer's dtype, each below its vocabulary) in one ``train`` split, cut into shards of
     ``shard_bytes`` (the store's default): (its manifest, the objects written). Every shard's content
     differs (its first two tokens count the shards), so none is shared by content address."""
     from relaunch.components.core.data.shards import SHARD_BYTES, DatasetWriter
-    from relaunch.components.tasks.lm import TOKENIZER, VOCAB_SIZE
+    from relaunch.components.tasks.lm import BYTES, VOCAB_SIZE
 
     shard_bytes = shard_bytes or SHARD_BYTES
     width = seq_len + 1
-    row = width * 2
+    row = width * BYTES.dtype.itemsize
     total = max(1, nbytes // row)
     per_shard = max(1, shard_bytes // row)  # the writer cuts a shard every per_shard rows
-    base = np.random.default_rng(seed).integers(0, VOCAB_SIZE, size=(per_shard, width), dtype=np.uint16)
-    writer = DatasetWriter(store, meta={"tokenizer": TOKENIZER, "seq_len": seq_len, "synthetic": {"seed": seed}},
+    base = np.random.default_rng(seed).integers(0, VOCAB_SIZE, size=(per_shard, width), dtype=BYTES.dtype)
+    writer = DatasetWriter(store, meta={"tokenizer": BYTES.describe(), "seq_len": seq_len, "synthetic": {"seed": seed}},
                            shard_bytes=shard_bytes)
     done = k = 0
     while done < total:
@@ -268,7 +268,7 @@ class Rank:
         from relaunch.components.core.trainer import setup
         from relaunch.components.tasks.lm import make_task
 
-        self.config = lm_config(store_uri)
+        self.config = lm_config(store_uri, [f"data.version={version}"])  # the task reads its tokenizer there
         self.task = make_task(self.config)
         self.data = open_training_data(self.config, self.task, open_store(store_uri), version, 0, 1)
         self.device = torch.device("cpu")
@@ -470,6 +470,7 @@ def _prepare_rows(work: Path, rounds: int) -> tuple[list[dict], str, Any]:
     if again.version != manifest.version:
         raise AssertionError(f"a second prepare of the same corpus found {again.version}, not {manifest.version}")
     t_med, o_med = statistics.median(theirs), statistics.median(ours)
+    token_dtype = manifest.dtype["tokens"].base.name
     ratio = t_med / o_med
     tokens_mb = nbytes / 1e6
     rows = [
@@ -479,7 +480,7 @@ def _prepare_rows(work: Path, rounds: int) -> tuple[list[dict], str, Any]:
              f"prepare (the LM task's build_dataset() committed by commit_source into a new fs store, every shard "
              f"fsync'd) {tokens_mb / o_med:.1f} MB/s ({o_med * 1e3:.0f} ms, of which build_dataset() (the corpus walk, "
              f"each file read once, their xxh3 for the source key) {statistics.median(built) * 1e3:.0f} ms); the disk "
-             f"alone writing and fsyncing the same {sum(map(len, payloads)) / 1e6:.1f} MB of shards (uint16 tokens), one "
+             f"alone writing and fsyncing the same {sum(map(len, payloads)) / 1e6:.1f} MB of shards ({token_dtype} tokens), one "
              f"after another, {statistics.median(floor) * 1e3:.0f} ms (best {min(floor) * 1e3:.0f}; encode / that: "
              f"{t_med / statistics.median(floor):.3f}; prepare writes {WRITE_THREADS} at once); medians of "
              f"{rounds} interleaved rounds, best: encode {min(theirs) * 1e3:.1f} ms, prepare {min(ours) * 1e3:.0f} ms "

@@ -39,18 +39,18 @@ def test_the_synthetic_writer_commits_the_token_rows_it_says_in_distinct_shards(
     from relaunch.components.tasks.lm import VOCAB_SIZE
 
     store = open_store(str(tmp_path / "store"))
-    seq_len, shard_bytes = 15, 1000  # rows of 32 bytes, 31 a shard
-    manifest, written = bench_data.write_synthetic(store, 5000, seq_len=seq_len, seed=3, shard_bytes=shard_bytes)
+    seq_len, shard_bytes = 15, 500  # rows of 16 bytes (uint8 tokens), 31 a shard
+    manifest, written = bench_data.write_synthetic(store, 2500, seq_len=seq_len, seed=3, shard_bytes=shard_bytes)
     assert read_manifest(store, manifest.version).version == manifest.version
     shards = manifest.split("train")
-    assert manifest.samples("train") == 5000 // 32
+    assert manifest.samples("train") == 2500 // 16
     assert [s.samples for s in shards] == [31] * 5 + [1]
     assert len({s.digest for s in shards}) == len(shards) and written == len(shards) + 1  # and the manifest
     rows = np.concatenate(list(iter_rows(store, manifest, "train")))["tokens"]
-    assert rows.shape == (156, seq_len + 1) and rows.dtype == np.uint16 and int(rows.max()) < VOCAB_SIZE
+    assert rows.shape == (156, seq_len + 1) and rows.dtype == np.uint8 and int(rows.max()) < VOCAB_SIZE
     assert sorted(set(rows[:, 0].tolist())) == list(range(len(shards)))  # each shard's rows stamped with its number
     files = bench_data.shard_files(str(tmp_path / "store"), manifest)
-    assert sum((tmp_path / f).stat().st_size for f in files) == 156 * 32
+    assert sum((tmp_path / f).stat().st_size for f in files) == 156 * 16
 
 
 def test_the_window_boundary_is_the_first_step_that_reads_a_shard_outside_the_first_window():

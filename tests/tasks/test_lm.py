@@ -3,7 +3,9 @@ real standard library and small real models; no pipeline."""
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +15,8 @@ import torch
 from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.core.contract.config_loading import load_config
 from relaunch.components.core.contract.errors import BadInput
-from relaunch.components.tasks.lm import EOS, VOCAB_SIZE, decode, encode, make_task, sequences
+from relaunch.components.tasks.lm import (BYTES, BYTES_EOS_256, EOS, NUL_AS, VOCAB_SIZE, decode, encode, make_task,
+                                          sequences)
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = {"d_model": 32, "n_layers": 2, "n_heads": 4, "seq_len": 16}
@@ -56,15 +59,37 @@ def small_model(seed: int = 0, **options):
 
 def fixed_batch(n: int = 8, seq_len: int = 16) -> np.ndarray:
     text = (ROOT / "components" / "tasks" / "lm.py").read_bytes()[:n * (seq_len + 1)]
-    return encode(text).reshape(n, seq_len + 1)
+    return encode(text).reshape(n, seq_len + 1).copy()  # encode's tokens are a view of the bytes: read-only
 
 
-def test_the_byte_tokenizer_round_trips_a_text_and_decode_skips_the_end_of_document_token():
+def test_the_byte_tokenizer_round_trips_a_text_in_uint8_and_decode_skips_the_end_of_document_token():
     text = "def f(x):\n    return x  # naïve, 数据 ✓\n"
     tokens = encode(text)
-    assert tokens.dtype == np.uint16 and len(tokens) == len(text.encode())
+    assert (VOCAB_SIZE, EOS) == (256, 0)
+    assert tokens.dtype == np.uint8 and len(tokens) == len(text.encode())
     assert decode(tokens) == text
     assert decode(np.concatenate([tokens, [EOS], tokens])) == text + text
+
+
+def test_a_nul_byte_of_the_text_becomes_sub_never_an_end_of_document_token(tmp_path):
+    assert NUL_AS == 0x1A
+    assert encode("a\0b").tolist() == [ord("a"), NUL_AS, ord("b")]
+    assert decode(encode("a\0b")) == "a\x1ab"
+    (tmp_path / "0.txt").write_bytes(b"x\0y\0\0z")
+    (tmp_path / "1.txt").write_bytes(b"\0abc")
+    chunks = list(sequences([(tmp_path / "0.txt", 6), (tmp_path / "1.txt", 4)], seq_len=1, chunk=2))
+    got = np.concatenate([c["tokens"] for c in chunks]).ravel()
+    assert got.tolist() == list(b"x\x1ay\x1a\x1az") + [EOS] + list(b"\x1aabc") + [EOS]
+    assert (tmp_path / "0.txt").read_bytes() == b"x\0y\0\0z"  # the file's bytes as they were
+
+
+def test_the_tokenizer_of_datasets_prepared_before_is_read_with_its_end_of_document_token_256():
+    assert BYTES_EOS_256.describe() == {"kind": "bytes", "vocab_size": 257, "eos": 256}
+    tokens = BYTES_EOS_256.encode("a\0b")
+    assert tokens.dtype == np.uint16 and tokens.tolist() == [97, 0, 98]  # NUL was a byte like any other
+    assert BYTES_EOS_256.decode([97, 0, 256, 98]) == "a\0b"
+    with pytest.raises(BadInput, match="is not one the LM task reads"):
+        BYTES.of({"kind": "bpe", "vocab_size": 50257}, "data.version=x")
 
 
 def test_sequences_are_the_documents_joined_by_end_of_document_tokens_cut_into_windows(tmp_path):
@@ -74,9 +99,9 @@ def test_sequences_are_the_documents_joined_by_end_of_document_tokens_cut_into_w
         (tmp_path / f"{i}.txt").write_bytes(doc)
         paths.append((tmp_path / f"{i}.txt", len(doc)))
     chunks = list(sequences(paths, seq_len=4, chunk=3))
-    flat = np.concatenate([np.frombuffer(d, np.uint8).astype(np.uint16).tolist() + [EOS] for d in docs])
+    flat = np.concatenate([list(d) + [EOS] for d in docs])
     got = np.concatenate([c["tokens"] for c in chunks])
-    assert [len(c["tokens"]) for c in chunks] == [3, 3, 3, 3, 2] and got.shape == (14, 5) and got.dtype == np.uint16
+    assert [len(c["tokens"]) for c in chunks] == [3, 3, 3, 3, 2] and got.shape == (14, 5) and got.dtype == np.uint8
     assert np.array_equal(got.ravel(), flat[:14 * 5])
 
 
@@ -90,9 +115,9 @@ def test_the_configured_stdlib_corpus_splits_deterministically_and_every_split_h
     for name in ("train", "val", "test"):
         a = np.concatenate([c["tokens"] for c in first.splits[name]()])
         b = np.concatenate([c["tokens"] for c in second.splits[name]()])
-        assert a.dtype == np.uint16 and a.shape[1] == seq_len + 1 and len(a) > 0, name
+        assert a.dtype == np.uint8 and a.shape[1] == seq_len + 1 and len(a) > 0, name
         assert np.array_equal(a, b), name
-    assert first.meta["tokenizer"] == {"kind": "bytes", "vocab_size": 257, "eos": 256}
+    assert first.meta["tokenizer"] == {"kind": "bytes", "vocab_size": 256, "eos": 0, "nul_as": 0x1A}
     assert all(first.meta["documents"][name] > 0 for name in ("train", "val", "test"))
 
 
@@ -207,3 +232,68 @@ def test_a_bf16_autocast_forward_on_cpu_gives_a_finite_loss_and_gradients():
     loss.backward()
     assert loss.dtype == torch.float32 and math.isfinite(loss.item())
     assert model.tok_emb.weight.grad is not None and torch.isfinite(model.tok_emb.weight.grad).all()
+
+
+def old_format_dataset(store, seq_len: int) -> str:
+    """A dataset as prepare wrote it before the tokens were bytes: uint16 tokens, the end of a document
+    256, its tokenizer {"kind": "bytes", "vocab_size": 257, "eos": 256} in the meta; its version."""
+    from relaunch.components.core.data.shards import DatasetWriter
+
+    files = sorted((ROOT / "components" / "core" / "contract").glob("*.py"))[:12]
+    writer = DatasetWriter(store, meta={"tokenizer": {"kind": "bytes", "vocab_size": 257, "eos": 256},
+                                        "seq_len": seq_len})
+    for i, split in enumerate(("train", "val", "test")):
+        flat = np.concatenate([np.append(np.frombuffer(f.read_bytes(), np.uint8).astype(np.uint16), 256)
+                               for f in files[i::3] or files])
+        writer.add(split, {"tokens": flat[:len(flat) // (seq_len + 1) * (seq_len + 1)].reshape(-1, seq_len + 1)})
+    return writer.commit().version
+
+
+def test_a_dataset_prepared_before_with_uint16_tokens_trains_evaluates_serves_and_registers_with_its_own_tokenizer(tmp_path):
+    import mlflow
+
+    from relaunch.components.core.data import open_split, open_training_data
+    from relaunch.components.core.packaging.model import save_model
+    from relaunch.components.core.store import open_store
+
+    store_root = tmp_path / "store"
+    store = open_store(str(store_root))
+    version = old_format_dataset(store, SMALL["seq_len"])
+    config = RelaunchConfig.model_validate({
+        "store": {"uri": str(store_root)}, "data": {"version": version, "num_workers": 0},
+        "train": {"task": "relaunch.components.tasks.lm:make_task", "lr": 3e-3, "global_batch_size": 8,
+                  "max_steps": 12, "task_options": {**SMALL, "max_new_tokens": 8}}})
+    task = make_task(config)
+    assert task.tokenizer is BYTES_EOS_256
+    torch.manual_seed(0)
+    model = task.build_model()
+    assert model.tok_emb.weight.shape == (257, SMALL["d_model"])
+
+    data = open_training_data(config, task, store, version, 0, 1)  # the trainer's loader over its shards
+    optimizer = task.build_optimizer(model)
+    losses = []
+    try:
+        for step, batch in zip(range(12), data.loader.batches(0)):
+            loss = task.loss(model, batch)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    finally:
+        data.loader.close()
+    assert len(losses) == 12 and losses[0] == pytest.approx(math.log(257), abs=0.5) and losses[-1] < losses[0]
+    val = open_split(config, task, store, version, "val")
+    assert int((np.asarray(val["tokens"]) == 256).sum()) > 0  # the old end-of-document token, the 257th
+    metrics = task.evaluate(model, val)
+    assert all(math.isfinite(v) for v in metrics.values())
+    prompts = task.example_input()
+    served = task.serve(model, prompts)
+    assert math.isfinite(task.score(model, ["import os\n"])[0])
+
+    save_model(config, "file:///unused", tmp_path / "model", task=task, model=model)
+    (packaged,) = (tmp_path / "model").rglob("task_meta.json")
+    assert json.loads(packaged.read_text()) == {"tokenizer": {"kind": "bytes", "vocab_size": 257, "eos": 256}}
+
+    shutil.rmtree(store_root)  # the registered model serves with the tokenizer it was packaged with
+    loaded = mlflow.pyfunc.load_model(str(tmp_path / "model"))
+    assert list(loaded.predict(prompts)) == served

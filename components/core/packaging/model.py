@@ -10,6 +10,7 @@ and the task's own top-level module or package, with this module as the ``loader
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 from pathlib import Path
 
@@ -66,6 +67,8 @@ def save_model(config: RelaunchConfig, checkpoint_uri: str, path: Path, task=Non
         data = Path(tmp)
         save_weights(model, str(data / "model.safetensors"))  # safetensors' save_model: tied weights stored once
         (data / "config.json").write_text(config.to_json())
+        if callable(getattr(task, "package_meta", None)):  # what the task serves with besides weights (a tokenizer)
+            (data / "task_meta.json").write_text(json.dumps(task.package_meta()))
         mlflow.pyfunc.save_model(
             str(path), loader_module=__name__, data_path=str(data),
             code_paths=code_paths(config.train.task, Path(code)),
@@ -138,6 +141,8 @@ def _load_pyfunc(data_path: str) -> _LoadedModel:
     wire()  # a fresh interpreter (mlflow.pyfunc.load_model): this is its entry point
     config = RelaunchConfig.from_json((root / "config.json").read_text())
     task = load_task(config.train.task, config)
+    if (root / "task_meta.json").exists():  # the model's own, not what the store holds now
+        task.use_package_meta(json.loads((root / "task_meta.json").read_text()))
     model = task.build_model()
     load_weights(model, str(root / "model.safetensors"))  # tied weights: stored once, both names filled
     return _LoadedModel(task, model.eval())
