@@ -22,7 +22,7 @@ from relaunch.components.core.checkpoint import CheckpointManager
 from relaunch.components.core.checkpoint.start import start_point
 from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.core.store import open_store
-from relaunch.components.core.store.trainings import pick_training, resolve_trainings
+from relaunch.components.core.store.training_folders import pick_training, resolve_trainings
 from relaunch.components.core.tracking.warm_start import warm_start_checkpoint
 
 

@@ -18,7 +18,7 @@ from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.core.contract.errors import BadInput
 from relaunch.components.core.store import open_store
 from relaunch.components.core.tracking.client import call, client as tracking_client, tracking_uri
-from relaunch.components.launchers.trials import study_storage
+from relaunch.components.launchers.trial_job import study_storage
 
 
 @dataclass
@@ -36,7 +36,7 @@ def run(config: RelaunchConfig, parent_run_id: str = "") -> PlanOutputs:
         BadInput: an empty ``tune.space``, or an Optuna storage the trials' pods cannot share.
     """
     # optuna, by the tuning room's modules: only the tuning steps load it
-    from relaunch.components.core.tuning.layout import StudyRecord, read_study, read_trial, write_study
+    from relaunch.components.core.tuning.study_folder import StudyRecord, read_study, read_trial, write_study
     from relaunch.components.core.tuning.study import Study
     from relaunch.components.core.tuning.trials import STUDY_TAG, storage_for_records
 

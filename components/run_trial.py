@@ -26,7 +26,7 @@ from relaunch.components.core.store import open_store
 from relaunch.components.core.store.records import read_summary
 from relaunch.components.core.store.ledger import completed
 from relaunch.components.launchers import backend_module
-from relaunch.components.launchers.trials import study_storage
+from relaunch.components.launchers.trial_job import study_storage
 
 
 @dataclass
@@ -50,7 +50,7 @@ def run(config: RelaunchConfig, trial: int | str = 0, parent_run_id: str = "", p
         TransientFailure: the store, the tracking server or the Optuna storage away (the step is retried).
     """
     # optuna, by the tuning room's modules: only the tuning steps load it
-    from relaunch.components.core.tuning.layout import COMPLETE, FAILED, read_trial, write_trial
+    from relaunch.components.core.tuning.study_folder import COMPLETE, FAILED, read_trial, write_trial
     from relaunch.components.core.tuning.study import Study
     from relaunch.components.core.tuning.trials import begin_trial, end_trial, objective, retryable_end
 

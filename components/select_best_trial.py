@@ -16,7 +16,7 @@ from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.core.contract.errors import RelaunchError
 from relaunch.components.core.contract.exitcodes import ExitCode
 from relaunch.components.core.store import open_store
-from relaunch.components.launchers.trials import study_storage
+from relaunch.components.launchers.trial_job import study_storage
 
 
 @dataclass
@@ -46,7 +46,7 @@ def run(config: RelaunchConfig, parent_run_id: str = "") -> SelectOutputs:
         NoTrialCompleted: no trial completed (the line names each failed trial's reason).
     """
     # optuna, by the tuning room's modules: only the tuning steps load it
-    from relaunch.components.core.tuning.layout import read_study, trial_records, write_study
+    from relaunch.components.core.tuning.study_folder import read_study, trial_records, write_study
     from relaunch.components.core.tuning.report import log_study
     from relaunch.components.core.tuning.study import Study
     from relaunch.components.core.tuning.trials import best_trial, trial_config

@@ -239,7 +239,7 @@ def pipeline_config(config):
     """
     # the store's modules load pydantic, which the spec's other readers (the KFP entry, the console) load later or never
     from relaunch.components.core.store import parse_store_uri
-    from relaunch.components.core.tuning.layout import study_uri
+    from relaunch.components.core.tuning.study_folder import study_uri
 
     if not config.tune.space:
         return config

@@ -52,7 +52,7 @@ def kill_agents(cwd: Path) -> None:
 def newest_training(root: str) -> str:
     """The store URI of the newest training ``relaunch run`` started under the store ``root``."""
     from relaunch.components.core.store import open_store
-    from relaunch.components.core.store.trainings import training_names, training_uri
+    from relaunch.components.core.store.training_folders import training_names, training_uri
 
     names = training_names(open_store(root))
     assert names, f"no training under {root}"

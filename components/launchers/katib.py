@@ -3,7 +3,7 @@
     relaunch render katib --config configs/tune.yaml --set launch.backend=trainjob -o experiment.yaml
 
 Each trial is relaunch's own training job, rendered by the launch backend's renderer from the neutral job
-spec (:mod:`relaunch.components.launchers.trials`): a TrainJob on the ``relaunch-torch`` runtime (the pattern
+spec (:mod:`relaunch.components.launchers.trial_job`): a TrainJob on the ``relaunch-torch`` runtime (the pattern
 of kubeflow/katib#2560: Katib's defaults for a TrainJob trial, written out) or, with
 ``launch.backend=pytorchjob``, a PyTorchJob; either keeps the runtime's exit-code failure rules, and trains
 in its own folder ``studies/<study>/trials/<trial name>/``, so a restarted pod resumes from its checkpoints.
@@ -27,7 +27,7 @@ from typing import Any
 
 from relaunch.components.core.contract.config import RelaunchConfig, TuneParameter
 from relaunch.components.core.contract.suggestions import env_name, parameter_name, render_value
-from relaunch.components.launchers.trials import (PYTORCHJOB, TRAINJOB, check_study, job_kind, space_parameters,
+from relaunch.components.launchers.trial_job import (PYTORCHJOB, TRAINJOB, check_study, job_kind, space_parameters,
                                                   trial_env, trial_job)
 from relaunch.components.launchers import pytorchjob, trainjob
 

@@ -8,7 +8,7 @@ starts one TrainJob per trial from ``spec.trainJobTemplate`` and hands it the tr
 ``KUBEFLOW_TRAINER_OPT_<NAME>`` environment variables (``EnvOptParamPrefix`` + the parameter's name
 upper-cased, ``-`` as ``_``), which relaunch's entrypoint folds into the configuration
 (:mod:`relaunch.components.core.contract.suggestions`). The template is relaunch's TrainJob
-(:mod:`relaunch.components.launchers.trials`) on the ``relaunch-torch`` runtime, with the trial's name from
+(:mod:`relaunch.components.launchers.trial_job`) on the ``relaunch-torch`` runtime, with the trial's name from
 the downward API (the JobSet label that carries the TrainJob's name) as ``RELAUNCH_TRIAL``: each trial trains
 in ``studies/<study>/trials/<its TrainJob's name>/``, so a restarted pod resumes from its checkpoints.
 
@@ -25,7 +25,7 @@ from typing import Any
 from relaunch.components.core.contract.config import RelaunchConfig, TuneParameter
 from relaunch.components.core.contract.errors import BadInput
 from relaunch.components.core.contract.suggestions import parameter_name, render_value
-from relaunch.components.launchers.trials import TRAINJOB, check_study, space_parameters, trial_env, trial_job
+from relaunch.components.launchers.trial_job import TRAINJOB, check_study, space_parameters, trial_env, trial_job
 from relaunch.components.launchers.trainjob import GROUP, JOBSET_LABEL, VERSION
 
 KIND_NAME = "OptimizationJob"

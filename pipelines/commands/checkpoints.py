@@ -36,7 +36,7 @@ from relaunch.components.core.checkpoint import CheckpointManager, step_key
 from relaunch.components.core.checkpoint.interop import export_checkpoint, import_checkpoint
 from relaunch.components.core.contract.errors import BadInput, CorruptCheckpoint
 from relaunch.components.core.store import FileStore, open_store
-from relaunch.components.core.store.trainings import pick_training, resolve_trainings
+from relaunch.components.core.store.training_folders import pick_training, resolve_trainings
 from relaunch.components.core.trainer.adopt import training_state
 from relaunch.pipelines.commands import Subcommands
 

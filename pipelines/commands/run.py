@@ -51,7 +51,7 @@ from relaunch.components.core.store.pipeline_lock import PipelineLock, TrainingI
 from relaunch.components.core.store.records import (identity_changes, pipeline_finished, read_exit_record, read_summary,
                                                     read_training_config, refuse_resume_changes, replace_run,
                                                     stored_run_id, write_training_config)
-from relaunch.components.core.store.trainings import training_names, training_uri
+from relaunch.components.core.store.training_folders import training_names, training_uri
 from relaunch.components.core.tracking.client import ensure_run, mark_run_finished, run_exists, tracking_uri
 from relaunch.components.core.store.ledger import reached_its_end
 from relaunch.components.prepare import check_inputs

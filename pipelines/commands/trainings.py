@@ -29,7 +29,7 @@ from relaunch.components.core.checkpoint.lease import holder_alive as lease_aliv
 from relaunch.components.core.contract.errors import BadInput
 from relaunch.components.core.contract.exitcodes import MEANING, ExitCode, is_retryable
 from relaunch.components.core.store import open_store
-from relaunch.components.core.store.trainings import resolve_trainings
+from relaunch.components.core.store.training_folders import resolve_trainings
 from relaunch.components.core.tracking.client import client
 from relaunch.pipelines.commands import Subcommands
 

@@ -10,9 +10,9 @@ the number of trials and how many run at once, the sampler and its seed, the pru
 What happens: prepare runs once (the dataset, the study's MLflow run, its stored configuration in
 ``<store.uri>/studies/<study>/``); then the trials, ``tune.parallel`` at once, each a relaunch training
 in its own folder ``studies/<study>/trials/<n>/`` run through the launch step, with its own torchrun
-restarts, checkpoints and resume (:mod:`relaunch.pipelines.tune.runner`); then the best trial's last
+restarts, checkpoints and resume (:mod:`relaunch.pipelines.tune.trial_runner`); then the best trial's last
 checkpoint goes through the evaluate and register steps, as a single training's does. A line per trial
-start, validation, resume, retry, pruning and end (:mod:`relaunch.pipelines.tune.console`).
+start, validation, resume, retry, pruning and end (:mod:`relaunch.pipelines.tune.study_console`).
 
 A study is named by ``--study`` or ``tune.study``; without either, each ``relaunch tune`` starts a new
 study named ``<name>-<UTC time>`` and ``--resume`` continues the newest. A name that exists is refused
@@ -140,10 +140,10 @@ class TuneSession:
     def _run(self, resuming: bool, held: contextlib.ExitStack, state_dir: str) -> int:
         from rich.console import Console
 
-        from relaunch.components.core.tuning.layout import (StudyRecord, default_storage, local_study_dir, read_study,
+        from relaunch.components.core.tuning.study_folder import (StudyRecord, default_storage, local_study_dir, read_study,
                                                             study_uri, trial_records, write_study)
         from relaunch.components.core.tuning.trials import storage_for_records, study_configuration
-        from relaunch.pipelines.tune.console import TuneConsole
+        from relaunch.pipelines.tune.study_console import TuneConsole
 
         uri = study_uri(self.config.store.uri, self.name)
         study_store = open_store(uri)
@@ -181,7 +181,7 @@ class TuneSession:
         Raises:
             BadInput: ``--resume`` of no study, or a new study of a name that exists.
         """
-        from relaunch.components.core.tuning.layout import study_names
+        from relaunch.components.core.tuning.study_folder import study_names
 
         names = study_names(root)
         explicit = self.config.tune.study
@@ -208,7 +208,7 @@ class TuneSession:
         Raises:
             TrainingInUse: a live ``relaunch tune`` runs this study (one line, exit 2).
         """
-        from relaunch.components.core.tuning.layout import study_names, study_uri
+        from relaunch.components.core.tuning.study_folder import study_names, study_uri
 
         if resuming or self.config.tune.study is not None:
             held.enter_context(self._lock(open_store(study_uri(self.config.store.uri, name)), name))
@@ -269,11 +269,11 @@ class TuneSession:
 
     def _trials_and_best(self, config: RelaunchConfig, study_store, local_dir, storage: str, view) -> int:
         from relaunch.components.core.tracking.client import mark_run_finished
-        from relaunch.components.core.tuning.layout import read_study, write_study
+        from relaunch.components.core.tuning.study_folder import read_study, write_study
         from relaunch.components.core.tuning.report import log_study
         from relaunch.components.core.tuning.study import Study
         from relaunch.components.core.tuning.trials import best_trial
-        from relaunch.pipelines.tune.runner import StudyRunner
+        from relaunch.pipelines.tune.trial_runner import StudyRunner
 
         study = Study(config, storage)
         self.runner = StudyRunner(config, study, study_store, local_dir, config.tracking.run_id, view)

@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from relaunch.pipelines.tune.runner import POLL_SECONDS
+from relaunch.pipelines.tune.trial_runner import POLL_SECONDS
 
 ROOT = Path(__file__).resolve().parents[2]
 RELAUNCH = str(Path(sys.executable).parent / "relaunch")
@@ -109,7 +109,7 @@ def _machinery(workdir: Path, trials: int) -> float:
     from relaunch.components.core.contract.config import RelaunchConfig
     from relaunch.components.core.contract.config_loading import load_config
     from relaunch.components.core.store import open_store
-    from relaunch.components.core.tuning.layout import COMPLETE, study_uri
+    from relaunch.components.core.tuning.study_folder import COMPLETE, study_uri
     from relaunch.components.core.tuning.study import Study
     from relaunch.components.core.tuning.trials import begin_trial, end_trial
 

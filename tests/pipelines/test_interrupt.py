@@ -72,7 +72,7 @@ def test_resume_after_sigint_finishes_the_training_at_once(interrupted):
 def test_the_resumed_training_keeps_its_own_configuration_in_the_summary_and_mlflow(interrupted):
     from relaunch.components.core.store import open_store
     from relaunch.components.core.store.records import read_summary
-    from relaunch.components.core.store.trainings import training_names, training_uri
+    from relaunch.components.core.store.training_folders import training_names, training_uri
 
     root = str(interrupted.cwd / ".relaunch" / "store")
     (name,) = training_names(open_store(root))  # the resume continued it, no second training

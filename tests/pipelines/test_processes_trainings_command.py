@@ -17,7 +17,7 @@ import pytest
 from relaunch.components.core.checkpoint.layout import LATEST, LEASE
 from relaunch.components.core.store import open_store
 from relaunch.components.core.store import records
-from relaunch.components.core.store.trainings import training_uri
+from relaunch.components.core.store.training_folders import training_uri
 from relaunch.components.core.store.ledger import Attempt
 from tests.cli import RELAUNCH
 

@@ -11,7 +11,7 @@ from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.core.contract.config_loading import load_config
 from relaunch.components.core.contract.errors import BadInput
 from relaunch.components.core.trainer.metrics_file import format_line, parse_line, read_new, write_validation
-from relaunch.components.core.tuning.layout import COMPLETE, FAILED, PRUNED, TrialRecord
+from relaunch.components.core.tuning.study_folder import COMPLETE, FAILED, PRUNED, TrialRecord
 from relaunch.components.core.tuning.study import Study, trial_seed
 from relaunch.components.core.tuning.trials import best_trial, study_configuration
 

@@ -126,7 +126,7 @@ class Study:
 
     Args:
         config: the study's configuration (its ``tune`` section says the space, objective, sampler, pruner).
-        storage_url: the Optuna storage (``tune.storage``, else :func:`~relaunch.components.core.tuning.layout.default_storage`).
+        storage_url: the Optuna storage (``tune.storage``, else :func:`~relaunch.components.core.tuning.study_folder.default_storage`).
 
     Raises:
         BadInput: the storage cannot be opened.

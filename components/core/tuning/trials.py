@@ -33,7 +33,7 @@ from relaunch.components.core.store.records import (dotted, identity_changes, re
 from relaunch.components.core.tracking.client import (PARENT_RUN_TAG, call, client as tracking_client, ensure_run,
                                                       mark_run_finished, reopen_run, tracking_uri)
 from relaunch.components.core.tracking.lineage import record_attempts
-from relaunch.components.core.tuning.layout import (COMPLETE, FAILED, PRUNED, RUNNING, TrialRecord, read_trial,
+from relaunch.components.core.tuning.study_folder import (COMPLETE, FAILED, PRUNED, RUNNING, TrialRecord, read_trial,
                                                     trial_uri, write_trial)
 from relaunch.components.core.tuning.study import Study
 

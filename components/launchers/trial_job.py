@@ -23,7 +23,7 @@ from relaunch.components.core.contract.errors import BadInput
 from relaunch.components.core.contract.suggestions import TRIAL_ENV, check_parameter_names
 from relaunch.components.core.store import join_uri, parse_store_uri
 from relaunch.components.core.trainer.metrics_file import METRICS_FILE_ENV
-from relaunch.components.core.tuning.layout import TRIALS, default_storage, study_uri
+from relaunch.components.core.tuning.study_folder import TRIALS, default_storage, study_uri
 from relaunch.components.launchers import pytorchjob, trainjob
 from relaunch.components.launchers.jobs import job_spec
 
