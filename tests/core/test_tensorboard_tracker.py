@@ -14,6 +14,7 @@ from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.core.contract.errors import BadInput
 from relaunch.components.core.tracking.tensorboard_tracker import TensorBoardTracker
 from relaunch.components.core.tracking.trackers import AttemptStart, open_trackers
+from tests.needs import needed
 
 KILLED_ATTEMPT = textwrap.dedent("""
     import os, signal, sys
@@ -37,7 +38,7 @@ def _start(board: TensorBoardTracker, attempt: int, resumed_from: int) -> None:
 @pytest.mark.parametrize("resumed_from", [10, -1], ids=["its-checkpoint-committed", "no-checkpoint-committed"])
 def test_a_rank_0_killed_after_a_checkpoint_keeps_every_point_up_to_it_and_its_resumed_attempt_the_rest(
         tmp_path, resumed_from):
-    pytest.importorskip("tensorboard")
+    needed("tensorboard", "the TensorBoard tracker's tests need the test extra: pip install -e '.[test]'")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     folder = tmp_path / "tb"

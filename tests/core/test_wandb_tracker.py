@@ -15,8 +15,9 @@ from relaunch.components.core.store import open_store
 from relaunch.components.core.tracking.trackers import AttemptEnd, AttemptStart, open_trackers
 from relaunch.components.core.tracking.wandb_tracker import WandbTracker, record_registered_version, wandb_run_id
 from tests.core.wandb_records import read_offline_runs
+from tests.needs import needed
 
-pytest.importorskip("wandb")
+needed("wandb", "the W&B tracker's tests need the test extra: pip install -e '.[test]'")
 
 
 @pytest.fixture

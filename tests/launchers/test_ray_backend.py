@@ -24,8 +24,9 @@ from relaunch.components.core.store import open_store, records
 from relaunch.components.core.store.procfs import boot_ticks, exited, stat_fields
 from relaunch.components.launchers import ray as ray_backend
 from tests.train.conftest import final_params, metric_steps, mlflow_runs, train_config
+from tests.needs import needed
 
-pytest.importorskip("ray", reason="launch.backend=ray needs the extra: pip install -e '.[ray]'")
+needed("ray", "launch.backend=ray needs the extra: pip install -e '.[ray]' (make test installs it)")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,8 +14,9 @@ from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.launchers import ray as ray_backend
 from tests.launchers.test_ray_backend import kill_a_ray_worker_at, ray_config, trainers
 from tests.train.test_streamed_data import TINY_LM, _assert_bitwise_equal, _final_state
+from tests.needs import needed
 
-pytest.importorskip("ray", reason="launch.backend=ray needs the extra: pip install -e '.[ray]'")
+needed("ray", "launch.backend=ray needs the extra: pip install -e '.[ray]' (make test installs it)")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 LM = {**TINY_LM, "max_steps": 20, "checkpoint_every_steps": 10}  # one checkpoint before the kill, one at the end

@@ -12,9 +12,11 @@ import pytest
 from relaunch.components.core.tracking.wandb_tracker import wandb_run_id
 from tests.core.wandb_records import read_offline_runs
 from tests.train.conftest import mlflow_runs, run_torchrun, train_config
+from tests.needs import needed
 
-pytest.importorskip("wandb")
-EventAccumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator").EventAccumulator
+needed("wandb", "the W&B tracker's tests need the test extra: pip install -e '.[test]'")
+EventAccumulator = needed("tensorboard.backend.event_processing.event_accumulator",
+                          "the test extra: pip install -e '.[test]'").EventAccumulator
 pytestmark = pytest.mark.slow
 
 
