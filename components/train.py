@@ -284,6 +284,8 @@ class Training:
         self.checkpoints.last_committed = restored.committed
         if restored.step >= 0:
             self.step = self.resumed_from = self.checkpoints.last_saved = restored.step
+            if self.inplace is not None:  # a step from memory may not be in the store: its save is not skipped
+                self.checkpoints.last_saved = result.saved_step
         if self.env.is_main:
             self.phases["resume"] = time.time() - _PROCESS_START
             self.log.record.phases = self.phases
@@ -536,11 +538,10 @@ def run(config: RelaunchConfig) -> TrainSummary:
         while True:
             try:
                 training.loop()
-                break
+                return training.finish()  # its final save's collectives too: a peer lost there is recovered
             except PeerFailure as err:  # a killed peer: a survivor recovers in place when it can
                 if training.inplace is None or not training.inplace.recover(training, err):
                     raise
-        return training.finish()
     except RelaunchError as err:
         return training.fail(err)
     except Exception as err:

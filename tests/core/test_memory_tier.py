@@ -1,12 +1,15 @@
 """The in-memory tier on its own (one process, real sockets, a real torch TCPStore as the registry):
 packing a training state without pickling, restoring it bitwise into the memory a state holds or into
-a fresh one, the ring replica handed to a peer and fetched back, the memory it holds (2x the shard), and a step's
+a fresh one, the ring replica handed to a peer and fetched back, the memory it holds (4x the shard: two of its own, two of a
+peer's, so that a rank lost while handing one over is served at the one before), and a step's
 snapshot taken beside the training."""
 
 from __future__ import annotations
 
 import datetime
+import json
 import random
+import socket
 import threading
 import time
 
@@ -17,7 +20,7 @@ import torch.distributed as dist
 
 from relaunch.components.core.checkpoint.layout import MANIFEST, step_key
 from relaunch.components.core.checkpoint.manager import CheckpointManager
-from relaunch.components.core.checkpoint.memory_tier import MemoryTier, holder_of, pack, restore_into
+from relaunch.components.core.checkpoint.memory_tier import _HEAD, _LEN, MemoryTier, holder_of, newest_common, pack, restore_into
 from relaunch.components.core.checkpoint.snapshot import Snapshotter
 from relaunch.components.core.store import open_store
 from relaunch.components.core.trainer.inplace import CountingStore, StepSnapshots
@@ -113,27 +116,60 @@ def test_a_rank_whose_holder_is_gone_too_gets_nothing_from_memory(registry):
         tiers[0].close()
 
 
-def test_the_tier_holds_its_own_snapshot_and_one_replica_2x_the_shard_reused_from_commit_to_commit(registry):
+def test_the_tier_holds_its_two_newest_snapshots_and_two_replicas_4x_the_shard_reused_from_snapshot_to_snapshot(registry):
     tiers = [MemoryTier(rank, 2, registry) for rank in range(2)]
     try:
         states = [make_state(seed=rank, width=64) for rank in range(2)]
         shard = len(pack(committed_snapshot(states[0]))[1])
-        previous = None
-        for step in (1, 2, 3):
-            buffers = []
+        buffers = []
+        for step in (1, 2, 3, 4, 5):
             for rank, state in enumerate(states):
                 train_steps(state, 1)
                 tiers[rank].keep(step, committed_snapshot(state), None)
             for tier in tiers:
                 held = tier.bytes_held()
-                assert held == {"own": shard, "replica": shard}, held
-                buffers.append((id(tier.own[1]), id(tier.server.replica[1])))
-            if previous is not None:
-                assert buffers == previous  # packed and received into the same memory: no third copy
-            previous = buffers
+                kept = min(step, 2)
+                assert held == {"own": kept * shard, "replica": kept * shard}, held
+                assert [h["step"] for h, _ in tier.kept] == [h["step"] for h, _ in tier.server.replicas] == \
+                    list(range(step, step - kept, -1))
+            buffers.append({id(p) for tier in tiers for _, p in (*tier.kept, *tier.server.replicas)})
+        assert buffers[2] == buffers[3] == buffers[4] == buffers[1]  # packed and received into the same memory
     finally:
         for tier in tiers:
             tier.close()
+
+
+def test_a_rank_lost_while_handing_its_newest_snapshot_over_is_served_at_the_one_before(registry):
+    tiers = [MemoryTier(rank, 2, registry) for rank in range(2)]
+    try:
+        states = [make_state(seed=rank) for rank in range(2)]
+        for step in (1, 2):
+            for rank, state in enumerate(states):
+                train_steps(state, 1)
+                tiers[rank].keep(step, committed_snapshot(state), "fp")
+        saved = trained_values(make_state_like(states[1], *tiers[1].own))
+        # step 3: rank 0 keeps it; rank 1 is SIGKILLed in the middle of its put to rank 0 (its holder)
+        train_steps(states[0], 1)
+        tiers[0].keep(3, committed_snapshot(states[0]), "fp")
+        header, payload = pack(committed_snapshot(states[1]))
+        header.update(step=3, fingerprint="fp")
+        raw = json.dumps(header).encode()
+        with socket.create_connection(tiers[0].server.address.rsplit(":", 1)) as sock:
+            sock.sendall(_HEAD.pack(b"P", 1, -1) + _LEN.pack(len(raw)) + raw + bytes(payload[: len(payload) // 2]))
+        tiers[1].close()
+        replacement = MemoryTier(1, 2, registry)
+        try:
+            servable = [tiers[0].servable()[0], replacement.servable()[0]]
+            # the holder kept step 2's replica whole (the broken put went into step 1's memory)
+            assert servable == [[(3, "fp"), (2, "fp")], [(2, "fp")]], servable
+            assert newest_common(servable, "fp") == 2
+            held = replacement.take(2)
+            assert held[0]["step"] == 2
+            assert_bitwise_equal(trained_values(make_state_like(states[1], *held)), saved)
+        finally:
+            replacement.close()
+    finally:
+        tiers[0].close()
 
 
 def _step(state, snapshots) -> None:

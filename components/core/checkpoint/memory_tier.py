@@ -4,7 +4,8 @@ replica of one peer's, so that a killed worker's replacement and its survivors r
     tier = MemoryTier(rank, world_size, registry)      # registry: a key-value store every rank reaches
     tier.keep(step, snapshot, fingerprint)             # a step's snapshot (a thread beside the training), or a
                                                        # save's copy (beside the store's writes)
-    held, where = tier.own_or_from_holder()            # at a (re)start: this rank's newest state, or None
+    steps, where = tier.servable()                     # at a (re)start: the steps this rank can be served at
+    held = tier.take(step)                             # the one the ranks agreed on (a replacement fetches it)
     restore_into(state, *held)                         # copied into the memory the state already holds
 
 Ring replication: rank ``r`` holds the replica of rank ``(r - 1) mod W``'s shard, so its holder is
@@ -14,15 +15,19 @@ The replica goes over plain TCP, to a small server thread of each rank (:class:`
 address is published in the job's rendezvous store: the transfer does not depend on the process group,
 which is broken exactly when a replica is needed.
 
-Memory, per rank, bounded: its own snapshot and one peer's replica, each one packed payload (the tensor
-bytes of its shard of model, optimizer, RNG and counters; no pickling: a JSON tree of plain values plus
-raw tensor bytes), reused in place from snapshot to snapshot when its size is unchanged: 2x the shard.
+Memory, per rank, bounded: its own two newest snapshots and the two newest replicas of one peer, each
+one packed payload (the tensor bytes of its shard of model, optimizer, RNG and counters; no pickling: a
+JSON tree of plain values plus raw tensor bytes), the older one's memory taking the next when its size is
+unchanged: 4x the shard. Two of each, because a rank lost in the middle of handing its newest snapshot
+over (SIGKILL does not wait) leaves its holder with the replica before that, and the survivors, whose own
+newest is already the next step, then serve the step before it, which every rank still holds; with one
+of each (2x), the store served then.
 Snapshots are of whole steps: every few steps (``train.memory_snapshot_every_steps``, taken beside the
 training by :class:`relaunch.components.core.trainer.inplace.StepSnapshots`) and each checkpoint
 save's copy, kept while the store is still written (with that 0, only those). Each is tagged with its
-step and the checkpoint's model fingerprint, and the ranks agree on one step that every rank holds
-before any of them restores: a loss in the middle of a snapshot's hand-over (one rank's own ahead of
-the replica of another) leaves them at different steps, and the store serves.
+step and the checkpoint's model fingerprint, and the ranks agree on the newest step that every rank holds
+before any of them restores (:func:`newest_common`); only when none is held by all (a rank lost with its
+holder) the store serves.
 """
 
 from __future__ import annotations
@@ -43,9 +48,20 @@ from relaunch.components.core.checkpoint.prefault import populate
 from relaunch.components.core.checkpoint.snapshot import local_part
 
 ALIGN = 64  # every tensor's bytes start at a multiple of this in the payload
-_HEAD = struct.Struct("!cI")  # op ('P' put, 'G' get), owner rank
+_HEAD = struct.Struct("!cIq")  # op ('P' put, 'G' get, 'L' list), owner rank, step ('G': -1 the newest)
 _LEN = struct.Struct("!Q")
 SOCKET_TIMEOUT_SECONDS = 30.0
+KEPT = 2  # snapshots of each kind a rank holds (its own, its peer's replicas): the newest and the one before
+
+
+def newest_common(tags: list[list[tuple[int, str | None]]], fingerprint: str | None) -> int:
+    """The newest step that every rank can be served at (``tags``: each rank's servable (step,
+    fingerprint) pairs, :meth:`MemoryTier.servable`) with the model's ``fingerprint``, or -1."""
+    common: set[int] | None = None
+    for held in tags:
+        steps = {int(step) for step, fp in held if fp == fingerprint and int(step) >= 0}
+        common = steps if common is None else common & steps
+    return max(common) if common else -1
 
 
 def holder_of(rank: int, world_size: int, per_node: int | None = None) -> int:
@@ -226,13 +242,15 @@ def _recv_blob(sock: socket.socket, reuse: np.ndarray | None = None) -> tuple[di
 
 
 class ReplicaServer:
-    """This rank's listener: holds the replica a peer puts, and hands it back to whoever asks (the
-    peer's replacement). One connection at a time, on a daemon thread."""
+    """This rank's listener: holds the ``KEPT`` newest replicas a peer puts, and hands one back to
+    whoever asks (the peer's replacement). A put is received into the memory of the oldest, never of
+    the newest: a peer lost in the middle of its put leaves the replica before it whole. One
+    connection at a time, on a daemon thread."""
 
     def __init__(self, host: str = "127.0.0.1"):
         self.sock = socket.create_server((host, 0))
         self.address = f"{host}:{self.sock.getsockname()[1]}"
-        self.replica: tuple[dict, np.ndarray] | None = None  # (header with the owner's tag, payload)
+        self.replicas: list[tuple[dict, np.ndarray]] = []  # (header with the owner's tag, payload), newest first
         self.lock = threading.Lock()
         threading.Thread(target=self._serve, name="memory-tier-replica", daemon=True).start()
 
@@ -249,23 +267,37 @@ class ReplicaServer:
                 except (OSError, ValueError, ConnectionError) as err:
                     print(f"relaunch: memory tier: a replica transfer failed: {err}", file=sys.stderr, flush=True)
 
+    @property
+    def replica(self) -> tuple[dict, np.ndarray] | None:
+        """The newest replica held."""
+        with self.lock:
+            return self.replicas[0] if self.replicas else None
+
+    def _held(self, owner: int) -> list[tuple[dict, np.ndarray]]:
+        with self.lock:
+            return [held for held in self.replicas if held[0].get("owner") == owner]
+
     def _answer(self, conn: socket.socket) -> None:
-        op, owner = _HEAD.unpack(bytes(_recv_exact(conn, _HEAD.size)))
+        op, owner, step = _HEAD.unpack(bytes(_recv_exact(conn, _HEAD.size)))
         if op == b"P":
-            with self.lock:  # received into the old replica's memory when it fits: never two of them
-                old, self.replica = self.replica, None
-            header, payload = _recv_blob(conn, old[1] if old is not None else None)
+            with self.lock:  # received into the oldest replica's memory when it fits, the newest kept whole
+                if self.replicas and self.replicas[0][0].get("owner") != owner:
+                    self.replicas = []  # the ring changed: another peer's now
+                spare = self.replicas.pop() if len(self.replicas) >= KEPT else None
+            header, payload = _recv_blob(conn, spare[1] if spare is not None else None)
             header["owner"] = owner
             with self.lock:
-                self.replica = (header, payload)
+                self.replicas.insert(0, (header, payload))
             conn.sendall(b"k")
+        elif op == b"L":
+            raw = json.dumps([[h["step"], h.get("fingerprint")] for h, _ in self._held(owner)]).encode()
+            conn.sendall(_LEN.pack(len(raw)) + raw)
         elif op == b"G":
-            with self.lock:
-                held = self.replica
-            if held is None or held[0].get("owner") != owner:
+            held = [h for h in self._held(owner) if step < 0 or h[0]["step"] == step][:1]
+            if not held:
                 conn.sendall(_LEN.pack(0))
                 return
-            _send_blob(conn, held[0], held[1])
+            _send_blob(conn, held[0][0], held[0][1])
 
     def close(self) -> None:
         with contextlib.suppress(OSError):  # wakes the accept() of the server thread, which then ends
@@ -281,16 +313,25 @@ def _connect(address: str) -> socket.socket:
 def put_replica(address: str, owner: int, header: dict, payload: np.ndarray) -> None:
     """Hand ``owner``'s packed snapshot to the replica server at ``address``."""
     with _connect(address) as sock:
-        sock.sendall(_HEAD.pack(b"P", owner))
+        sock.sendall(_HEAD.pack(b"P", owner, -1))
         _send_blob(sock, header, payload)
         if _recv_exact(sock, 1).tobytes() != b"k":
             raise ConnectionError("memory tier: the holder did not take the replica")
 
 
-def get_replica(address: str, owner: int) -> tuple[dict, np.ndarray] | None:
-    """``owner``'s replica from the server at ``address``, or None when it holds none of it."""
+def list_replicas(address: str, owner: int) -> list[tuple[int, str | None]]:
+    """The (step, fingerprint) of each of ``owner``'s replicas the server at ``address`` holds, newest first."""
     with _connect(address) as sock:
-        sock.sendall(_HEAD.pack(b"G", owner))
+        sock.sendall(_HEAD.pack(b"L", owner, -1))
+        size = _LEN.unpack(bytes(_recv_exact(sock, _LEN.size)))[0]
+        return [(int(step), fp) for step, fp in json.loads(bytes(_recv_exact(sock, size)))]
+
+
+def get_replica(address: str, owner: int, step: int = -1) -> tuple[dict, np.ndarray] | None:
+    """``owner``'s replica of ``step`` (-1: the newest) from the server at ``address``, or None when it
+    holds none such."""
+    with _connect(address) as sock:
+        sock.sendall(_HEAD.pack(b"G", owner, step))
         size = _LEN.unpack(bytes(_recv_exact(sock, _LEN.size)))[0]
         if size == 0:
             return None
@@ -305,8 +346,8 @@ def get_replica(address: str, owner: int) -> tuple[dict, np.ndarray] | None:
 
 
 class MemoryTier:
-    """One rank's side of the tier: its own newest snapshot, its server holding a peer's
-    replica, and the registry where every rank finds the others' servers.
+    """One rank's side of the tier: its own ``KEPT`` newest snapshots, its server holding a peer's
+    replicas, and the registry where every rank finds the others' servers.
 
     Args:
         rank, world_size: this rank in the job.
@@ -320,11 +361,17 @@ class MemoryTier:
         self.rank, self.world_size, self.registry = rank, world_size, registry
         self.holder = holder_of(rank, world_size, per_node)
         self.server = ReplicaServer(host)
-        self.own: tuple[dict, np.ndarray] | None = None
-        self.lock = threading.Lock()  # guards own
+        self.kept: list[tuple[dict, np.ndarray]] = []  # its own snapshots, newest first
+        self.lock = threading.Lock()  # guards kept
         self.turn = threading.Lock()  # one keep at a time
         self.holder_address: str | None = None
         registry.set(registry_key(rank), self.server.address)
+
+    @property
+    def own(self) -> tuple[dict, np.ndarray] | None:
+        """This rank's newest snapshot kept."""
+        with self.lock:
+            return self.kept[0] if self.kept else None
 
     def _address(self, rank: int) -> str | None:
         key = registry_key(rank)
@@ -335,26 +382,27 @@ class MemoryTier:
     def keep(self, step: int, snapshot: Any, fingerprint: str | None, *, taken_at: float | None = None,
              copied: Callable[[], None] | None = None) -> None:
         """Keep ``snapshot``, the state of ``step``, as this rank's own (packed into the memory of the
-        previous one) and hand it to this rank's holder, unless the one kept is as new. ``copied`` is
+        oldest one kept, the newest kept whole) and hand it to this rank's holder, unless the one kept
+        is as new. ``copied`` is
         called once the snapshot's tensors are copied (a snapshot of the live state: the training may
         change them after that). ``taken_at``: when the step was done (the goodput's recomputed time).
         Callers on two threads (commits, the step snapshots) take turns."""
         with self.turn:
             with self.lock:
-                if self.own is not None and self.own[0]["step"] >= step:  # a newer one is kept already
+                if self.kept and self.kept[0][0]["step"] >= step:  # a newer one is kept already
                     if copied is not None:
                         copied()
                     return
-                old, self.own = self.own, None
+                spare = self.kept.pop() if len(self.kept) >= KEPT else None
             try:
-                header, payload = pack(snapshot, old[1] if old is not None else None)
+                header, payload = pack(snapshot, spare[1] if spare is not None else None)
             finally:
                 if copied is not None:
                     copied()
             header.update(step=int(step), fingerprint=fingerprint, rank=self.rank, world_size=self.world_size,
                           taken_at=taken_at)
             with self.lock:
-                self.own = (header, payload)
+                self.kept.insert(0, (header, payload))
             if self.world_size > 1:
                 self._push(header, payload)
 
@@ -381,25 +429,69 @@ class MemoryTier:
     def drop_own(self) -> None:
         """The training went back to an older step (a restore from the store): what is kept is not its past."""
         with self.turn, self.lock:
-            self.own = None
+            self.kept = []
+
+    def forget_after(self, step: int) -> None:
+        """The training went back to ``step`` (a restore from the older of two snapshots): what is kept
+        of later steps is not its past any more (a later keep of those steps would be skipped)."""
+        with self.turn, self.lock:
+            self.kept = [held for held in self.kept if held[0]["step"] <= step]
 
     def adopt(self, header: dict, payload: np.ndarray) -> None:
         """Take a replica fetched from the holder as this rank's own snapshot (a replacement's)."""
         with self.lock:
-            self.own = (header, payload)
+            self.kept = [(header, payload)]
+
+    def servable(self) -> tuple[list[tuple[int, str | None]], str]:
+        """The (step, fingerprint) of each snapshot this rank can be restored at, newest first, and where
+        they are: its own (a survivor), else the replicas its holder keeps (a replacement: listed, not
+        fetched; :meth:`take` fetches the one agreed on), else none."""
+        with self.lock:
+            kept = list(self.kept)
+        if kept:
+            return [(int(h["step"]), h.get("fingerprint")) for h, _ in kept], "own"
+        address = self._holder_address()
+        if address is None:
+            return [], "none"
+        try:
+            return list_replicas(address, self.rank), f"replica on rank {self.holder}"
+        except OSError:  # the holder is gone too: the store serves
+            return [], "none"
+
+    def take(self, step: int) -> tuple[dict, np.ndarray] | None:
+        """This rank's snapshot of ``step``: its own, else fetched from its holder (and adopted as its
+        own); None when neither has it any more (the holder lost since :meth:`servable`)."""
+        with self.lock:
+            for held in self.kept:
+                if held[0]["step"] == step:
+                    return held
+        address = self._holder_address()
+        if address is None:
+            return None
+        try:
+            fetched = get_replica(address, self.rank, step)
+        except OSError:
+            return None
+        if fetched is not None:
+            self.adopt(*fetched)
+        return fetched
+
+    def _holder_address(self) -> str | None:
+        """The holder's server (a replacement asks it), or None: a world of one, or none published."""
+        if self.world_size == 1:
+            return None
+        address = self._address(self.holder)
+        return None if address is None or address == self.server.address else address
 
     def own_or_from_holder(self) -> tuple[tuple[dict, np.ndarray] | None, str]:
         """This rank's newest snapshot: its own when it has one (a survivor), else the replica its
         holder keeps (a replacement), else None; and where it came from."""
-        with self.lock:
-            own = self.own
+        own = self.own
         if own is not None:
             return own, "own"
-        if self.world_size == 1:
-            return None, "none"
         holder = self.holder
-        address = self._address(holder)
-        if address is None or address == self.server.address:
+        address = self._holder_address()
+        if address is None:
             return None, "none"
         try:
             fetched = get_replica(address, self.rank)
@@ -411,11 +503,11 @@ class MemoryTier:
         return fetched, f"replica on rank {holder}"
 
     def bytes_held(self) -> dict[str, int]:
-        """Host memory the tier holds now: this rank's own snapshot and the peer replica it keeps."""
+        """Host memory the tier holds now: this rank's own snapshots and the peer replicas it keeps."""
         with self.lock:
-            own = len(self.own[1]) if self.own is not None else 0
+            own = sum(len(p) for _, p in self.kept)
         with self.server.lock:
-            replica = len(self.server.replica[1]) if self.server.replica is not None else 0
+            replica = sum(len(p) for _, p in self.server.replicas)
         return {"own": own, "replica": replica}
 
     def close(self) -> None:

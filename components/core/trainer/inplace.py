@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 
 from relaunch.components.core.checkpoint.layout import MANIFEST, PREFIX, checkpoint_steps, step_key
-from relaunch.components.core.checkpoint.memory_tier import MemoryTier, restore_into
+from relaunch.components.core.checkpoint.memory_tier import MemoryTier, newest_common, restore_into
 from relaunch.components.core.contract.config import memory_tier_on
 from relaunch.components.core.contract.events import Kind, emit
 from relaunch.components.core.runtime import distributed as distr
@@ -212,6 +212,8 @@ class Restore:
     store_bytes_read: int
     seconds: float
     taken_at: float | None = None  # when the restored step was done (a snapshot's), if known
+    saved_step: int = -1  # the newest step at or before it committed in the store (a memory step may be none:
+    # the save of the training's last step, its peer lost before the commit, must not be skipped as done)
 
 
 class InPlace:
@@ -264,39 +266,48 @@ class InPlace:
 
     def restore(self, config, manager, parts, peers: Callable[[], Any],
                 warm_up: Callable[[], None] | None = None) -> Restore:
-        """Where this start continues from, agreed by every rank (collective): memory when every rank
-        can serve the same committed step from it and no later step committed in the store, else the
-        store's start point (:func:`setup.restore`). ``warm_up`` (:func:`ddp_warm_up`) runs first."""
+        """Where this start continues from, agreed by every rank (collective): memory at the newest step
+        that every rank can serve from it (its own snapshots, or a replacement's replicas on its holder:
+        the one before the newest when a rank was lost handing the newest over) when no later step is
+        committed in the store, else the store's start point (:func:`setup.restore`). ``warm_up``
+        (:func:`ddp_warm_up`) runs first."""
         began, read_before = time.perf_counter(), self.store.bytes_read
         if warm_up is not None:
             with peers():
                 warm_up()
-        held, where = self.tier.own_or_from_holder()
-        tag = (int(held[0]["step"]), held[0].get("fingerprint")) if held is not None else (-1, None)
+        tags, where = self.tier.servable()
         with peers():
-            tags = [None] * self.env.world_size
+            gathered = [None] * self.env.world_size
             if self.env.world_size > 1:
-                torch.distributed.all_gather_object(tags, tag)
+                torch.distributed.all_gather_object(gathered, tags)
             else:
-                tags = [tag]
-            step = tags[0][0]
-            servable = step >= 0 and all(t == tags[0] for t in tags) and tags[0][1] == manager.model_fingerprint
-            if servable and self.env.is_main:
-                servable = not _committed_after(self.store, step)
-            servable = distr.broadcast_object(servable)
+                gathered = [tags]
+        step = newest_common(gathered, manager.model_fingerprint)
+        held = self.tier.take(step) if step >= 0 else None  # a replacement fetches it from its holder
+        missing, saved = float(step >= 0 and held is None), 0.0
+        if step >= 0 and self.env.is_main:
+            committed = [s for s in checkpoint_steps(self.store) if self.store.exists(f"{step_key(s)}/{MANIFEST}")]
+            missing += float(any(s > step for s in committed))  # a commit landed after it: memory lacks it
+            saved = float(max([s for s in committed if s <= step], default=-1))
+        with peers():
+            missing, saved = distr.all_reduce_sum([missing, saved])
+        servable = step >= 0 and missing == 0
         if servable:
             state = parts.state
             live = self.snapshots.live_tensors() if self.snapshots is not None and self.snapshots.state is state else None
             restore_into(state, *held, live=live)
+            self.tier.forget_after(step)
             parts.optimizer.zero_grad(set_to_none=True)
             restored = setup.Restored(f"memory://step-{step}", None, int(state.step))
             source, detail = "memory", where
+            saved_step = int(saved)
         else:
             self.tier.drop_own()
             restored = setup.restore(config, manager, parts, peers)
-            source, detail = "store", "the tier cannot serve every rank" if step >= 0 or where != "none" else ""
+            saved_step = restored.step
+            source, detail = "store", "the tier cannot serve every rank" if any(gathered) else ""
         result = Restore(restored, source, detail, self.store.bytes_read - read_before, time.perf_counter() - began,
-                         held[0].get("taken_at") if servable else None)
+                         held[0].get("taken_at") if servable else None, saved_step)
         print(f"relaunch: rank {self.env.rank} (pid {os.getpid()}) restored step {restored.step} from {source}"
               f"{' (' + detail + ')' if detail else ''}; {result.store_bytes_read} bytes read from the store",
               file=sys.stderr, flush=True)
@@ -350,6 +361,7 @@ class InPlace:
         self.attach(manager, parts.state)
         result = self.restore(self.config, manager, parts, training._peers, ddp_warm_up(training))
         training.checkpoints.rejoin(manager, parts.state, result.restored, training.attempt)
+        training.checkpoints.last_saved = result.saved_step
         training.step = training.resumed_from = result.restored.step
         result.seconds = time.time() - began
         self.recoveries.append(result)
@@ -416,12 +428,6 @@ def ddp_warm_up(training: Any) -> Callable[[], None] | None:
         training.parts.optimizer.zero_grad(set_to_none=True)
 
     return warm_up
-
-
-def _committed_after(store: Any, step: int) -> bool:
-    """Whether the store holds a checkpoint committed after ``step`` (its manifest exists): a commit
-    that landed while a peer died, which memory does not hold (listing only, no data read)."""
-    return any(s > step and store.exists(f"{step_key(s)}/{MANIFEST}") for s in checkpoint_steps(store))
 
 
 def _rewrapped(config, training: Any, parts: Any) -> Any:
