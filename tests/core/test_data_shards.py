@@ -83,6 +83,19 @@ def test_a_committed_source_key_is_found_without_building_the_dataset_again(tmp_
     assert (again.version, written, calls) == (manifest.version, 0, ["train"])
 
 
+
+def test_a_source_record_whose_manifest_is_missing_is_no_record_and_prepare_commits_the_manifest_again(tmp_path):
+    """The source record is written beside the manifest, not after it: a crash may leave the record
+    alone, and it is then read as no record."""
+    store = open_store(str(tmp_path / "store"))
+    calls: list[str] = []
+    manifest, written = commit_source(store, _source(key="corpus-v1", calls=calls))
+    assert written == 1 + 1 + 1 + 1  # train's shard, val's, the manifest, the source record
+    (tmp_path / "store" / manifest_key(manifest.version)).unlink()  # the record survived, the manifest did not
+    again, written_again = commit_source(store, _source(key="corpus-v1", calls=calls))
+    assert (again.version, written_again, calls) == (manifest.version, 1, ["train", "train"])  # the manifest alone
+    assert read_manifest(store, manifest.version).version == manifest.version
+
 @pytest.fixture(params=["fs", "s3", "gcs", "azure"])
 def root(request, tmp_path):
     return backend_root(request, tmp_path, "data")

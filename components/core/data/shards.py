@@ -5,8 +5,9 @@ A dataset version is a set of shard files and one manifest, the commit point, as
     datasets/shards/<xxh3-128 of the shard>.bin     each shard, content-addressed: written once, shared
     datasets/<version>/MANIFEST.json                the splits, each shard's digest, size and sample count,
                                                     the sample's fields, the task's meta (its tokenizer)
-    datasets/sources/<source key>.json              which version a source built (written after the
-                                                    manifest: a second prepare of it writes nothing)
+    datasets/sources/<source key>.json              which version a source built (written with the
+                                                    manifest, read only when the manifest is there: a
+                                                    second prepare of it writes nothing)
 
 A shard holds whole samples as packed rows of one numpy structured dtype (the fields in manifest order,
 no padding), so sample ``i`` of a shard is bytes ``[i * row, (i + 1) * row)`` and
@@ -235,8 +236,10 @@ class DatasetWriter:
             self._pool = None
         self._inflight.clear()
 
-    def commit(self) -> Manifest:
-        """Write the last shards and the manifest (unless the version is committed already)."""
+    def commit(self, also: Callable[[Manifest], int] | None = None) -> Manifest:
+        """Write the last shards and the manifest (unless the version is committed already); ``also``
+        (what else names the version, e.g. a source record: read only with its manifest) is called
+        with the manifest while the manifest is written, and the objects it wrote counted."""
         for split in list(self._pending):
             self._flush(split)
         self._wait()  # every shard durable before the manifest names it
@@ -246,9 +249,13 @@ class DatasetWriter:
                            "check its data source")
         manifest = Manifest("", self.fields, self.splits, self.meta)
         manifest.version = content_version(manifest.body())
-        if not self.store.exists(manifest_key(manifest.version)):
-            self.store.write_bytes(manifest_key(manifest.version), manifest.to_json())
-            self.written += 1
+        with ThreadPoolExecutor(1, thread_name_prefix="dataset-record") as pool:
+            beside = pool.submit(also, manifest) if also is not None else None  # its fsync overlaps the manifest's
+            if not self.store.exists(manifest_key(manifest.version)):
+                self.store.write_bytes(manifest_key(manifest.version), manifest.to_json())
+                self.written += 1
+            if beside is not None:
+                self.written += beside.result()
         return manifest
 
 
@@ -259,19 +266,24 @@ def commit_source(store, source: DatasetSource, *, shard_bytes: int = SHARD_BYTE
         found = version_of_source(store, source.source_key)
         if found is not None:
             return found, 0
+
+    def record(manifest: Manifest) -> int:
+        """The source's record, written with the manifest: a record whose manifest a crash lost is
+        read as no record (:func:`version_of_source` checks the manifest is there)."""
+        if not source.source_key:
+            return 0
+        body = json.dumps({"version": manifest.version, "source_key": source.source_key}).encode()
+        return int(bool(store.write_if_absent(source_record_key(source.source_key), body)))
+
     writer = DatasetWriter(store, meta=source.meta, shard_bytes=shard_bytes)
     try:
         for split, chunks in source.splits.items():
             for chunk in chunks():
                 writer.add(split, chunk)
             writer.splits.setdefault(split, [])
-        manifest = writer.commit()
+        manifest = writer.commit(also=record)
     finally:
         writer.close()
-    if source.source_key:
-        record = json.dumps({"version": manifest.version, "source_key": source.source_key}).encode()
-        if store.write_if_absent(source_record_key(source.source_key), record):
-            writer.written += 1
     return manifest, writer.written
 
 
