@@ -153,6 +153,21 @@ def test_a_killed_rank_is_replaced_in_place_from_its_peers_replica_and_the_run_e
     assert_bitwise(final_params(cfg["store"]["uri"]), reference_params(tmp_path_factory, nproc, parallelism))
 
 
+def test_a_rank_killed_before_any_step_is_held_in_memory_or_committed_restarts_the_group_from_scratch_bitwise(
+        tmp_path, tmp_path_factory):
+    """Snapshots only with the saves (every=0) and the first save at step 20: a kill at step 5 leaves
+    nothing to recover from; the survivor, past the start, ends 138 and the agent starts the group again."""
+    cfg = config(tmp_path, "early", "ddp", inject_failure="kill-worker@step=5")
+    cfg["train"]["memory_snapshot_every_steps"] = 0
+    agent = Agent(cfg, tmp_path, 2)
+    assert agent.wait() == 0, agent.output()[-4000:]
+    output = agent.output()
+    assert "before any step was held in memory by every rank or committed to the store" in output, output[-4000:]
+    assert "ended with 138: stopping the group" in output, output[-4000:]
+    assert [r["step"] for r in agent.restores()].count(-1) >= 4  # the first start, the replacement's, the restart's
+    assert_bitwise(final_params(cfg["store"]["uri"]), reference_params(tmp_path_factory, 2, "ddp"))
+
+
 @EXTENDED
 def test_a_replacement_killed_while_it_starts_is_replaced_in_the_same_round_which_the_survivor_still_waits_in(
         tmp_path, tmp_path_factory):

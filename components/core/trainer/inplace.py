@@ -36,7 +36,7 @@ from relaunch.components.core.contract.config import memory_tier_on
 from relaunch.components.core.contract.events import Kind, emit
 from relaunch.components.core.runtime import distributed as distr
 from relaunch.components.core.contract.classify import as_error
-from relaunch.components.core.contract.errors import RelaunchError, error_for
+from relaunch.components.core.contract.errors import RelaunchError, TransientFailure, error_for
 from relaunch.components.core.runtime import causes
 from relaunch.components.core.runtime.generations import (GENERATION_ENV, GENERATION_KEY, NODE_ADDRESS_ENV, generation_key,
                                                           recovering_key)
@@ -360,6 +360,11 @@ class InPlace:
         manager = setup.open_checkpoints(self.config, training.store, training.run_id, parts.module)
         self.attach(manager, parts.state)
         result = self.restore(self.config, manager, parts, training._peers, ddp_warm_up(training))
+        if result.restored.step < 0:
+            # nothing held in memory by every rank and nothing committed: the replacement starts from scratch,
+            # but this process's state is past the start; the agent restarts the whole group (138) instead
+            raise TransientFailure(f"a peer was lost at step {lost_at}, before any step was held in memory by "
+                                   f"every rank or committed to the store: the group starts again from scratch")
         training.checkpoints.rejoin(manager, parts.state, result.restored, training.attempt)
         training.checkpoints.last_saved = result.saved_step
         training.step = training.resumed_from = result.restored.step
