@@ -331,7 +331,7 @@ def windows(docs: Iterable[np.ndarray], seq_len: int, chunk: int | None = None,
     """Chunks ``{"tokens": [n, seq_len + 1]}`` (the tokenizer's dtype) of the documents ``docs`` (their
     bytes, uint8), joined with the end-of-document token and cut into non-overlapping windows, in
     order; the tail shorter than a window is dropped. Every chunk has ``chunk`` rows (default
-    :func:`shard_rows`) but the last. numpy over whole documents: a document's bytes are its tokens
+    :func:`shard_rows`) but the last, each in a buffer of its own (never filled again). numpy over whole documents: a document's bytes are its tokens
     (:meth:`ByteTokenizer.bytes_of`), copied into the chunk."""
     width = seq_len + 1
     chunk = chunk or shard_rows(seq_len, tokenizer)
@@ -566,7 +566,8 @@ class LMTask:
         }
         splits = {name: functools.partial(windows, [corpus.doc(i) for i in docs], seq_len)
                   for name, docs in by_split.items()}
-        return DatasetSource(splits=splits, meta=meta, source_key=f"lm-bytes-xxh3-{key.hexdigest()}")
+        return DatasetSource(splits=splits, meta=meta, source_key=f"lm-bytes-xxh3-{key.hexdigest()}",
+                             fresh_chunks=True)  # windows() cuts each chunk into a buffer of its own
 
     # -- model and optimisation
 

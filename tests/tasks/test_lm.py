@@ -104,13 +104,15 @@ def test_sequences_are_the_documents_joined_by_end_of_document_tokens_cut_into_w
     assert [len(c["tokens"]) for c in chunks] == [3, 3, 3, 3, 2] and got.shape == (14, 5) and got.dtype == np.uint8
     assert np.array_equal(got.ravel(), flat[:14 * 5])
 
+    # each chunk in memory of its own (the source says fresh_chunks: the writer keeps them without a copy)
+    assert not any(np.shares_memory(a["tokens"], b["tokens"]) for a, b in zip(chunks, chunks[1:]))
 
 def test_the_configured_stdlib_corpus_splits_deterministically_and_every_split_holds_sequences():
     config = load_config(ROOT / "configs" / "lm.yaml")
     assert config.train.task == "relaunch.components.tasks.lm:make_task"
     assert set(config.train.task_options) <= set(make_task(config).options)  # each one the task reads
     first, second = make_task(config).build_dataset(), make_task(config).build_dataset()
-    assert first.source_key == second.source_key
+    assert first.source_key == second.source_key and first.fresh_chunks
     seq_len = first.meta["seq_len"]
     for name in ("train", "val", "test"):
         a = np.concatenate([c["tokens"] for c in first.splits[name]()])

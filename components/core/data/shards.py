@@ -50,11 +50,14 @@ class DatasetSource:
     iterator of chunks (a chunk: field name -> array whose first dimension counts its samples; each
     field has one dtype and sample shape across the split); ``meta`` (JSON-able, e.g. the tokenizer)
     goes into the manifest; ``source_key`` is a cheap deterministic key of everything the content
-    depends on, so a second prepare of the same source finds its version without building it again."""
+    depends on, so a second prepare of the same source finds its version without building it again;
+    ``fresh_chunks``: each chunk is in memory of its own that the source never fills again, so the
+    writer keeps it as handed, without a copy (default: the source may reuse a chunk's memory)."""
 
     splits: Mapping[str, Callable[[], Iterator[dict[str, np.ndarray]]]]
     meta: dict[str, Any] = field(default_factory=dict)
     source_key: str | None = None
+    fresh_chunks: bool = False
 
 
 @dataclass(frozen=True)
@@ -185,9 +188,11 @@ class DatasetWriter:
             rows[name] = a
         return rows
 
-    def add(self, split: str, chunk: Mapping[str, np.ndarray]) -> None:
+    def add(self, split: str, chunk: Mapping[str, np.ndarray], *, fresh: bool = False) -> None:
+        """Take ``chunk``'s samples (``fresh``: its memory is the writer's from now on, never filled
+        again by the caller: kept without a copy)."""
         rows = self._rows(split, chunk)
-        borrowed = not rows.flags.owndata  # the caller's memory: it may fill it again after this call
+        borrowed = not fresh and not rows.flags.owndata  # the caller's memory: it may fill it again after this call
         self.splits.setdefault(split, [])
         at = 0
         per_shard = max(1, self.shard_bytes // max(1, rows.dtype.itemsize))
@@ -279,7 +284,7 @@ def commit_source(store, source: DatasetSource, *, shard_bytes: int = SHARD_BYTE
     try:
         for split, chunks in source.splits.items():
             for chunk in chunks():
-                writer.add(split, chunk)
+                writer.add(split, chunk, fresh=source.fresh_chunks)
             writer.splits.setdefault(split, [])
         manifest = writer.commit(also=record)
     finally:
