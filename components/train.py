@@ -87,9 +87,9 @@ from relaunch.components.core.tracking.client import tracking_uri
 from relaunch.components.core.store.ledger import TrainSummary  # noqa: E402
 from relaunch.components.core.trainer.health import PreemptionFlag, SpikeDetector, Watchdog, is_finite  # noqa: E402
 from relaunch.components.core.trainer.injection import Injection, wrap_store  # noqa: E402
-from relaunch.components.core.trainer import inplace  # noqa: E402
-from relaunch.components.core.trainer.inplace import InPlace  # noqa: E402
-from relaunch.components.core.trainer.checkpoints import TrainerCheckpoints  # noqa: E402
+from relaunch.components.core.trainer import recovery_in_place  # noqa: E402
+from relaunch.components.core.trainer.recovery_in_place import InPlace  # noqa: E402
+from relaunch.components.core.trainer.saving import TrainerCheckpoints  # noqa: E402
 from relaunch.components.core.trainer import progress  # noqa: E402
 from relaunch.components.core.trainer.parallel import total_grad_norm
 from relaunch.components.core.trainer.sysmetrics import SystemSampler
@@ -271,7 +271,7 @@ class Training:
             self.data.steps_per_epoch, self.total_steps)
 
     def resume(self) -> None:
-        warm_up = inplace.ddp_warm_up(self)  # every start alike: DDP's buckets as an uninterrupted run's
+        warm_up = recovery_in_place.ddp_warm_up(self)  # every start alike: DDP's buckets as an uninterrupted run's
         restored_at = None  # when the restored step was done, for a snapshot kept in memory
         if self.inplace is not None:  # memory when every rank can serve it, else the store
             result = self.inplace.restore(self.config, self.checkpoints.manager, self.parts, self._peers, warm_up)

@@ -18,7 +18,7 @@ follows a generation another started (a whole-group one: it restarts its workers
 - A worker killed (a signal, or 137) while others live: the agent waits ``SETTLE_SECONDS`` for the
   ones killed with it, bumps the generation in its store and starts a replacement for each of the
   same rank. The survivors, whose collectives broke, see the new generation and rejoin it in place
-  (:mod:`relaunch.components.core.trainer.inplace`); the replacement gets its state from its peer's replica.
+  (:mod:`relaunch.components.core.trainer.recovery_in_place`); the replacement gets its state from its peer's replica.
 - A worker lost before it entered its generation's rendezvous (its mark, ``joined_key``, not set: a
   replacement killed while it starts): its replacement goes into that same generation, whose
   rendezvous still waits for the rank (a new one would leave the survivors waiting in that rendezvous

@@ -23,7 +23,7 @@ from relaunch.components.core.checkpoint.manager import CheckpointManager
 from relaunch.components.core.checkpoint.memory_tier import _HEAD, _LEN, MemoryTier, holder_of, newest_common, pack, restore_into
 from relaunch.components.core.checkpoint.snapshot import Snapshotter
 from relaunch.components.core.store import open_store
-from relaunch.components.core.trainer.inplace import CountingStore, StepSnapshots
+from relaunch.components.core.trainer.recovery_in_place import CountingStore, StepSnapshots
 from tests.core.helpers import assert_bitwise_equal, fingerprint, make_state, train_steps
 from tests.core.store_hooks import Partition
 from tests.services import free_port

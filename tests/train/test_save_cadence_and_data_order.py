@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from relaunch.components.core.contract.config import RelaunchConfig
-from relaunch.components.core.trainer.checkpoints import SaveCadence
+from relaunch.components.core.trainer.saving import SaveCadence
 from relaunch.components.core.data.loader import StepBatches
 from relaunch.components.core.data.order import GlobalOrder
 

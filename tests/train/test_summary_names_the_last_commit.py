@@ -11,7 +11,7 @@ import torch
 from relaunch.components.core.checkpoint import CheckpointManager
 from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.core.runtime.distributed import read_env
-from relaunch.components.core.trainer.checkpoints import TrainerCheckpoints
+from relaunch.components.core.trainer.saving import TrainerCheckpoints
 from relaunch.components.core.store import open_store
 from relaunch.components.core.store.ledger import AttemptLog, claim_attempt
 from relaunch.components.core.trainer.state import TrainingState

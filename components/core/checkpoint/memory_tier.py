@@ -23,7 +23,7 @@ over (SIGKILL does not wait) leaves its holder with the replica before that, and
 newest is already the next step, then serve the step before it, which every rank still holds; with one
 of each (2x), the store served then.
 Snapshots are of whole steps: every few steps (``train.memory_snapshot_every_steps``, taken beside the
-training by :class:`relaunch.components.core.trainer.inplace.StepSnapshots`) and each checkpoint
+training by :class:`relaunch.components.core.trainer.recovery_in_place.StepSnapshots`) and each checkpoint
 save's copy, kept while the store is still written (with that 0, only those). Each is tagged with its
 step and the checkpoint's model fingerprint, and the ranks agree on the newest step that every rank holds
 before any of them restores (:func:`newest_common`); only when none is held by all (a rank lost with its
