@@ -135,9 +135,11 @@ def test_a_file_read_whole_a_little_past_the_request_cap_is_one_request(tmp_path
     import relaunch.components.core.checkpoint.dcp_io as dcp_io
 
     root = str(tmp_path / "store")
-    source = {f"w{i}": torch.randn(1000) for i in range(4)}  # 16000 tensor bytes plus archive records
+    # 320000 tensor bytes plus archive records; each payload over DIRECT_BYTES, so chunks of its own (smaller
+    # items share 64 KiB chunks, and a chunk is never split between two requests)
+    source = {f"w{i}": torch.randn(20_000) for i in range(4)}
     _save(root, {"m": source})
-    monkeypatch.setattr(dcp_io, "REQUEST_BYTES", 16000)
+    monkeypatch.setattr(dcp_io, "REQUEST_BYTES", 320_000)
     monkeypatch.setattr(dcp_io, "REQUEST_SLACK", slack)
     store, ranges = _counting_reads(root, monkeypatch)
     target = {"m": {k: torch.zeros_like(v) for k, v in source.items()}}

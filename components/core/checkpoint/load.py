@@ -73,7 +73,10 @@ class Loader:
             try:
                 if isinstance(metadata, CorruptCheckpoint):
                     raise metadata
-                self._read(state, info, manifest, store, metadata)
+                from relaunch.components.core.checkpoint.dcp_io import collector_paused
+
+                with collector_paused():  # ~10 objects a tensor live until the load ends: see there
+                    self._read(state, info, manifest, store, metadata)
             except CorruptCheckpoint as err:
                 self.locator.found_damaged(store, info.step, info.manifest_sha256, str(err))
                 if step is not None:

@@ -63,6 +63,7 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
 
 COPY_THREADS = max(1, min(4, os.cpu_count() or 1))  # threads of the copy in save(), the caller's included
 COPY_CHUNK = 4 << 20  # bytes one thread copies before it takes the next (the wait for the last one is short)
+SMALL_COPY = 64 << 10  # a tensor under this is copied right away by one copy_ (two numpy views cost more)
 
 class _Helpers:
     """COPY_THREADS - 1 daemon threads that run the callables put on their queue. Daemon threads,
@@ -247,7 +248,10 @@ class Snapshotter:
             if deferred is not None and src.untyped_storage().data_ptr() in later:
                 deferred.append((buf, src))
             elif host is not None and _plain(src):
-                host.append((_byte_view(buf), _byte_view(src)))  # copied by take(), all at once
+                if src.numel() * src.element_size() >= SMALL_COPY:
+                    host.append((_byte_view(buf), _byte_view(src)))  # copied by take(), all at once
+                else:
+                    buf.copy_(src)
             else:
                 _copy_into(buf, src, pin)
             return buf
