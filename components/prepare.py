@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from relaunch.components.core.checkpoint.layout import LEASE, read_json
-from relaunch.components.core.checkpoint.lease import holder_alive
+from relaunch.components.core.checkpoint.write_lease import holder_alive
 from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.core.contract.pipeline_parameters import with_pipeline_parameters
 from relaunch.components.core.contract.errors import BadInput, TransientFailure

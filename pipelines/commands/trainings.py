@@ -25,7 +25,7 @@ import threading
 from dataclasses import asdict, dataclass
 
 from relaunch.components.core.checkpoint.layout import INFLIGHT, LATEST, LEASE, read_json as read_object, read_manifest
-from relaunch.components.core.checkpoint.lease import holder_alive as lease_alive
+from relaunch.components.core.checkpoint.write_lease import holder_alive as lease_alive
 from relaunch.components.core.contract.errors import BadInput
 from relaunch.components.core.contract.exitcodes import MEANING, ExitCode, is_retryable
 from relaunch.components.core.store import open_store

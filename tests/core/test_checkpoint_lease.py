@@ -17,7 +17,7 @@ import pytest
 
 from relaunch.components.core.checkpoint import LEASE, CheckpointManager
 from relaunch.components.core.checkpoint.layout import read_json
-from relaunch.components.core.checkpoint.lease import LeaseLost
+from relaunch.components.core.checkpoint.write_lease import LeaseLost
 from relaunch.components.core.contract.errors import BadInput
 from relaunch.components.core.store import open_store
 from tests.core.helpers import make_state, s3_root, train_steps

@@ -9,7 +9,7 @@ from relaunch.components.core.checkpoint.commit import Committer
 from relaunch.components.core.checkpoint.layout import INFLIGHT, MANIFEST, checkpoint_steps, step_key
 from relaunch.components.core.checkpoint.leases import Leases
 from relaunch.components.core.checkpoint.load import Loader
-from relaunch.components.core.checkpoint.locate import Locator
+from relaunch.components.core.checkpoint.locator import Locator
 from relaunch.components.core.checkpoint.ranks import Ranks
 from relaunch.components.core.checkpoint.retention import Retention
 from relaunch.components.core.contract.errors import BadInput

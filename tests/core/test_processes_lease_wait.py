@@ -8,7 +8,7 @@ import json
 import time
 
 from relaunch.components.core.checkpoint.layout import LEASE
-from relaunch.components.core.checkpoint.lease import WAIT_LINE_SECONDS, Lease
+from relaunch.components.core.checkpoint.write_lease import WAIT_LINE_SECONDS, Lease
 from relaunch.components.core.contract import events
 from relaunch.components.core.contract.events import Kind
 from relaunch.components.core.store import open_store

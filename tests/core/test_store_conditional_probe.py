@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from relaunch.components.core.checkpoint.layout import LEASE
-from relaunch.components.core.checkpoint.lease import Lease
+from relaunch.components.core.checkpoint.write_lease import Lease
 from relaunch.components.core.contract.errors import BadInput
 from relaunch.components.core.store import open_store
 from relaunch.components.core.store.conditional_probe import PROBE_PREFIX, require_conditional_writes

@@ -25,7 +25,7 @@ from relaunch.components.core.checkpoint.layout import (FORMAT_VERSION, INFLIGHT
                                                now, read_manifest_bytes, sealed_manifest_body, step_key, versions,
                                                write_conditional)
 from relaunch.components.core.checkpoint.leases import Leases
-from relaunch.components.core.checkpoint.locate import Locator
+from relaunch.components.core.checkpoint.locator import Locator
 from relaunch.components.core.checkpoint.ranks import Ranks
 from relaunch.components.core.checkpoint.readers import deletion_done
 from relaunch.components.core.checkpoint.retention import Retention

@@ -1,7 +1,7 @@
 """The leases of one manager (rank 0): the store's write lease taken before training, its heartbeat
 (which also renews the read leases), the read leases a reader holds on what it locates and loads
 (:mod:`readers`), their release, and the claim retention makes before it deletes a step. Who may
-take a lease over: :mod:`lease`.
+take a lease over: :mod:`write_lease`.
 
     leases = Leases(store, owner="run-1", seconds=300)
     leases.take()                      # the write lease; a second writer is refused here
@@ -17,7 +17,7 @@ import weakref
 from typing import Callable, TypeVar
 
 from relaunch.components.core.checkpoint.layout import LEASE, PREFIX, read_json
-from relaunch.components.core.checkpoint.lease import Lease, LeaseLost
+from relaunch.components.core.checkpoint.write_lease import Lease, LeaseLost
 from relaunch.components.core.checkpoint.readers import ReadLeases, claim_for_deletion
 from relaunch.components.core.contract.errors import RelaunchError
 from relaunch.components.core.store import Store
@@ -31,7 +31,7 @@ class Leases:
 
     Args:
         store: the store written (its write lease).
-        owner: the logical writer (:func:`~relaunch.components.core.checkpoint.lease.default_owner`).
+        owner: the logical writer (:func:`~relaunch.components.core.checkpoint.write_lease.default_owner`).
         seconds: how long the write lease and the read leases last without a renewal; the heartbeat
             renews them every third of it once a lease is held.
         wait_seconds: how long taking the write lease waits for a live holder of the same owner.

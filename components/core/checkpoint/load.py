@@ -18,7 +18,7 @@ from typing import Any
 
 from relaunch.components.core.checkpoint.fingerprint import model_fingerprint
 from relaunch.components.core.checkpoint.layout import METADATA, CheckpointInfo, parse_checkpoint_uri
-from relaunch.components.core.checkpoint.locate import Locator
+from relaunch.components.core.checkpoint.locator import Locator
 from relaunch.components.core.checkpoint.ranks import Ranks
 from relaunch.components.core.checkpoint.verify import ChunkDigests
 from relaunch.components.core.contract.classify import dcp_original

@@ -29,10 +29,10 @@ from typing import Any
 
 from relaunch.components.core.checkpoint.commit import Committer
 from relaunch.components.core.checkpoint.layout import CheckpointInfo, pin_key
-from relaunch.components.core.checkpoint.lease import Lease, default_owner
+from relaunch.components.core.checkpoint.write_lease import Lease, default_owner
 from relaunch.components.core.checkpoint.leases import Leases
 from relaunch.components.core.checkpoint.load import Loader, source_of
-from relaunch.components.core.checkpoint.locate import Locator
+from relaunch.components.core.checkpoint.locator import Locator
 from relaunch.components.core.checkpoint.ranks import Ranks
 from relaunch.components.core.checkpoint.retention import Retention
 from relaunch.components.core.store import Store, open_store
@@ -54,7 +54,7 @@ class CheckpointManager:
         process_group: unused when None; when ``torch.distributed`` is initialized a dedicated gloo
             group is created (collectively: every rank must construct the manager).
         owner: the logical writer holding the lease (default: $RELAUNCH_OWNER, the pipeline run id or
-            $TORCHELASTIC_RUN_ID, else host:pid). Who may take a lease over: :mod:`lease`.
+            $TORCHELASTIC_RUN_ID, else host:pid). Who may take a lease over: :mod:`write_lease`.
         lease_seconds: how long the write lease and the read leases last without a renewal; a
             heartbeat thread (rank 0) renews them every third of it while the manager is open.
         lease_wait_seconds: how long taking the write lease waits for a live holder of the same
@@ -69,7 +69,7 @@ class CheckpointManager:
     The manager wires collaborators that each own their state and work alone on a store:
     :class:`~relaunch.components.core.checkpoint.ranks.Ranks` (the collectives),
     :class:`~relaunch.components.core.checkpoint.leases.Leases` (write and read leases, the heartbeat),
-    :class:`~relaunch.components.core.checkpoint.locate.Locator` (latest, list, best, verify, pins, damage),
+    :class:`~relaunch.components.core.checkpoint.locator.Locator` (latest, list, best, verify, pins, damage),
     :class:`~relaunch.components.core.checkpoint.load.Loader`,
     :class:`~relaunch.components.core.checkpoint.retention.Retention` and
     :class:`~relaunch.components.core.checkpoint.commit.Committer` (save, commit, latest.json, retention). A
@@ -283,7 +283,7 @@ class CheckpointManager:
         trains, so that a second run is refused before it does any work; ``save`` calls it otherwise.
 
         Raises:
-            BadInput: another writer holds the lease (one line; see :mod:`lease` for who may take it).
+            BadInput: another writer holds the lease (one line; see :mod:`write_lease` for who may take it).
         """
         self._guard()
         self.ranks.agree(self.ranks.rank0(self._take_lease))

@@ -24,7 +24,7 @@ import uuid
 from typing import Callable, TypeVar
 
 from relaunch.components.core.checkpoint.layout import LEASE, PINS, PREFIX, now, parse_pin, read_json
-from relaunch.components.core.checkpoint.lease import holder_alive
+from relaunch.components.core.checkpoint.write_lease import holder_alive
 from relaunch.components.core.contract.classify import is_store_unwritable
 from relaunch.components.core.contract.errors import BadInput, CorruptCheckpoint, RelaunchError
 from relaunch.components.core.store import PreconditionFailed, Store

@@ -1,7 +1,7 @@
 """One pipeline at a time per training: the lock ``relaunch run`` holds on the training it runs
 (``runs/pipeline-lock.json``, spelled in :mod:`relaunch.components.core.store.records`).
 
-The checkpoint write lease (:mod:`relaunch.components.core.checkpoint.lease`) keeps two *trainers* from
+The checkpoint write lease (:mod:`relaunch.components.core.checkpoint.write_lease`) keeps two *trainers* from
 interleaving checkpoints, but it is taken by the workers, long after a pipeline opened its MLflow run;
 two ``relaunch run --resume`` started a moment apart would both open, evaluate and register. This lock
 is taken first, before anything of the pipeline is written: a create-if-absent record (the store's
