@@ -250,8 +250,9 @@ class Training:
                     raise
                 refusal = str(err) if isinstance(err, StoreUnwritable) else (
                     f"store {raw_store.uri} cannot be written: {as_error(err)}; {UNWRITABLE_ADVICE}")
-        self.attempt, self.run_id, refusal, version = distr.broadcast_object(
-            (self.attempt, self.run_id, refusal, version))
+        with self._peers():  # rank 0 gone with a cause of its own (a bad input): its peers end with that cause
+            self.attempt, self.run_id, refusal, version = distr.broadcast_object(
+                (self.attempt, self.run_id, refusal, version))
         if refusal is not None:
             raise StoreUnwritable(refusal)
         self.data = setup.load_data(self.config, self.task, raw_store, version, env.rank, env.world_size)
@@ -395,7 +396,10 @@ class Training:
         if self.store is None:
             return err
         record = records.read_exit_record(self.store) or {}
-        if (record.get("attempt") == self.attempt and record.get("elastic_run_id") == self.env.elastic_run_id
+        # attempt 0: rank 0 went before the broadcast that names the attempt (its record, written after this
+        # process started, is this launch's)
+        if ((record.get("attempt") == self.attempt or self.attempt == 0)
+                and record.get("elastic_run_id") == self.env.elastic_run_id
                 and record.get("time", 0) >= _PROCESS_START and record.get("exit_code")):
             return error_for(int(record["exit_code"]), str(record.get("reason", "")))
         return err
