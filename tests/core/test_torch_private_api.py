@@ -52,6 +52,23 @@ def test_the_private_torch_names_relaunch_uses_have_the_shape_it_was_written_for
     assert _params(_get_fqns)[:2] == ["model", "name"]
 
 
+def test_a_tensor_record_of_torch_save_is_rebuilt_by_the_global_dcp_io_writes(tmp_path):
+    import io
+    import zipfile
+
+    import torch
+    from torch._utils import _rebuild_tensor_v2
+
+    from relaunch.components.core.checkpoint.torch_private import TENSOR_REBUILD_GLOBAL
+
+    buffer = io.BytesIO()
+    torch.save(torch.arange(6, dtype=torch.float32).reshape(2, 3), buffer)
+    with zipfile.ZipFile(buffer) as archive:
+        (pickled,) = [archive.read(n) for n in archive.namelist() if n.endswith("/data.pkl")]
+    assert pickled.startswith(b"\x80\x02" + TENSOR_REBUILD_GLOBAL), pickled[:60]
+    assert callable(_rebuild_tensor_v2) and _params(_rebuild_tensor_v2)[:4] == ["storage", "storage_offset", "size", "stride"]
+
+
 _DTENSOR_LIKE = """
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh

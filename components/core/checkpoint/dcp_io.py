@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 
 from relaunch.components.core.checkpoint import verify
 from relaunch.components.core.checkpoint.layout import METADATA
-from relaunch.components.core.checkpoint.torch_private import storage_info
+from relaunch.components.core.checkpoint.torch_private import TENSOR_REBUILD_GLOBAL, storage_info
 from relaunch.components.core.checkpoint.verify import REQUEST_BYTES, ChunkDigests, digest
 from relaunch.components.core.contract.classify import classify, dcp_mismatch, unwritable_cause
 from relaunch.components.core.contract.errors import BadInput, CorruptCheckpoint
@@ -145,7 +145,7 @@ def tensor_pickle(storage_type: bytes, shape: tuple[int, ...]) -> bytes:
         return b"(" + body + b"t" + put()
 
     strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-    out = [b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\n", put(), b"((X\x07\x00\x00\x00storage", put(),
+    out = [b"\x80\x02" + TENSOR_REBUILD_GLOBAL, put(), b"((X\x07\x00\x00\x00storage", put(),
            b"ctorch\n" + storage_type + b"\n", put(), b"X\x01\x00\x00\x000", put(), b"X\x03\x00\x00\x00cpu", put(),
            _pickle_int(math.prod(shape)), b"t", put(), b"Q", _pickle_int(0)]
     out += [tup(shape), tup(strides), b"\x89ccollections\nOrderedDict\n", put(), b")R", put(), b"t", put(), b"R",
