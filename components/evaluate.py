@@ -15,12 +15,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from relaunch.components.core.checkpoint import CheckpointManager
-from relaunch.components.core.contract.config import RelaunchConfig
-from relaunch.components.core.contract.errors import BadInput
-from relaunch.components.core.store import open_store
-from relaunch.components.core.tracking.client import call, client as tracking_client, tracking_uri
-from relaunch.components.core.tracking.lineage import log_model_metrics, logged_model
+from .core.checkpoint import CheckpointManager
+from .core.contract.config import RelaunchConfig
+from .core.contract.errors import BadInput
+from .core.store import open_store
+from .core.tracking.client import call, client as tracking_client, tracking_uri
+from .core.tracking.lineage import log_model_metrics, logged_model
 
 
 @dataclass
@@ -41,8 +41,8 @@ def run(config: RelaunchConfig, training_completed: bool | str = True) -> Evalua
     Raises:
         BadInput: there is no committed checkpoint, or the gate metric is not one the task computes.
     """
-    from relaunch.components.core.packaging.model import load_model, save_model
-    from relaunch.components.tasks.base import load_task
+    from .core.packaging.model import load_model, save_model
+    from .tasks.base import load_task
 
     if str(training_completed).lower() != "true":
         print("evaluate: the training did not reach its end; not evaluated, nothing will be registered", file=sys.stderr)
@@ -72,7 +72,7 @@ def run(config: RelaunchConfig, training_completed: bool | str = True) -> Evalua
 def _split(config: RelaunchConfig, task):
     """The held-out split, streamed from the committed dataset (committed here first when the pipeline
     did not prepare one: a step run by hand)."""
-    from relaunch.components.core.data import commit_task_data, open_split, own_dataset
+    from .core.data import commit_task_data, open_split, own_dataset
 
     store = open_store(config.store.uri)
     version = config.data.version
@@ -136,7 +136,7 @@ def confusion_png(actual, predicted, path: Path, title: str) -> None:
 
 
 if __name__ == "__main__":
-    from relaunch.components.core.contract import steps
-    from relaunch.components.core.runtime.stepcli import step_main
+    from .core.contract import steps
+    from .core.runtime.stepcli import step_main
 
     sys.exit(step_main(steps.EVALUATE, run))

@@ -15,13 +15,13 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from relaunch.components.core.contract.config import RelaunchConfig
-from relaunch.components.core.contract.errors import RelaunchError
-from relaunch.components.core.store import open_store
-from relaunch.components.core.store.records import PIPELINE_FINISHED_KEY, write_pipeline_finished
-from relaunch.components.core.tracking.client import find_pipeline_run, mark_run_finished
-from relaunch.components.core.tracking.lineage import describe_outcome, record_attempts
-from relaunch.components.core.tracking.mlflow_tracker import deliver_pending_metrics
+from .core.contract.config import RelaunchConfig
+from .core.contract.errors import RelaunchError
+from .core.store import open_store
+from .core.store.records import PIPELINE_FINISHED_KEY, write_pipeline_finished
+from .core.tracking.client import find_pipeline_run, mark_run_finished
+from .core.tracking.lineage import describe_outcome, record_attempts
+from .core.tracking.mlflow_tracker import deliver_pending_metrics
 
 
 @dataclass
@@ -64,7 +64,7 @@ def _deliver_pending_metrics(config: RelaunchConfig, run_id: str) -> None:
 
 
 if __name__ == "__main__":
-    from relaunch.components.core.contract import steps
-    from relaunch.components.core.runtime.stepcli import step_main
+    from .core.contract import steps
+    from .core.runtime.stepcli import step_main
 
     sys.exit(step_main(steps.FINALIZE, run))

@@ -16,12 +16,12 @@ import json
 import sys
 from dataclasses import dataclass
 
-from relaunch.components.core.contract.config import RelaunchConfig
-from relaunch.components.core.contract.errors import RelaunchError
-from relaunch.components.core.store import open_store
-from relaunch.components.core.store.records import read_summary as read
-from relaunch.components.core.store.ledger import completed, reached_its_end
-from relaunch.components.launchers import backend_module
+from .core.contract.config import RelaunchConfig
+from .core.contract.errors import RelaunchError
+from .core.store import open_store
+from .core.store.records import read_summary as read
+from .core.store.ledger import completed, reached_its_end
+from .launchers import backend_module
 
 
 @dataclass
@@ -99,7 +99,7 @@ def read_summary(config: RelaunchConfig) -> dict:
 
 
 if __name__ == "__main__":
-    from relaunch.components.core.contract import steps
-    from relaunch.components.core.runtime.stepcli import step_main
+    from .core.contract import steps
+    from .core.runtime.stepcli import step_main
 
     sys.exit(step_main(steps.LAUNCH, run))

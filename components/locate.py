@@ -18,12 +18,12 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from relaunch.components.core.checkpoint import CheckpointManager
-from relaunch.components.core.checkpoint.start import start_point
-from relaunch.components.core.contract.config import RelaunchConfig
-from relaunch.components.core.store import open_store
-from relaunch.components.core.store.training_folders import pick_training, resolve_trainings
-from relaunch.components.core.tracking.warm_start import warm_start_checkpoint
+from .core.checkpoint import CheckpointManager
+from .core.checkpoint.start import start_point
+from .core.contract.config import RelaunchConfig
+from .core.store import open_store
+from .core.store.training_folders import pick_training, resolve_trainings
+from .core.tracking.warm_start import warm_start_checkpoint
 
 
 @dataclass
@@ -41,7 +41,7 @@ def run(config: RelaunchConfig) -> LocateOutputs:
             version does not exist or has no checkpoint.
     """
     def fingerprint() -> str:
-        from relaunch.components.core.packaging.model import task_fingerprint  # torch: only to check a resume_from
+        from .core.packaging.model import task_fingerprint  # torch: only to check a resume_from
 
         return task_fingerprint(config)
 
@@ -69,7 +69,7 @@ def run_by_hand(config: RelaunchConfig, training: str = "") -> LocateOutputs:
 
 
 if __name__ == "__main__":
-    from relaunch.components.core.contract import steps
-    from relaunch.components.core.runtime.stepcli import step_main
+    from .core.contract import steps
+    from .core.runtime.stepcli import step_main
 
     sys.exit(step_main(steps.LOCATE, run_by_hand))

@@ -14,11 +14,11 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from relaunch.components.core.contract.config import RelaunchConfig
-from relaunch.components.core.contract.errors import BadInput
-from relaunch.components.core.store import open_store
-from relaunch.components.core.tracking.client import call, client as tracking_client, tracking_uri
-from relaunch.components.launchers.trial_job import study_storage
+from .core.contract.config import RelaunchConfig
+from .core.contract.errors import BadInput
+from .core.store import open_store
+from .core.tracking.client import call, client as tracking_client, tracking_uri
+from .launchers.trial_job import study_storage
 
 
 @dataclass
@@ -36,9 +36,9 @@ def run(config: RelaunchConfig, parent_run_id: str = "") -> PlanOutputs:
         BadInput: an empty ``tune.space``, or an Optuna storage the trials' pods cannot share.
     """
     # optuna, by the tuning room's modules: only the tuning steps load it
-    from relaunch.components.core.tuning.study_folder import StudyRecord, read_study, read_trial, write_study
-    from relaunch.components.core.tuning.study import Study
-    from relaunch.components.core.tuning.trials import STUDY_TAG, storage_for_records
+    from .core.tuning.study_folder import StudyRecord, read_study, read_trial, write_study
+    from .core.tuning.study import Study
+    from .core.tuning.trials import STUDY_TAG, storage_for_records
 
     if not config.tune.space:
         raise BadInput("tune.space is empty: the tuning pipeline needs at least one field to search")
@@ -60,7 +60,7 @@ def run(config: RelaunchConfig, parent_run_id: str = "") -> PlanOutputs:
 
 
 if __name__ == "__main__":
-    from relaunch.components.core.contract import steps
-    from relaunch.components.core.runtime.stepcli import step_main
+    from .core.contract import steps
+    from .core.runtime.stepcli import step_main
 
     sys.exit(step_main(steps.PLAN_TRIALS, run))

@@ -16,19 +16,19 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from relaunch.components.core.checkpoint.layout import LEASE, read_json
-from relaunch.components.core.checkpoint.write_lease import holder_alive
-from relaunch.components.core.contract.config import RelaunchConfig
-from relaunch.components.core.contract.pipeline_parameters import with_pipeline_parameters
-from relaunch.components.core.contract.errors import BadInput, TransientFailure
-from relaunch.components.core.store import open_store, probe_writable
-from relaunch.components.core.store.conditional_probe import require_conditional_writes
-from relaunch.components.core.store.records import refuse_another_identity, remember_run, stored_run_id
-from relaunch.components.core.tracking import lineage
-from relaunch.components.core.tracking.client import (call, check_api, client as tracking_client, ensure_run,
+from .core.checkpoint.layout import LEASE, read_json
+from .core.checkpoint.write_lease import holder_alive
+from .core.contract.config import RelaunchConfig
+from .core.contract.pipeline_parameters import with_pipeline_parameters
+from .core.contract.errors import BadInput, TransientFailure
+from .core.store import open_store, probe_writable
+from .core.store.conditional_probe import require_conditional_writes
+from .core.store.records import refuse_another_identity, remember_run, stored_run_id
+from .core.tracking import lineage
+from .core.tracking.client import (call, check_api, client as tracking_client, ensure_run,
                                                       log_new_params, reopen_run, tracking_uri)
-from relaunch.components.core.tracking.lineage import backend_params
-from relaunch.components.core.tracking.mlflow_tracker import deliver_pending_metrics
+from .core.tracking.lineage import backend_params
+from .core.tracking.mlflow_tracker import deliver_pending_metrics
 
 @dataclass
 class PrepareOutputs:
@@ -52,8 +52,8 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", **overrides: Any) -> 
         BadInput: an override, the task, the store or the tracking URI is wrong.
         TransientFailure: the store or tracking server could not be reached.
     """
-    from relaunch.components.core.data import commit_task_data, dataset_uri
-    from relaunch.components.tasks.base import load_task
+    from .core.data import commit_task_data, dataset_uri
+    from .tasks.base import load_task
 
     config = with_pipeline_parameters(config, overrides)
     task = load_task(config.train.task, config)
@@ -113,7 +113,7 @@ def check_inputs(config: RelaunchConfig) -> None:
         BadInput: one line naming the field and what is wrong.
         TransientFailure: the tracking server answers /health but not its API (a line per try before).
     """
-    from relaunch.components.tasks.base import load_task
+    from .tasks.base import load_task
 
     task = load_task(config.train.task, config)
     _check_world_sizes(config)
@@ -125,7 +125,7 @@ def check_inputs(config: RelaunchConfig) -> None:
     except TransientFailure as err:
         raise BadInput(f"store.uri: {config.store.uri!r} cannot be reached ({err}); check AWS_ENDPOINT_URL") from None
     if config.train.resume_from:
-        from relaunch.components.core.packaging.model import verify_checkpoint_uri
+        from .core.packaging.model import verify_checkpoint_uri
 
         verify_checkpoint_uri(config.train.resume_from, config, task)  # built once per process
 
@@ -198,7 +198,7 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    from relaunch.components.core.contract import steps
-    from relaunch.components.core.runtime.stepcli import step_main
+    from .core.contract import steps
+    from .core.runtime.stepcli import step_main
 
     sys.exit(step_main(steps.PREPARE, run))

@@ -21,15 +21,15 @@ import os
 import sys
 from dataclasses import dataclass
 
-from relaunch.components.core.checkpoint import CheckpointManager, parse_checkpoint_uri
-from relaunch.components.core.contract.config import RelaunchConfig
-from relaunch.components.core.contract.errors import BadInput
-from relaunch.components.core.tracking.lineage import git_commit, logged_model, version_description
-from relaunch.components.core.packaging.model import _load_pyfunc  # noqa: F401 - the loader_module of models saved before 0.2
-from relaunch.components.core.packaging.model import save_model
-from relaunch.components.core.store import open_store
-from relaunch.components.core.tracking.client import call, client as tracking_client, tracking_uri
-from relaunch.components.core.tracking.wandb_tracker import record_registered_version
+from .core.checkpoint import CheckpointManager, parse_checkpoint_uri
+from .core.contract.config import RelaunchConfig
+from .core.contract.errors import BadInput
+from .core.tracking.lineage import git_commit, logged_model, version_description
+from .core.packaging.model import _load_pyfunc  # noqa: F401 - the loader_module of models saved before 0.2
+from .core.packaging.model import save_model
+from .core.store import open_store
+from .core.tracking.client import call, client as tracking_client, tracking_uri
+from .core.tracking.wandb_tracker import record_registered_version
 
 TAG = "relaunch."
 
@@ -181,7 +181,7 @@ def _pin(checkpoint_uri: str, reason: str) -> None:
 
 
 if __name__ == "__main__":
-    from relaunch.components.core.contract import steps
-    from relaunch.components.core.runtime.stepcli import step_main
+    from .core.contract import steps
+    from .core.runtime.stepcli import step_main
 
     sys.exit(step_main(steps.REGISTER, run))

@@ -20,13 +20,13 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from relaunch.components.core.contract.config import RelaunchConfig
-from relaunch.components.core.contract.exitcodes import ExitCode
-from relaunch.components.core.store import open_store
-from relaunch.components.core.store.records import read_summary
-from relaunch.components.core.store.ledger import completed
-from relaunch.components.launchers import backend_module
-from relaunch.components.launchers.trial_job import study_storage
+from .core.contract.config import RelaunchConfig
+from .core.contract.exitcodes import ExitCode
+from .core.store import open_store
+from .core.store.records import read_summary
+from .core.store.ledger import completed
+from .launchers import backend_module
+from .launchers.trial_job import study_storage
 
 
 @dataclass
@@ -50,9 +50,9 @@ def run(config: RelaunchConfig, trial: int | str = 0, parent_run_id: str = "", p
         TransientFailure: the store, the tracking server or the Optuna storage away (the step is retried).
     """
     # optuna, by the tuning room's modules: only the tuning steps load it
-    from relaunch.components.core.tuning.study_folder import COMPLETE, FAILED, read_trial, write_trial
-    from relaunch.components.core.tuning.study import Study
-    from relaunch.components.core.tuning.trials import begin_trial, end_trial, objective, retryable_end
+    from .core.tuning.study_folder import COMPLETE, FAILED, read_trial, write_trial
+    from .core.tuning.study import Study
+    from .core.tuning.trials import begin_trial, end_trial, objective, retryable_end
 
     number, tune = int(trial), config.tune
     study_store = open_store(config.store.uri)
@@ -98,7 +98,7 @@ def _outputs(record) -> TrialOutputs:
 
 
 if __name__ == "__main__":
-    from relaunch.components.core.contract import steps
-    from relaunch.components.core.runtime.stepcli import step_main
+    from .core.contract import steps
+    from .core.runtime.stepcli import step_main
 
     sys.exit(step_main(steps.RUN_TRIAL, run))

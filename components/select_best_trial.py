@@ -12,11 +12,11 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from relaunch.components.core.contract.config import RelaunchConfig
-from relaunch.components.core.contract.errors import RelaunchError
-from relaunch.components.core.contract.exitcodes import ExitCode
-from relaunch.components.core.store import open_store
-from relaunch.components.launchers.trial_job import study_storage
+from .core.contract.config import RelaunchConfig
+from .core.contract.errors import RelaunchError
+from .core.contract.exitcodes import ExitCode
+from .core.store import open_store
+from .launchers.trial_job import study_storage
 
 
 @dataclass
@@ -46,10 +46,10 @@ def run(config: RelaunchConfig, parent_run_id: str = "") -> SelectOutputs:
         NoTrialCompleted: no trial completed (the line names each failed trial's reason).
     """
     # optuna, by the tuning room's modules: only the tuning steps load it
-    from relaunch.components.core.tuning.study_folder import read_study, trial_records, write_study
-    from relaunch.components.core.tuning.report import log_study
-    from relaunch.components.core.tuning.study import Study
-    from relaunch.components.core.tuning.trials import best_trial, trial_config
+    from .core.tuning.study_folder import read_study, trial_records, write_study
+    from .core.tuning.report import log_study
+    from .core.tuning.study import Study
+    from .core.tuning.trials import best_trial, trial_config
 
     study_store = open_store(config.store.uri)
     records = trial_records(study_store, config.tune.trials)
@@ -75,7 +75,7 @@ def run(config: RelaunchConfig, parent_run_id: str = "") -> SelectOutputs:
 
 
 if __name__ == "__main__":
-    from relaunch.components.core.contract import steps
-    from relaunch.components.core.runtime.stepcli import step_main
+    from .core.contract import steps
+    from .core.runtime.stepcli import step_main
 
     sys.exit(step_main(steps.SELECT_TRIAL, run))

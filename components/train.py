@@ -67,35 +67,35 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from relaunch.components.core.runtime import causes  # noqa: E402
-from relaunch.components.core.runtime import distributed as distr  # noqa: E402
-from relaunch.components.core.runtime import logs, wiring  # noqa: E402
-from relaunch.components.core.data.loader import loader_worker_loss  # noqa: E402
-from relaunch.components.core.store import HintWrites, UNWRITABLE_ADVICE, open_store, probe_writable, records
-from relaunch.components.core.store import ledger  # noqa: E402
-from relaunch.components.core.tracking import goodput  # noqa: E402
-from relaunch.components.core.trainer import setup  # noqa: E402
-from relaunch.components.core.contract.config import RelaunchConfig  # noqa: E402
-from relaunch.components.core.contract.config_loading import config_from_cli  # noqa: E402
-from relaunch.components.core.contract import suggestions  # noqa: E402
-from relaunch.components.core.contract.errors import Diverged, Preempted, RelaunchError, StoreUnwritable, error_for  # noqa: E402
-from relaunch.components.core.contract.classify import as_error, is_store_unwritable  # noqa: E402
-from relaunch.components.core.contract.entry import report  # noqa: E402
-from relaunch.components.core.contract.events import Kind, emit  # noqa: E402
-from relaunch.components.core.contract.exitcodes import PERMANENT, RETRYABLE, ExitCode  # noqa: E402
-from relaunch.components.core.tracking.client import tracking_uri
-from relaunch.components.core.store.ledger import TrainSummary  # noqa: E402
-from relaunch.components.core.trainer.health import PreemptionFlag, SpikeDetector, Watchdog, is_finite  # noqa: E402
-from relaunch.components.core.trainer.injection import Injection, wrap_store  # noqa: E402
-from relaunch.components.core.trainer import recovery_in_place  # noqa: E402
-from relaunch.components.core.trainer.recovery_in_place import InPlace  # noqa: E402
-from relaunch.components.core.trainer.saving import TrainerCheckpoints  # noqa: E402
-from relaunch.components.core.trainer import progress  # noqa: E402
-from relaunch.components.core.trainer.parallel import total_grad_norm
-from relaunch.components.core.trainer.sysmetrics import SystemSampler
-from relaunch.components.core.trainer.tracking import (CLOSE_SECONDS_FAILED, CLOSE_SECONDS_PREEMPTED,  # noqa: E402
+from .core.runtime import causes  # noqa: E402
+from .core.runtime import distributed as distr  # noqa: E402
+from .core.runtime import logs, wiring  # noqa: E402
+from .core.data.loader import loader_worker_loss  # noqa: E402
+from .core.store import HintWrites, UNWRITABLE_ADVICE, open_store, probe_writable, records
+from .core.store import ledger  # noqa: E402
+from .core.tracking import goodput  # noqa: E402
+from .core.trainer import setup  # noqa: E402
+from .core.contract.config import RelaunchConfig  # noqa: E402
+from .core.contract.config_loading import config_from_cli  # noqa: E402
+from .core.contract import suggestions  # noqa: E402
+from .core.contract.errors import Diverged, Preempted, RelaunchError, StoreUnwritable, error_for  # noqa: E402
+from .core.contract.classify import as_error, is_store_unwritable  # noqa: E402
+from .core.contract.entry import report  # noqa: E402
+from .core.contract.events import Kind, emit  # noqa: E402
+from .core.contract.exitcodes import PERMANENT, RETRYABLE, ExitCode  # noqa: E402
+from .core.tracking.client import tracking_uri
+from .core.store.ledger import TrainSummary  # noqa: E402
+from .core.trainer.health import PreemptionFlag, SpikeDetector, Watchdog, is_finite  # noqa: E402
+from .core.trainer.injection import Injection, wrap_store  # noqa: E402
+from .core.trainer import recovery_in_place  # noqa: E402
+from .core.trainer.recovery_in_place import InPlace  # noqa: E402
+from .core.trainer.saving import TrainerCheckpoints  # noqa: E402
+from .core.trainer import progress  # noqa: E402
+from .core.trainer.parallel import total_grad_norm
+from .core.trainer.sysmetrics import SystemSampler
+from .core.trainer.tracking import (CLOSE_SECONDS_FAILED, CLOSE_SECONDS_PREEMPTED,  # noqa: E402
                                               TrainingTracker, resolve_run_id, run_params)
-from relaunch.components.tasks.base import load_task  # noqa: E402
+from .tasks.base import load_task  # noqa: E402
 
 _IMPORTED = time.time()
 
@@ -587,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from relaunch.components.core.runtime.stepcli import end_process
+    from .core.runtime.stepcli import end_process
 
     sys.stdout.reconfigure(line_buffering=True)
     code = main()

@@ -30,11 +30,11 @@ from hera.workflows import (DAG, Container, CronWorkflow, Parameter, RetryStrate
                             WorkflowTemplate)
 from hera.workflows import models as m
 
-from relaunch.pipelines.spec import (CONFIG, FINAL_STATUS, PARAMETERS, PIPELINE, RUN_ID, Condition, Pipeline, Step,
+from .spec import (CONFIG, FINAL_STATUS, PARAMETERS, PIPELINE, RUN_ID, Condition, Pipeline, Step,
                                      item_field, pipeline_config, pipeline_of)
-from relaunch.components.core.contract.config import RelaunchConfig
-from relaunch.components.core.contract.exitcodes import argo_retry_expression
-from relaunch.components.launchers.jobs import OWNER_ENV, plain_env, secret_env, store_secret_files
+from ..components.core.contract.config import RelaunchConfig
+from ..components.core.contract.exitcodes import argo_retry_expression
+from ..components.launchers.jobs import OWNER_ENV, plain_env, secret_env, store_secret_files
 
 OUTPUTS_DIR = "/tmp/outputs"
 ARTIFACT_REPOSITORY = m.ArtifactRepositoryRef(config_map="artifact-repositories", key="minio")
@@ -56,7 +56,7 @@ EXIT_HANDLER = "exit-handler"
 
 def pipeline_parameters(config: RelaunchConfig) -> list[Parameter]:
     """The workflow's parameters: the KFP pipeline's, same names, defaults and descriptions."""
-    from relaunch.pipelines.kfp_pipeline import build_pipeline
+    from .kfp_pipeline import build_pipeline
 
     params = []
     for name, spec in build_pipeline(config).component_spec.inputs.items():

@@ -19,8 +19,8 @@ import argparse
 import importlib
 import sys
 
-from relaunch.components.core.contract.entry import exit_on_error
-from relaunch.components.core.runtime.wiring import wire
+from ..components.core.contract.entry import exit_on_error
+from ..components.core.runtime.wiring import wire
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("relaunch.pipelines.commands.run", "run the whole pipeline on this machine (kfp.local)"),

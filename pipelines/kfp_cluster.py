@@ -19,9 +19,9 @@ from pathlib import Path
 
 import yaml
 
-from relaunch.components.core.contract.config import RelaunchConfig
-from relaunch.components.core.contract.errors import BadInput
-from relaunch.components.launchers.jobs import secret_env_sources, store_secret_files
+from ..components.core.contract.config import RelaunchConfig
+from ..components.core.contract.errors import BadInput
+from ..components.launchers.jobs import secret_env_sources, store_secret_files
 
 
 def secret_env_config(config: RelaunchConfig) -> dict:
@@ -57,7 +57,7 @@ def secret_env_config(config: RelaunchConfig) -> dict:
 
 def compile_for_cluster(path: str | Path, config: RelaunchConfig | None = None) -> None:
     """Compile the KFP pipeline to ``path`` with secrets-as-env and the store endpoint on every executor."""
-    from relaunch.pipelines.kfp_pipeline import compile_pipeline, to_yaml
+    from .kfp_pipeline import compile_pipeline, to_yaml
 
     config = config or RelaunchConfig()
     k8s = config.launch.kubernetes

@@ -26,12 +26,12 @@ import os
 import sys
 from typing import Any
 
-from relaunch.pipelines.spec import STEP_MODULES
-from relaunch.components.core.contract import events
-from relaunch.components.core.contract.events import Kind
-from relaunch.components.core.contract.exitcodes import ExitCode
-from relaunch.components.core.runtime import logs
-from relaunch.components.core.runtime.wiring import wire
+from .spec import STEP_MODULES
+from ..components.core.contract import events
+from ..components.core.contract.events import Kind
+from ..components.core.contract.exitcodes import ExitCode
+from ..components.core.runtime import logs
+from ..components.core.runtime.wiring import wire
 
 _failed_with: list[int] = []
 _ends_without_teardown = False
@@ -42,7 +42,7 @@ def _end_without_teardown() -> None:
     if _failed_with:
         code = _failed_with[-1]
     elif hasattr(sys, "last_value"):  # the executor failed after the step, e.g. writing its outputs
-        from relaunch.components.core.contract.classify import classify
+        from ..components.core.contract.classify import classify
 
         code = classify(sys.last_value)
     else:
@@ -60,8 +60,8 @@ def _in_kfp_executor() -> bool:
 
 def call(step: str, config_json: str, **inputs: Any) -> tuple:
     """Run step ``step`` on the configuration ``config_json``; exit with the contract's code on error."""
-    from relaunch.components.core.runtime import warm
-    from relaunch.components.core.contract.config import RelaunchConfig
+    from ..components.core.runtime import warm
+    from ..components.core.contract.config import RelaunchConfig
 
     global _ends_without_teardown
     wire()
@@ -74,7 +74,7 @@ def call(step: str, config_json: str, **inputs: Any) -> tuple:
         logs.configure(config, role=step)
         outputs = importlib.import_module(STEP_MODULES[step]).run(config, **inputs)
     except Exception as err:  # noqa: BLE001 - the one entry wrapper's code and line, as `python -m` ends
-        from relaunch.components.core.contract.entry import report
+        from ..components.core.contract.entry import report
 
         failure = report(step, err)
         _fail(step, failure.exit_code, failure.message)

@@ -35,11 +35,11 @@ from typing import List, NamedTuple
 import yaml
 from kfp import compiler, dsl
 
-from relaunch.pipelines.spec import (CONFIG, EVALUATE, FINALIZE, LAUNCH, LOCATE, PARAMETERS, PIPELINE, PLAN_TRIALS,
+from .spec import (CONFIG, EVALUATE, FINALIZE, LAUNCH, LOCATE, PARAMETERS, PIPELINE, PLAN_TRIALS,
                                      PREPARE, REGISTER, RUN_ID, RUN_TRIAL, SELECT_TRIAL, Condition, Pipeline, Source, Step,
                                      item_field, pipeline_config, pipeline_of)
-from relaunch.components.core.contract.config import RelaunchConfig
-from relaunch.components.core.contract.pipeline_parameters import (PIPELINE_PARAMETERS, pipeline_parameter_description,
+from ..components.core.contract.config import RelaunchConfig
+from ..components.core.contract.pipeline_parameters import (PIPELINE_PARAMETERS, pipeline_parameter_description,
                                                                    pipeline_parameter_type)
 
 # ---------------------------------------------------------------- component bodies (shipped as source)

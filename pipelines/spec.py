@@ -23,9 +23,9 @@ import re
 import typing
 from dataclasses import dataclass
 
-from relaunch.components.core.contract import steps as names
-from relaunch.components.core.contract.errors import BadInput
-from relaunch.components.core.contract.exitcodes import RetryPolicy
+from ..components.core.contract import steps as names
+from ..components.core.contract.errors import BadInput
+from ..components.core.contract.exitcodes import RetryPolicy
 
 
 @dataclass(frozen=True)
@@ -238,8 +238,8 @@ def pipeline_config(config):
         BadInput: ``tune.storage`` holds a password (it would be written into the compiled pipeline).
     """
     # the store's modules load pydantic, which the spec's other readers (the KFP entry, the console) load later or never
-    from relaunch.components.core.store import parse_store_uri
-    from relaunch.components.core.tuning.study_folder import study_uri
+    from ..components.core.store import parse_store_uri
+    from ..components.core.tuning.study_folder import study_uri
 
     if not config.tune.space:
         return config

@@ -251,12 +251,13 @@ def _registering() -> tuple[set[str], list[str]]:
               for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)}
     trees = {_module_of(p): (p, ast.parse(p.read_text())) for p in _sources()}
     aliases: dict[str, dict[str, str]] = {}  # module -> local name -> qualified name
-    for me, (_, tree) in trees.items():
+    for me, (path, tree) in trees.items():
         names = aliases.setdefault(me, {})
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module:
+            if isinstance(node, ast.ImportFrom):
+                module = _absolute(path, node.level, node.module) if node.level else node.module
                 for a in node.names:
-                    names[a.asname or a.name] = f"{node.module}.{a.name}"
+                    names[a.asname or a.name] = f"{module}.{a.name}"
             elif isinstance(node, ast.Import):
                 names.update({a.asname or a.name: a.name for a in node.names if a.asname})
         names.update({n.name: f"{me}.{n.name}" for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))})

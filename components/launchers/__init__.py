@@ -19,9 +19,9 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 
-from relaunch.components.core.contract.registry import LAUNCH_BACKENDS, LaunchBackend, launch_backend  # noqa: F401
-from relaunch.components.core.contract.registry import register_launch_backend  # noqa: F401 - the seam, from here too
-from relaunch.components.core.contract.registry import launch_backend_names  # noqa: F401 - the names, from here too
+from ..core.contract.registry import LAUNCH_BACKENDS, LaunchBackend, launch_backend  # noqa: F401
+from ..core.contract.registry import register_launch_backend  # noqa: F401 - the seam, from here too
+from ..core.contract.registry import launch_backend_names  # noqa: F401 - the names, from here too
 
 
 @dataclass

@@ -33,14 +33,14 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from relaunch.components.core.contract.classify import classify
-from relaunch.components.core.contract.steps import DELETE_JOB
-from relaunch.components.core.contract.config import RelaunchConfig
-from relaunch.components.core.contract.errors import BadInput, TransientFailure
-from relaunch.components.core.contract.exitcodes import RETRYABLE, ExitCode
-from relaunch.components.launchers.k8s_naming import job_name, run_hash
-from relaunch.components.launchers import LaunchResult, backend_module
-from relaunch.components.launchers.jobs import (RUN_LABEL, STEP, JobKind, JobState, failure_exit_code, unscheduled_reason,
+from ..core.contract.classify import classify
+from ..core.contract.steps import DELETE_JOB
+from ..core.contract.config import RelaunchConfig
+from ..core.contract.errors import BadInput, TransientFailure
+from ..core.contract.exitcodes import RETRYABLE, ExitCode
+from .k8s_naming import job_name, run_hash
+from . import LaunchResult, backend_module
+from .jobs import (RUN_LABEL, STEP, JobKind, JobState, failure_exit_code, unscheduled_reason,
                                                 unstartable_reason)
 
 # After a delete, how long to wait for the job (and its Foreground-deleted pods) to be gone before
@@ -375,6 +375,6 @@ run = delete_job  # what ``python -m relaunch.components.launchers.cluster`` (th
 
 
 if __name__ == "__main__":
-    from relaunch.components.core.runtime.stepcli import step_main
+    from ..core.runtime.stepcli import step_main
 
     sys.exit(step_main(DELETE_JOB, delete_job))

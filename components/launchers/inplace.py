@@ -59,15 +59,15 @@ import time
 import uuid
 from typing import Any
 
-from relaunch.components.core.contract.entry import exit_on_error
-from relaunch.components.core.contract.errors import BadInput
-from relaunch.components.core.contract.exitcodes import ExitCode, is_retryable
-from relaunch.components.core.runtime.net import free_port
-from relaunch.components.core.runtime.wiring import wire
-from relaunch.components.core.store.procfs import stat_fields
-from relaunch.components.core.runtime.zygote import CLIENT_PATH, CLIENT_SOURCE, client_command
-from relaunch.components.core.runtime.zygote_client import ZYGOTE_ENV
-from relaunch.components.core.runtime.generations import (
+from ..core.contract.entry import exit_on_error
+from ..core.contract.errors import BadInput
+from ..core.contract.exitcodes import ExitCode, is_retryable
+from ..core.runtime.net import free_port
+from ..core.runtime.wiring import wire
+from ..core.store.procfs import stat_fields
+from ..core.runtime.zygote import CLIENT_PATH, CLIENT_SOURCE, client_command
+from ..core.runtime.zygote_client import ZYGOTE_ENV
+from ..core.runtime.generations import (
     DONE_KEY, END_KEY, GENERATION_ENV, GENERATION_KEY, NODE_ADDRESS_ENV, NODE_STARTS_KEY, REPLACE, RESTART,
     generation_key, joined_key,
 )

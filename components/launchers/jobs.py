@@ -17,12 +17,12 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
-from relaunch.components.core.contract.steps import LAUNCH
-from relaunch.components.core.contract.config import RelaunchConfig
-from relaunch.components.core.contract.classify import classify_pod
-from relaunch.components.core.contract.exitcodes import PERMANENT, RETRYABLE, ExitCode
-from relaunch.components.core.runtime.zygote import CLIENT_PATH, client_command
-from relaunch.components.launchers.k8s_naming import job_name, run_hash
+from ..core.contract.steps import LAUNCH
+from ..core.contract.config import RelaunchConfig
+from ..core.contract.classify import classify_pod
+from ..core.contract.exitcodes import PERMANENT, RETRYABLE, ExitCode
+from ..core.runtime.zygote import CLIENT_PATH, client_command
+from .k8s_naming import job_name, run_hash
 
 RUN_LABEL = "relaunch.dev/pipeline-run"
 RUN_ANNOTATION = "relaunch.dev/pipeline-run-id"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-from relaunch.components.core.contract.steps import LAUNCH
+from ..core.contract.steps import LAUNCH
 
 # ``<job>-worker-NNN`` plus the operator's own suffixes must stay within a 63-character label.
 MAX_JOB_NAME = 45

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from relaunch.components.core.contract.config import RelaunchConfig, TuneParameter
-from relaunch.components.core.contract.suggestions import env_name, parameter_name, render_value
-from relaunch.components.launchers.trial_job import (PYTORCHJOB, TRAINJOB, check_study, job_kind, space_parameters,
+from ..core.contract.config import RelaunchConfig, TuneParameter
+from ..core.contract.suggestions import env_name, parameter_name, render_value
+from .trial_job import (PYTORCHJOB, TRAINJOB, check_study, job_kind, space_parameters,
                                                   trial_env, trial_job)
-from relaunch.components.launchers import pytorchjob, trainjob
+from . import pytorchjob, trainjob
 
 GROUP, VERSION, KIND_NAME = "kubeflow.org", "v1beta1", "Experiment"
 METRICS_FILE = "/var/log/katib/metrics.log"

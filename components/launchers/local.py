@@ -42,19 +42,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from relaunch.components.core.contract import events
-from relaunch.components.core.contract.config import RelaunchConfig, memory_tier_on
-from relaunch.components.core.contract.errors import Preempted
-from relaunch.components.core.contract.events import Kind
-from relaunch.components.core.contract.exitcodes import ExitCode, is_retryable
-from relaunch.components.core.runtime import warm as runtime_warm
-from relaunch.components.core.runtime.net import free_port
-from relaunch.components.core.runtime.zygote import Zygote, client_command
-from relaunch.components.core.runtime.zygote_client import ZYGOTE_ENV
-from relaunch.components.launchers import LaunchResult, inplace
-from relaunch.components.launchers.inplace import agent_args
-from relaunch.components.launchers.jobs import TRAIN_MODULE, JobSpec, job_spec
-from relaunch.components.launchers.torchrun import exit_code
+from ..core.contract import events
+from ..core.contract.config import RelaunchConfig, memory_tier_on
+from ..core.contract.errors import Preempted
+from ..core.contract.events import Kind
+from ..core.contract.exitcodes import ExitCode, is_retryable
+from ..core.runtime import warm as runtime_warm
+from ..core.runtime.net import free_port
+from ..core.runtime.zygote import Zygote, client_command
+from ..core.runtime.zygote_client import ZYGOTE_ENV
+from . import LaunchResult, inplace
+from .inplace import agent_args
+from .jobs import TRAIN_MODULE, JobSpec, job_spec
+from .torchrun import exit_code
 
 _TORCHRUN_EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
 AGENT_GRACE_SECONDS = 30.0  # once one agent ended badly, how long the others get to notice

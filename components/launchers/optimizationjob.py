@@ -22,11 +22,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from relaunch.components.core.contract.config import RelaunchConfig, TuneParameter
-from relaunch.components.core.contract.errors import BadInput
-from relaunch.components.core.contract.suggestions import parameter_name, render_value
-from relaunch.components.launchers.trial_job import TRAINJOB, check_study, space_parameters, trial_env, trial_job
-from relaunch.components.launchers.trainjob import GROUP, JOBSET_LABEL, VERSION
+from ..core.contract.config import RelaunchConfig, TuneParameter
+from ..core.contract.errors import BadInput
+from ..core.contract.suggestions import parameter_name, render_value
+from .trial_job import TRAINJOB, check_study, space_parameters, trial_env, trial_job
+from .trainjob import GROUP, JOBSET_LABEL, VERSION
 
 KIND_NAME = "OptimizationJob"
 MAX_CHOICES = 100

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from relaunch.components.core.contract.config import KubernetesConfig, RelaunchConfig
-from relaunch.components.launchers import LaunchResult, inplace
-from relaunch.components.launchers.cluster import launch_job
-from relaunch.components.launchers.jobs import (
+from ..core.contract.config import KubernetesConfig, RelaunchConfig
+from . import LaunchResult, inplace
+from .cluster import launch_job
+from .jobs import (
     RUN_LABEL, JobKind, JobSpec, JobState, describe_conditions, job_metadata, job_spec, owner_from_env, supervised,
     secret_file_mounts, secret_file_volumes, training_env,
 )

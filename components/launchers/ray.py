@@ -47,16 +47,16 @@ import threading
 import time
 from pathlib import Path
 
-from relaunch.components.core.contract.config import RelaunchConfig
-from relaunch.components.core.contract.config_loading import config_from_cli
-from relaunch.components.core.contract.errors import BadInput, Preempted
-from relaunch.components.core.contract.exitcodes import PERMANENT, ExitCode, is_retryable, normalize
-from relaunch.components.core.runtime.net import free_port
-from relaunch.components.core.runtime.wiring import wire
-from relaunch.components.core.store.procfs import boot_ticks, exited, processes
-from relaunch.components.launchers import LaunchResult
-from relaunch.components.launchers.jobs import JobSpec, job_spec
-from relaunch.components.launchers.local import STOP_MARGIN_SECONDS, AgentWatch, ProgressReporter, start_agent, wait_agents
+from ..core.contract.config import RelaunchConfig
+from ..core.contract.config_loading import config_from_cli
+from ..core.contract.errors import BadInput, Preempted
+from ..core.contract.exitcodes import PERMANENT, ExitCode, is_retryable, normalize
+from ..core.runtime.net import free_port
+from ..core.runtime.wiring import wire
+from ..core.store.procfs import boot_ticks, exited, processes
+from . import LaunchResult
+from .jobs import JobSpec, job_spec
+from .local import STOP_MARGIN_SECONDS, AgentWatch, ProgressReporter, start_agent, wait_agents
 
 HEAD_START_SECONDS = 90.0  # from ``ray start`` to a head that accepts clients
 HEAD_STOP_SECONDS = 10.0  # from SIGTERM to SIGKILL of the head's process group

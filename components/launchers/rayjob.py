@@ -25,19 +25,19 @@ import datetime
 import shlex
 from typing import Any
 
-from relaunch.components.core.contract.classify import torchrun_exit
-from relaunch.components.core.contract.config import KubernetesConfig, RelaunchConfig
-from relaunch.components.core.contract.errors import RelaunchError
-from relaunch.components.core.contract.exitcodes import ExitCode
-from relaunch.components.core.store import open_store
-from relaunch.components.core.store.records import read_exit_record
-from relaunch.components.launchers import LaunchResult
-from relaunch.components.launchers.cluster import launch_job
-from relaunch.components.launchers.jobs import (
+from ..core.contract.classify import torchrun_exit
+from ..core.contract.config import KubernetesConfig, RelaunchConfig
+from ..core.contract.errors import RelaunchError
+from ..core.contract.exitcodes import ExitCode
+from ..core.store import open_store
+from ..core.store.records import read_exit_record
+from . import LaunchResult
+from .cluster import launch_job
+from .jobs import (
     RUN_LABEL, JobKind, JobSpec, JobState, failure_exit_code, job_metadata, job_spec, owner_from_env, pod_exit_codes,
     secret_file_mounts, secret_file_volumes, training_env,
 )
-from relaunch.components.launchers.ray import driver_command
+from .ray import driver_command
 
 GROUP, VERSION, PLURAL, KIND_NAME = "ray.io", "v1", "rayjobs", "RayJob"
 KUBERAY_VERSION = "1.7.0"

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import shlex
 
-from relaunch.components.core.contract.config import RelaunchConfig
-from relaunch.components.core.contract.errors import BadInput
-from relaunch.components.launchers.jobs import JobSpec, job_spec
+from ..core.contract.config import RelaunchConfig
+from ..core.contract.errors import BadInput
+from .jobs import JobSpec, job_spec
 
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 

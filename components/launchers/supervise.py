@@ -22,14 +22,14 @@ import subprocess
 import sys
 import time
 
-from relaunch.components.core.contract import suggestions
-from relaunch.components.core.contract.config import RelaunchConfig
-from relaunch.components.core.contract.entry import exit_on_error
-from relaunch.components.core.contract.errors import BadInput
-from relaunch.components.core.runtime import logs, wiring
-from relaunch.components.core.runtime.zygote import for_command
-from relaunch.components.launchers import inplace
-from relaunch.components.launchers.torchrun import exit_code
+from ..core.contract import suggestions
+from ..core.contract.config import RelaunchConfig
+from ..core.contract.entry import exit_on_error
+from ..core.contract.errors import BadInput
+from ..core.runtime import logs, wiring
+from ..core.runtime.zygote import for_command
+from . import inplace
+from .torchrun import exit_code
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 

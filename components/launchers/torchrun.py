@@ -13,15 +13,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from relaunch.components.core.contract.classify import torchrun_exit
-from relaunch.components.core.contract.config import RelaunchConfig
-from relaunch.components.core.contract.config_loading import config_from_cli
-from relaunch.components.core.contract.entry import exit_on_error
-from relaunch.components.core.contract.errors import RelaunchError
-from relaunch.components.core.contract.exitcodes import ExitCode, normalize
-from relaunch.components.core.store import open_store
-from relaunch.components.core.store.records import read_exit_record
-from relaunch.components.core.runtime.wiring import wire
+from ..core.contract.classify import torchrun_exit
+from ..core.contract.config import RelaunchConfig
+from ..core.contract.config_loading import config_from_cli
+from ..core.contract.entry import exit_on_error
+from ..core.contract.errors import RelaunchError
+from ..core.contract.exitcodes import ExitCode, normalize
+from ..core.store import open_store
+from ..core.store.records import read_exit_record
+from ..core.runtime.wiring import wire
 
 def exit_code(config: RelaunchConfig, returncode: int, started_at: float, *, reported: int | None = None) -> int:
     """The contract's exit code of a torchrun of ``config`` that ended with ``returncode``.

@@ -19,12 +19,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from relaunch.components.core.contract.config import KubernetesConfig, RelaunchConfig, TrainJobConfig
-from relaunch.components.core.trainer.progress import NAMESPACE_ENV, TRAINJOB_ENV
-from relaunch.components.launchers import LaunchResult
-from relaunch.components.launchers import inplace
-from relaunch.components.launchers.cluster import launch_job
-from relaunch.components.launchers.jobs import (
+from ..core.contract.config import KubernetesConfig, RelaunchConfig, TrainJobConfig
+from ..core.trainer.progress import NAMESPACE_ENV, TRAINJOB_ENV
+from . import LaunchResult
+from . import inplace
+from .cluster import launch_job
+from .jobs import (
     JobKind, JobSpec, JobState, RestartPolicy, describe_conditions, job_metadata, job_spec, owner_from_env,
     secret_file_mounts, secret_file_volumes, supervised, training_env,
 )

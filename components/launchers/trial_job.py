@@ -18,14 +18,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from relaunch.components.core.contract.config import RelaunchConfig
-from relaunch.components.core.contract.errors import BadInput
-from relaunch.components.core.contract.suggestions import TRIAL_ENV, check_parameter_names
-from relaunch.components.core.store import join_uri, parse_store_uri
-from relaunch.components.core.trainer.metrics_file import METRICS_FILE_ENV
-from relaunch.components.core.tuning.study_folder import TRIALS, default_storage, study_uri
-from relaunch.components.launchers import pytorchjob, trainjob
-from relaunch.components.launchers.jobs import job_spec
+from ..core.contract.config import RelaunchConfig
+from ..core.contract.errors import BadInput
+from ..core.contract.suggestions import TRIAL_ENV, check_parameter_names
+from ..core.store import join_uri, parse_store_uri
+from ..core.trainer.metrics_file import METRICS_FILE_ENV
+from ..core.tuning.study_folder import TRIALS, default_storage, study_uri
+from . import pytorchjob, trainjob
+from .jobs import job_spec
 
 TRAINJOB, PYTORCHJOB = "TrainJob", "PyTorchJob"
 

@@ -32,13 +32,13 @@ from __future__ import annotations
 import argparse
 import json
 
-from relaunch.components.core.checkpoint import CheckpointManager, step_key
-from relaunch.components.core.checkpoint.interop import export_checkpoint, import_checkpoint
-from relaunch.components.core.contract.errors import BadInput, CorruptCheckpoint
-from relaunch.components.core.store import FileStore, open_store
-from relaunch.components.core.store.training_folders import pick_training, resolve_trainings
-from relaunch.components.core.trainer.adopt import training_state
-from relaunch.pipelines.commands import Subcommands
+from ...components.core.checkpoint import CheckpointManager, step_key
+from ...components.core.checkpoint.interop import export_checkpoint, import_checkpoint
+from ...components.core.contract.errors import BadInput, CorruptCheckpoint
+from ...components.core.store import FileStore, open_store
+from ...components.core.store.training_folders import pick_training, resolve_trainings
+from ...components.core.trainer.adopt import training_state
+from . import Subcommands
 
 
 def add_parser(sub: Subcommands, help_text: str) -> None:
@@ -166,7 +166,7 @@ def _interop(args: argparse.Namespace) -> int:
 def _adopt(args: argparse.Namespace):
     """import: what makes a stock ``{"model", "optimizer"}`` the state a training of ``--config``/``--set``
     resumes from (:func:`relaunch.components.core.trainer.adopt.training_state`)."""
-    from relaunch.components.core.contract.config_loading import load_config
+    from ...components.core.contract.config_loading import load_config
 
     config = load_config(args.config, args.overrides)
 

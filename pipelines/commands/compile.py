@@ -17,10 +17,10 @@ import argparse
 import os
 import sys
 
-from relaunch.components.core.contract.config_loading import config_from_cli
-from relaunch.components.core.store import parse_store_uri
-from relaunch.components.core.contract.errors import BadInput
-from relaunch.pipelines.commands import Subcommands
+from ...components.core.contract.config_loading import config_from_cli
+from ...components.core.store import parse_store_uri
+from ...components.core.contract.errors import BadInput
+from . import Subcommands
 
 TARGETS = ["kfp", "argo", "argo-template", "argo-cron"]
 
@@ -45,13 +45,13 @@ def render(target: str, config, cron: str = "0 3 * * *") -> str:
         import tempfile
         from pathlib import Path
 
-        from relaunch.pipelines.kfp_cluster import compile_for_cluster
+        from ..kfp_cluster import compile_for_cluster
 
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "pipeline.yaml"
             compile_for_cluster(path, config)
             return path.read_text()
-    from relaunch.pipelines import argo
+    from .. import argo
 
     if target == "argo-cron":
         return argo.to_yaml(argo.build_cron_workflow(config, cron=cron))

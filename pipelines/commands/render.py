@@ -11,11 +11,11 @@ import argparse
 
 import yaml
 
-from relaunch.components.core.contract.config import RelaunchConfig
-from relaunch.components.core.contract.config_loading import config_from_cli
-from relaunch.components.launchers import LAUNCH_BACKENDS, renderers
-from relaunch.pipelines.commands import Subcommands
-from relaunch.pipelines.commands.compile import add_config_args, warn_local_services, write_output
+from ...components.core.contract.config import RelaunchConfig
+from ...components.core.contract.config_loading import config_from_cli
+from ...components.launchers import LAUNCH_BACKENDS, renderers
+from . import Subcommands
+from .compile import add_config_args, warn_local_services, write_output
 
 
 def add_parser(sub: Subcommands, help_text: str) -> None:

@@ -39,23 +39,23 @@ import json
 import sys
 import time
 
-from relaunch.components.core.checkpoint.layout import LATEST, read_json
-from relaunch.components.core.contract.config import RelaunchConfig
-from relaunch.components.core.contract.config_loading import config_from_cli
-from relaunch.components.core.contract.pipeline_parameters import with_pipeline_parameters
-from relaunch.components.core.contract.uris import expand_home
-from relaunch.components.core.contract.errors import BadInput, RelaunchError
-from relaunch.components.core.contract.exitcodes import ExitCode
-from relaunch.components.core.store import open_store
-from relaunch.components.core.store.pipeline_lock import PipelineLock, TrainingInUse
-from relaunch.components.core.store.records import (identity_changes, pipeline_finished, read_exit_record, read_summary,
+from ...components.core.checkpoint.layout import LATEST, read_json
+from ...components.core.contract.config import RelaunchConfig
+from ...components.core.contract.config_loading import config_from_cli
+from ...components.core.contract.pipeline_parameters import with_pipeline_parameters
+from ...components.core.contract.uris import expand_home
+from ...components.core.contract.errors import BadInput, RelaunchError
+from ...components.core.contract.exitcodes import ExitCode
+from ...components.core.store import open_store
+from ...components.core.store.pipeline_lock import PipelineLock, TrainingInUse
+from ...components.core.store.records import (identity_changes, pipeline_finished, read_exit_record, read_summary,
                                                     read_training_config, refuse_resume_changes, replace_run,
                                                     stored_run_id, write_training_config)
-from relaunch.components.core.store.training_folders import training_names, training_uri
-from relaunch.components.core.tracking.client import ensure_run, mark_run_finished, run_exists, tracking_uri
-from relaunch.components.core.store.ledger import reached_its_end
-from relaunch.components.prepare import check_inputs
-from relaunch.pipelines.commands import Subcommands
+from ...components.core.store.training_folders import training_names, training_uri
+from ...components.core.tracking.client import ensure_run, mark_run_finished, run_exists, tracking_uri
+from ...components.core.store.ledger import reached_its_end
+from ...components.prepare import check_inputs
+from . import Subcommands
 
 
 def add_parser(sub: Subcommands, help_text: str) -> None:
@@ -82,7 +82,7 @@ def add_parser(sub: Subcommands, help_text: str) -> None:
 def run(args: argparse.Namespace) -> int:
     """``relaunch run``; Ctrl-C (SIGINT) or SIGTERM anywhere stops every process it started and ends
     with one line: exit 143 when the training committed a preemption checkpoint, else 130."""
-    from relaunch.pipelines.local.interrupt import STOP_MARGIN_SECONDS, Interrupted, interruptible, stop_descendants
+    from ..local.interrupt import STOP_MARGIN_SECONDS, Interrupted, interruptible, stop_descendants
 
     config = config_from_cli(args.config, None, args.overrides)
     training: list[RelaunchConfig] = []  # the training's configuration, once chosen
@@ -151,7 +151,7 @@ def _mark_interrupted(config: RelaunchConfig, store, summary: dict, reason: str)
 def _run(args: argparse.Namespace, config: RelaunchConfig, training: list[RelaunchConfig]) -> int:
     from rich.console import Console
 
-    from relaunch.pipelines.local.interrupt import Interrupted
+    from ..local.interrupt import Interrupted
 
     if args.inject_failure:  # typed, like the pipeline parameter of the same name
         config = with_pipeline_parameters(config, {"inject_failure": args.inject_failure})
@@ -196,7 +196,7 @@ def _run_pipeline(args: argparse.Namespace, config: RelaunchConfig, training: li
                       highlight=False, soft_wrap=True)
 
     training.append(config)
-    from relaunch.pipelines.local.runner import render_summary, run_pipeline
+    from ..local.runner import render_summary, run_pipeline
 
     result = run_pipeline(config, console=console, state_dir=state_dir, cold=args.cold)
     render_summary(config, result, console)

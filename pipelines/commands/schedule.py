@@ -12,11 +12,11 @@ import argparse
 import time
 from pathlib import Path
 
-from relaunch.components.core.contract.config_loading import config_from_cli
-from relaunch.components.core.contract.errors import BadInput
-from relaunch.pipelines.commands import Subcommands
-from relaunch.pipelines.commands.compile import add_config_args, render, warn_local_services
-from relaunch.pipelines.commands.submit import kfp_endpoint, send
+from ...components.core.contract.config_loading import config_from_cli
+from ...components.core.contract.errors import BadInput
+from . import Subcommands
+from .compile import add_config_args, render, warn_local_services
+from .submit import kfp_endpoint, send
 
 
 def add_parser(sub: Subcommands, help_text: str) -> None:

@@ -20,12 +20,12 @@ from typing import Callable
 
 import yaml
 
-from relaunch.components.core.contract.config_loading import config_from_cli
-from relaunch.components.core.contract.uris import check_http_url
-from relaunch.components.core.contract.errors import BadInput
-from relaunch.components.launchers.cluster import kube_api_client
-from relaunch.pipelines.commands import Subcommands
-from relaunch.pipelines.commands.compile import add_config_args, render, warn_local_services
+from ...components.core.contract.config_loading import config_from_cli
+from ...components.core.contract.uris import check_http_url
+from ...components.core.contract.errors import BadInput
+from ...components.launchers.cluster import kube_api_client
+from . import Subcommands
+from .compile import add_config_args, render, warn_local_services
 
 ARGO = ("argoproj.io", "v1alpha1")
 PLURALS = {"Workflow": "workflows", "CronWorkflow": "cronworkflows", "WorkflowTemplate": "workflowtemplates"}
@@ -127,7 +127,7 @@ def send(args: argparse.Namespace, config, argo_yaml: str,
             return 0
         print(create_argo_object(doc, namespace))
         return 0
-    from relaunch.pipelines import kfp_cluster
+    from .. import kfp_cluster
 
     if not args.dry_run:
         kfp_endpoint(args)  # refused before anything is compiled

@@ -24,14 +24,14 @@ import json
 import threading
 from dataclasses import asdict, dataclass
 
-from relaunch.components.core.checkpoint.layout import INFLIGHT, LATEST, LEASE, read_json as read_object, read_manifest
-from relaunch.components.core.checkpoint.write_lease import holder_alive as lease_alive
-from relaunch.components.core.contract.errors import BadInput
-from relaunch.components.core.contract.exitcodes import MEANING, ExitCode, is_retryable
-from relaunch.components.core.store import open_store
-from relaunch.components.core.store.training_folders import resolve_trainings
-from relaunch.components.core.tracking.client import client
-from relaunch.pipelines.commands import Subcommands
+from ...components.core.checkpoint.layout import INFLIGHT, LATEST, LEASE, read_json as read_object, read_manifest
+from ...components.core.checkpoint.write_lease import holder_alive as lease_alive
+from ...components.core.contract.errors import BadInput
+from ...components.core.contract.exitcodes import MEANING, ExitCode, is_retryable
+from ...components.core.store import open_store
+from ...components.core.store.training_folders import resolve_trainings
+from ...components.core.tracking.client import client
+from . import Subcommands
 
 REGISTRY_SECONDS = 15.0
 """How long the listing waits for the tracking server to name a finished training's registered version."""
@@ -64,7 +64,7 @@ class TrainingState:
 
 def trainings(args: argparse.Namespace) -> int:
     """List the trainings of the store with their state; exit 0 (2 when the store holds none)."""
-    from relaunch.components.core.contract.config_loading import config_from_cli
+    from ...components.core.contract.config_loading import config_from_cli
 
     root = args.store or config_from_cli(args.config, None, []).store.uri
     found = resolve_trainings(open_store(root))
@@ -89,7 +89,7 @@ def trainings(args: argparse.Namespace) -> int:
 
 
 def _holds_a_training(store) -> bool:
-    from relaunch.components.core.store.records import read_training_config, stored_run_id
+    from ...components.core.store.records import read_training_config, stored_run_id
 
     return bool(store.list("checkpoints/", recursive=False)) or read_training_config(store) is not None \
         or stored_run_id(store) is not None
@@ -97,11 +97,11 @@ def _holds_a_training(store) -> bool:
 
 def training_state(name: str, uri: str) -> TrainingState:
     """Where the training at ``uri`` stands, from its records alone (reads only)."""
-    from relaunch.components.core.store.pipeline_lock import holder_alive as lock_alive
-    from relaunch.components.core.store.records import (PIPELINE_LOCK_KEY, pipeline_finished, read_json, read_summary,
+    from ...components.core.store.pipeline_lock import holder_alive as lock_alive
+    from ...components.core.store.records import (PIPELINE_LOCK_KEY, pipeline_finished, read_json, read_summary,
                                                read_training_config, stored_run_id)
-    from relaunch.components.core.store.ledger import load_attempts
-    from relaunch.components.core.store.ledger import reached_its_end
+    from ...components.core.store.ledger import load_attempts
+    from ...components.core.store.ledger import reached_its_end
 
     store = open_store(uri)
     step = newest_committed_step(store)
@@ -143,7 +143,7 @@ def training_state(name: str, uri: str) -> TrainingState:
 def newest_committed_step(store) -> int:
     """The step a resume starts from, -1 when none: ``latest.json``'s, or ``inflight.json``'s when that
     step's manifest was committed after the pointer was last advanced (a kill between the two writes)."""
-    from relaunch.components.core.contract.errors import CorruptCheckpoint
+    from ...components.core.contract.errors import CorruptCheckpoint
 
     latest, inflight = read_object(store, LATEST) or {}, read_object(store, INFLIGHT) or {}
     pointed = latest.get("step") if isinstance(latest.get("step"), int) else -1
@@ -160,7 +160,7 @@ def newest_committed_step(store) -> int:
 def registered_version(store, run_id: str | None) -> str | None:
     """``<model> version <V>`` registered from the MLflow run ``run_id`` (the newest), or None when none
     is, or the tracking server cannot say (looked up at the tracking URI the training stored)."""
-    from relaunch.components.core.store.records import RUN_KEY, read_json
+    from ...components.core.store.records import RUN_KEY, read_json
 
     record = read_json(store, RUN_KEY) or {}
     if not run_id or not record.get("tracking_uri"):

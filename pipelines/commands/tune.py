@@ -37,16 +37,16 @@ import time
 
 from pydantic import ValidationError
 
-from relaunch.components.core.contract.config import RelaunchConfig, describe_validation_error
-from relaunch.components.core.contract.config_loading import config_from_cli
-from relaunch.components.core.contract.uris import expand_home
-from relaunch.components.core.contract.errors import BadInput, RelaunchError
-from relaunch.components.core.contract.exitcodes import ExitCode
-from relaunch.components.core.store import open_store
-from relaunch.components.core.store.pipeline_lock import PipelineLock, TrainingInUse, describe_holder
-from relaunch.components.core.store.records import (PIPELINE_LOCK_KEY, read_json, read_summary, read_training_config,
+from ...components.core.contract.config import RelaunchConfig, describe_validation_error
+from ...components.core.contract.config_loading import config_from_cli
+from ...components.core.contract.uris import expand_home
+from ...components.core.contract.errors import BadInput, RelaunchError
+from ...components.core.contract.exitcodes import ExitCode
+from ...components.core.store import open_store
+from ...components.core.store.pipeline_lock import PipelineLock, TrainingInUse, describe_holder
+from ...components.core.store.records import (PIPELINE_LOCK_KEY, read_json, read_summary, read_training_config,
                                                     stored_run_id)
-from relaunch.pipelines.commands import Subcommands
+from . import Subcommands
 
 STEPS_LOG = "tune.log"
 """In the study's local folder: the output of the steps ``relaunch tune`` runs in its own process."""
@@ -71,7 +71,7 @@ def add_parser(sub: Subcommands, help_text: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``relaunch tune``; Ctrl-C (SIGINT) or SIGTERM stops every trial and ends with one line (130 or 143)."""
-    from relaunch.pipelines.local.interrupt import Interrupted, interruptible
+    from ..local.interrupt import Interrupted, interruptible
 
     config = _with_study(config_from_cli(args.config, None, args.overrides), args.study)
     check_tune_section(config)
@@ -120,9 +120,9 @@ class TuneSession:
         self.experiment_id = ""
 
     def run(self) -> int:
-        from relaunch.components.prepare import check_inputs
-        from relaunch.components.core.tuning.trials import check_validation_metric
-        from relaunch.pipelines.local.interrupt import Interrupted
+        from ...components.prepare import check_inputs
+        from ...components.core.tuning.trials import check_validation_metric
+        from ..local.interrupt import Interrupted
 
         check_validation_metric(self.config)  # first: the checks that write nothing, then the store's probe
         state_dir = _state_dir(self.args.state_dir)
@@ -140,10 +140,10 @@ class TuneSession:
     def _run(self, resuming: bool, held: contextlib.ExitStack, state_dir: str) -> int:
         from rich.console import Console
 
-        from relaunch.components.core.tuning.study_folder import (StudyRecord, default_storage, local_study_dir, read_study,
+        from ...components.core.tuning.study_folder import (StudyRecord, default_storage, local_study_dir, read_study,
                                                             study_uri, trial_records, write_study)
-        from relaunch.components.core.tuning.trials import storage_for_records, study_configuration
-        from relaunch.pipelines.tune.study_console import TuneConsole
+        from ...components.core.tuning.trials import storage_for_records, study_configuration
+        from ..tune.study_console import TuneConsole
 
         uri = study_uri(self.config.store.uri, self.name)
         study_store = open_store(uri)
@@ -181,7 +181,7 @@ class TuneSession:
         Raises:
             BadInput: ``--resume`` of no study, or a new study of a name that exists.
         """
-        from relaunch.components.core.tuning.study_folder import study_names
+        from ...components.core.tuning.study_folder import study_names
 
         names = study_names(root)
         explicit = self.config.tune.study
@@ -208,7 +208,7 @@ class TuneSession:
         Raises:
             TrainingInUse: a live ``relaunch tune`` runs this study (one line, exit 2).
         """
-        from relaunch.components.core.tuning.study_folder import study_names, study_uri
+        from ...components.core.tuning.study_folder import study_names, study_uri
 
         if resuming or self.config.tune.study is not None:
             held.enter_context(self._lock(open_store(study_uri(self.config.store.uri, name)), name))
@@ -251,9 +251,9 @@ class TuneSession:
     def _prepare(self, config: RelaunchConfig, storage_shown: str | None, view) -> RelaunchConfig:
         """The prepare step on the study's folder: the dataset, the study's MLflow run (created, or the
         stored one reopened), the study's stored configuration (refused when another one is stored)."""
-        from relaunch.components import prepare
-        from relaunch.components.core.tracking.client import call, client as tracking_client, tracking_uri
-        from relaunch.components.core.tuning.trials import STUDY_TAG
+        from ...components import prepare
+        from ...components.core.tracking.client import call, client as tracking_client, tracking_uri
+        from ...components.core.tuning.trials import STUDY_TAG
 
         began = time.time()
         shown = config.model_copy(deep=True)
@@ -268,12 +268,12 @@ class TuneSession:
         return prepared
 
     def _trials_and_best(self, config: RelaunchConfig, study_store, local_dir, storage: str, view) -> int:
-        from relaunch.components.core.tracking.client import mark_run_finished
-        from relaunch.components.core.tuning.study_folder import read_study, write_study
-        from relaunch.components.core.tuning.report import log_study
-        from relaunch.components.core.tuning.study import Study
-        from relaunch.components.core.tuning.trials import best_trial
-        from relaunch.pipelines.tune.trial_runner import StudyRunner
+        from ...components.core.tracking.client import mark_run_finished
+        from ...components.core.tuning.study_folder import read_study, write_study
+        from ...components.core.tuning.report import log_study
+        from ...components.core.tuning.study import Study
+        from ...components.core.tuning.trials import best_trial
+        from ..tune.trial_runner import StudyRunner
 
         study = Study(config, storage)
         self.runner = StudyRunner(config, study, study_store, local_dir, config.tracking.run_id, view)
@@ -306,8 +306,8 @@ class TuneSession:
         """The best trial's last checkpoint through the evaluate step and, when its gate passes, the
         register step (the champion comparison), as a single training's: its version linked to the
         trial's MLflow run. What was registered (``relaunch-digits v3``), or why not."""
-        from relaunch.components import evaluate, register
-        from relaunch.components.core.tuning.trials import trial_config
+        from ...components import evaluate, register
+        from ...components.core.tuning.trials import trial_config
 
         trial = trial_config(config, best.number, best.params, study_store_uri=config.store.uri, run_id=best.run_id)
         began = time.time()
@@ -325,8 +325,8 @@ class TuneSession:
         return f"{reg.model_name} v{reg.version}"
 
     def _summary(self, config: RelaunchConfig, records, best, registered: str, storage: str, view) -> None:
-        from relaunch.components.core.tracking.lineage import run_url
-        from relaunch.components.core.tuning.trials import storage_for_records
+        from ...components.core.tracking.lineage import run_url
+        from ...components.core.tuning.trials import storage_for_records
 
         done = [r for r in records if r is not None]
         counts = ", ".join(f"{sum(r.state == s for r in done)} {s}" for s in ("complete", "pruned", "failed"))
@@ -347,8 +347,8 @@ class TuneSession:
         """The exit code and the one line of a study stopped by signal, once every process of it ended:
         143 when each trial it stopped committed its checkpoint at the step it stopped at, else 130. The
         study's MLflow run is marked KILLED with the line as its reason until a resume reopens it."""
-        from relaunch.components.core.tracking.client import mark_run_finished
-        from relaunch.pipelines.local.interrupt import STOP_MARGIN_SECONDS, stop_descendants
+        from ...components.core.tracking.client import mark_run_finished
+        from ..local.interrupt import STOP_MARGIN_SECONDS, stop_descendants
 
         stopped = self.runner.stopped if self.runner is not None else []
         stop_descendants(self.config.train.preempt_grace_seconds + STOP_MARGIN_SECONDS)  # what is left, if any

@@ -14,13 +14,13 @@ from typing import Any, Callable
 
 from rich.markup import escape
 
-from relaunch.components.core.checkpoint import CheckpointManager
-from relaunch.pipelines.spec import EVALUATE, FINALIZE, LAUNCH, LOCATE, PREPARE, REGISTER, STEP_TABLE
-from relaunch.components.core.contract.config import RelaunchConfig, memory_tier_on
-from relaunch.components.core.contract.events import Event, Kind, read_file
-from relaunch.components.core.contract.exitcodes import MEANING, ExitCode, is_retryable, unrecorded_end
-from relaunch.components.core.store import open_store, records
-from relaunch.components.core.tracking.lineage import run_url
+from ...components.core.checkpoint import CheckpointManager
+from ..spec import EVALUATE, FINALIZE, LAUNCH, LOCATE, PREPARE, REGISTER, STEP_TABLE
+from ...components.core.contract.config import RelaunchConfig, memory_tier_on
+from ...components.core.contract.events import Event, Kind, read_file
+from ...components.core.contract.exitcodes import MEANING, ExitCode, is_retryable, unrecorded_end
+from ...components.core.store import open_store, records
+from ...components.core.tracking.lineage import run_url
 
 STEPS = tuple(STEP_TABLE)  # the five steps and the exit task
 

@@ -47,7 +47,7 @@ def interruptible():
     what it was (a subreaper or not), and the orphans it adopted that have ended are reaped: a
     caller that goes on (a test, a notebook) is not left adopting, and never reaping, the orphans of
     whatever it starts later."""
-    from relaunch.pipelines.local.guardian import guard
+    from .guardian import guard
 
     def handle(signum, _frame):
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -95,7 +95,7 @@ def is_subreaper() -> bool:
 
 def children() -> set[int]:
     """The pids of this process's children now (from ``/proc``; empty without it)."""
-    from relaunch.components.core.store.procfs import processes
+    from ...components.core.store.procfs import processes
 
     me = os.getpid()
     return {pid for pid, fields in processes() if int(fields[1]) == me}  # the ppid
@@ -106,7 +106,7 @@ def reap_ended_children(spare: set[int]) -> list[int]:
     had before a run, whose own ``Popen`` may still wait for them, keep their status; what is left
     are the orphans adopted as subreaper during the run, whose status nobody else waits for.
     Returns the pids reaped."""
-    from relaunch.components.core.store.procfs import exited, processes
+    from ...components.core.store.procfs import exited, processes
 
     me, reaped = os.getpid(), []
     for pid, fields in processes():

@@ -28,9 +28,9 @@ import contextlib
 import threading
 import time
 
-from relaunch.components.core.contract import events
-from relaunch.components.core.contract.events import Kind
-from relaunch.components.core.contract.exitcodes import ExitCode, is_retryable, normalize
+from ...components.core.contract import events
+from ...components.core.contract.events import Kind
+from ...components.core.contract.exitcodes import ExitCode, is_retryable, normalize
 
 _last_code = threading.local()
 _warm_steps = None  # the running relaunch.pipelines.local.warm_steps.WarmSteps, when relaunch run started one
@@ -50,7 +50,7 @@ def run_cold(full_command: list[str], env_vars: dict[str, str] | None = None) ->
     import os
     import subprocess
 
-    from relaunch.pipelines.local.warm_steps import relay_output
+    from .warm_steps import relay_output
 
     process = subprocess.Popen(full_command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                env={**os.environ, **env_vars} if env_vars else None)

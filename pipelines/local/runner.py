@@ -16,15 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from relaunch.pipelines.spec import FINALIZE
-from relaunch.components.core.contract.config import RelaunchConfig
-from relaunch.components.core.contract.exitcodes import ExitCode
-from relaunch.components.core.store import open_store
-from relaunch.components.core.store.records import attempt_key, read_json
-from relaunch.pipelines.local.interrupt import STOP_MARGIN_SECONDS, Interrupted, stop_descendants
-from relaunch.pipelines.local.console import STEPS, RunView, StepRecord, render_summary
-from relaunch.pipelines.local.kfp_fixes import install_local_fixes, use_warm_steps
-from relaunch.pipelines.local.warm_steps import WarmSteps, supported as warm_steps_supported
+from ..spec import FINALIZE
+from ...components.core.contract.config import RelaunchConfig
+from ...components.core.contract.exitcodes import ExitCode
+from ...components.core.store import open_store
+from ...components.core.store.records import attempt_key, read_json
+from .interrupt import STOP_MARGIN_SECONDS, Interrupted, stop_descendants
+from .console import STEPS, RunView, StepRecord, render_summary
+from .kfp_fixes import install_local_fixes, use_warm_steps
+from .warm_steps import WarmSteps, supported as warm_steps_supported
 
 __all__ = ["STEPS", "RunResult", "StepRecord", "install_local_fixes", "render_summary", "run_pipeline"]
 
@@ -75,7 +75,7 @@ def _run_on_kfp_local(config: RelaunchConfig, console, state_dir: Path, run_dir:
     from kfp import local
     from rich.console import Console
 
-    from relaunch.pipelines.kfp_pipeline import build_pipeline
+    from ..kfp_pipeline import build_pipeline
 
     console = console or Console()
     console.file = console.file  # pin today's stdout: the pipeline's own output is redirected below

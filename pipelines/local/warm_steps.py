@@ -43,11 +43,11 @@ import threading
 import time
 from pathlib import Path
 
-from relaunch.pipelines.spec import KFP_STEPS, STEP_MODULES
-from relaunch.components.core.runtime.warm import SignalledByPid, fork_module
-from relaunch.components.core.runtime.zygote import (ForkServer, Job, SINGLE_THREAD_ENV, become_worker, listen,
+from ..spec import KFP_STEPS, STEP_MODULES
+from ...components.core.runtime.warm import SignalledByPid, fork_module
+from ...components.core.runtime.zygote import (ForkServer, Job, SINGLE_THREAD_ENV, become_worker, listen,
                                                      single_threaded, warm_up)
-from relaunch.components.core.runtime.zygote_client import ZYGOTE_ENV
+from ...components.core.runtime.zygote_client import ZYGOTE_ENV
 
 LIGHT_IMPORTS = (
     "kfp.dsl.executor_main", "relaunch.pipelines.kfp_entry", *STEP_MODULES.values(),

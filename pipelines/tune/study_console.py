@@ -9,7 +9,7 @@ from typing import Any
 
 from rich.markup import escape
 
-from relaunch.components.core.contract.exitcodes import MEANING
+from ...components.core.contract.exitcodes import MEANING
 
 
 def params_text(params: dict[str, Any]) -> str:

@@ -23,20 +23,20 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from relaunch.components.core.contract import events
-from relaunch.components.core.contract.config import RelaunchConfig
-from relaunch.components.core.contract.events import Kind
-from relaunch.components.core.contract.exitcodes import ExitCode, normalize
-from relaunch.components.core.store import open_store
-from relaunch.components.core.store.records import read_exit_record, read_summary
-from relaunch.components.core.trainer.metrics_file import METRICS_FILE_ENV, read_new
-from relaunch.components.core.tuning.study_folder import (COMPLETE, FAILED, METRICS_LOG, PRUNED, TrialRecord, metrics_path,
+from ...components.core.contract import events
+from ...components.core.contract.config import RelaunchConfig
+from ...components.core.contract.events import Kind
+from ...components.core.contract.exitcodes import ExitCode, normalize
+from ...components.core.store import open_store
+from ...components.core.store.records import read_exit_record, read_summary
+from ...components.core.trainer.metrics_file import METRICS_FILE_ENV, read_new
+from ...components.core.tuning.study_folder import (COMPLETE, FAILED, METRICS_LOG, PRUNED, TrialRecord, metrics_path,
                                                     read_trial, write_trial)
-from relaunch.components.core.tuning.study import PruneVerdict, Study
-from relaunch.components.core.tuning.trials import (StartedTrial, begin_trial, check_objective_metric, end_trial,
+from ...components.core.tuning.study import PruneVerdict, Study
+from ...components.core.tuning.trials import (StartedTrial, begin_trial, check_objective_metric, end_trial,
                                                     interrupted_trial_run, objective, retryable_end)
-from relaunch.components.core.store.ledger import completed
-from relaunch.pipelines.tune.study_console import TuneConsole
+from ...components.core.store.ledger import completed
+from .study_console import TuneConsole
 
 POLL_SECONDS = 0.1
 """How often the study looks at its trials: their validation lines, events and ends."""

@@ -23,7 +23,7 @@ Importing this package does not import torch; :class:`CheckpointManager` does, o
 
 from typing import Any
 
-from relaunch.components.core.checkpoint.layout import (FORMAT_VERSION, INFLIGHT, LATEST, LEASE, MANIFEST, PINS, PREFIX,
+from .layout import (FORMAT_VERSION, INFLIGHT, LATEST, LEASE, MANIFEST, PINS, PREFIX,
                                                READABLE_VERSIONS, CheckpointInfo, checkpoint_steps,
                                                parse_checkpoint_uri, step_key)
 
@@ -33,7 +33,7 @@ __all__ = ["FORMAT_VERSION", "INFLIGHT", "LATEST", "LEASE", "MANIFEST", "PINS", 
 
 def __getattr__(name: str) -> Any:
     if name == "CheckpointManager":
-        from relaunch.components.core.checkpoint.manager import CheckpointManager
+        from .manager import CheckpointManager
 
         return CheckpointManager
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,22 +18,22 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
-from relaunch.components.core.checkpoint import load as reading
-from relaunch.components.core.checkpoint import quarantine
-from relaunch.components.core.checkpoint.fingerprint import model_fingerprint
-from relaunch.components.core.checkpoint.layout import (FORMAT_VERSION, INFLIGHT, LATEST, MANIFEST, CheckpointInfo, info_of,
+from . import load as reading
+from . import quarantine
+from .fingerprint import model_fingerprint
+from .layout import (FORMAT_VERSION, INFLIGHT, LATEST, MANIFEST, CheckpointInfo, info_of,
                                                now, read_manifest_bytes, sealed_manifest_body, step_key, versions,
                                                write_conditional)
-from relaunch.components.core.checkpoint.leases import Leases
-from relaunch.components.core.checkpoint.locator import Locator
-from relaunch.components.core.checkpoint.ranks import Ranks
-from relaunch.components.core.checkpoint.readers import deletion_done
-from relaunch.components.core.checkpoint.retention import Retention
-from relaunch.components.core.checkpoint.snapshot import Snapshotter, copy_deferred, optimizers_of, state_bytes
-from relaunch.components.core.checkpoint.verify import CHUNK_BYTES, DIGEST
-from relaunch.components.core.contract.classify import CarriedError, as_error, dcp_original, is_store_unwritable
-from relaunch.components.core.contract.errors import BadInput, CorruptCheckpoint
-from relaunch.components.core.store import PreconditionFailed, Store
+from .leases import Leases
+from .locator import Locator
+from .ranks import Ranks
+from .readers import deletion_done
+from .retention import Retention
+from .snapshot import Snapshotter, copy_deferred, optimizers_of, state_bytes
+from .verify import CHUNK_BYTES, DIGEST
+from ..contract.classify import CarriedError, as_error, dcp_original, is_store_unwritable
+from ..contract.errors import BadInput, CorruptCheckpoint
+from ..store import PreconditionFailed, Store
 
 if TYPE_CHECKING:
     import torch
@@ -274,7 +274,7 @@ class Committer:
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
-        from relaunch.components.core.checkpoint.dcp_io import StoreWriter
+        from .dcp_io import StoreWriter
 
         self.ranks.agree(self.ranks.rank0(_own(lambda: self._preflight(job.step))))
         files_per_rank = max(1, -(-state_bytes(job.snapshot) // FILE_BYTES))
@@ -286,7 +286,7 @@ class Committer:
 
             from torch.distributed.checkpoint import DefaultSavePlanner
 
-            from relaunch.components.core.checkpoint.dcp_io import collector_paused
+            from .dcp_io import collector_paused
 
             # a snapshot holds plain tensors and DTensors, never a ShardedTensor: DCP's pass flattening
             # those (a walk of every value, ~15 % of its planning) has nothing to do

@@ -50,14 +50,14 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, SavePlan, WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
-from relaunch.components.core.checkpoint import verify
-from relaunch.components.core.checkpoint.layout import METADATA
-from relaunch.components.core.checkpoint.torch_private import TENSOR_REBUILD_GLOBAL, storage_info
-from relaunch.components.core.checkpoint.verify import REQUEST_BYTES, ChunkDigests, digest
-from relaunch.components.core.contract.classify import classify, dcp_mismatch, unwritable_cause
-from relaunch.components.core.contract.errors import BadInput, CorruptCheckpoint
-from relaunch.components.core.contract.exitcodes import ExitCode
-from relaunch.components.core.store import Store
+from . import verify
+from .layout import METADATA
+from .torch_private import TENSOR_REBUILD_GLOBAL, storage_info
+from .verify import REQUEST_BYTES, ChunkDigests, digest
+from ..contract.classify import classify, dcp_mismatch, unwritable_cause
+from ..contract.errors import BadInput, CorruptCheckpoint
+from ..contract.exitcodes import ExitCode
+from ..store import Store
 
 DCP_SUFFIX = ".distcp"
 PACK_BYTES = 1 << 20  # shared items smaller than this are broadcast packed together

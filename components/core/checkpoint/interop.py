@@ -19,12 +19,12 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from relaunch.components.core.checkpoint.layout import MANIFEST, METADATA, checkpoint_steps, step_key
-from relaunch.components.core.contract.errors import BadInput, CorruptCheckpoint
+from .layout import MANIFEST, METADATA, checkpoint_steps, step_key
+from ..contract.errors import BadInput, CorruptCheckpoint
 
 if TYPE_CHECKING:
-    from relaunch.components.core.checkpoint.layout import CheckpointInfo
-    from relaunch.components.core.checkpoint.manager import CheckpointManager
+    from .layout import CheckpointInfo
+    from .manager import CheckpointManager
 
 FORMATS = ("torch", "safetensors")
 MODEL_PREFIX = "model."  # TrainingState saves the model's state dict under "model"
@@ -65,7 +65,7 @@ def nest(flat: dict[str, Any], planner_data: Any) -> dict[str, Any]:
 
 
 def _read_store_metadata(mgr: "CheckpointManager", step: int) -> Any:
-    from relaunch.components.core.checkpoint.safe_pickle import load_metadata
+    from .safe_pickle import load_metadata
 
     key = f"{step_key(step)}/{METADATA}"
     try:
@@ -199,8 +199,8 @@ def _read_folder(src: Path) -> dict[str, Any]:
     """The whole state of a stock DCP folder, nested as it was saved; BadInput when it is not one."""
     import torch.distributed.checkpoint as dcp
 
-    from relaunch.components.core.checkpoint.dcp_io import safe_load_planner
-    from relaunch.components.core.checkpoint.legacy_v1 import read_metadata, safe_reader
+    from .dcp_io import safe_load_planner
+    from .legacy_v1 import read_metadata, safe_reader
 
     try:
         metadata = read_metadata(src)

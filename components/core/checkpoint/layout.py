@@ -15,8 +15,8 @@ import re
 import threading
 from typing import Any, Callable
 
-from relaunch.components.core.contract.errors import BadInput, CorruptCheckpoint
-from relaunch.components.core.store import FileStore, Store
+from ..contract.errors import BadInput, CorruptCheckpoint
+from ..store import FileStore, Store
 
 FORMAT_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)

@@ -16,11 +16,11 @@ import threading
 import weakref
 from typing import Callable, TypeVar
 
-from relaunch.components.core.checkpoint.layout import LEASE, PREFIX, read_json
-from relaunch.components.core.checkpoint.write_lease import Lease, LeaseLost
-from relaunch.components.core.checkpoint.readers import ReadLeases, claim_for_deletion
-from relaunch.components.core.contract.errors import RelaunchError
-from relaunch.components.core.store import Store
+from .layout import LEASE, PREFIX, read_json
+from .write_lease import Lease, LeaseLost
+from .readers import ReadLeases, claim_for_deletion
+from ..contract.errors import RelaunchError
+from ..store import Store
 
 T = TypeVar("T")
 

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from relaunch.components.core.checkpoint.layout import step_key
-from relaunch.components.core.contract.errors import CorruptCheckpoint
-from relaunch.components.core.store import FileStore, Store
+from .layout import step_key
+from ..contract.errors import CorruptCheckpoint
+from ..store import FileStore, Store
 
 _HASH_CHUNK = 8 * 1024 * 1024
 _IO_THREADS = max(1, min(4, os.cpu_count() or 1))
@@ -152,7 +152,7 @@ def archive_payload(archive: Any) -> tuple[int, int] | None:
 
 def read_metadata(path: str | os.PathLike):
     """DCP metadata of a local checkpoint directory, read safely."""
-    from relaunch.components.core.checkpoint.safe_pickle import load_metadata
+    from .safe_pickle import load_metadata
 
     with open(Path(path) / ".metadata", "rb") as fh:
         return load_metadata(fh, source=str(Path(path) / ".metadata"))
@@ -165,7 +165,7 @@ def safe_reader(path: str | os.PathLike):
     from torch.distributed.checkpoint.metadata import StorageMeta
     from torch.distributed.checkpoint.planner import LoadItemType
 
-    from relaunch.components.core.checkpoint.safe_pickle import load_metadata
+    from .safe_pickle import load_metadata
 
     class SafeFileSystemReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any):

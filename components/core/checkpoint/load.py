@@ -16,14 +16,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from relaunch.components.core.checkpoint.fingerprint import model_fingerprint
-from relaunch.components.core.checkpoint.layout import METADATA, CheckpointInfo, parse_checkpoint_uri
-from relaunch.components.core.checkpoint.locator import Locator
-from relaunch.components.core.checkpoint.ranks import Ranks
-from relaunch.components.core.checkpoint.verify import ChunkDigests
-from relaunch.components.core.contract.classify import dcp_original
-from relaunch.components.core.contract.errors import BadInput, CorruptCheckpoint, RelaunchError
-from relaunch.components.core.store import FileStore, Store, open_store
+from .fingerprint import model_fingerprint
+from .layout import METADATA, CheckpointInfo, parse_checkpoint_uri
+from .locator import Locator
+from .ranks import Ranks
+from .verify import ChunkDigests
+from ..contract.classify import dcp_original
+from ..contract.errors import BadInput, CorruptCheckpoint, RelaunchError
+from ..store import FileStore, Store, open_store
 
 IO_THREADS = max(1, min(4, os.cpu_count() or 1))
 READ_THREADS = 8  # ranged reads (GETs) in flight per rank on S3; on a filesystem IO_THREADS, each one
@@ -73,7 +73,7 @@ class Loader:
             try:
                 if isinstance(metadata, CorruptCheckpoint):
                     raise metadata
-                from relaunch.components.core.checkpoint.dcp_io import collector_paused
+                from .dcp_io import collector_paused
 
                 with collector_paused():  # ~10 objects a tensor live until the load ends: see there
                     self._read(state, info, manifest, store, metadata)
@@ -116,10 +116,10 @@ class Loader:
               metadata_bytes: bytes | None) -> None:
         """Load the checkpoint into ``state`` with DCP (every rank); ``metadata_bytes``: its checked
         ``.metadata`` (formats 2 and 3)."""
-        from relaunch.components.core.checkpoint.safe_pickle import load_metadata
+        from .safe_pickle import load_metadata
 
         if manifest["format_version"] == 1:
-            from relaunch.components.core.checkpoint import legacy_v1
+            from . import legacy_v1
 
             cache = None if type(store) is FileStore else self._cache()  # a local store is read in place
             local = self.ranks.agree(self.ranks.catch(lambda: str(legacy_v1.materialize(
@@ -127,7 +127,7 @@ class Loader:
             metadata = legacy_v1.read_metadata(local)
             reader = legacy_v1.safe_reader(local)
         else:
-            from relaunch.components.core.checkpoint.dcp_io import StoreReader, payload_offsets
+            from .dcp_io import StoreReader, payload_offsets
 
             digests = ChunkDigests(info.uri, manifest["files"])
             metadata = load_metadata(metadata_bytes, source=f"{info.uri}/{METADATA}")
@@ -154,7 +154,7 @@ class Loader:
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.stateful import Stateful
 
-        from relaunch.components.core.checkpoint.dcp_io import safe_load_planner
+        from .dcp_io import safe_load_planner
 
         template = state.state_dict() if wrapped else dict(state)
         for per_rank in ("rng", "data"):  # another world size (or an older checkpoint): a rank's entry may be absent

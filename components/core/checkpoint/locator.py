@@ -12,15 +12,15 @@ import hashlib
 import json
 from typing import Any
 
-from relaunch.components.core.checkpoint import quarantine
-from relaunch.components.core.checkpoint.layout import (INFLIGHT, LATEST, MANIFEST_DIGEST, METADATA, PINS, CheckpointInfo,
+from . import quarantine
+from .layout import (INFLIGHT, LATEST, MANIFEST_DIGEST, METADATA, PINS, CheckpointInfo,
                                                at_once, checkpoint_steps, info_of, now, parse_manifest, parse_pin,
                                                pin_key, read_json, read_manifest_bytes, step_key)
-from relaunch.components.core.checkpoint.leases import Leases
-from relaunch.components.core.checkpoint.readers import deletion_in_progress
-from relaunch.components.core.checkpoint.verify import ChunkDigests, check_files, deep_verify
-from relaunch.components.core.contract.errors import BadInput, CorruptCheckpoint
-from relaunch.components.core.store import Store
+from .leases import Leases
+from .readers import deletion_in_progress
+from .verify import ChunkDigests, check_files, deep_verify
+from ..contract.errors import BadInput, CorruptCheckpoint
+from ..store import Store
 
 
 class Locator:

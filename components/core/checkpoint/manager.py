@@ -27,15 +27,15 @@ import warnings
 import weakref
 from typing import Any
 
-from relaunch.components.core.checkpoint.commit import Committer
-from relaunch.components.core.checkpoint.layout import CheckpointInfo, pin_key
-from relaunch.components.core.checkpoint.write_lease import Lease, default_owner
-from relaunch.components.core.checkpoint.leases import Leases
-from relaunch.components.core.checkpoint.load import Loader, source_of
-from relaunch.components.core.checkpoint.locator import Locator
-from relaunch.components.core.checkpoint.ranks import Ranks
-from relaunch.components.core.checkpoint.retention import Retention
-from relaunch.components.core.store import Store, open_store
+from .commit import Committer
+from .layout import CheckpointInfo, pin_key
+from .write_lease import Lease, default_owner
+from .leases import Leases
+from .load import Loader, source_of
+from .locator import Locator
+from .ranks import Ranks
+from .retention import Retention
+from ..store import Store, open_store
 
 # A single process is a supported use (tests, evaluation, the CLI): DCP's note about it is noise.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")

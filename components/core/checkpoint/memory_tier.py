@@ -44,8 +44,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from relaunch.components.core.checkpoint.prefault import populate
-from relaunch.components.core.checkpoint.snapshot import local_part
+from .prefault import populate
+from .snapshot import local_part
 
 ALIGN = 64  # every tensor's bytes start at a multiple of this in the payload
 _HEAD = struct.Struct("!cIq")  # op ('P' put, 'G' get, 'L' list), owner rank, step ('G': -1 the newest)

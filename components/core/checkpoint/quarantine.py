@@ -27,9 +27,9 @@ import sys
 import uuid
 from typing import Any
 
-from relaunch.components.core.checkpoint.layout import MANIFEST, QUARANTINE, now, read_json, step_key
-from relaunch.components.core.contract.errors import RelaunchError
-from relaunch.components.core.store import FileStore, Store
+from .layout import MANIFEST, QUARANTINE, now, read_json, step_key
+from ..contract.errors import RelaunchError
+from ..store import FileStore, Store
 
 RECORD = "QUARANTINE.json"
 MARKER = re.compile(r"^step-(\d{12})-([0-9a-f]{16})\.json$")

@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Any, Callable, TypeVar
 
-from relaunch.components.core.runtime.distributed import Outcome, agree, catch, node_groups, on_rank0
+from ..runtime.distributed import Outcome, agree, catch, node_groups, on_rank0
 
 T = TypeVar("T")
 

@@ -23,11 +23,11 @@ import time
 import uuid
 from typing import Callable, TypeVar
 
-from relaunch.components.core.checkpoint.layout import LEASE, PINS, PREFIX, now, parse_pin, read_json
-from relaunch.components.core.checkpoint.write_lease import holder_alive
-from relaunch.components.core.contract.classify import is_store_unwritable
-from relaunch.components.core.contract.errors import BadInput, CorruptCheckpoint, RelaunchError
-from relaunch.components.core.store import PreconditionFailed, Store
+from .layout import LEASE, PINS, PREFIX, now, parse_pin, read_json
+from .write_lease import holder_alive
+from ..contract.classify import is_store_unwritable
+from ..contract.errors import BadInput, CorruptCheckpoint, RelaunchError
+from ..store import PreconditionFailed, Store
 
 T = TypeVar("T")
 

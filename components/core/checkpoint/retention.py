@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from relaunch.components.core.checkpoint.layout import LATEST, MANIFEST, PINS, PREFIX, STEP_DIR, parse_pin, read_json, step_key
-from relaunch.components.core.checkpoint.quarantine import marker_step
-from relaunch.components.core.contract.errors import BadInput, CorruptCheckpoint
-from relaunch.components.core.store import Store
+from .layout import LATEST, MANIFEST, PINS, PREFIX, STEP_DIR, parse_pin, read_json, step_key
+from .quarantine import marker_step
+from ..contract.errors import BadInput, CorruptCheckpoint
+from ..store import Store
 
 
 # (step, the keys of its directory, the quarantine markers) -> the step's checked manifest

@@ -13,7 +13,7 @@ import io
 import pickle
 from typing import IO, Any
 
-from relaunch.components.core.contract.errors import CorruptCheckpoint
+from ..contract.errors import CorruptCheckpoint
 
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
                 "torch.distributed.checkpoint.planner", "torch.distributed.checkpoint._extension")

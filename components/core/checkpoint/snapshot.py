@@ -22,7 +22,7 @@ import queue
 import threading
 from typing import TYPE_CHECKING, Any
 
-from relaunch.components.core.checkpoint.torch_private import dtensor_like
+from .torch_private import dtensor_like
 
 if TYPE_CHECKING:
     import torch

@@ -24,11 +24,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from relaunch.components.core.checkpoint.layout import parse_checkpoint_uri, read_manifest
-from relaunch.components.core.checkpoint.verify import check_files
-from relaunch.components.core.contract.errors import BadInput, CorruptCheckpoint
-from relaunch.components.core.runtime.distributed import agree, on_rank0
-from relaunch.components.core.store import open_store
+from .layout import parse_checkpoint_uri, read_manifest
+from .verify import check_files
+from ..contract.errors import BadInput, CorruptCheckpoint
+from ..runtime.distributed import agree, on_rank0
+from ..store import open_store
 
 WarmStartLookup = Callable[[Any], str]
 """The checkpoint URI behind ``config.train.warm_start_model`` (raises BadInput when there is none)."""

@@ -20,9 +20,9 @@ import hashlib
 import os
 from typing import Any
 
-from relaunch.components.core.checkpoint.layout import step_key
-from relaunch.components.core.contract.errors import CorruptCheckpoint
-from relaunch.components.core.store import Segments, Store
+from .layout import step_key
+from ..contract.errors import CorruptCheckpoint
+from ..store import Segments, Store
 
 DIGEST = "xxh3_128"
 # An item is digested in chunks of at most this size. Reads are larger (REQUEST_BYTES) and check

@@ -33,12 +33,12 @@ import time
 import uuid
 import weakref
 
-from relaunch.components.core.checkpoint.layout import LEASE, now, read_json, write_conditional
-from relaunch.components.core.contract import events
-from relaunch.components.core.contract.errors import BadInput, RelaunchError
-from relaunch.components.core.store import PreconditionFailed, Store
-from relaunch.components.core.store.holder import on_this_host, pid_namespace, process_running
-from relaunch.components.core.store.conditional_probe import require_conditional_writes
+from .layout import LEASE, now, read_json, write_conditional
+from ..contract import events
+from ..contract.errors import BadInput, RelaunchError
+from ..store import PreconditionFailed, Store
+from ..store.holder import on_this_host, pid_namespace, process_running
+from ..store.conditional_probe import require_conditional_writes
 
 _LIVE: "weakref.WeakValueDictionary[str, Lease]" = weakref.WeakValueDictionary()  # token -> held lease
 

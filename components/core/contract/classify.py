@@ -34,8 +34,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from relaunch.components.core.contract.errors import CorruptCheckpoint, RelaunchError, StoreUnwritable, error_for
-from relaunch.components.core.contract.exitcodes import PERMANENT, ExitCode, normalize, unrecorded_end
+from .errors import CorruptCheckpoint, RelaunchError, StoreUnwritable, error_for
+from .exitcodes import PERMANENT, ExitCode, normalize, unrecorded_end
 
 S3_CREDENTIAL_CODES = frozenset({"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken",
                                  "ExpiredToken", "AllAccessDisabled", "AccountProblem"})

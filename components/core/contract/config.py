@@ -25,9 +25,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
-from relaunch.components.core.contract.errors import BadInput
-from relaunch.components.core.contract.registry import launch_backend, launch_backend_names, parse_store_uri
-from relaunch.components.core.contract.uris import (MODEL_URI, check_artifact_location, check_http_url,
+from .errors import BadInput
+from .registry import launch_backend, launch_backend_names, parse_store_uri
+from .uris import (MODEL_URI, check_artifact_location, check_http_url,
                                                     check_tracking_uri, expand_home)
 
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")

@@ -13,9 +13,9 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from relaunch.components.core.contract.config import RelaunchConfig, describe_validation_error
-from relaunch.components.core.contract.errors import BadInput
-from relaunch.components.core.contract.uris import expand_home
+from .config import RelaunchConfig, describe_validation_error
+from .errors import BadInput
+from .uris import expand_home
 
 
 def _parse_value(raw: str) -> Any:

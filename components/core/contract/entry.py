@@ -18,9 +18,9 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable
 
-from relaunch.components.core.contract.classify import as_error, classify
-from relaunch.components.core.contract.errors import RelaunchError
-from relaunch.components.core.contract.exitcodes import ExitCode
+from .classify import as_error, classify
+from .errors import RelaunchError
+from .exitcodes import ExitCode
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from relaunch.components.core.contract.exitcodes import ExitCode
+from .exitcodes import ExitCode
 
 _KINDS: dict[str, type["RelaunchError"]] = {}
 

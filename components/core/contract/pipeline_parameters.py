@@ -10,8 +10,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from relaunch.components.core.contract.config import RelaunchConfig, config_field
-from relaunch.components.core.contract.errors import BadInput
+from .config import RelaunchConfig, config_field
+from .errors import BadInput
 
 PIPELINE_PARAMETERS: dict[str, str] = {
     "epochs": "train.epochs",

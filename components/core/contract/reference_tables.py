@@ -11,8 +11,8 @@ import json
 
 from pydantic import BaseModel
 
-from relaunch.components.core.contract.config import RelaunchConfig
-from relaunch.components.core.contract.exitcodes import MEANING, RETRYABLE
+from .config import RelaunchConfig
+from .exitcodes import MEANING, RETRYABLE
 
 
 def config_reference_markdown() -> str:

@@ -31,8 +31,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from relaunch.components.core.contract.config import RelaunchConfig, TuneParameter, describe_validation_error
-from relaunch.components.core.contract.errors import BadInput
+from .config import RelaunchConfig, TuneParameter, describe_validation_error
+from .errors import BadInput
 
 OPT_ENV_PREFIX = "KUBEFLOW_TRAINER_OPT_"
 """The Trainer's prefix of an ``OptimizationJob`` trial's parameter variables (``EnvOptParamPrefix``)."""

@@ -15,12 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from relaunch.components.core.contract.errors import BadInput
-from relaunch.components.core.data.shards import (DatasetSource, Manifest, arrays_source, commit_source,
+from ..contract.errors import BadInput
+from .shards import (DatasetSource, Manifest, arrays_source, commit_source,
                                                   dataset_uri, read_manifest)
 
 if TYPE_CHECKING:
-    from relaunch.components.core.data.loader import SplitData
+    from .loader import SplitData
 
 # The loaders (:mod:`.loader`) import torch: prepare commits a dataset in a process without it, so they
 # are imported by the functions that make one.
@@ -95,7 +95,7 @@ def step_counts(config, task) -> tuple[int, int]:
 
 def open_training_data(config, task, store, version: str | None, rank: int, world_size: int) -> TrainData:
     """The train split's loader for ``rank``: from the committed ``version``, or the task's own dataset."""
-    from relaunch.components.core.data.loader import IterableLoader, MapLoader, ShardLoader
+    from .loader import IterableLoader, MapLoader, ShardLoader
 
     t, d = config.train, config.data
     common = {"num_workers": d.num_workers, "prefetch_batches": d.prefetch_batches, "seed": t.seed}
@@ -124,7 +124,7 @@ def preview_split(task, split: str, samples: int = 64) -> SplitData:
     the metrics a task's evaluate gives, before a study writes anything)."""
     import numpy as np
 
-    from relaunch.components.core.data.loader import SplitData
+    from .loader import SplitData
 
     if own_dataset(task):
         return SplitData(dataset=torch_subset(task.dataset(split, 0, 1), samples))
@@ -154,7 +154,7 @@ def torch_subset(dataset, samples: int):
 
 def open_split(config, task, store, version: str | None, split: str) -> SplitData:
     """A held-out split for evaluation (rank 0's view of a task's own dataset)."""
-    from relaunch.components.core.data.loader import SplitData
+    from .loader import SplitData
 
     if own_dataset(task):
         return SplitData(dataset=task.dataset(split, 0, 1))

@@ -25,9 +25,9 @@ from typing import Any, Iterator, Protocol
 import numpy as np
 import torch
 
-from relaunch.components.core.contract.errors import BadInput, LoaderWorkerLost, RelaunchError, error_for
-from relaunch.components.core.data.order import WINDOW_SHARDS, GlobalOrder, rank_positions
-from relaunch.components.core.data.shards import Manifest, iter_rows, read_legacy_split, read_shard
+from ..contract.errors import BadInput, LoaderWorkerLost, RelaunchError, error_for
+from .order import WINDOW_SHARDS, GlobalOrder, rank_positions
+from .shards import Manifest, iter_rows, read_legacy_split, read_shard
 
 
 class Loader(Protocol):
@@ -196,7 +196,7 @@ class ShardRows(torch.utils.data.Dataset):
             self._cache.move_to_end(k)
             return self._cache[k]
         if self._store is None:
-            from relaunch.components.core.store import open_store
+            from ..store import open_store
 
             self._store = open_store(self.store_uri)
         if self.manifest.format == "npz":

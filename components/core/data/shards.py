@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import numpy as np
 import xxhash
 
-from relaunch.components.core.contract.errors import BadInput, CorruptDataset
+from ..contract.errors import BadInput, CorruptDataset
 
 PREFIX = "datasets"
 SHARD_BYTES = 4 << 20

@@ -14,15 +14,15 @@ import json
 import shutil
 from pathlib import Path
 
-from relaunch.components.core.checkpoint import CheckpointManager, parse_checkpoint_uri
-from relaunch.components.core.checkpoint.fingerprint import model_fingerprint
-from relaunch.components.core.checkpoint.start import checked_step
-from relaunch.components.core.contract.config import RelaunchConfig
-from relaunch.components.core.contract.errors import BadInput
-from relaunch.components.core.store import open_store
-from relaunch.components.core.runtime.wiring import wire
-from relaunch.components.core.trainer.state import TrainingState
-from relaunch.components.tasks.base import load_task
+from ..checkpoint import CheckpointManager, parse_checkpoint_uri
+from ..checkpoint.fingerprint import model_fingerprint
+from ..checkpoint.start import checked_step
+from ..contract.config import RelaunchConfig
+from ..contract.errors import BadInput
+from ..store import open_store
+from ..runtime.wiring import wire
+from ..trainer.state import TrainingState
+from ...tasks.base import load_task
 
 
 def load_model(task, mgr, step: int):

@@ -23,7 +23,7 @@ import os
 import threading
 from typing import Any
 
-from relaunch.components.core.contract.errors import RelaunchError, error_for
+from ..contract.errors import RelaunchError, error_for
 
 CAUSE_KEY = "relaunch/cause"
 """``{key}/{restart count}``: the cause a rank recorded before it left that round (JSON: rank, exit

@@ -18,10 +18,10 @@ import stat
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
-from relaunch.components.core.contract.classify import CarriedError
-from relaunch.components.core.contract.errors import BadInput, TransientFailure
-from relaunch.components.core.runtime.generations import GENERATION_ENV, joined_key
-from relaunch.components.core.runtime.net import free_port
+from ..contract.classify import CarriedError
+from ..contract.errors import BadInput, TransientFailure
+from .generations import GENERATION_ENV, joined_key
+from .net import free_port
 
 if TYPE_CHECKING:
     import torch

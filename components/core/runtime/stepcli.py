@@ -19,12 +19,12 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, NoReturn
 
-from relaunch.components.core.contract.config_loading import config_from_cli
-from relaunch.components.core.contract.entry import exit_on_error
-from relaunch.components.core.contract.errors import BadInput
-from relaunch.components.core.runtime import logs
-from relaunch.components.core.runtime.stdlib_private import run_exit_handlers
-from relaunch.components.core.runtime.wiring import wire
+from ..contract.config_loading import config_from_cli
+from ..contract.entry import exit_on_error
+from ..contract.errors import BadInput
+from . import logs
+from .stdlib_private import run_exit_handlers
+from .wiring import wire
 
 
 def outputs_as_dict(outputs: Any) -> dict[str, Any]:

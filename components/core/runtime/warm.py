@@ -151,7 +151,7 @@ def _run_main(module: str, argv: list[str]) -> int:
     except BaseException:  # noqa: BLE001 - what the interpreter does with an uncaught exception
         traceback.print_exc()
         code = 1
-    from relaunch.components.core.runtime.stepcli import wind_down
+    from .stepcli import wind_down
 
     wind_down()
     if interrupted:

@@ -16,8 +16,8 @@ and one :func:`register_launch_backend` line below.
 
 from __future__ import annotations
 
-from relaunch.components.core.contract.registry import register_launch_backend, register_store_uri_parser
-from relaunch.components.core.store import parse_store_uri
+from ..contract.registry import register_launch_backend, register_store_uri_parser
+from ..store import parse_store_uri
 
 
 def wire() -> None:

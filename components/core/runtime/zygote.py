@@ -49,8 +49,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from relaunch.components.core.runtime.warm import die_with_parent
-from relaunch.components.core.runtime.zygote_client import HEADER, ZYGOTE_ENV
+from .warm import die_with_parent
+from .zygote_client import HEADER, ZYGOTE_ENV
 
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.run", "torch.distributed.checkpoint",
            "torch.distributed.checkpoint.state_dict", "numpy.ma", "xxhash", "torch.utils.serialization",

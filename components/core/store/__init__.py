@@ -29,8 +29,8 @@ import re
 import secrets
 from typing import Any, Callable, ClassVar, Iterable, Protocol, TypeVar, runtime_checkable
 
-from relaunch.components.core.contract.classify import is_store_unwritable
-from relaunch.components.core.contract.errors import BadInput, StoreUnwritable
+from ..contract.classify import is_store_unwritable
+from ..contract.errors import BadInput, StoreUnwritable
 
 # A ranged read fills its buffers in blocks of this size and reports each (``sink``): small enough
 # that a check of the block (a digest) finds it still in the CPU's cache, which made the digest
@@ -302,11 +302,11 @@ def check_key(key: str) -> str:
 
 
 # -- the backends: one line each (importing the module registers its class)
-from relaunch.components.core.store.file import FileStore  # noqa: E402
-from relaunch.components.core.store.object_store import ObjectDriver, ObjectStore  # noqa: E402 - the object stores' core
-from relaunch.components.core.store.s3 import S3Driver  # noqa: E402
-from relaunch.components.core.store.gcs import GCSDriver  # noqa: E402
-from relaunch.components.core.store.azure import AzureDriver  # noqa: E402
+from .file import FileStore  # noqa: E402
+from .object_store import ObjectDriver, ObjectStore  # noqa: E402 - the object stores' core
+from .s3 import S3Driver  # noqa: E402
+from .gcs import GCSDriver  # noqa: E402
+from .azure import AzureDriver  # noqa: E402
 
 __all__ = ["BACKENDS", "Backend", "AzureDriver", "FileStore", "GCSDriver", "ObjectDriver", "ObjectStore", "PreconditionFailed",
            "READ_BLOCK", "S3Driver", "Segments", "Store",

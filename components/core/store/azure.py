@@ -30,9 +30,9 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from relaunch.components.core.contract.errors import BadInput
-from relaunch.components.core.store import register_backend
-from relaunch.components.core.store.object_store import Fault, ObjectDriver, readinto_of
+from ..contract.errors import BadInput
+from . import register_backend
+from .object_store import Fault, ObjectDriver, readinto_of
 
 SINGLE_PUT_LIMIT = 64 * 1024 * 1024  # the SDK's own splitting of one upload_blob call (ours stay below a block)
 BLOCK_SIZE = 32 * 1024 * 1024

@@ -11,8 +11,8 @@ import contextlib
 import threading
 import uuid
 
-from relaunch.components.core.contract.errors import BadInput
-from relaunch.components.core.store import PreconditionFailed, Store
+from ..contract.errors import BadInput
+from . import PreconditionFailed, Store
 
 PROBE_PREFIX = ".relaunch-probe/"
 """Where the probe writes its key (unique per probe, deleted after it)."""

@@ -20,7 +20,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from relaunch.components.core.store import (READ_BLOCK, PreconditionFailed, Segments, StreamWriter, check_key, join_uri,
+from . import (READ_BLOCK, PreconditionFailed, Segments, StreamWriter, check_key, join_uri,
                                    register_backend)
 
 # A temp file of an atomic write untouched this long belongs to a writer that died

@@ -34,9 +34,9 @@ import urllib.parse
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from relaunch.components.core.contract.errors import BadInput, TransientFailure
-from relaunch.components.core.store import register_backend
-from relaunch.components.core.store.object_store import Fault, ObjectDriver
+from ..contract.errors import BadInput, TransientFailure
+from . import register_backend
+from .object_store import Fault, ObjectDriver
 
 CHUNK_SIZE = 16 * 1024 * 1024
 """Resumable upload chunk (a multiple of 256 KiB, as GCS requires); smaller objects go up in one request."""

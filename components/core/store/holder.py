@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import socket
 
-from relaunch.components.core.store.procfs import exited, stat_fields
+from .procfs import exited, stat_fields
 
 
 def pid_namespace() -> str:

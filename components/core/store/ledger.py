@@ -21,9 +21,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from relaunch.components.core.contract.errors import error_for
-from relaunch.components.core.contract.exitcodes import ExitCode, PERMANENT, unrecorded_end
-from relaunch.components.core.store import records
+from ..contract.errors import error_for
+from ..contract.exitcodes import ExitCode, PERMANENT, unrecorded_end
+from . import records
 
 
 @dataclass

@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, ClassVar, ContextManager, Iterable, TypeVar
 
-from relaunch.components.core.contract.errors import BadInput, TransientFailure
-from relaunch.components.core.store import (READ_BLOCK, WRITE_OPS, PreconditionFailed, Segments, StreamWriter, byte_view,
+from ..contract.errors import BadInput, TransientFailure
+from . import (READ_BLOCK, WRITE_OPS, PreconditionFailed, Segments, StreamWriter, byte_view,
                                    check_key, join_uri, refused_write)
 
 T = TypeVar("T")

@@ -24,10 +24,10 @@ import threading
 import time
 import uuid
 
-from relaunch.components.core.contract.errors import BadInput, RelaunchError
-from relaunch.components.core.store import PreconditionFailed, Store
-from relaunch.components.core.store.records import PIPELINE_LOCK_KEY, read_json
-from relaunch.components.core.store.holder import on_this_host, pid_namespace, process_running, process_start
+from ..contract.errors import BadInput, RelaunchError
+from . import PreconditionFailed, Store
+from .records import PIPELINE_LOCK_KEY, read_json
+from .holder import on_this_host, pid_namespace, process_running, process_start
 
 HEARTBEAT_SECONDS = 10.0
 STALE_SECONDS = 60.0  # six missed heartbeats: a holder on another host is taken for gone

@@ -26,8 +26,8 @@ import re
 import time
 from typing import Any
 
-from relaunch.components.core.contract.config import current_task_spec
-from relaunch.components.core.contract.errors import BadInput
+from ..contract.config import current_task_spec
+from ..contract.errors import BadInput
 
 RUNS_PREFIX = "runs/"
 CONFIG_KEY = RUNS_PREFIX + "config.json"

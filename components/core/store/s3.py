@@ -27,10 +27,10 @@ import urllib.parse
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from relaunch.components.core.contract.classify import S3_CREDENTIAL_CODES, S3_TRANSIENT_CODES
-from relaunch.components.core.contract.errors import BadInput
-from relaunch.components.core.store import register_backend
-from relaunch.components.core.store.object_store import Fault, ObjectDriver
+from ..contract.classify import S3_CREDENTIAL_CODES, S3_TRANSIENT_CODES
+from ..contract.errors import BadInput
+from . import register_backend
+from .object_store import Fault, ObjectDriver
 
 S3_REFUSED_WRITE_CODES = frozenset({"AccessDenied", "QuotaExceeded", "XMinioStorageFull",
                                     "XMinioAdminBucketQuotaExceeded", "XMinioBucketQuotaExceeded"})

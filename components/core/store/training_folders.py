@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import difflib
 
-from relaunch.components.core.contract.errors import BadInput
-from relaunch.components.core.store import Store, join_uri
+from ..contract.errors import BadInput
+from . import Store, join_uri
 
 TRAININGS = "trainings"
 """The folder under a store root that holds one folder per training."""

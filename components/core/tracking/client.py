@@ -32,10 +32,10 @@ import threading
 import time
 from typing import Any
 
-from relaunch.components.core.contract import classify as classifier
-from relaunch.components.core.contract.errors import BadInput, TransientFailure
-from relaunch.components.core.contract.events import Kind, write
-from relaunch.components.core.contract.exitcodes import ExitCode
+from ..contract import classify as classifier
+from ..contract.errors import BadInput, TransientFailure
+from ..contract.events import Kind, write
+from ..contract.exitcodes import ExitCode
 
 PIPELINE_RUN_TAG = "relaunch.pipeline_run_id"
 PARENT_RUN_TAG = "mlflow.parentRunId"  # what makes a run nested, in MLflow's UI and API
@@ -60,7 +60,7 @@ def tracking_uri(config) -> str:
     from_env = os.environ.get("MLFLOW_TRACKING_URI")
     if not from_env:
         return config.tracking.uri
-    from relaunch.components.core.contract.uris import check_tracking_uri
+    from ..contract.uris import check_tracking_uri
 
     try:
         return check_tracking_uri(from_env)
@@ -104,7 +104,7 @@ def client(uri: str):
     from mlflow.tracking import MlflowClient
 
     if uri.startswith("sqlite:"):
-        from relaunch.components.core.tracking.localdb import use_write_ahead_log
+        from .localdb import use_write_ahead_log
 
         use_write_ahead_log()
     return MlflowClient(tracking_uri=uri)

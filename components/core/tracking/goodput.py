@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from relaunch.components.core.contract.exitcodes import ExitCode
-from relaunch.components.core.store.ledger import Attempt
+from ..contract.exitcodes import ExitCode
+from ..store.ledger import Attempt
 
 
 def _step_time(a: Attempt, step: int) -> float:

@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from relaunch.components.core.contract.errors import BadInput
-from relaunch.components.core.store import open_store
-from relaunch.components.core.store.azure import wasbs_uri
+from ..contract.errors import BadInput
+from ..store import open_store
+from ..store.azure import wasbs_uri
 
 EXPERIMENT_KIND = "custom_model_development"  # MLflow 3's "Model training" experiment kind
 DESCRIPTION_TAG = "mlflow.note.content"  # the run's / experiment's description in the UI
@@ -149,7 +149,7 @@ def describe_run(config, run_id: str, dataset_version: str, dataset_uri: str) ->
     when it has none. Idempotent (a retried prepare writes the same). Returns the run's experiment id."""
     from mlflow.entities import RunTag
 
-    from relaunch.components.core.tracking.client import call, client as tracking_client, tracking_uri
+    from .client import call, client as tracking_client, tracking_uri
 
     client = tracking_client(tracking_uri(config))
     run = call("read the run", client.get_run, run_id)
@@ -170,7 +170,7 @@ def describe_run(config, run_id: str, dataset_version: str, dataset_uri: str) ->
 
 def describe_outcome(config, run_id: str, status: str) -> None:
     """Append what the pipeline did to the run's description (finalize)."""
-    from relaunch.components.core.tracking.client import call, client as tracking_client, tracking_uri
+    from .client import call, client as tracking_client, tracking_uri
 
     client = tracking_client(tracking_uri(config))
     run = call("read the run", client.get_run, run_id)
@@ -188,9 +188,9 @@ def record_attempts(config, run_id: str) -> None:
     the side that survives: finalize. Idempotent: an ended attempt's record no longer changes."""
     from mlflow.entities import RunTag
 
-    from relaunch.components.core.store import ledger
-    from relaunch.components.core.tracking.client import call, client as tracking_client, tracking_uri
-    from relaunch.components.core.tracking.mlflow_tracker import (ATTEMPTS_ARTIFACT, CHECKPOINTS_ARTIFACT, attempt_summary_tags,
+    from ..store import ledger
+    from .client import call, client as tracking_client, tracking_uri
+    from .mlflow_tracker import (ATTEMPTS_ARTIFACT, CHECKPOINTS_ARTIFACT, attempt_summary_tags,
                                                          attempts_table, checkpoint_history)
 
     store = open_store(config.store.uri)
@@ -205,7 +205,7 @@ def record_attempts(config, run_id: str) -> None:
 
 
 def _training_summary(config) -> dict | None:
-    from relaunch.components.core.store.records import read_summary
+    from ..store.records import read_summary
 
     try:
         return read_summary(open_store(config.store.uri))
@@ -217,7 +217,7 @@ def run_url(config, run_id: str, experiment_id: str) -> str:
     """The run's page in MLflow 3's "Model training" view: the server's own address for an
     ``http(s)://`` tracking URI, else ``make ui``'s http://127.0.0.1:5000; the experiments list when
     the experiment is not known."""
-    from relaunch.components.core.tracking.client import tracking_uri
+    from .client import tracking_uri
 
     uri = tracking_uri(config)
     base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
@@ -257,7 +257,7 @@ def log_dataset_input(config, run_id: str, manifest, uri: str) -> None:
     import numpy as np
     from mlflow.entities import Dataset, DatasetInput, InputTag
 
-    from relaunch.components.core.tracking.client import call, client as tracking_client, tracking_uri
+    from .client import call, client as tracking_client, tracking_uri
 
     if uri.startswith("az://"):  # MLflow resolves Azure dataset sources by their wasbs:// name only
         uri = wasbs_uri(uri)
@@ -301,7 +301,7 @@ def logged_model(config, checkpoint_uri: str, step: int, write_model: Callable[[
 
     from mlflow.entities import LoggedModelOutput, LoggedModelStatus
 
-    from relaunch.components.core.tracking.client import call, client as tracking_client, tracking_uri
+    from .client import call, client as tracking_client, tracking_uri
 
     run_id = config.tracking.run_id
     if not run_id:
@@ -327,7 +327,7 @@ def logged_model(config, checkpoint_uri: str, step: int, write_model: Callable[[
 
 def find_logged_model(config, checkpoint_uri: str):
     """The LoggedModel this run made of ``checkpoint_uri`` (READY ones first), or None."""
-    from relaunch.components.core.tracking.client import call, client as tracking_client, tracking_uri
+    from .client import call, client as tracking_client, tracking_uri
 
     client = tracking_client(tracking_uri(config))
     run = call("read the run", client.get_run, config.tracking.run_id)
@@ -342,7 +342,7 @@ def log_model_metrics(config, model_id: str, metrics: dict[str, float], step: in
     """Log ``metrics`` to the run linked to ``model_id`` and to the dataset input."""
     from mlflow.entities import Metric
 
-    from relaunch.components.core.tracking.client import call, client as tracking_client, tracking_uri
+    from .client import call, client as tracking_client, tracking_uri
 
     now = int(time.time() * 1000)
     linked = {"model_id": model_id}

@@ -36,13 +36,13 @@ import tempfile
 import time
 from typing import Any
 
-from relaunch.components.core.checkpoint import checkpoint_steps, step_key
-from relaunch.components.core.contract.errors import BadInput
-from relaunch.components.core.contract.events import Kind, emit
-from relaunch.components.core.contract.exitcodes import MEANING
-from relaunch.components.core.store import ledger, records
-from relaunch.components.core.tracking import goodput
-from relaunch.components.core.tracking.tracker_protocol import AttemptEnd, AttemptStart, TrackerBase
+from ..checkpoint import checkpoint_steps, step_key
+from ..contract.errors import BadInput
+from ..contract.events import Kind, emit
+from ..contract.exitcodes import MEANING
+from ..store import ledger, records
+from . import goodput
+from .tracker_protocol import AttemptEnd, AttemptStart, TrackerBase
 
 DELETED_BY_RETENTION = "deleted by retention"
 FLUSH_SECONDS_BEFORE_PLOT = 30.0
@@ -123,8 +123,8 @@ class MlflowTracker(TrackerBase):
     def start(self, start: AttemptStart) -> None:
         """Open the logger (sending starts after the first step), requeue the points an earlier attempt
         left unsent, reopen the run, and set the attempt's tags (earlier attempts' included)."""
-        from relaunch.components.core.tracking.client import tracking_uri
-        from relaunch.components.core.tracking.runlogger import RunLogger
+        from .client import tracking_uri
+        from .runlogger import RunLogger
 
         self._resumed_from = start.resumed_from
         self.logger = RunLogger(tracking_uri(self.config), self.run_id, defer_start=True, announce=_announce)
@@ -331,8 +331,8 @@ def deliver_pending_metrics(config, store, run_id: str, *, who: str) -> bool:
     Returns:
         Whether nothing is left pending.
     """
-    from relaunch.components.core.tracking.client import say, tracking_uri
-    from relaunch.components.core.tracking.runlogger import RunLogger
+    from .client import say, tracking_uri
+    from .runlogger import RunLogger
 
     try:
         pending = records.read_pending(store)

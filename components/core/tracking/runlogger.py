@@ -25,10 +25,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from relaunch.components.core.tracking.client import client as tracking_client
-from relaunch.components.core.tracking.client import (TAGS_PER_REQUEST, bound_requests, describe, import_mlflow, is_auth_error,
+from .client import client as tracking_client
+from .client import (TAGS_PER_REQUEST, bound_requests, describe, import_mlflow, is_auth_error,
                                              is_not_found, is_rejected, log_new_params, set_run_status)
-from relaunch.components.core.tracking.rest import GET_RUN, LOG_BATCH, UPDATE_RUN, RestSession
+from .rest import GET_RUN, LOG_BATCH, UPDATE_RUN, RestSession
 
 _BATCH = 1000  # MLflow's log_batch limit on metrics (and tags) per request
 WAIT_WHILE_LOST_SECONDS = 10.0
@@ -536,7 +536,7 @@ class RunLogger:
     def _rest_params(self, params: dict[str, str]) -> None:
         """:func:`~relaunch.components.core.tracking.client.log_new_params` over REST: the params the run does
         not hold yet; one it holds with another value becomes the tag ``param.<key>.latest``."""
-        from relaunch.components.core.tracking.client import PARAMS_PER_REQUEST
+        from .client import PARAMS_PER_REQUEST
 
         data = self._rest.get(GET_RUN, run_id=self.run_id).get("run", {}).get("data", {})
         existing = {p["key"]: p.get("value", "") for p in data.get("params", [])}
@@ -551,7 +551,7 @@ class RunLogger:
     def _rest_status(self, status: str) -> None:
         """:func:`~relaunch.components.core.tracking.client.set_run_status` over REST (``runs/update``): RUNNING
         reopens the run, a terminal status ends it now."""
-        from relaunch.components.core.tracking.client import STATUSES
+        from .client import STATUSES
 
         if status not in STATUSES:
             raise ValueError(f"run status {status!r} is not one of {', '.join(STATUSES)}")

@@ -8,8 +8,8 @@ that step on)."""
 
 from __future__ import annotations
 
-from relaunch.components.core.contract.errors import BadInput
-from relaunch.components.core.tracking.tracker_protocol import AttemptStart, TrackerBase
+from ..contract.errors import BadInput
+from .tracker_protocol import AttemptStart, TrackerBase
 
 
 def open_tracker(config, store, *, run_id: str | None, attempt: int) -> "TensorBoardTracker | None":

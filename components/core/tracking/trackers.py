@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 from typing import Callable, Union
 
-from relaunch.components.core.tracking.tracker_protocol import AttemptEnd, AttemptStart, Tracker, TrackerBase
+from .tracker_protocol import AttemptEnd, AttemptStart, Tracker, TrackerBase
 
 __all__ = ["AttemptEnd", "AttemptStart", "Factory", "TRACKERS", "Tracker", "TrackerBase", "open_trackers", "register_tracker"]
 

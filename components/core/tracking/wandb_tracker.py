@@ -32,9 +32,9 @@ import struct
 import sys
 from typing import Any, Iterator
 
-from relaunch.components.core.contract.errors import BadInput
-from relaunch.components.core.store import records
-from relaunch.components.core.tracking.tracker_protocol import AttemptEnd, AttemptStart, TrackerBase
+from ..contract.errors import BadInput
+from ..store import records
+from .tracker_protocol import AttemptEnd, AttemptStart, TrackerBase
 
 INIT_TIMEOUT_SECONDS = 60.0  # an unreachable server costs the attempt at most this once, at its start
 FINISH_TIMEOUT_SECONDS = 30.0

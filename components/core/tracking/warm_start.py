@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from relaunch.components.core.contract.uris import MODEL_URI
-from relaunch.components.core.contract.errors import BadInput
-from relaunch.components.core.tracking import client as tracking
+from ..contract.uris import MODEL_URI
+from ..contract.errors import BadInput
+from . import client as tracking
 
 
 def warm_start_checkpoint(config: Any) -> str:

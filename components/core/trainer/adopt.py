@@ -13,7 +13,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from relaunch.components.core.contract.errors import BadInput
+from ..contract.errors import BadInput
 
 
 def training_state(folder: dict[str, Any], config: Any, step: int, source: str) -> Any:
@@ -28,10 +28,10 @@ def training_state(folder: dict[str, Any], config: Any, step: int, source: str) 
     import torch
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-    from relaunch.components.core.data import step_counts
-    from relaunch.components.core.trainer.health import SpikeDetector
-    from relaunch.components.core.trainer.state import TrainingState
-    from relaunch.components.tasks.base import load_task
+    from ..data import step_counts
+    from .health import SpikeDetector
+    from .state import TrainingState
+    from ...tasks.base import load_task
 
     task = load_task(config.train.task, config)
     steps_per_epoch, total_steps = step_counts(config, task)

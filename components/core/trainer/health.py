@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from relaunch.components.core.contract.exitcodes import ExitCode
+from ..contract.exitcodes import ExitCode
 
 
 # A save on preemption is attempted only when SAVE_MARGIN_FACTOR x the last save's duration plus

@@ -22,8 +22,8 @@ import sys
 import time
 from typing import Callable
 
-from relaunch.components.core.contract.config import parse_failure_spec
-from relaunch.components.core.store.records import injected_key
+from ..contract.config import parse_failure_spec
+from ..store.records import injected_key
 
 OUTAGE_SECONDS = 3.0  # long enough for several backoff rounds, short enough for a demo
 _FIRST_RETRY_SECONDS, _MAX_RETRY_SECONDS = 0.05, 1.0

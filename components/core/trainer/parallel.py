@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from relaunch.components.core.contract.errors import BadInput
+from ..contract.errors import BadInput
 
 MIXED_PRECISION = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -30,19 +30,19 @@ from typing import Any, Callable
 
 import torch
 
-from relaunch.components.core.checkpoint.layout import MANIFEST, PREFIX, checkpoint_steps, step_key
-from relaunch.components.core.checkpoint.memory_tier import MemoryTier, newest_common, restore_into
-from relaunch.components.core.contract.config import memory_tier_on
-from relaunch.components.core.contract.events import Kind, emit
-from relaunch.components.core.runtime import distributed as distr
-from relaunch.components.core.contract.classify import as_error
-from relaunch.components.core.contract.errors import RelaunchError, TransientFailure, error_for
-from relaunch.components.core.runtime import causes
-from relaunch.components.core.runtime.generations import (GENERATION_ENV, GENERATION_KEY, NODE_ADDRESS_ENV, generation_key,
+from ..checkpoint.layout import MANIFEST, PREFIX, checkpoint_steps, step_key
+from ..checkpoint.memory_tier import MemoryTier, newest_common, restore_into
+from ..contract.config import memory_tier_on
+from ..contract.events import Kind, emit
+from ..runtime import distributed as distr
+from ..contract.classify import as_error
+from ..contract.errors import RelaunchError, TransientFailure, error_for
+from ..runtime import causes
+from ..runtime.generations import (GENERATION_ENV, GENERATION_KEY, NODE_ADDRESS_ENV, generation_key,
                                                           recovering_key)
-from relaunch.components.core.trainer import setup
-from relaunch.components.core.trainer.injection import Injection
-from relaunch.components.core.trainer.state import rng_now, rng_state
+from . import setup
+from .injection import Injection
+from .state import rng_now, rng_state
 
 ABANDON_SECONDS = 30.0
 POLL_SECONDS = 0.01  # a survivor looks this often for the agent's next generation (and for why none comes)
@@ -439,7 +439,7 @@ def _rewrapped(config, training: Any, parts: Any) -> Any:
     """The survivor's model parts over the new process group, as the replacement builds them (the same
     collectives): DDP re-wrapped around the module and optimizer this process holds; FSDP2, whose
     parameters are bound to the old group's mesh, built anew (restored from memory all the same)."""
-    from relaunch.components.core.trainer.parallel import wrap_model
+    from .parallel import wrap_model
 
     t = config.train
     if t.parallelism == "ddp":

@@ -17,13 +17,13 @@ import sys
 import time
 from typing import Any, Callable, Iterator
 
-from relaunch.components.core.trainer.health import save_fits_grace
-from relaunch.components.core.contract.classify import as_error, is_store_unwritable, unwritable_cause
-from relaunch.components.core.contract.errors import StoreUnwritable
-from relaunch.components.core.contract.events import Kind, emit
-from relaunch.components.core.runtime import distributed as distr
-from relaunch.components.core.trainer.metrics_file import write_validation
-from relaunch.components.core.store import UNWRITABLE_ADVICE
+from .health import save_fits_grace
+from ..contract.classify import as_error, is_store_unwritable, unwritable_cause
+from ..contract.errors import StoreUnwritable
+from ..contract.events import Kind, emit
+from ..runtime import distributed as distr
+from .metrics_file import write_validation
+from ..store import UNWRITABLE_ADVICE
 
 
 def say_store(line: str) -> None:

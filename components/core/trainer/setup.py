@@ -17,12 +17,12 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from relaunch.components.core.checkpoint import CheckpointManager
-from relaunch.components.core.checkpoint.fingerprint import model_fingerprint
-from relaunch.components.core.checkpoint.start import start_point
-from relaunch.components.core.contract.errors import BadInput
-from relaunch.components.core.data import TrainData, commit_task_data, open_split, open_training_data, own_dataset
-from relaunch.components.core.tracking.warm_start import warm_start_checkpoint
+from ..checkpoint import CheckpointManager
+from ..checkpoint.fingerprint import model_fingerprint
+from ..checkpoint.start import start_point
+from ..contract.errors import BadInput
+from ..data import TrainData, commit_task_data, open_split, open_training_data, own_dataset
+from ..tracking.warm_start import warm_start_checkpoint
 
 
 def seed(config) -> None:
@@ -161,8 +161,8 @@ class ModelParts:
 def build_model(config, task, device, total_steps: int, health: Any, loader: Any = None) -> ModelParts:
     """The task's model on ``device``, wrapped for ``train.parallelism``, its optimiser and schedule;
     ``loader`` (this rank's) is checkpointed with the state."""
-    from relaunch.components.core.trainer.parallel import wrap_model
-    from relaunch.components.core.trainer.state import TrainingState
+    from .parallel import wrap_model
+    from .state import TrainingState
 
     t = config.train
     module = task.build_model().to(device)
@@ -208,7 +208,7 @@ def restore(config, manager, parts: ModelParts, peers: Callable[[], Any]) -> Res
     gets it): :func:`~relaunch.components.core.checkpoint.start.start_point`'s rule, so a group torchrun restarted
     resumes from the newest commit, whatever the locate step reported before. ``peers()`` wraps the
     collectives (a peer dying in them is a retryable failure)."""
-    from relaunch.components.core.trainer.state import ModelWeights
+    from .state import ModelWeights
 
     with peers():
         start = start_point(config, manager, warm_start_lookup=warm_start_checkpoint)

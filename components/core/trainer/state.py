@@ -24,8 +24,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from relaunch.components.core.checkpoint.prefault import populate_in_background
-from relaunch.components.core.checkpoint.torch_private import parameter_fqns
+from ..checkpoint.prefault import populate_in_background
+from ..checkpoint.torch_private import parameter_fqns
 
 
 def _rank() -> int:

@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Callable
 
-from relaunch.components.core.tracking.runlogger import RunLogger
+from ..tracking.runlogger import RunLogger
 
 SAMPLE_SECONDS = 2.0
 """The sampling interval; ``MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL`` (MLflow's own knob) wins."""

@@ -12,12 +12,12 @@ import os
 import sys
 from typing import Any
 
-from relaunch.components.core.contract.errors import Preempted, RelaunchError
-from relaunch.components.core.contract.events import Kind, emit
-from relaunch.components.core.runtime import distributed as distr
-from relaunch.components.core.store import records
-from relaunch.components.core.tracking.client import ensure_run, tracking_uri
-from relaunch.components.core.tracking.trackers import AttemptEnd, AttemptStart, Tracker, open_trackers
+from ..contract.errors import Preempted, RelaunchError
+from ..contract.events import Kind, emit
+from ..runtime import distributed as distr
+from ..store import records
+from ..tracking.client import ensure_run, tracking_uri
+from ..tracking.trackers import AttemptEnd, AttemptStart, Tracker, open_trackers
 
 # How long the logger may flush before the process exits, by how the attempt ends. Told to go (a peer
 # died, torchrun is stopping the group): torchrun's SIGKILL follows shortly; unsent points of committed

@@ -13,9 +13,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from relaunch.components.core.contract.config import RelaunchConfig
-from relaunch.components.core.tracking.client import call, client as tracking_client, tracking_uri
-from relaunch.components.core.tuning.study_folder import COMPLETE, FAILED, PRUNED, TrialRecord
+from ..contract.config import RelaunchConfig
+from ..tracking.client import call, client as tracking_client, tracking_uri
+from .study_folder import COMPLETE, FAILED, PRUNED, TrialRecord
 
 BEST_TRIAL_TAG = "relaunch.best_trial"
 BEST_RUN_TAG = "relaunch.best_run_id"

@@ -30,8 +30,8 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from relaunch.components.core.contract.config import RelaunchConfig, TuneParameter
-from relaunch.components.core.contract.errors import BadInput, RelaunchError
+from ..contract.config import RelaunchConfig, TuneParameter
+from ..contract.errors import BadInput, RelaunchError
 
 TRIAL_ATTR = "relaunch_trial"
 """The user attribute of an Optuna trial naming the relaunch trial (its folder ``trials/<n>/``) it runs."""

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from relaunch.components.core.store import join_uri, parse_store_uri
-from relaunch.components.core.store.records import read_json, write_json
+from ..store import join_uri, parse_store_uri
+from ..store.records import read_json, write_json
 
 STUDIES = "studies"
 """The folder under a store root that holds one folder per study."""

@@ -22,20 +22,20 @@ from typing import Any
 
 import optuna
 
-from relaunch.components.core.contract.config import RelaunchConfig, TuneConfig
-from relaunch.components.core.contract.suggestions import apply_suggestions
-from relaunch.components.core.contract.errors import BadInput, RelaunchError
-from relaunch.components.core.contract.exitcodes import ExitCode, is_retryable
-from relaunch.components.core.store import open_store
-from relaunch.components.core.data.shards import copy_dataset
-from relaunch.components.core.store.records import (dotted, identity_changes, read_summary, refuse_resume_changes,
+from ..contract.config import RelaunchConfig, TuneConfig
+from ..contract.suggestions import apply_suggestions
+from ..contract.errors import BadInput, RelaunchError
+from ..contract.exitcodes import ExitCode, is_retryable
+from ..store import open_store
+from ..data.shards import copy_dataset
+from ..store.records import (dotted, identity_changes, read_summary, refuse_resume_changes,
                                                     remember_run, write_training_config)
-from relaunch.components.core.tracking.client import (PARENT_RUN_TAG, call, client as tracking_client, ensure_run,
+from ..tracking.client import (PARENT_RUN_TAG, call, client as tracking_client, ensure_run,
                                                       mark_run_finished, reopen_run, tracking_uri)
-from relaunch.components.core.tracking.lineage import record_attempts
-from relaunch.components.core.tuning.study_folder import (COMPLETE, FAILED, PRUNED, RUNNING, TrialRecord, read_trial,
+from ..tracking.lineage import record_attempts
+from .study_folder import (COMPLETE, FAILED, PRUNED, RUNNING, TrialRecord, read_trial,
                                                     trial_uri, write_trial)
-from relaunch.components.core.tuning.study import Study
+from .study import Study
 
 TUNE_IDENTITY: tuple[str, ...] = ("tune.space", "tune.objective", "tune.sampler", "tune.pruner")
 """The keys that say what a study is besides its trainings' :data:`~relaunch.components.core.store.records.TRAINING_IDENTITY`: a resumed study
@@ -292,8 +292,8 @@ def check_validation_metric(config: RelaunchConfig) -> None:
     Raises:
         BadInput: one line naming the metric and the ones there are.
     """
-    from relaunch.components.core.data import preview_split
-    from relaunch.components.tasks.base import check_task_options, load_task
+    from ..data import preview_split
+    from ...tasks.base import check_task_options, load_task
 
     task = load_task(config.train.task, config)
     searched = {key.split(".", 2)[2]: None for key in config.tune.space if key.startswith("train.task_options.")}
