@@ -38,9 +38,10 @@ import math
 import os
 import sys
 import sysconfig
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator
 
 import numpy as np
 import xxhash
@@ -243,6 +244,15 @@ class Corpus:
     def size(self, i: int) -> int:
         return int(self.starts[i + 1] - self.starts[i])
 
+    def key(self, key_header: bytes) -> str:
+        """The source key's digest (hex): an xxh3 of ``key_header`` then each document's relative path,
+        size and bytes, in order (what :class:`SplitReader` hashes as it reads a folder)."""
+        h = xxhash.xxh3_128(key_header)
+        for i, rel in enumerate(self.names):
+            h.update(f"{rel}\0{self.size(i)}\0".encode())
+            h.update(self.doc(i))
+        return h.hexdigest()
+
 
 def _folder_corpus(corpus: str, max_bytes: int) -> Corpus:
     """A folder's files (the standard library's), each read once into one buffer (``readinto``: no
@@ -252,16 +262,148 @@ def _folder_corpus(corpus: str, max_bytes: int) -> Corpus:
     np.cumsum([size for _, _, size in files], out=starts[1:])
     data = np.empty(int(starts[-1]), dtype=np.uint8)
     view = memoryview(data)
-    for i, (rel, path, size) in enumerate(files):
-        with open(path, "rb", buffering=0) as fh:
-            at, end = int(starts[i]), int(starts[i + 1])
-            while at < end:
-                n = fh.readinto(view[at:end])
-                if not n:  # the file shrank since it was listed
-                    raise BadInput(f"train.task_options.corpus={corpus!r}: {path} changed while prepare read it; "
-                                   "run prepare again")
-                at += n
+    for i, (_, path, _) in enumerate(files):
+        _read_into(view[int(starts[i]):int(starts[i + 1])], path, corpus)
     return Corpus(str(root), [rel for rel, _, _ in files], starts, data)
+
+
+def _read_into(view: memoryview, path: str, corpus: str) -> None:
+    """Fill ``view`` with the first bytes of the file at ``path`` (``readinto``: no copy).
+
+    Raises:
+        BadInput: the file is shorter than ``view`` (it shrank since it was listed).
+    """
+    at, end = 0, len(view)
+    with open(path, "rb", buffering=0) as fh:
+        while at < end:
+            n = fh.readinto(view[at:end])
+            if not n:
+                raise BadInput(f"train.task_options.corpus={corpus!r}: {path} changed while prepare read it; "
+                               "run prepare again")
+            at += n
+
+
+READ_NOTIFY_BYTES = 256 << 10
+"""How much :class:`SplitReader` reads between two wake-ups of whoever waits for its sequences."""
+
+
+class SplitReader:
+    """A folder's documents read on a thread of their own, each file once, straight into its place in
+    its split's sequences: one buffer holds each split's documents in order, each followed by the
+    end-of-document token, so a chunk of :func:`windows` is a slice of it (no copy) that
+    :meth:`sequences` hands out as soon as its bytes are read. Cutting and writing the first shards
+    overlaps reading the rest. The source key is hashed from the same bytes as they are read, in
+    sorted path order (:meth:`Corpus.key`'s digest of the same files); a NUL of the text is made
+    :data:`NUL_AS` after it is hashed.
+
+    ``files``: ``(relative path, path, size)`` in sorted relative-path order; ``split_of_file``: each
+    one's split. The thread starts with the first sequences or key asked for.
+    """
+
+    def __init__(self, files: list[tuple[str, str, int]], split_of_file: list[str], seq_len: int,
+                 key_header: bytes, corpus: str, tokenizer: ByteTokenizer = BYTES):
+        if tokenizer.dtype != np.uint8:
+            raise ValueError("SplitReader lays out uint8 tokens: bytes are their own tokens")
+        self.files, self.seq_len, self.tokenizer = files, seq_len, tokenizer
+        self._header, self._corpus = key_header, corpus
+        self.regions: dict[str, tuple[int, int]] = {}
+        self._slot = [0] * len(files)  # where each file's bytes go
+        at = 0
+        for split in dict.fromkeys(split_of_file):
+            begin = at
+            for i, (_, _, size) in enumerate(files):
+                if split_of_file[i] == split:
+                    self._slot[i] = at
+                    at += size + 1  # its bytes, then the end-of-document token
+            self.regions[split] = (begin, at)
+        self._split = split_of_file
+        self.buffer = np.empty(at, dtype=np.uint8)
+        self._filled = {split: begin for split, (begin, _) in self.regions.items()}  # each split's read front
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._finished = False
+        self._error: BaseException | None = None
+        self._key: str | None = None
+        self._published = 0  # files whose bytes the split fronts cover
+
+    def sequences(self, split: str, chunk: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+        """:func:`windows` of the split's documents: chunks ``{"tokens": [n, seq_len + 1]}`` of ``chunk``
+        rows (default :func:`shard_rows`) but the last, each a slice of the buffer (never filled again),
+        each handed out as soon as it is read.
+
+        Raises:
+            BadInput: a file changed while it was read.
+        """
+        width = self.seq_len + 1
+        step = (chunk or shard_rows(self.seq_len, self.tokenizer)) * width
+        at, end = self.regions.get(split, (0, 0))
+        whole = end - (end - at) % width  # the tail shorter than a window is dropped
+        while at < whole:
+            upto = min(at + step, whole)
+            self._wait(lambda: self._filled[split] >= upto)
+            yield {"tokens": self.buffer[at:upto].reshape(-1, width)}
+            at = upto
+
+    def key(self) -> str:
+        """The source key's digest (hex), once every file is read (read now when nothing asked before).
+
+        Raises:
+            BadInput: a file changed while it was read.
+        """
+        self._wait(lambda: False)
+        if self._error is not None:
+            raise self._error
+        assert self._key is not None
+        return self._key
+
+    def _wait(self, ready: Callable[[], bool]) -> None:
+        with self._cond:
+            if self._thread is None and not self._finished:
+                self._thread = threading.Thread(target=self._run, name="corpus-reader", daemon=True)
+                self._thread.start()
+            while not self._finished and not ready():
+                self._cond.wait()
+            if not ready() and self._error is not None:
+                raise self._error
+
+    def _run(self) -> None:
+        """Read each file into its slot, hash it, make its NULs :data:`NUL_AS`, put its end-of-document
+        token; tell the waiting side every :data:`READ_NOTIFY_BYTES` (file reads and the hash release
+        the GIL)."""
+        h = xxhash.xxh3_128(self._header)
+        view, eos, nul_as = memoryview(self.buffer), self.tokenizer.eos, self.tokenizer.nul_as
+        unannounced = 0
+        try:
+            for i, (rel, path, size) in enumerate(self.files):
+                at = self._slot[i]
+                _read_into(view[at:at + size], path, self._corpus)
+                h.update(f"{rel}\0{size}\0".encode())
+                h.update(view[at:at + size])
+                doc = self.buffer[at:at + size]
+                if nul_as is not None and size and not doc.all():
+                    doc[doc == 0] = nul_as
+                self.buffer[at + size] = eos
+                unannounced += size
+                if unannounced >= READ_NOTIFY_BYTES or i == len(self.files) - 1:
+                    with self._cond:
+                        self._publish(i)
+                        self._cond.notify_all()
+                    unannounced = 0
+            self._key = h.hexdigest()
+        except BaseException as err:  # handed to whoever waits for sequences or the key
+            self._error = err
+        finally:
+            with self._cond:
+                self._finished = True
+                self._cond.notify_all()
+
+    def _publish(self, last: int) -> None:
+        """Advance each split's read front over the files up to ``last`` (each split's files are read
+        in its order, so its front only moves forward)."""
+        for i in range(self._published, last + 1):
+            split, size = self._split[i], self.files[i][2]
+            self._filled[split] = self._slot[i] + size + 1
+        self._published = last + 1
 
 
 def _store_corpus(uri: str, max_bytes: int) -> Corpus:
@@ -305,7 +447,7 @@ def _store_corpus(uri: str, max_bytes: int) -> Corpus:
 
 def read_corpus(corpus: str, max_bytes: int) -> Corpus:
     """The documents the ``corpus`` option names (``stdlib``, a folder or a store URI), each read once,
-    up to ``max_bytes`` in all.
+    up to ``max_bytes`` in all (prepare reads a folder through :class:`SplitReader` instead).
 
     Raises:
         BadInput: the corpus is missing, cannot be read, or holds no file to read.
@@ -537,37 +679,44 @@ class LMTask:
         """
         o, d = self.o, self.config.data
         seq_len = o["seq_len"]
-        corpus = read_corpus(o["corpus"], o["max_corpus_bytes"])
-        by_split: dict[str, list[int]] = {"train": [], "val": [], "test": []}
-        held: dict[str, int] = {"train": 0, "val": 0, "test": 0}
-        for i, rel in enumerate(corpus.names):
-            name = split_of(rel, d.val_fraction, d.test_fraction, d.split_seed)
-            by_split[name].append(i)
-            held[name] += corpus.size(i) + 1
-        for name, tokens in held.items():
+        split_rule = {"hash": "sha256(f'{split_seed}:{relative path}')", "val_fraction": d.val_fraction,
+                      "test_fraction": d.test_fraction, "split_seed": d.split_seed}
+        key_header = repr((BYTES.describe(), seq_len, split_rule)).encode()
+        corpus: Corpus | None = None
+        files: list[tuple[str, str, int]] = []
+        if is_store_uri(o["corpus"]):  # read whole now (a store lists no sizes)
+            corpus = read_corpus(o["corpus"], o["max_corpus_bytes"])
+            root, names, sizes = corpus.root, corpus.names, [corpus.size(i) for i in range(len(corpus.names))]
+        else:  # listed now, read as its sequences are cut
+            folder, files = _listing(o["corpus"], o["max_corpus_bytes"])
+            root, names, sizes = str(folder), [rel for rel, _, _ in files], [size for _, _, size in files]
+        split_of_file = [split_of(rel, d.val_fraction, d.test_fraction, d.split_seed) for rel in names]
+        documents = {name: split_of_file.count(name) for name in ("train", "val", "test")}
+        for name in documents:
+            tokens = sum(size + 1 for size, s in zip(sizes, split_of_file) if s == name)
             if tokens < seq_len + 1:
                 raise BadInput(f"train.task_options: the {name} split of corpus={o['corpus']!r} holds {tokens} "
                                f"tokens, fewer than one sequence of seq_len+1={seq_len + 1}; raise "
                                f"max_corpus_bytes (now {o['max_corpus_bytes']}) or data.{name}_fraction")
-        split_rule = {"hash": "sha256(f'{split_seed}:{relative path}')", "val_fraction": d.val_fraction,
-                      "test_fraction": d.test_fraction, "split_seed": d.split_seed}
-        key = xxhash.xxh3_128()  # of the bytes the tokens are made of, read once
-        key.update(repr((BYTES.describe(), seq_len, split_rule)).encode())
-        for i, rel in enumerate(corpus.names):
-            key.update(f"{rel}\0{corpus.size(i)}\0".encode())
-            key.update(corpus.doc(i))
         meta = {
             "tokenizer": BYTES.describe(), "seq_len": seq_len,
-            "corpus": {"name": o["corpus"], "root": corpus.root, "files": len(corpus.names),
-                       "bytes": int(corpus.starts[-1]), "max_corpus_bytes": o["max_corpus_bytes"],
+            "corpus": {"name": o["corpus"], "root": root, "files": len(names), "bytes": sum(sizes),
+                       "max_corpus_bytes": o["max_corpus_bytes"],
                        "python": sys.version.split()[0] if o["corpus"] == "stdlib" else None},
             "split": split_rule,
-            "documents": {name: len(docs) for name, docs in by_split.items()},
+            "documents": documents,
         }
-        splits = {name: functools.partial(windows, [corpus.doc(i) for i in docs], seq_len)
-                  for name, docs in by_split.items()}
-        return DatasetSource(splits=splits, meta=meta, source_key=f"lm-bytes-xxh3-{key.hexdigest()}",
-                             fresh_chunks=True)  # windows() cuts each chunk into a buffer of its own
+        if corpus is not None:
+            by_split = {name: [i for i, s in enumerate(split_of_file) if s == name] for name in documents}
+            splits = {name: functools.partial(lambda c, docs: windows((c.doc(i) for i in docs), seq_len), corpus, docs)
+                      for name, docs in by_split.items()}
+            return DatasetSource(splits=splits, meta=meta, source_key=f"lm-bytes-xxh3-{corpus.key(key_header)}",
+                                 fresh_chunks=True)  # windows() cuts each chunk into a buffer of its own
+        reader = SplitReader(files, split_of_file, seq_len, key_header, o["corpus"])
+        # each chunk a slice of the reader's buffer, never filled again; the key is known once every file
+        # is read: a second prepare finds every shard and the manifest by their content (writes nothing)
+        return DatasetSource(splits={name: functools.partial(reader.sequences, name) for name in documents},
+                             meta=meta, source_key=lambda: f"lm-bytes-xxh3-{reader.key()}", fresh_chunks=True)
 
     # -- model and optimisation
 

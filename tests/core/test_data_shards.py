@@ -96,6 +96,21 @@ def test_a_source_record_whose_manifest_is_missing_is_no_record_and_prepare_comm
     assert (again.version, written_again, calls) == (manifest.version, 1, ["train", "train"])  # the manifest alone
     assert read_manifest(store, manifest.version).version == manifest.version
 
+def test_a_source_key_known_only_once_the_source_is_read_is_found_by_content_and_a_second_commit_writes_nothing(tmp_path):
+    """A key computed as the chunks are built (a callable): prepare builds without looking for a record
+    (there is none to find before the key), and the second commit finds every shard and the manifest."""
+    store = open_store(str(tmp_path / "store"))
+    calls: list[str] = []
+    base = _source(calls=calls)
+    late = DatasetSource(base.splits, meta=base.meta, source_key=lambda: "corpus-v1-" + str(len(calls)))
+    assert not late.key_known_early and late.source_key == "corpus-v1-0"
+    manifest, written = commit_source(store, late, shard_bytes=100 * ROW_BYTES)
+    assert written == 10 + 1 + 1 and calls == ["train"]  # train's shards, val's, the manifest: no record
+    assert not store.list("datasets/sources")
+    again, written_again = commit_source(store, late, shard_bytes=100 * ROW_BYTES)
+    assert (again.version, written_again, calls) == (manifest.version, 0, ["train", "train"])
+
+
 @pytest.fixture(params=["fs", "s3", "gcs", "azure"])
 def root(request, tmp_path):
     return backend_root(request, tmp_path, "data")

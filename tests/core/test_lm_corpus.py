@@ -67,3 +67,47 @@ def test_a_missing_bucket_or_a_prefix_with_nothing_to_read_is_one_line_exit_2(s3
     message = str(caught.value)
     assert "\n" not in message and f"train.task_options.corpus={uri!r}" in message and words in message
     assert int(classify(caught.value)) == 2
+
+
+def test_a_folder_is_read_on_a_thread_into_the_same_sequences_and_key_as_the_corpus_read_whole(tmp_path):
+    """prepare reads a folder's files straight into their splits' sequences (SplitReader) as the shards
+    are cut: the chunks and the source key are those of windows() over the corpus read whole, a NUL
+    of the text made SUB after it is hashed."""
+    from relaunch.components.tasks.lm import BYTES, read_corpus, split_of, windows
+
+    folder = tmp_path / "corpus"
+    for rel, text in (FILES | {"pkg/nul.py": "a\0b = 1\n" * 30}).items():
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_text(text)
+    source = make_task(lm_config(str(folder), str(tmp_path / "store"))).build_dataset()
+    assert not source.key_known_early
+    corpus = read_corpus(str(folder), 4_000_000)
+    rule = source.meta["split"]
+    header = repr((BYTES.describe(), 32, rule)).encode()
+    assert source.source_key == f"lm-bytes-xxh3-{corpus.key(header)}"
+    for split in ("train", "val", "test"):
+        docs = [corpus.doc(i) for i, rel in enumerate(corpus.names)
+                if split_of(rel, rule["val_fraction"], rule["test_fraction"], rule["split_seed"]) == split]
+        whole = [c["tokens"] for c in windows(docs, 32, chunk=5)]
+        streamed = [c["tokens"] for c in source.splits[split].func(split, 5)]  # chunks of 5 sequences
+        assert len(whole) == len(streamed) > 0 and all(np.array_equal(a, b) for a, b in zip(whole, streamed)), split
+    assert (folder / "pkg/nul.py").read_bytes().count(b"\0") == 30  # the files as they were
+
+
+def test_a_file_that_shrinks_while_prepare_reads_it_is_one_line_exit_2_and_no_version_is_committed(tmp_path):
+    from relaunch.components.core.data.shards import PREFIX
+
+    folder = tmp_path / "corpus"
+    for rel, text in FILES.items():
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_text(text)
+    task = make_task(lm_config(str(folder), str(tmp_path / "store")))
+    source = task.build_dataset()  # listed: sizes known
+    (folder / "pkg/mod15.py").write_text("x")  # shorter than listed, before the reader reaches it
+    store = open_store(str(tmp_path / "store"))
+    from relaunch.components.core.data.shards import commit_source
+
+    with pytest.raises(BadInput) as caught:
+        commit_source(store, source)
+    assert "changed while prepare read it" in str(caught.value) and int(classify(caught.value)) == 2
+    assert not [key for key in store.list(PREFIX) if key.endswith("MANIFEST.json")]

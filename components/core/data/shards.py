@@ -44,20 +44,46 @@ enough that a loader worker holds a few of them (its memory does not grow with t
 FORMAT = "relaunch-shards/1"
 
 
-@dataclass(frozen=True)
 class DatasetSource:
     """What a task hands prepare to commit: ``splits`` maps a split name to a callable returning an
     iterator of chunks (a chunk: field name -> array whose first dimension counts its samples; each
     field has one dtype and sample shape across the split); ``meta`` (JSON-able, e.g. the tokenizer)
-    goes into the manifest; ``source_key`` is a cheap deterministic key of everything the content
-    depends on, so a second prepare of the same source finds its version without building it again;
-    ``fresh_chunks``: each chunk is in memory of its own that the source never fills again, so the
-    writer keeps it as handed, without a copy (default: the source may reuse a chunk's memory)."""
+    goes into the manifest; ``fresh_chunks``: each chunk is in memory of its own that the source never
+    fills again, so the writer keeps it as handed, without a copy (default: the source may reuse a
+    chunk's memory).
 
-    splits: Mapping[str, Callable[[], Iterator[dict[str, np.ndarray]]]]
-    meta: dict[str, Any] = field(default_factory=dict)
-    source_key: str | None = None
-    fresh_chunks: bool = False
+    ``source_key``: a deterministic key of everything the content depends on, either
+
+    - a string, known before anything is built (cheap): a second prepare of the same source finds its
+      version by it (a record beside the manifest) without building it again; or
+    - a callable returning it, a key known only once the source is read (e.g. a hash of the bytes the
+      chunks are made of, computed as they are read): prepare builds the chunks, writes the shards the
+      store lacks and the manifest last, and a second prepare of the same source writes nothing because
+      every shard and the manifest are content-addressed (found, not written). :attr:`source_key` calls
+      it (reading the source when nothing has yet).
+    """
+
+    __slots__ = ("splits", "meta", "fresh_chunks", "_key")
+
+    def __init__(self, splits: Mapping[str, Callable[[], Iterator[dict[str, np.ndarray]]]],
+                 meta: dict[str, Any] | None = None, source_key: str | Callable[[], str] | None = None,
+                 fresh_chunks: bool = False):
+        self.splits, self.meta, self.fresh_chunks = splits, dict(meta or {}), fresh_chunks
+        self._key = source_key
+
+    @property
+    def key_known_early(self) -> bool:
+        """Whether the source key is known before the chunks are built (a string, or none)."""
+        return not callable(self._key)
+
+    @property
+    def source_key(self) -> str | None:
+        if callable(self._key):
+            return self._key()
+        return self._key
+
+    def __repr__(self) -> str:
+        return f"DatasetSource(splits={list(self.splits)}, key={'late' if callable(self._key) else self._key!r})"
 
 
 @dataclass(frozen=True)
@@ -265,17 +291,21 @@ class DatasetWriter:
 
 
 def commit_source(store, source: DatasetSource, *, shard_bytes: int = SHARD_BYTES) -> tuple[Manifest, int]:
-    """Commit ``source`` (or find the version it built before, by its ``source_key``): the manifest
-    and how many objects this call wrote (0 when the store held the dataset already)."""
-    if source.source_key:
+    """Commit ``source`` (or find the version it built before, by a ``source_key`` known early): the
+    manifest and how many objects this call wrote (0 when the store held the dataset already: a shard
+    or a manifest the store holds is never written again)."""
+    early = source.key_known_early
+    if early and source.source_key:
         found = version_of_source(store, source.source_key)
         if found is not None:
             return found, 0
 
     def record(manifest: Manifest) -> int:
         """The source's record, written with the manifest: a record whose manifest a crash lost is
-        read as no record (:func:`version_of_source` checks the manifest is there)."""
-        if not source.source_key:
+        read as no record (:func:`version_of_source` checks the manifest is there). A key known only
+        once the source is read has none: nothing could look it up before building (the shards and
+        the manifest, content-addressed, are what a second prepare finds)."""
+        if not early or not source.source_key:
             return 0
         body = json.dumps({"version": manifest.version, "source_key": source.source_key}).encode()
         return int(bool(store.write_if_absent(source_record_key(source.source_key), body)))
