@@ -1,6 +1,6 @@
 """Step 2, ``locate-latest-checkpoint``: reports the checkpoint training starts from, or none.
 
-The rule is :mod:`relaunch.components.core.checkpoint.start`'s, decided by the training's workers when they load;
+The rule is :mod:`relaunch.components.core.recovery.start`'s, decided by the training's workers when they load;
 this step reports its answer as of now (``checkpoint_uri=""``, ``step=-1``: a fresh start), and launch
 hands the answer on as ``train.resume_from``, which the rule maps to itself (or to a checkpoint committed
 since). Never cached: a cached "latest checkpoint" is a wrong one.
@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 
 from .core.checkpoint import CheckpointManager
-from .core.checkpoint.start import start_point
+from .core.recovery.start import start_point
 from .core.contract.config import RelaunchConfig
 from .core.store import open_store
 from .core.store.training_folders import pick_training, resolve_trainings

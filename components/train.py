@@ -87,8 +87,9 @@ from .core.tracking.client import tracking_uri
 from .core.store.ledger import TrainSummary  # noqa: E402
 from .core.trainer.health import PreemptionFlag, SpikeDetector, Watchdog, is_finite  # noqa: E402
 from .core.trainer.injection import Injection, wrap_store  # noqa: E402
-from .core.trainer import recovery_in_place  # noqa: E402
-from .core.trainer.recovery_in_place import InPlace  # noqa: E402
+from .core.recovery import in_place  # noqa: E402
+from .core.recovery.in_place import InPlace  # noqa: E402
+from .core.recovery.start import start  # noqa: E402
 from .core.trainer.saving import TrainerCheckpoints  # noqa: E402
 from .core.trainer import progress  # noqa: E402
 from .core.trainer.parallel import total_grad_norm
@@ -272,21 +273,14 @@ class Training:
             self.data.steps_per_epoch, self.total_steps)
 
     def resume(self) -> None:
-        warm_up = recovery_in_place.ddp_warm_up(self)  # every start alike: DDP's buckets as an uninterrupted run's
-        restored_at = None  # when the restored step was done, for a snapshot kept in memory
-        if self.inplace is not None:  # memory when every rank can serve it, else the store
-            result = self.inplace.restore(self.config, self.checkpoints.manager, self.parts, self._peers, warm_up)
-            restored, restored_at = result.restored, result.taken_at
-        else:
-            if warm_up is not None:
-                with self._peers():
-                    warm_up()
-            restored = setup.restore(self.config, self.checkpoints.manager, self.parts, self._peers)
+        # memory when every rank can serve it, else the store; DDP's buckets warmed as an uninterrupted run's
+        result = start(self.config, self.checkpoints.manager, self.parts, self._peers, memory=self.inplace,
+                       warm_up=in_place.ddp_warm_up(self))
+        restored, restored_at = result.restored, result.taken_at
         self.checkpoints.last_committed = restored.committed
         if restored.step >= 0:
-            self.step = self.resumed_from = self.checkpoints.last_saved = restored.step
-            if self.inplace is not None:  # a step from memory may not be in the store: its save is not skipped
-                self.checkpoints.last_saved = result.saved_step
+            self.step = self.resumed_from = restored.step
+            self.checkpoints.last_saved = result.saved_step  # a step from memory may not be in the store: its save is not skipped
         if self.env.is_main:
             self.phases["resume"] = time.time() - _PROCESS_START
             self.log.record.phases = self.phases

@@ -30,6 +30,7 @@ LAYERS = (
     "relaunch.components.core.checkpoint",  # the commit protocol, sharded save and load, leases, retention
     "relaunch.components.core.tracking",    # MLflow and the other trackers, lineage, goodput
     "relaunch.components.core.trainer",     # the training loop's parts
+    "relaunch.components.core.recovery",    # where a process starts: memory, the newest commit, resume_from, warm start
     "relaunch.components.core.packaging",   # the task's model as an MLflow pyfunc model
     "relaunch.components.core.tuning",      # a study of trainings: its Optuna storage, trials and their folders
     "relaunch.components.launchers",        # torchrun locally, PyTorchJob, TrainJob, Slurm

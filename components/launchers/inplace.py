@@ -18,7 +18,7 @@ follows a generation another started (a whole-group one: it restarts its workers
 - A worker killed (a signal, or 137) while others live: the agent waits ``SETTLE_SECONDS`` for the
   ones killed with it, bumps the generation in its store and starts a replacement for each of the
   same rank. The survivors, whose collectives broke, see the new generation and rejoin it in place
-  (:mod:`relaunch.components.core.trainer.recovery_in_place`); the replacement gets its state from its peer's replica.
+  (:mod:`relaunch.components.core.recovery.in_place`); the replacement gets its state from its peer's replica.
 - A worker lost before it entered its generation's rendezvous (its mark, ``joined_key``, not set: a
   replacement killed while it starts): its replacement goes into that same generation, whose
   rendezvous still waits for the rank (a new one would leave the survivors waiting in that rendezvous
@@ -33,7 +33,7 @@ Across nodes: a killed worker is replaced by its own node's agent (the survivors
 their processes); a node lost whole (its pod gone: the agent and its workers) is replaced when its agent
 starts again (the kubelet or the job's restart; the store counts each node's agents): that agent starts
 the next generation with all of its ranks, whose state comes from the replicas their peers on other
-nodes hold (:func:`relaunch.components.core.checkpoint.memory_tier.holder_of`). An ending that is not a
+nodes hold (:func:`relaunch.components.core.recovery.memory_tier.holder_of`). An ending that is not a
 restart (a permanent code, no restarts left, a signal the workers ended on) is published in the store and
 every agent ends with it.
 Node 0 hosts the store: its loss ends every agent with 138 (retry me: the job's restart starts the whole

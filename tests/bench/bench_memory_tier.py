@@ -28,7 +28,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from relaunch.components.core.checkpoint.memory_tier import MemoryTier, restore_into
+from relaunch.components.core.recovery.memory_tier import MemoryTier
+from relaunch.components.core.recovery.packing import restore_into
 from relaunch.components.core.checkpoint.snapshot import Snapshotter
 from relaunch.components.core.trainer.state import TrainingState
 from tests.services import free_port

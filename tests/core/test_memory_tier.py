@@ -20,10 +20,12 @@ import torch.distributed as dist
 
 from relaunch.components.core.checkpoint.layout import MANIFEST, step_key
 from relaunch.components.core.checkpoint.manager import CheckpointManager
-from relaunch.components.core.checkpoint.memory_tier import _HEAD, _LEN, MemoryTier, holder_of, newest_common, pack, restore_into
+from relaunch.components.core.recovery.memory_tier import MemoryTier, holder_of, newest_common
+from relaunch.components.core.recovery.packing import pack, restore_into
+from relaunch.components.core.recovery.transport import _HEAD, _LEN
 from relaunch.components.core.checkpoint.snapshot import Snapshotter
 from relaunch.components.core.store import open_store
-from relaunch.components.core.trainer.recovery_in_place import CountingStore, StepSnapshots
+from relaunch.components.core.recovery.in_place import CountingStore, StepSnapshots
 from tests.core.helpers import assert_bitwise_equal, fingerprint, make_state, train_steps
 from tests.core.store_hooks import Partition
 from tests.services import free_port

@@ -72,7 +72,7 @@ def test_a_background_populate_beside_a_writer_never_changes_a_byte():
 def test_a_payload_made_on_another_thread_is_zeros_with_its_pages_resident():
     """The memory tier's buffers made off the main thread (a peer's put, a snapshot) are populated by the
     kernel rather than by a threaded fill: still all zeros, every whole page present."""
-    from relaunch.components.core.checkpoint.memory_tier import new_payload
+    from relaunch.components.core.recovery.packing import new_payload
 
     made: list = []
     worker = threading.Thread(target=lambda: made.append(new_payload(64 * MIB)))

@@ -13,11 +13,11 @@ from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, RESOURCE_DOES_
 
 from relaunch.components import locate
 from relaunch.components.core.checkpoint import CheckpointManager, step_key
-from relaunch.components.core.checkpoint.start import start_point
+from relaunch.components.core.recovery.start import start, start_point
 from relaunch.components.core.contract.config import RelaunchConfig
 from relaunch.components.core.contract.errors import BadInput, TransientFailure
 from relaunch.components.core.tracking.warm_start import warm_start_checkpoint
-from relaunch.components.core.trainer.setup import ModelParts, restore
+from relaunch.components.core.trainer.setup import ModelParts
 from relaunch.components.core.trainer.state import ModelWeights
 from relaunch.components.launchers.jobs import worker_config
 from tests.core.helpers import make_state, train_steps
@@ -93,11 +93,11 @@ def test_the_registry_answer_is_classified_by_its_error_code(monkeypatch, tmp_pa
 
 
 def _worker_restores(config: RelaunchConfig, seed: int):
-    """What a (re)started worker does: its manager, the rule, the load (trainer.setup.restore)."""
+    """What a (re)started worker does: its manager, the rule, the load (recovery.start.start, no memory tier)."""
     state = make_state(seed=seed)
     parts = ModelParts(state.model, state.model, state.optimizer, state.scheduler, state.scaler, state)
     with CheckpointManager(config.store.uri, owner="start-test", async_save=False) as mgr:
-        return restore(config, mgr, parts, contextlib.nullcontext), state
+        return start(config, mgr, parts, contextlib.nullcontext).restored, state
 
 
 def test_the_worker_starts_where_locate_reported_and_a_restart_within_the_launch_from_the_newer_commit(tmp_path):

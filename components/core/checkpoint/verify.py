@@ -1,5 +1,7 @@
 """Is a checkpoint intact? Three depths, from cheap to full.
 
+- :func:`checked_step`: :func:`check_files` of a checkpoint named by its URI (a ``train.resume_from``, a
+  registered model's), and that it holds the task's model.
 - :func:`check_files` (``latest()``): the manifest parses and every file it lists exists with its
   size. One listing of the step directory, no data read: O(1) requests whatever the size.
 - the read itself (formats 2 and 3): every chunk a rank reads is checked against its XXH3-128 digest in the
@@ -18,11 +20,11 @@ import bisect
 import concurrent.futures
 import hashlib
 import os
-from typing import Any
+from typing import Any, Callable
 
-from .layout import step_key
-from ..contract.errors import CorruptCheckpoint
-from ..store import Segments, Store
+from .layout import parse_checkpoint_uri, read_manifest, step_key
+from ..contract.errors import BadInput, CorruptCheckpoint
+from ..store import Segments, Store, open_store
 
 DIGEST = "xxh3_128"
 # An item is digested in chunks of at most this size. Reads are larger (REQUEST_BYTES) and check
@@ -233,3 +235,26 @@ def _read(store: Store, key: str, name: str, offset: int, view: memoryview) -> N
 
 
 __all__ = ["DIGEST", "CHUNK_BYTES", "REQUEST_BYTES", "ChunkDigests", "chunk_spans", "check_files", "deep_verify", "digest"]
+
+
+def checked_step(uri: str, fingerprint: Callable[[], str] | None = None) -> int:
+    """The step of the committed checkpoint at ``uri``, after an O(1) check (manifest, files and
+    sizes); with ``fingerprint``, also that it holds the model this task builds.
+
+    Raises:
+        BadInput: not a committed relaunch checkpoint (or unreadable), or another model.
+    """
+    store_uri, step = parse_checkpoint_uri(uri)
+    store = open_store(store_uri)
+    try:
+        manifest = read_manifest(store, step)
+        check_files(store, step, manifest)
+    except (CorruptCheckpoint, FileNotFoundError) as err:
+        raise BadInput(f"train.resume_from: {uri!r} is not a committed relaunch checkpoint ({err})") from None
+    theirs = manifest.get("model_fingerprint")
+    if fingerprint is not None and theirs:
+        mine = fingerprint()
+        if theirs != mine:
+            raise BadInput(f"train.resume_from: {uri!r} holds another model (fingerprint {theirs}, the task "
+                           f"builds {mine}); check train.task and its sizes")
+    return step

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..checkpoint import CheckpointManager, parse_checkpoint_uri
 from ..checkpoint.fingerprint import model_fingerprint
-from ..checkpoint.start import checked_step
+from ..checkpoint.verify import checked_step
 from ..contract.config import RelaunchConfig
 from ..contract.errors import BadInput
 from ..store import open_store

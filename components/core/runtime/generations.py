@@ -1,5 +1,5 @@
 """The names the in-place agent (:mod:`relaunch.components.launchers.inplace`) and its workers
-(:mod:`relaunch.components.core.trainer.recovery_in_place`) share: a generation is one rendezvous round of a
+(:mod:`relaunch.components.core.recovery.in_place`) share: a generation is one rendezvous round of a
 worker group that keeps its survivors (no torch here: the local launcher imports it)."""
 
 GENERATION_ENV = "RELAUNCH_INPLACE_GENERATION"

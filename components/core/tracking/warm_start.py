@@ -1,7 +1,7 @@
 """The registry's side of a warm start: the checkpoint behind ``train.warm_start_model``.
 
-The start-point rule (:mod:`relaunch.components.core.checkpoint.start`) is given :func:`warm_start_checkpoint`
-as its lookup by the steps and the trainer, so that the checkpoint room imports nothing of tracking.
+The start-point rule (:mod:`relaunch.components.core.recovery.start`) looks it up here when
+``train.warm_start_model`` is set.
 """
 
 from __future__ import annotations

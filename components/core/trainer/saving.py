@@ -100,7 +100,7 @@ class TrainerCheckpoints:
 
     def rejoin(self, manager, state, restored, attempt: int) -> None:
         """After an in-place recovery: the new group's ``manager``, the ``state`` it saves, the step
-        ``restored`` (a :class:`~relaunch.components.core.trainer.setup.Restored`); a save pending
+        ``restored`` (a :class:`~relaunch.components.core.recovery.start.Restored`); a save pending
         when the peer died was given up with the old manager."""
         self.manager, self.state, self.attempt = manager, state, attempt
         self._saving = None

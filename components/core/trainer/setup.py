@@ -1,9 +1,10 @@
-"""What one attempt of the training builds before its loop, and where it starts.
+"""What one attempt of the training builds before its loop.
 
 Build, then act: :func:`check_world_size`, :func:`seed`, :func:`load_data` (this rank's loader over the
 committed dataset, the global-batch arithmetic), :func:`build_model` (model, parallel wrapper, optimiser, scheduler, AMP scaler and the
 checkpointed :class:`~relaunch.components.core.trainer.state.TrainingState`), :func:`open_checkpoints` (the manager,
-one writer identity per training) and :func:`restore` (the start point every rank agrees on, loaded).
+one writer identity per training). Where it starts is the recovery room's
+(:func:`relaunch.components.core.recovery.start.start`).
 The loop itself is :class:`relaunch.components.train.Training`'s.
 """
 
@@ -12,17 +13,15 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..checkpoint import CheckpointManager
 from ..checkpoint.fingerprint import model_fingerprint
-from ..checkpoint.start import start_point
 from ..contract.errors import BadInput
 from ..data import TrainData, commit_task_data, open_split, open_training_data, own_dataset
-from ..tracking.warm_start import warm_start_checkpoint
 
 
 def seed(config) -> None:
@@ -190,36 +189,3 @@ def open_checkpoints(config, store, run_id: str | None, module: torch.nn.Module)
         manager.close()
         raise
     return manager
-
-
-@dataclass
-class Restored:
-    """Where this attempt starts: ``uri`` ("" for a fresh start), the checkpoint loaded as the newest
-    committed one (None otherwise), and the step the training continues from (-1: from scratch)."""
-
-    uri: str
-    committed: Any
-    step: int
-
-
-def restore(config, manager, parts: ModelParts, peers: Callable[[], Any]) -> Restored:
-    """Decide the start point and load it on every rank: the whole training state, or the model's
-    weights alone for a warm start. The decision is this, at this moment (rank 0 decides, every rank
-    gets it): :func:`~relaunch.components.core.checkpoint.start.start_point`'s rule, so a group torchrun restarted
-    resumes from the newest commit, whatever the locate step reported before. ``peers()`` wraps the
-    collectives (a peer dying in them is a retryable failure)."""
-    from .state import ModelWeights
-
-    with peers():
-        start = start_point(config, manager, warm_start_lookup=warm_start_checkpoint)
-    uri, committed = start.uri, None
-    with peers():
-        if start.weights_only:
-            manager.load(ModelWeights(parts.module), uri=uri)
-        elif start.source == "latest":  # a checkpoint found damaged while read: the previous one, together
-            committed = manager.load(parts.state)
-            uri = committed.uri if committed is not None else ""
-        elif uri:
-            manager.load(parts.state, uri=uri)
-    step = int(parts.state.step) if uri and not start.weights_only else -1
-    return Restored(uri, committed, step)

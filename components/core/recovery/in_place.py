@@ -3,7 +3,8 @@
 
 Each rank keeps its state in the tier: a snapshot every few steps taken beside the training
 (:class:`StepSnapshots`; the ranks agree on which steps in the step's own all-reduce) and each save's,
-the newer kept. Every start, first or replacement, restores through :meth:`InPlace.restore`: the ranks
+the newer kept. Every start, first or replacement, goes through the recovery room's one start
+(:func:`relaunch.components.core.recovery.start.start`), whose memory step is :meth:`InPlace.from_memory`: the ranks
 agree on one step that every rank can serve from memory (its own snapshot, or a replacement's replica from its
 holder), else every rank reads the store (a fresh training, a whole group restarted, a rank and its
 replica's holder lost together). A survivor of a killed peer does not exit: :meth:`InPlace.recover`
@@ -31,7 +32,6 @@ from typing import Any, Callable
 import torch
 
 from ..checkpoint.layout import MANIFEST, PREFIX, checkpoint_steps, step_key
-from ..checkpoint.memory_tier import MemoryTier, newest_common, restore_into
 from ..contract.config import memory_tier_on
 from ..contract.events import Kind, emit
 from ..runtime import distributed as distr
@@ -40,9 +40,12 @@ from ..contract.errors import RelaunchError, TransientFailure, error_for
 from ..runtime import causes
 from ..runtime.generations import (GENERATION_ENV, GENERATION_KEY, NODE_ADDRESS_ENV, generation_key,
                                                           recovering_key)
-from . import setup
-from .injection import Injection
-from .state import rng_now, rng_state
+from ..trainer import setup
+from ..trainer.injection import Injection
+from ..trainer.state import rng_now, rng_state
+from .memory_tier import MemoryTier, newest_common
+from .packing import restore_into
+from .start import Restored, Start, start
 
 ABANDON_SECONDS = 30.0
 POLL_SECONDS = 0.01  # a survivor looks this often for the agent's next generation (and for why none comes)
@@ -202,20 +205,6 @@ class StepSnapshots:
                 self.idle.set()
 
 
-@dataclasses.dataclass
-class Restore:
-    """How a start restored: ``source`` "memory" or "store", the step, the store bytes read."""
-
-    restored: Any  # setup.Restored
-    source: str
-    detail: str
-    store_bytes_read: int
-    seconds: float
-    taken_at: float | None = None  # when the restored step was done (a snapshot's), if known
-    saved_step: int = -1  # the newest step at or before it committed in the store (a memory step may be none:
-    # the save of the training's last step, its peer lost before the commit, must not be skipped as done)
-
-
 class InPlace:
     """One worker's in-place recovery: its memory tier, and the recovery of a survivor."""
 
@@ -227,7 +216,7 @@ class InPlace:
                                host=os.environ.get(NODE_ADDRESS_ENV) or "127.0.0.1", per_node=env.local_world_size)
         every = config.train.memory_snapshot_every_steps
         self.snapshots = StepSnapshots(self.tier, every) if every != 0 else None
-        self.recoveries: list[Restore] = []
+        self.recoveries: list[Start] = []
 
     @classmethod
     def for_worker(cls, config, env: distr.DistEnv, store: Any) -> "InPlace | None":
@@ -264,17 +253,21 @@ class InPlace:
         if self.snapshots is not None:
             self.snapshots.before_optimizer_step()
 
-    def restore(self, config, manager, parts, peers: Callable[[], Any],
-                warm_up: Callable[[], None] | None = None) -> Restore:
-        """Where this start continues from, agreed by every rank (collective): memory at the newest step
-        that every rank can serve from it (its own snapshots, or a replacement's replicas on its holder:
-        the one before the newest when a rank was lost handing the newest over) when no later step is
-        committed in the store, else the store's start point (:func:`setup.restore`). ``warm_up``
-        (:func:`ddp_warm_up`) runs first."""
-        began, read_before = time.perf_counter(), self.store.bytes_read
-        if warm_up is not None:
-            with peers():
-                warm_up()
+    @property
+    def bytes_read(self) -> int:
+        """Bytes this worker has read from the store."""
+        return self.store.bytes_read
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    def from_memory(self, manager, parts, peers: Callable[[], Any]) -> tuple[Start | None, str]:
+        """The memory step of :func:`~relaunch.components.core.recovery.start.start` (collective): restore
+        the newest step that every rank can serve from the tier (its own snapshots, or a replacement's
+        replicas on its holder: the one before the newest when a rank was lost handing the newest over)
+        when no later step is committed in the store. ``(None, why)`` when the store must serve: then
+        what the tier kept is dropped (the training goes back to an older step)."""
         tags, where = self.tier.servable()
         with peers():
             gathered = [None] * self.env.world_size
@@ -291,27 +284,16 @@ class InPlace:
             saved = float(max([s for s in committed if s <= step], default=-1))
         with peers():
             missing, saved = distr.all_reduce_sum([missing, saved])
-        servable = step >= 0 and missing == 0
-        if servable:
-            state = parts.state
-            live = self.snapshots.live_tensors() if self.snapshots is not None and self.snapshots.state is state else None
-            restore_into(state, *held, live=live)
-            self.tier.forget_after(step)
-            parts.optimizer.zero_grad(set_to_none=True)
-            restored = setup.Restored(f"memory://step-{step}", None, int(state.step))
-            source, detail = "memory", where
-            saved_step = int(saved)
-        else:
+        if step < 0 or missing != 0:
             self.tier.drop_own()
-            restored = setup.restore(config, manager, parts, peers)
-            saved_step = restored.step
-            source, detail = "store", "the tier cannot serve every rank" if any(gathered) else ""
-        result = Restore(restored, source, detail, self.store.bytes_read - read_before, time.perf_counter() - began,
-                         held[0].get("taken_at") if servable else None, saved_step)
-        print(f"relaunch: rank {self.env.rank} (pid {os.getpid()}) restored step {restored.step} from {source}"
-              f"{' (' + detail + ')' if detail else ''}; {result.store_bytes_read} bytes read from the store",
-              file=sys.stderr, flush=True)
-        return result
+            return None, "the tier cannot serve every rank" if any(gathered) else ""
+        state = parts.state
+        live = self.snapshots.live_tensors() if self.snapshots is not None and self.snapshots.state is state else None
+        restore_into(state, *held, live=live)
+        self.tier.forget_after(step)
+        parts.optimizer.zero_grad(set_to_none=True)
+        restored = Restored(f"memory://step-{step}", None, int(state.step))
+        return Start(restored, "memory", where, 0, 0.0, held[0].get("taken_at"), int(saved)), where
 
     # ---- a survivor
 
@@ -359,7 +341,7 @@ class InPlace:
         training.parts = parts = _rewrapped(self.config, training, parts)
         manager = setup.open_checkpoints(self.config, training.store, training.run_id, parts.module)
         self.attach(manager, parts.state)
-        result = self.restore(self.config, manager, parts, training._peers, ddp_warm_up(training))
+        result = start(self.config, manager, parts, training._peers, memory=self, warm_up=ddp_warm_up(training))
         if result.restored.step < 0:
             # nothing held in memory by every rank and nothing committed: the replacement starts from scratch,
             # but this process's state is past the start; the agent restarts the whole group (138) instead
@@ -439,7 +421,7 @@ def _rewrapped(config, training: Any, parts: Any) -> Any:
     """The survivor's model parts over the new process group, as the replacement builds them (the same
     collectives): DDP re-wrapped around the module and optimizer this process holds; FSDP2, whose
     parameters are bound to the old group's mesh, built anew (restored from memory all the same)."""
-    from .parallel import wrap_model
+    from ..trainer.parallel import wrap_model
 
     t = config.train
     if t.parallelism == "ddp":
