@@ -256,12 +256,16 @@ class DatasetWriter:
         self._inflight.append(self._pool.submit(put_shard, self.store, key, payload))
 
     def _wait(self) -> None:
-        """Every shard submitted written (its error raised here), the threads ended."""
+        """Every shard submitted written (its error raised here, once the writes in flight ended)."""
         try:
             while self._inflight:
                 self.written += self._inflight.pop(0).result()
-        finally:
+        except BaseException:
             self.close()
+            raise
+        if self._pool is not None:  # every write returned: its idle threads end by themselves, not joined first
+            self._pool.shutdown(wait=False)
+            self._pool = None
 
     def close(self) -> None:
         """End the writing threads (waiting for the writes in flight); idempotent."""
@@ -283,14 +287,19 @@ class DatasetWriter:
                            "check its data source")
         manifest = Manifest("", self.fields, self.splits, self.meta)
         manifest.version = content_version(manifest.body())
+        if also is None:
+            self._write_manifest(manifest)
+            return manifest
         with ThreadPoolExecutor(1, thread_name_prefix="dataset-record") as pool:
-            beside = pool.submit(also, manifest) if also is not None else None  # its fsync overlaps the manifest's
-            if not self.store.exists(manifest_key(manifest.version)):
-                self.store.write_bytes(manifest_key(manifest.version), manifest.to_json())
-                self.written += 1
-            if beside is not None:
-                self.written += beside.result()
+            beside = pool.submit(also, manifest)  # its fsync overlaps the manifest's
+            self._write_manifest(manifest)
+            self.written += beside.result()
         return manifest
+
+    def _write_manifest(self, manifest: Manifest) -> None:
+        if not self.store.exists(manifest_key(manifest.version)):
+            self.store.write_bytes(manifest_key(manifest.version), manifest.to_json())
+            self.written += 1
 
 
 def commit_source(store, source: DatasetSource, *, shard_bytes: int = SHARD_BYTES) -> tuple[Manifest, int]:
@@ -308,8 +317,6 @@ def commit_source(store, source: DatasetSource, *, shard_bytes: int = SHARD_BYTE
         read as no record (:func:`version_of_source` checks the manifest is there). A key known only
         once the source is read has none: nothing could look it up before building (the shards and
         the manifest, content-addressed, are what a second prepare finds)."""
-        if not early or not source.source_key:
-            return 0
         body = json.dumps({"version": manifest.version, "source_key": source.source_key}).encode()
         return int(bool(store.write_if_absent(source_record_key(source.source_key), body)))
 
@@ -319,7 +326,7 @@ def commit_source(store, source: DatasetSource, *, shard_bytes: int = SHARD_BYTE
             for chunk in chunks():
                 writer.add(split, chunk, fresh=source.fresh_chunks)
             writer.splits.setdefault(split, [])
-        manifest = writer.commit(also=record)
+        manifest = writer.commit(also=record if early and source.source_key else None)
     finally:
         writer.close()
     return manifest, writer.written
