@@ -7,7 +7,12 @@ so that agents and ranks do not each import torch and DCP again (most of a small
 ``--no-python``); the process started is always a plain ``subprocess.Popen`` of that client, which
 ends as its forked process does. Anything else, a machine without the zygote's pidfds, or
 ``RELAUNCH_TEST_COLD=1`` (the CI's cold lane, .ci/run) runs the command as given: fresh interpreters
-all the way down, as on a cluster with the warm runtime off."""
+all the way down, as on a cluster with the warm runtime off.
+
+:func:`shared_steps_env` gives the ``relaunch run`` of a test (tests/cli.py) the session's shared warm step
+servers (:func:`relaunch.pipelines.local.warm_steps.start_shared`): one light and one full server per
+session (per xdist worker), started at the first run, so that each run forks its steps instead of
+starting two servers that import kfp, MLflow and torch again (~17 s of CPU a run)."""
 
 from __future__ import annotations
 
@@ -25,6 +30,9 @@ COLD_ENV = "RELAUNCH_TEST_COLD"
 _WORKERS = ("tests.core.fsdp_worker", "tests.core.resume_worker", "relaunch.components.tasks.digits", "tests.core.warm_child")
 _zygote: Zygote | None = None
 _dir: tempfile.TemporaryDirectory | None = None
+_steps_dir: tempfile.TemporaryDirectory | None = None
+_steps_servers: list = []
+_SESSION_ENV = dict(os.environ)  # the session's, before any test changes its own (HOME, MLFLOW_*, a folder)
 
 
 def cold() -> bool:
@@ -42,9 +50,33 @@ def _session_zygote() -> Zygote:
     return _zygote
 
 
+def shared_steps_env() -> dict[str, str]:
+    """``{RELAUNCH_WARM_SERVERS: <folder>}`` of the session's shared warm step servers (started now if
+    they are not running); ``{}`` when the tests run cold."""
+    global _steps_dir, _steps_servers
+    from relaunch.pipelines.local.warm_steps import SHARED_ENV, start_shared, supported
+
+    if cold() or not supported():
+        return {}
+    if not _steps_servers or any(server.process.poll() is not None for server in _steps_servers):
+        for server in _steps_servers:
+            server.close()
+        if _steps_dir is None:
+            _steps_dir = tempfile.TemporaryDirectory(prefix="relaunch-test-steps-")
+        log = open(Path(_steps_dir.name, "servers.log"), "a")  # noqa: SIM115 - lives as long as the servers
+        _steps_servers = start_shared(_steps_dir.name, log, cwd=str(ROOT), env=_SESSION_ENV)
+    return {SHARED_ENV: _steps_dir.name}
+
+
 def stop() -> None:
-    """End the session's zygote (conftest calls this when the session finishes)."""
-    global _zygote, _dir
+    """End the session's zygote and shared step servers (conftest calls this when the session finishes)."""
+    global _zygote, _dir, _steps_dir, _steps_servers
+    for server in _steps_servers:
+        server.close()
+    _steps_servers = []
+    if _steps_dir is not None:
+        _steps_dir.cleanup()
+        _steps_dir = None
     if _zygote is not None:
         _zygote.close()
         _zygote = None

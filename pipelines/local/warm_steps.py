@@ -21,7 +21,16 @@ for the steps marked :attr:`relaunch.pipelines.spec.Step.uses_torch` (launch, ev
 workers through per-node zygotes (:mod:`relaunch.components.core.runtime.zygote`), never as forks of itself.
 ``relaunch run --cold`` starts no server: every process is a fresh interpreter, as on a cluster.
 
-    python -m relaunch.pipelines.local.warm_steps FD light|full|none ZYGOTE_SOCKET|- [MODULE ...]   # what WarmSteps starts
+Shared servers (the test suite's): with :data:`SHARED_ENV` naming a directory where :func:`start_shared`
+started a light and a full server, a run connects to those instead of starting its own (the imports are
+then paid once per test session, not once per run). Each run is its own connection; each step is still a
+fresh fork with the run's environment, working directory (first on ``sys.path``, as ``python -m`` puts
+it) and output, and the torchrun workers are forks of the shared full server's zygote. A run whose
+``PYTHONPATH`` differs from the servers', or that cannot connect, starts its own servers. The steps of
+a run that closed its connection get :data:`STOP_GRACE_SECONDS`, then are killed. Shared steps are not
+the run's descendants: a run that is interrupted or killed from outside must use its own servers.
+
+    python -m relaunch.pipelines.local.warm_steps FD light|full|none ZYGOTE_SOCKET|- CLIENTS_SOCKET|- [MODULE ...]
 """
 
 from __future__ import annotations
@@ -70,6 +79,13 @@ SERVER_IMPORTS = {"light": LIGHT_IMPORTS, "full": (*TORCH_IMPORTS, *LIGHT_IMPORT
 STOP_GRACE_SECONDS = 25.0
 """Once the run closed a server, how long its steps still running get (the launch step stops its agents
 in up to 20 s) before they are killed."""
+
+SHARED_ENV = "RELAUNCH_WARM_SERVERS"
+"""A directory holding the sockets of shared warm servers (:func:`start_shared`): ``relaunch run`` then
+forks its steps from those (see the module's note)."""
+_SHARED_SOCKETS = {"light": "light.sock", "full": "full.sock"}
+_SHARED_ZYGOTE = "zygote.sock"
+_SHARED_PYTHONPATH = "pythonpath"
 
 _HEADER = struct.Struct("!Q")
 _SCRIPT_MARKERS = ('"$program_path/ephemeral_component.py"', "kfp.dsl.executor_main", '"$@"')
@@ -153,20 +169,20 @@ class WarmServer:
     ``zygote_socket`` it also answers zygote clients there (:mod:`relaunch.components.core.runtime.zygote`)."""
 
     def __init__(self, imports: str, log, extra_imports: tuple[str, ...] = (), cwd: str | None = None,
-                 zygote_socket: str | None = None):
+                 zygote_socket: str | None = None, clients_socket: str | None = None, env: dict[str, str] | None = None):
         self.control, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._lock = threading.Lock()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "relaunch.pipelines.local.warm_steps", str(server_end.fileno()), imports,
-             zygote_socket or "-", *extra_imports],
+             zygote_socket or "-", clients_socket or "-", *extra_imports],
             pass_fds=(server_end.fileno(),), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
-            env={**os.environ, **SINGLE_THREAD_ENV})
+            env={**(os.environ if env is None else env), **SINGLE_THREAD_ENV})
         server_end.close()
 
     def start(self, request: dict, fds: list[int]) -> RemoteProcess | None:
         """Have the server fork a child for ``request``, passing it ``fds`` (its output); None when
         the server is gone (the caller then starts the process cold)."""
-        if self.process.poll() is not None:
+        if not self.alive():
             return None
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         body = json.dumps(request).encode()
@@ -190,6 +206,9 @@ class WarmServer:
         child.pid = int(answer["pid"])
         return child
 
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.control.close()
@@ -200,14 +219,87 @@ class WarmServer:
             self.process.wait()
 
 
+class SharedServer(WarmServer):
+    """A connection to a shared server (:func:`start_shared`): the same requests; closing it leaves the
+    server running (the steps of this connection still running get :data:`STOP_GRACE_SECONDS`)."""
+
+    def __init__(self, socket_path: str):  # noqa: D107 - no process of our own
+        self.control = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._lock = threading.Lock()
+        try:
+            self.control.connect(socket_path)
+        except OSError:
+            self.control.close()
+            raise
+
+    def alive(self) -> bool:
+        return self.control.fileno() >= 0
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.control.close()
+
+
+def shared_servers(env: dict[str, str] | None = None) -> tuple[dict[str, WarmServer], str] | None:
+    """``({"light": ..., "full": ...}, zygote socket)`` connected to the shared servers that
+    :data:`SHARED_ENV` names in ``env`` (this process's environment by default), or None: none named,
+    one gone, or their ``PYTHONPATH`` is not ours (a fork keeps its server's ``sys.path``)."""
+    env = os.environ if env is None else env
+    folder = env.get(SHARED_ENV)
+    if not folder:
+        return None
+    try:
+        if Path(folder, _SHARED_PYTHONPATH).read_text() != env.get("PYTHONPATH", ""):
+            return None
+    except OSError:
+        return None
+    servers: dict[str, WarmServer] = {}
+    try:
+        for kind, name in _SHARED_SOCKETS.items():
+            servers[kind] = SharedServer(os.path.join(folder, name))
+    except OSError:
+        for server in servers.values():
+            server.close()
+        return None
+    return servers, os.path.join(folder, _SHARED_ZYGOTE)
+
+
+def start_shared(folder: str, log, imports: str | None = None, extra_imports: tuple[str, ...] = (),
+                 cwd: str | None = None, env: dict[str, str] | None = None) -> list[WarmServer]:
+    """Start a light and a full server that any number of runs share through :data:`SHARED_ENV` =
+    ``folder`` (their sockets are made there), in ``cwd`` with ``env`` (this process's by default); close
+    them with :meth:`WarmServer.close`. ``imports`` ("none" for the tests of the servers) replaces what
+    each imports."""
+    env = dict(os.environ if env is None else env)
+    Path(folder, _SHARED_PYTHONPATH).write_text(env.get("PYTHONPATH", ""))
+    servers = [WarmServer(imports or kind, log, extra_imports, cwd=cwd, env=env, clients_socket=os.path.join(folder, name),
+                          zygote_socket=os.path.join(folder, _SHARED_ZYGOTE) if kind == "full" else None)
+               for kind, name in _SHARED_SOCKETS.items()]
+    for server, name in zip(servers, _SHARED_SOCKETS.values()):  # listening (before its imports) once it returns
+        while server.alive():
+            with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.connect(os.path.join(folder, name))
+                break
+            time.sleep(0.05)
+    return servers
+
+
 class WarmSteps:
     """The client side, in ``relaunch run``: starts the servers, runs steps through them, stops them.
     The full server is also the run's zygote: the launch step's torchrun workers are forks of it."""
 
-    def __init__(self, *, log_path: Path, extra_imports: tuple[str, ...] = ()):
+    def __init__(self, *, log_path: Path, extra_imports: tuple[str, ...] = (), share: bool = True):
+        """``share``: connect to the shared servers :data:`SHARED_ENV` names, when there are usable ones."""
+        self._log_path = log_path
+        self._dir = None
+        shared = shared_servers() if share else None
+        if shared is not None:
+            self._servers, self.zygote_socket = shared
+            self.shared = True
+            return
+        self.shared = False
         self._dir = tempfile.TemporaryDirectory(prefix="relaunch-warm-")
         self.zygote_socket = os.path.join(self._dir.name, "zygote.sock")
-        self._log_path = log_path
         with open(log_path, "a") as log:
             self._servers = {kind: WarmServer(kind, log, extra_imports,
                                               zygote_socket=self.zygote_socket if kind == "full" else None)
@@ -235,13 +327,15 @@ class WarmSteps:
 
     @property
     def pids(self) -> list[int]:
-        """The servers' pids: the run stops their steps, never them (they end when closed)."""
-        return [server.process.pid for server in self._servers.values()]
+        """The servers' pids: the run stops their steps, never them (they end when closed); none when shared
+        (they are not the run's children)."""
+        return [] if self.shared else [server.process.pid for server in self._servers.values()]
 
     def close(self) -> None:
         for server in self._servers.values():
             server.close()
-        self._dir.cleanup()
+        if self._dir is not None:
+            self._dir.cleanup()
 
 
 def relay_output(output, log_path: Path | None) -> None:
@@ -300,15 +394,23 @@ def _reap(pid: int, status: socket.socket, temp_dir: str | None) -> None:
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def serve(control: socket.socket, imports: tuple[str, ...], zygote_socket: str | None = None) -> Job | None:
+def serve(control: socket.socket, imports: tuple[str, ...], zygote_socket: str | None = None,
+          clients_socket: str | None = None) -> Job | None:
     """Import ``imports``, then fork a child per request until the control socket closes; then wait for
     the children still running (:data:`STOP_GRACE_SECONDS`, then kill them) and report how each ended.
     With ``zygote_socket``, also fork a worker per zygote client there; in such a fork, returns its
-    :class:`~relaunch.components.core.runtime.zygote.Job`."""
+    :class:`~relaunch.components.core.runtime.zygote.Job`. With ``clients_socket``, also take the requests
+    of any number of shared clients connecting there (:class:`SharedServer`); the children of one that
+    left get :data:`STOP_GRACE_SECONDS`, then are killed."""
     running: dict[int, tuple[int, socket.socket, str | None]] = {}  # pidfd -> (pid, status socket, temp dir)
+    requested_on: dict[int, socket.socket] = {}  # pidfd -> the shared client's connection that asked for it
+    left: dict[int, float] = {}  # pidfd -> when its shared client left
+    clients: list[socket.socket] = []
+    listener = listen(clients_socket) if clients_socket else None
     workers = None
     if zygote_socket:  # listening before the imports: an early client waits in the backlog
-        workers = ForkServer(listen(zygote_socket), lambda: [control, *(sock for _, sock, _ in running.values())])
+        workers = ForkServer(listen(zygote_socket), lambda: [control, *([listener] if listener else []), *clients,
+                                                             *(sock for _, sock, _ in running.values())])
     os.environ.setdefault("MPLBACKEND", "Agg")
     gc.disable()  # imports allocate millions of objects that live as long as the process: ~20% faster
     for name in imports:
@@ -321,10 +423,18 @@ def serve(control: socket.socket, imports: tuple[str, ...], zygote_socket: str |
     closing_since: float | None = None
     while running or (workers and workers.running) or closing_since is None:
         timeout = None if closing_since is None else max(0.0, closing_since + STOP_GRACE_SECONDS - time.monotonic())
-        watched = [*([control] if closing_since is None else []), *running, *(workers.selectable() if workers else [])]
+        if left:
+            grace = max(0.0, min(left.values()) + STOP_GRACE_SECONDS - time.monotonic())
+            timeout = grace if timeout is None else min(timeout, grace)
+        listening = [control, *([listener] if listener else []), *clients] if closing_since is None else []
+        watched = [*listening, *running, *(workers.selectable() if workers else [])]
         ready, _, _ = select.select(watched, [], [], timeout)
-        if not ready and closing_since is not None:  # the grace period is over
-            for pid, _, _ in running.values():
+        for pidfd in [fd for fd, since in left.items() if time.monotonic() >= since + STOP_GRACE_SECONDS]:
+            left.pop(pidfd)
+            with contextlib.suppress(ProcessLookupError):  # its client left and its grace is over
+                os.kill(running[pidfd][0], signal.SIGKILL)
+        if not ready and closing_since is not None and time.monotonic() >= closing_since + STOP_GRACE_SECONDS:
+            for pid, _, _ in running.values():  # the grace period is over
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             if workers:
@@ -332,44 +442,63 @@ def serve(control: socket.socket, imports: tuple[str, ...], zygote_socket: str |
             closing_since = -STOP_GRACE_SECONDS  # wait for them to die, without a further timeout
             continue
         for fd in ready:
-            if fd is control:
-                received = _receive(control)
-                if received is None:
+            if fd is control or fd in clients:
+                received = _receive(fd)
+                if received is None and fd is control:
                     closing_since = time.monotonic()
-                    continue
-                request, (status_fd, *output_fds) = received
-                status = socket.socket(fileno=status_fd)
-                refused = single_threaded()
-                if refused:
-                    _send(status, {"refused": refused})
-                    status.close()
+                elif received is None:  # a shared client left: its steps still running get their grace
+                    clients.remove(fd)
+                    fd.close()
+                    left.update((pidfd, time.monotonic()) for pidfd, conn in requested_on.items() if conn is fd)
+                else:
+                    request, (status_fd, *output_fds) = received
+                    status = socket.socket(fileno=status_fd)
+                    refused = single_threaded()
+                    if fd is not control and request.get("env", {}).get("PYTHONPATH", "") != os.environ.get("PYTHONPATH", ""):
+                        refused = "the step's PYTHONPATH differs from the shared server's"
+                    if refused:
+                        _send(status, {"refused": refused})
+                        status.close()
+                        for output_fd in output_fds:
+                            os.close(output_fd)
+                        continue
+                    pid, temp_dir = _fork(request, output_fds)
                     for output_fd in output_fds:
                         os.close(output_fd)
-                    continue
-                pid, temp_dir = _fork(request, output_fds)
-                for output_fd in output_fds:
-                    os.close(output_fd)
-                _send(status, {"pid": pid})
-                running[os.pidfd_open(pid)] = (pid, status, temp_dir)
+                    _send(status, {"pid": pid})
+                    pidfd = os.pidfd_open(pid)
+                    running[pidfd] = (pid, status, temp_dir)
+                    if fd is not control:
+                        requested_on[pidfd] = fd
+            elif fd is listener:
+                clients.append(listener.accept()[0])
             elif isinstance(fd, int) and fd in running:
                 pid, status, temp_dir = running.pop(fd)
+                requested_on.pop(fd, None)
+                left.pop(fd, None)
                 os.close(fd)
                 _reap(pid, status, temp_dir)
             else:
                 job = workers.handle(fd)
                 if job is not None:
                     return job
-    if workers:
-        workers.listener.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(zygote_socket)
+    for sock in (listener, workers.listener if workers else None):
+        if sock is not None:
+            sock.close()
+    for path in (clients_socket, zygote_socket):
+        if path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
     return None
 
 
 def _fork(request: dict, output_fds: list[int]) -> tuple[int, str | None]:
     """Fork the child ``request`` asks for: its pid, and a directory to remove when it has ended."""
     if request["kind"] == "kfp":  # what kfp's lightweight-component script does, in a fork
-        source_dir = tempfile.mkdtemp()
+        try:  # in the run's TMPDIR, as a cold step's (a shared server's own may be another)
+            source_dir = tempfile.mkdtemp(dir=request["env"].get("TMPDIR") or None)
+        except OSError:  # not a usable folder: where Python falls back to
+            source_dir = tempfile.mkdtemp()
         path = Path(source_dir, "ephemeral_component.py")
         path.write_text(request["source"])
         return fork_module("kfp.dsl.executor_main", ["--component_module_path", str(path), *request["args"]],
@@ -387,7 +516,8 @@ def main(argv: list[str]) -> None:
     # before they commit. If the run dies, its guardian ends the server (pipelines/local/guardian.py).
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    job = serve(control, (*SERVER_IMPORTS[argv[1]], *argv[3:]), None if argv[2] == "-" else argv[2])
+    job = serve(control, (*SERVER_IMPORTS[argv[1]], *argv[4:]), None if argv[2] == "-" else argv[2],
+                None if argv[3] == "-" else argv[3])
     if job is not None:  # a zygote client's worker, forked: it ends as a cold interpreter does
 
         become_worker(job)

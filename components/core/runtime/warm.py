@@ -23,6 +23,7 @@ import os
 import runpy
 import signal
 import sys
+import tempfile
 import traceback
 import warnings
 
@@ -119,8 +120,11 @@ def _become_child(env: dict[str, str], stdout_fd: int | None, stderr_fd: int | N
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
     os.environ.clear()
     os.environ.update(env)
+    tempfile.tempdir = None  # found again from this environment's TMPDIR, not the server's
     if cwd:
         os.chdir(cwd)
+        if sys.path and not sys.flags.safe_path:  # ``python -m`` puts the working directory first (a shared
+            sys.path[0] = os.getcwd()            # server started elsewhere: the step's, not the server's)
     # fresh standard streams: the parent's may have been locked by one of its other threads at the fork
     unbuffered = bool(env.get("PYTHONUNBUFFERED"))
     sys.stdout = sys.__stdout__ = _text_stream(1, unbuffered)

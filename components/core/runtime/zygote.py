@@ -41,6 +41,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import types
@@ -370,6 +371,7 @@ def become_worker(job: Job) -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
     os.environ.clear()
     os.environ.update(job.env)
+    tempfile.tempdir = None  # found again from the job's TMPDIR, not the zygote's
     os.chdir(job.cwd)
     sys.path[0] = job.cwd  # ``python -m`` puts the working directory first
     sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
