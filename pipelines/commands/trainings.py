@@ -24,7 +24,8 @@ import json
 import threading
 from dataclasses import asdict, dataclass
 
-from ...components.core.checkpoint.layout import INFLIGHT, LATEST, LEASE, read_json as read_object, read_manifest
+from ...components.core.checkpoint.layout import (INFLIGHT, LATEST, LEASE, pointed_steps, read_json as read_object,
+                                                  read_manifest)
 from ...components.core.checkpoint.write_lease import holder_alive as lease_alive
 from ...components.core.contract.errors import BadInput
 from ...components.core.contract.exitcodes import MEANING, ExitCode, is_retryable
@@ -145,16 +146,14 @@ def newest_committed_step(store) -> int:
     step's manifest was committed after the pointer was last advanced (a kill between the two writes)."""
     from ...components.core.contract.errors import CorruptCheckpoint
 
-    latest, inflight = read_object(store, LATEST) or {}, read_object(store, INFLIGHT) or {}
-    pointed = latest.get("step") if isinstance(latest.get("step"), int) else -1
-    newer = inflight.get("step")
-    if isinstance(newer, int) and newer > pointed:
+    newer, pointed = pointed_steps(read_object(store, LATEST), read_object(store, INFLIGHT))
+    if newer is not None:
         try:
             read_manifest(store, newer)
             return newer
         except (CorruptCheckpoint, FileNotFoundError):
             pass
-    return pointed
+    return pointed if pointed is not None else -1
 
 
 def registered_version(store, run_id: str | None) -> str | None:

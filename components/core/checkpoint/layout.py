@@ -193,6 +193,18 @@ def read_json(store: Store, key: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
+def pointed_steps(latest: dict[str, Any] | None, inflight: dict[str, Any] | None) -> tuple[int | None, int | None]:
+    """What ``latest.json`` and ``inflight.json`` point a resume at: ``(newer, pointed)``, inflight's step
+    when it is newer than the pointer's (its manifest may have been committed after the pointer was last
+    advanced: a kill between the two writes; the caller checks that manifest) and the pointer's step; None
+    where there is none."""
+    pointed = latest.get("step") if latest else None
+    pointed = pointed if isinstance(pointed, int) else None
+    newer = inflight.get("step") if inflight else None
+    newer = newer if isinstance(newer, int) and (pointed is None or newer > pointed) else None
+    return newer, pointed
+
+
 def at_once(store: Store, *calls: Callable[[], Any]) -> list[Any]:
     """Independent requests to ``store`` made together: one round trip instead of one each on an
     object store (milliseconds a request); one after another on a filesystem, whose requests take

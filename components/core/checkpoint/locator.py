@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from . import quarantine
-from .layout import (INFLIGHT, LATEST, MANIFEST_DIGEST, METADATA, PINS, CheckpointInfo,
+from .layout import (INFLIGHT, LATEST, MANIFEST_DIGEST, METADATA, PINS, CheckpointInfo, pointed_steps,
                                                at_once, checkpoint_steps, info_of, now, parse_manifest, parse_pin,
                                                pin_key, read_json, read_manifest_bytes, step_key)
 from .leases import Leases
@@ -145,13 +145,12 @@ class Locator:
         the caller just read them), the step directories newest first only when both fail."""
         tried: set[int] = set(skip)
         pointer, inflight = pointers or (read_json(self.store, LATEST), read_json(self.store, INFLIGHT))
-        p = pointer.get("step") if pointer else None
-        q = inflight.get("step") if inflight else None
-        if isinstance(q, int) and q not in tried and (not isinstance(p, int) or q > p):
+        q, p = pointed_steps(pointer, inflight)
+        if q is not None and q not in tried:
             tried.add(q)  # committed after the pointer was last advanced (a crash in between)?
             if (info := self._checked_quiet(q)) is not None:
                 return info
-        if isinstance(p, int) and p not in tried:
+        if p is not None and p not in tried:
             tried.add(p)
             try:
                 manifest = self.manifest(p)
