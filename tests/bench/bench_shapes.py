@@ -30,6 +30,17 @@ files written moments before: the page cache is warm, checked with ``mincore`` r
 (the resident fraction is in the row). Our manager is the training's: made once per shape, a warm-up
 save first (its snapshot buffers allocated), ``keep_last=1`` (its retention deletes the step before
 inside each save, as in a training). A ratio above 1.0 misses the goal (<= 1.0).
+
+Steps beside a save in flight (issue 42's goal, the first rows; ``BENCH_SHAPES_ONLY=inflight`` runs
+only these): the language model of configs/lm.yaml (a rank's batch of 8 sequences) and a stack of 512
+``Linear`` layers with AdamW (4,096 tensors), each trained on one thread. Per round: steps with nothing
+in flight, then ``save(defer_copy=True)`` and the steps that start before it commits (the optimizer's
+wait for the deferred copy counted in its step), then as many steps with nothing in flight; the median
+step in flight over the median step without (goal <= 1.05). Measured in the same rounds, interleaved:
+the same with the save's CPU work on its own thread (``Committer.write_in_process = False``, before the
+helper process of components/core/checkpoint/save_process.py), the reference. On a machine of 2 cores
+the helper's work takes the second core: other load there slows the steps whichever way (the row
+gives the load before and after).
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ import gc
 import math
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -315,7 +327,10 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
     shapes: list[tuple[str, Callable[[], dict]]] = [
         (f"{n} tensors", (lambda n=n: flat_state(mib << 20, n))) for n in TENSOR_COUNTS]
     shapes += [("transformer stack", (lambda: transformer_state(8 if quick else 32))), ("language model", lm_state)]
-    rows: list[dict[str, Any]] = []
+    only = os.environ.get("BENCH_SHAPES_ONLY", "")  # "inflight": only the rows of steps beside a save in flight
+    rows: list[dict[str, Any]] = inflight_rows(quick)
+    if only == "inflight":
+        return rows
     base = Path(tempfile.mkdtemp(prefix="bench-shapes-", dir=os.environ.get("BENCH_CHECKPOINT_DIR")))
     try:
         for name, make in shapes:
@@ -329,5 +344,143 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
                 sides.close()
                 shutil.rmtree(work, ignore_errors=True)
     finally:
+        shutil.rmtree(base, ignore_errors=True)
+    return rows
+
+
+# ---------------------------------------------------------------------------- steps beside a save in flight
+INFLIGHT_GOAL = 1.05
+INFLIGHT_SAVES = 6
+
+
+def lm_training() -> tuple[dict[str, Any], Callable[[], None]]:
+    """The language model of configs/lm.yaml, its AdamW, and one training step of a rank's batch
+    (8 sequences of ``seq_len`` tokens)."""
+    from relaunch.components.core.contract.config_loading import load_config
+    from relaunch.components.tasks.lm import VOCAB_SIZE, make_task
+
+    root = Path(__file__).resolve().parents[2]
+    config = load_config(root / "configs" / "lm.yaml")
+    task = make_task(config)
+    torch.manual_seed(0)
+    model = task.build_model()
+    optimizer = task.build_optimizer(model)
+    seq = int(config.train.task_options.get("seq_len", 128))
+    tokens = torch.randint(0, VOCAB_SIZE, (8, seq))
+
+    def step() -> None:
+        model(tokens).float().logsumexp(-1).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    return {"model": model, "optimizer": optimizer}, step
+
+
+def stack_training(tensors: int = 4096, width: int = 96) -> tuple[dict[str, Any], Callable[[], None]]:
+    """A stack of ``tensors // 8`` Linear layers (weight and bias) with AdamW (two moments and a step
+    counter per parameter): a state of ``tensors`` tensors; one training step of a small batch."""
+    torch.manual_seed(0)
+    layers = tensors // 8
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(32, width)
+
+    def step() -> None:
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    return {"model": model, "optimizer": optimizer}, step
+
+
+def steps_beside_save(state: dict[str, Any], step: Callable[[], None], work: Path, saves: int = INFLIGHT_SAVES,
+                      in_process: bool = True) -> tuple[list[float], list[float], list[float]]:
+    """(step seconds with no save in flight, step seconds of the steps that started while an async
+    ``save(defer_copy=True)`` was in flight, seconds of each save from its call to its commit),
+    interleaved in this process on this thread: per round, steps with nothing in flight, then a save
+    and the steps that start before it commits (the optimizer's wait for the deferred copy counted in
+    its step), as many steps with nothing in flight after it. A warm-up save first (its buffers, the
+    helper process started). ``in_process=False``: the save's CPU work on its thread, as before
+    (``Committer.write_in_process``), the reference."""
+    shutil.rmtree(work / "inflight", ignore_errors=True)
+    mgr = CheckpointManager(str(work / "inflight"), keep_last=1, owner="bench", cache_dir=work / "cache")
+    mgr.committer.write_in_process = in_process
+    quiet: list[float] = []
+    busy: list[float] = []
+    save_seconds: list[float] = []
+    try:
+        mgr.save(0, state, defer_copy=True)
+        mgr.wait()
+        if in_process:  # the process's helper up before the rounds (its start runs beside the first save)
+            from relaunch.components.core.checkpoint import save_process
+
+            save_process.helper().ready(wait=True)
+
+        def timed() -> float:
+            t0 = time.perf_counter()
+            step()
+            return time.perf_counter() - t0
+
+        for n in range(1, saves + 1):
+            os.sync()
+            quiet += [timed() for _ in range(2)]
+            t0 = time.perf_counter()
+            mgr.save(n, state, defer_copy=True)
+            during: list[float] = []
+            while mgr.save_in_flight:
+                during.append(timed())
+            mgr.wait()
+            save_seconds.append(time.perf_counter() - t0)
+            busy += during
+            quiet += [timed() for _ in range(max(2, len(during)))]
+    finally:
+        mgr.close()
+    return quiet, busy, save_seconds
+
+
+def inflight_rows(quick: bool = False) -> list[dict[str, Any]]:
+    """Issue 42's goal: the median step while an async save is in flight over the median step without,
+    on the language model and on a 4,096-tensor state, training on one thread (as the issue measured);
+    beside it, measured in the same rounds, the same with the save's CPU work on its thread (before
+    the helper process)."""
+    rows = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    base = Path(tempfile.mkdtemp(prefix="bench-inflight-", dir=os.environ.get("BENCH_CHECKPOINT_DIR")))
+    try:
+        for name, make, saves in (("language model", lm_training, 24), ("4,096 tensors", stack_training, 8)):
+            state, step = make()
+            work = base / name.replace(" ", "-").replace(",", "")
+            work.mkdir()
+            count = len(_tensors(plain(state)))
+            nbytes = sum(t.numel() * t.element_size() for t in _tensors(plain(state)))
+            loads = [open("/proc/loadavg").read().split()[0]]
+            sides: dict[bool, tuple[list[float], list[float], list[float]]] = {True: ([], [], []), False: ([], [], [])}
+            for _ in range(2):  # interleaved: helper, thread, helper, thread
+                for in_process in (True, False):
+                    got = steps_beside_save(state, step, work, max(2, (saves // 2) // (2 if quick else 1)), in_process)
+                    for acc, part in zip(sides[in_process], got):
+                        acc += part
+            loads.append(open("/proc/loadavg").read().split()[0])
+            for in_process, (quiet, busy, saves_s) in sides.items():
+                q = statistics.median(quiet)
+                b = statistics.median(busy) if busy else math.nan
+                ratio = b / q
+                how = ("the save's work in its helper process" if in_process
+                       else "the save's work on its thread (before)")
+                _log(f"in flight, {name}, {how}: quiet {q * 1e3:.1f} ms, busy {b * 1e3:.1f} ms ({len(busy)} steps)")
+                rows.append({"metric": f"step with an async save in flight / without ({name}: {count} tensors, "
+                                       f"{nbytes / 2**20:.1f} MiB; {how})",
+                             "value": ratio, "goal": f"<= {INFLIGHT_GOAL:g}" if in_process else "measured",
+                             "verdict": ("meets" if ratio <= INFLIGHT_GOAL else "MISSES") if in_process else "",
+                             "detail": f"median step {b * 1e3:.1f} ms over {len(busy)} steps in flight vs "
+                                       f"{q * 1e3:.1f} ms over {len(quiet)} without, interleaved, training on 1 "
+                                       f"thread; save (defer_copy) {statistics.median(saves_s):.2f} s call to "
+                                       f"commit; load {' -> '.join(loads)} on {os.cpu_count()} cores"})
+            shutil.rmtree(work, ignore_errors=True)
+    finally:
+        torch.set_num_threads(threads)
         shutil.rmtree(base, ignore_errors=True)
     return rows

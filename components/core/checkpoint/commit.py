@@ -19,7 +19,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 from . import load as reading
-from . import quarantine
+from . import quarantine, save_process
 from .fingerprint import model_fingerprint
 from .layout import (FORMAT_VERSION, INFLIGHT, LATEST, MANIFEST, CheckpointInfo, info_of,
                                                now, read_manifest_bytes, sealed_manifest_body, step_key, versions,
@@ -31,7 +31,7 @@ from .readers import deletion_done
 from .retention import Retention
 from .snapshot import Snapshotter, copy_deferred, optimizers_of, state_bytes
 from .verify import CHUNK_BYTES, DIGEST
-from ..contract.classify import CarriedError, as_error, dcp_original, is_store_unwritable
+from ..contract.classify import CarriedError, as_error, is_store_unwritable
 from ..contract.errors import BadInput, CorruptCheckpoint
 from ..store import PreconditionFailed, Store
 
@@ -99,11 +99,16 @@ class Committer:
                  async_save: bool = True, model_fingerprint: str | None = None):
         self.store, self.ranks, self.leases, self.locator, self.retention = store, ranks, leases, locator, retention
         self.async_save, self.model_fingerprint = async_save, model_fingerprint
+        # a background save writes from the process's helper where that is safe (save_process.usable):
+        # its CPU work then never holds the GIL the training thread needs
+        self.write_in_process = True
         self.last_save_seconds: float | None = None
         self.stall_seconds_total = 0.0
         self._latest_etag: str | None = None
         self._latest_known = False
         self._snapshots = Snapshotter()
+        if async_save and save_process.usable(store, ranks.distributed):
+            self._snapshots.arena = save_process.SharedArena()  # the buffers the helper reads
         self._step_hooks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its hook's handle
         self._pending: SaveJob | None = None
         self._last_info: CheckpointInfo | None = None
@@ -151,6 +156,12 @@ class Committer:
             self.stall_seconds_total += time.perf_counter() - t0
         if not self.async_save:
             self.wait()
+
+    @property
+    def in_flight(self) -> bool:
+        """A background save is pending and its thread has not ended."""
+        job = self._pending
+        return job is not None and job.thread is not None and job.thread.is_alive()
 
     def wait_for_snapshot(self) -> float:
         """Block until the pending save has copied the state it saves; return the seconds blocked
@@ -272,33 +283,26 @@ class Committer:
 
     def _persist(self, job: SaveJob) -> CheckpointInfo:
         import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
-
-        from .dcp_io import StoreWriter
 
         self.ranks.agree(self.ranks.rank0(_own(lambda: self._preflight(job.step))))
         files_per_rank = max(1, -(-state_bytes(job.snapshot) // FILE_BYTES))
-        writer = StoreWriter(self.store, step_key(job.step), files_per_rank=files_per_rank,
-                             threads=reading.IO_THREADS)
+        in_child = self.async_save and self.write_in_process and save_process.usable(self.store,
+                                                                                     self.ranks.distributed)
+        key = step_key(job.step)
 
         def write() -> dict[str, dict[str, Any]]:
-            from torch.distributed.checkpoint.api import CheckpointException
+            return save_process.dcp_write(self.store, key, job.snapshot, files_per_rank=files_per_rank,
+                                          threads=reading.IO_THREADS, group=self.ranks.group)
 
-            from torch.distributed.checkpoint import DefaultSavePlanner
+        def write_in_helper() -> dict[str, dict[str, Any]]:
+            return save_process.helper().write(self._snapshots.arena, job.snapshot, save_process.root_of(self.store),
+                                               key, files_per_rank=files_per_rank, threads=reading.IO_THREADS,
+                                               what=f"writing step {job.step}", fallback=write)
 
-            from .dcp_io import collector_paused
-
-            # a snapshot holds plain tensors and DTensors, never a ShardedTensor: DCP's pass flattening
-            # those (a walk of every value, ~15 % of its planning) has nothing to do
-            planner = DefaultSavePlanner(flatten_sharded_tensors=False)
-            try:
-                with collector_paused():
-                    dcp.save(job.snapshot, storage_writer=writer, planner=planner, process_group=self.ranks.group)
-            except CheckpointException as err:  # DCP wraps what the store raised: surface that
-                raise dcp_original(err) from None
-            return writer.files
-
-        outcome = self.ranks.catch(write)
+        # the CPU work of the write off this process's GIL where that is safe (save_process)
+        # (the first save of the process starts the helper and writes on this thread meanwhile)
+        in_child = in_child and self._snapshots.arena is not None and save_process.helper().ready()
+        outcome = self.ranks.catch(write_in_helper if in_child else write)
         if self.ranks.distributed:
             gathered: list[Any] = [None] * self.ranks.world_size
             local = outcome if outcome[0] == "ok" else ("err", CarriedError.of(outcome[1]))

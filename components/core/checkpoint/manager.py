@@ -160,6 +160,11 @@ class CheckpointManager:
         return self.committer.last_save_seconds
 
     @property
+    def save_in_flight(self) -> bool:
+        """True while a background save started by :meth:`save` has not ended (committed or failed)."""
+        return self.committer.in_flight
+
+    @property
     def stall_seconds_total(self) -> float:
         """Seconds the training waited on saves (snapshots, deferred copies, waits)."""
         return self.committer.stall_seconds_total

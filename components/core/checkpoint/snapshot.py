@@ -209,6 +209,8 @@ class Snapshotter:
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        # where new buffers are allocated when set (a save_process.SharedArena: memory its helper maps)
+        self.arena: Any = None
 
     def take(self, state: Any, deferred: list | None = None) -> Any:
         """A CPU copy of ``state.state_dict()`` that training can no longer change.
@@ -243,7 +245,10 @@ class Snapshotter:
             src = obj.detach()
             buf = self._buffers.get(path)
             if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-                buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin and src.is_cuda)
+                if self.arena is not None and not (pin and src.is_cuda):
+                    buf = self.arena.empty(src.shape, src.dtype)
+                else:
+                    buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin and src.is_cuda)
                 self._buffers[path] = buf
             if deferred is not None and src.untyped_storage().data_ptr() in later:
                 deferred.append((buf, src))
