@@ -29,11 +29,12 @@ BUCKET = "relaunch-ckpt"
 _WRITER = r"""
 import sys, time
 from relaunch.components.core.store import open_store, s3
+from relaunch.components.core.store.object_store import PART_SLACK
 s3.PART_SIZE = 5 * 1024 * 1024               # S3's smallest part
 store = open_store(sys.argv[1])
 writers = [store.open_writer(f"checkpoints/step-000000000010/__{rank}_0.distcp") for rank in range(2)]
 for w in writers:
-    w.write(b"x" * (s3.PART_SIZE + 1))  # the first part goes up; one byte waits for the next
+    w.write(b"x" * (s3.PART_SIZE + s3.PART_SIZE // PART_SLACK + 1))  # the first part goes up; the rest waits
 while store.stats["bytes_written"] < 2 * s3.PART_SIZE:
     time.sleep(0.01)
 print("first parts up", flush=True)

@@ -33,7 +33,7 @@ from relaunch.components.core.checkpoint import CheckpointManager
 from relaunch.components.core.contract.errors import BadInput, StoreUnwritable
 from relaunch.components.core.store import (BACKENDS, READ_BLOCK, FileStore, ObjectDriver, ObjectStore, PreconditionFailed,
                                    azure, gcs, open_store, register_backend, s3)
-from relaunch.components.core.store.object_store import Fault
+from relaunch.components.core.store.object_store import PART_SLACK, Fault
 from tests.core.helpers import assert_bitwise_equal, backend_root, fingerprint, make_state, save_three_steps
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -275,10 +275,11 @@ def test_a_streamed_object_shows_only_when_closed_and_an_aborted_one_leaves_noth
 _KILLED_WRITER = r"""
 import sys, time
 from relaunch.components.core.store import open_store, {module}
+from relaunch.components.core.store.object_store import PART_SLACK
 {module}.{constant} = {part}
 store = open_store(sys.argv[1])
 writer = store.open_writer("k/__0_0.distcp")
-writer.write(b"x" * (2 * {part} + 1))  # two parts go up; one byte waits for the next
+writer.write(b"x" * (2 * {part} + {part} // PART_SLACK + 1))  # two parts go up; the rest waits for the next
 while store.stats["bytes_written"] < 2 * {part}:
     time.sleep(0.01)
 print("parts up", flush=True)
@@ -303,7 +304,7 @@ def test_a_writer_killed_mid_upload_leaves_nothing_visible_and_the_next_writer_d
     store = open_store(root)
     if backend == "toy":  # in this process: the writer is abandoned with its parts up
         killed = store.open_writer("k/__0_0.distcp")
-        killed.write(b"x" * (2 * 64 * KiB + 1))
+        killed.write(b"x" * (2 * 64 * KiB + 64 * KiB // PART_SLACK + 1))
         for future in killed.parts:
             future.result()
     else:

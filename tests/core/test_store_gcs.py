@@ -98,6 +98,20 @@ def test_a_ranged_read_fills_a_list_of_buffers_and_a_short_object_is_eof(store):
         store.read_into("blob", len(blob) - 10, bytearray(20))
 
 
+def test_a_ranged_read_fills_the_buffers_straight_from_the_socket(store):
+    # urllib3's readinto reads into a new bytes object and copies it; http.client's (urllib3 2.x's
+    # private ``_fp``) fills ours: the restore of 128 MiB on the emulator, 0.49 -> 0.41 s (medians)
+    import http.client
+
+    store.write_bytes("blob", bytes(range(256)) * 64)
+    with store.driver.open_range(store._name("blob"), 16, 32) as readinto:
+        assert isinstance(getattr(readinto, "__self__", None), http.client.HTTPResponse), (
+            "urllib3 no longer exposes _fp.readinto: see object_store.socket_readinto")
+        buffer = bytearray(32)
+        assert readinto(memoryview(buffer)) == 32
+    assert bytes(buffer) == bytes(range(16, 48))
+
+
 def test_a_large_streamed_write_goes_up_as_resumable_chunks_and_nothing_shows_before_close(store, small_chunks):
     data = os.urandom(256 * 1024 * 3 + 1000)
     writer = store.open_writer("c/big.bin")
@@ -106,7 +120,8 @@ def test_a_large_streamed_write_goes_up_as_resumable_chunks_and_nothing_shows_be
     assert not store.exists("c/big.bin")
     writer.close()
     assert store.read_bytes("c/big.bin") == data
-    assert store.stats["resumable_start"] == 1 and store.stats["resumable_chunk"] == 4
+    # three chunks: the 1000 bytes past the third ride with it (PART_SLACK), not in a request of their own
+    assert store.stats["resumable_start"] == 1 and store.stats["resumable_chunk"] == 3
 
 
 def test_an_aborted_writer_leaves_no_object_and_no_upload_to_abort(store, small_chunks):
@@ -127,7 +142,7 @@ def test_files_up_and_down_intact(store, tmp_path, small_chunks):
     store.upload_file("big/src.bin", src)
     store.download_file("big/src.bin", tmp_path / "dst.bin")
     assert (tmp_path / "dst.bin").read_bytes() == src.read_bytes()
-    assert store.stats["resumable_chunk"] == 3
+    assert store.stats["resumable_chunk"] == 2  # the 7 bytes ride with the second
 
 
 @pytest.mark.parametrize("uri,message", [

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 from ..contract.classify import S3_CREDENTIAL_CODES, S3_TRANSIENT_CODES
 from ..contract.errors import BadInput
 from . import register_backend
-from .object_store import Fault, ObjectDriver
+from .object_store import Fault, ObjectDriver, socket_readinto
 
 S3_REFUSED_WRITE_CODES = frozenset({"AccessDenied", "QuotaExceeded", "XMinioStorageFull",
                                     "XMinioAdminBucketQuotaExceeded", "XMinioBucketQuotaExceeded"})
@@ -294,7 +294,4 @@ class _MinioCalls:
     def socket_readinto(resp: Any) -> Callable[[memoryview], int] | None:
         """The ``readinto`` of the http.client response under urllib3's, which fills a buffer
         straight from the socket; None where it is not there or the body is encoded."""
-        raw = getattr(resp, "_fp", None)
-        if raw is None or not hasattr(raw, "readinto") or resp.headers.get("content-encoding"):
-            return None
-        return raw.readinto
+        return socket_readinto(resp)
