@@ -7,8 +7,13 @@ downloading every blob of the checkpoint's folder into buffers allocated before 
 with as many downloads in flight as our reader has GETs in flight; ours is a fresh
 ``CheckpointManager`` loading the latest checkpoint into an existing state (locate, manifest,
 metadata, planning, reads, every chunk digest checked). Save ratio = (raw time) / (our time): raw
-uploads blobs of the same sizes with the same concurrency; ours is a synchronous ``save()`` (the
-state's bytes, digests, metadata, manifest, latest pointer). Interleaved, best of 5 each. Azurite
+uploads blobs of the same sizes with the SDK's best at our concurrency: as many blobs at once as our
+writer writes files (``IO_THREADS``), each ``upload_blob(max_concurrency=)`` with as many blocks in
+flight as our driver's, on a client with our driver's block and single-put sizes (the bench had
+uploaded with the SDK's 4 MiB blocks, one at a time: a baseline below the SDK's best, which ours
+beat, 1.07); ours is a synchronous ``save()`` (the state's bytes, digests, metadata, manifest,
+latest pointer). Both sides' clients are built with the options our driver gives its own.
+Interleaved, best of 5 each. Azurite
 (Node, in memory) is the bottleneck of both sides here: the ratios say what relaunch adds on top of
 the SDK, not what Azure itself would give.
 """
@@ -64,10 +69,16 @@ def run(quick: bool) -> list[dict]:
     from tests.azure_server import AzuriteServer
 
     mib = int(os.environ.get("BENCH_AZURE_MIB") or (16 if quick else 64))
-    _, in_flight = our_concurrency()
+    from azure.storage.blob import BlobServiceClient
+
+    from relaunch.components.core.store.azure import BLOCK_SIZE, SINGLE_PUT_LIMIT, AzureDriver
+
+    io_threads, in_flight = our_concurrency()
     server = AzuriteServer().start()
     with on_emulator(server, server.env(), "bench-azure-") as work:
-        container = server.client().get_container_client(server.create_container("bench"))
+        sdk = BlobServiceClient.from_connection_string(server.connection_string(), max_block_size=BLOCK_SIZE,
+                                                       max_single_put_size=SINGLE_PUT_LIMIT)
+        container = sdk.get_container_client(server.create_container("bench"))
         state = _state(mib << 20)
         root = f"az://bench/run-{uuid.uuid4().hex[:6]}"
         with CheckpointManager(root, owner="bench", async_save=False, keep_last=0) as mgr:
@@ -96,10 +107,14 @@ def run(quick: bool) -> list[dict]:
         step = iter(range(2, 10**6))
         raw_prefix = f"raw-{uuid.uuid4().hex[:6]}"
 
+        blocks = AzureDriver.parallel_parts
+        uploads = concurrent.futures.ThreadPoolExecutor(io_threads)
+        payloads = {name: bytes(buffer) for name, buffer in buffers.items()}
+
         def raw_save() -> float:
             t0 = time.perf_counter()
-            list(pool.map(lambda o: container.upload_blob(f"{raw_prefix}/{o[0]}", bytes(buffers[o[0]]),
-                                                          overwrite=True, max_concurrency=1), objects))
+            list(uploads.map(lambda o: container.upload_blob(f"{raw_prefix}/{o[0]}", payloads[o[0]], overwrite=True,
+                                                             max_concurrency=blocks), objects))
             return time.perf_counter() - t0
 
         writer = CheckpointManager(root, owner="bench", async_save=False, keep_last=1)
@@ -113,8 +128,10 @@ def run(quick: bool) -> list[dict]:
         times = _interleaved({"raw": raw_save, "ours": our_save})
         writer.close()
         pool.shutdown()
+        uploads.shutdown()
         r, o = min(times["raw"]), min(times["ours"])
-        rows.append(_row(None, "save / raw SDK, Azure (Azurite)", r / o,
-                         f"azure-storage-blob uploads of blobs of the same sizes, {in_flight} in flight, {r:.3f} s "
-                         f"vs our synchronous save {o:.3f} s"))
+        # issue 42's goal for every store, save and restore: >= 0.9 of the SDK's best (above 1.0: not its best)
+        rows.append(_row("restore", "save / raw SDK, Azure (Azurite)", r / o,
+                         f"azure-storage-blob uploads of blobs of the same sizes, {io_threads} at once x {blocks} "
+                         f"blocks of {BLOCK_SIZE >> 20} MiB in flight, {r:.3f} s vs our synchronous save {o:.3f} s"))
         return rows
