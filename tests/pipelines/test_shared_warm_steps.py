@@ -96,3 +96,31 @@ def test_the_suites_relaunch_run_uses_the_sessions_shared_servers_unless_told_ot
     monkeypatch.setenv(cli.SHARED_OFF_ENV, "1")
     cli.relaunch_run(ROOT)
     assert given == [{SHARED_ENV: "/the/session/servers", "HOME": "/h"}, {}, {}, {}]
+
+
+def test_the_steps_of_a_run_that_left_a_shared_server_are_killed_after_the_stop_grace(shared, tmp_path):
+    """A run killed outright (its guardian cannot see a shared server's forks: their environment is the
+    server's) closes its connection: its steps get the stop grace, then die; the server goes on."""
+    import time
+
+    from relaunch.pipelines.local.warm_steps import STOP_GRACE_SECONDS
+
+    servers, _ = shared_servers({**os.environ, SHARED_ENV: str(shared)})
+    read_end, write_end = os.pipe()
+    step = servers["light"].start({"kind": "module", "module": "tests.core.warm_child", "argv": ["sleep", "600"],
+                                   "env": dict(os.environ), "cwd": str(ROOT)}, [write_end, write_end])
+    os.close(write_end)
+    with os.fdopen(read_end) as output:
+        child = json.loads(output.readline())
+        assert output.readline().strip() == "ready"
+        left = time.monotonic()
+        for server in servers.values():
+            server.close()  # the run is gone
+        deadline = left + STOP_GRACE_SECONDS + 60
+        while Path(f"/proc/{child['pid']}").exists() and Path(f"/proc/{child['pid']}/stat").read_text().split()[2] != "Z" \
+                and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not Path(f"/proc/{child['pid']}").exists(), "the departed run's step still runs"
+        assert output.read() == ""  # its output ended with it
+    assert step.pid == child["pid"]
+    assert _probe(shared, tmp_path, "after")["probe"] == "after"  # the server took the next run
