@@ -26,7 +26,7 @@ from .core.store.conditional_probe import require_conditional_writes
 from .core.store.records import refuse_another_identity, remember_run, stored_run_id
 from .core.tracking import lineage
 from .core.tracking.client import (call, check_api, client as tracking_client, ensure_run,
-                                                      log_new_params, reopen_run, tracking_uri)
+                                   log_new_params, reopen_run, tracking_uri)
 from .core.tracking.lineage import backend_params
 from .core.tracking.mlflow_tracker import deliver_pending_metrics
 

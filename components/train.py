@@ -95,7 +95,7 @@ from .core.trainer import progress  # noqa: E402
 from .core.trainer.parallel import total_grad_norm
 from .core.trainer.sysmetrics import SystemSampler
 from .core.trainer.tracking import (CLOSE_SECONDS_FAILED, CLOSE_SECONDS_PREEMPTED,  # noqa: E402
-                                              TrainingTracker, resolve_run_id, run_params)
+                                    TrainingTracker, resolve_run_id, run_params)
 from .tasks.base import load_task  # noqa: E402
 
 _IMPORTED = time.time()

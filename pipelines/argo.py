@@ -31,7 +31,7 @@ from hera.workflows import (DAG, Container, CronWorkflow, Parameter, RetryStrate
 from hera.workflows import models as m
 
 from .spec import (CONFIG, FINAL_STATUS, PARAMETERS, PIPELINE, RUN_ID, Condition, Pipeline, Step,
-                                     item_field, pipeline_config, pipeline_of)
+                   item_field, pipeline_config, pipeline_of)
 from ..components.core.contract.config import RelaunchConfig
 from ..components.core.contract.exitcodes import argo_retry_expression
 from ..components.launchers.jobs import OWNER_ENV, plain_env, secret_env, store_secret_files

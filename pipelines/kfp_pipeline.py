@@ -36,11 +36,11 @@ import yaml
 from kfp import compiler, dsl
 
 from .spec import (CONFIG, EVALUATE, FINALIZE, LAUNCH, LOCATE, PARAMETERS, PIPELINE, PLAN_TRIALS,
-                                     PREPARE, REGISTER, RUN_ID, RUN_TRIAL, SELECT_TRIAL, Condition, Pipeline, Source, Step,
-                                     item_field, pipeline_config, pipeline_of)
+                   PREPARE, REGISTER, RUN_ID, RUN_TRIAL, SELECT_TRIAL, Condition, Pipeline, Source, Step,
+                   item_field, pipeline_config, pipeline_of)
 from ..components.core.contract.config import RelaunchConfig
 from ..components.core.contract.pipeline_parameters import (PIPELINE_PARAMETERS, pipeline_parameter_description,
-                                                                   pipeline_parameter_type)
+                                                            pipeline_parameter_type)
 
 # ---------------------------------------------------------------- component bodies (shipped as source)
 

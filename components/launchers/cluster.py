@@ -41,7 +41,7 @@ from ..core.contract.exitcodes import RETRYABLE, ExitCode
 from .k8s_naming import job_name, run_hash
 from . import LaunchResult, backend_module
 from .jobs import (RUN_LABEL, STEP, JobKind, JobState, failure_exit_code, unscheduled_reason,
-                                                unstartable_reason)
+                   unstartable_reason)
 
 # After a delete, how long to wait for the job (and its Foreground-deleted pods) to be gone before
 # recreating it under the same name; a finalizer stuck longer than this needs a human.

@@ -68,9 +68,9 @@ from ..core.store.procfs import stat_fields
 from ..core.runtime.zygote import CLIENT_PATH, CLIENT_SOURCE, client_command
 from ..core.runtime.zygote_client import ZYGOTE_ENV
 from ..core.runtime.generations import (
-    DONE_KEY, END_KEY, GENERATION_ENV, GENERATION_KEY, NODE_ADDRESS_ENV, NODE_STARTS_KEY, REPLACE, RESTART,
-    generation_key, joined_key,
-)
+                                        DONE_KEY, END_KEY, GENERATION_ENV, GENERATION_KEY, NODE_ADDRESS_ENV, NODE_STARTS_KEY, REPLACE, RESTART,
+                                        generation_key, joined_key,
+                                        )
 
 MODULE = "relaunch.components.launchers.inplace"  # ``python -m MODULE``: this agent
 SETTLE_SECONDS = 0.005  # after a death: then the others already dying with it (killed together) are waited for

@@ -28,7 +28,7 @@ from typing import Any
 from ..core.contract.config import RelaunchConfig, TuneParameter
 from ..core.contract.suggestions import env_name, parameter_name, render_value
 from .trial_job import (PYTORCHJOB, TRAINJOB, check_study, job_kind, space_parameters,
-                                                  trial_env, trial_job)
+                        trial_env, trial_job)
 from . import pytorchjob, trainjob
 
 GROUP, VERSION, KIND_NAME = "kubeflow.org", "v1beta1", "Experiment"

@@ -16,9 +16,9 @@ from ..core.contract.config import KubernetesConfig, RelaunchConfig
 from . import LaunchResult, inplace
 from .cluster import launch_job
 from .jobs import (
-    RUN_LABEL, JobKind, JobSpec, JobState, describe_conditions, job_metadata, job_spec, owner_from_env, supervised,
-    secret_file_mounts, secret_file_volumes, training_env,
-)
+                   RUN_LABEL, JobKind, JobSpec, JobState, describe_conditions, job_metadata, job_spec, owner_from_env, supervised,
+                   secret_file_mounts, secret_file_volumes, training_env,
+                   )
 
 GROUP, VERSION, PLURAL, KIND_NAME = "kubeflow.org", "v1", "pytorchjobs", "PyTorchJob"
 JOB_LABEL = "training.kubeflow.org/job-name"  # set by the Training Operator on every replica pod

@@ -34,9 +34,9 @@ from ..core.store.records import read_exit_record
 from . import LaunchResult
 from .cluster import launch_job
 from .jobs import (
-    RUN_LABEL, JobKind, JobSpec, JobState, failure_exit_code, job_metadata, job_spec, owner_from_env, pod_exit_codes,
-    secret_file_mounts, secret_file_volumes, training_env,
-)
+                   RUN_LABEL, JobKind, JobSpec, JobState, failure_exit_code, job_metadata, job_spec, owner_from_env, pod_exit_codes,
+                   secret_file_mounts, secret_file_volumes, training_env,
+                   )
 from .ray import driver_command
 
 GROUP, VERSION, PLURAL, KIND_NAME = "ray.io", "v1", "rayjobs", "RayJob"

@@ -25,9 +25,9 @@ from . import LaunchResult
 from . import inplace
 from .cluster import launch_job
 from .jobs import (
-    JobKind, JobSpec, JobState, RestartPolicy, describe_conditions, job_metadata, job_spec, owner_from_env,
-    secret_file_mounts, secret_file_volumes, supervised, training_env,
-)
+                   JobKind, JobSpec, JobState, RestartPolicy, describe_conditions, job_metadata, job_spec, owner_from_env,
+                   secret_file_mounts, secret_file_volumes, supervised, training_env,
+                   )
 
 GROUP, VERSION, PLURAL, KIND_NAME = "trainer.kubeflow.org", "v1alpha1", "trainjobs", "TrainJob"
 RUNTIME_KIND = "ClusterTrainingRuntime"

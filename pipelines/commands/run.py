@@ -49,8 +49,8 @@ from ...components.core.contract.exitcodes import ExitCode
 from ...components.core.store import open_store
 from ...components.core.store.pipeline_lock import PipelineLock, TrainingInUse
 from ...components.core.store.records import (identity_changes, pipeline_finished, read_exit_record, read_summary,
-                                                    read_training_config, refuse_resume_changes, replace_run,
-                                                    stored_run_id, write_training_config)
+                                              read_training_config, refuse_resume_changes, replace_run,
+                                              stored_run_id, write_training_config)
 from ...components.core.store.training_folders import training_names, training_uri
 from ...components.core.tracking.client import ensure_run, mark_run_finished, run_exists, tracking_uri
 from ...components.core.store.ledger import reached_its_end

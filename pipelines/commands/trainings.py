@@ -100,7 +100,7 @@ def training_state(name: str, uri: str) -> TrainingState:
     """Where the training at ``uri`` stands, from its records alone (reads only)."""
     from ...components.core.store.pipeline_lock import holder_alive as lock_alive
     from ...components.core.store.records import (PIPELINE_LOCK_KEY, pipeline_finished, read_json, read_summary,
-                                               read_training_config, stored_run_id)
+                                                  read_training_config, stored_run_id)
     from ...components.core.store.ledger import load_attempts
     from ...components.core.store.ledger import reached_its_end
 

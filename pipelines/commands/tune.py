@@ -45,7 +45,7 @@ from ...components.core.contract.exitcodes import ExitCode
 from ...components.core.store import open_store
 from ...components.core.store.pipeline_lock import PipelineLock, TrainingInUse, describe_holder
 from ...components.core.store.records import (PIPELINE_LOCK_KEY, read_json, read_summary, read_training_config,
-                                                    stored_run_id)
+                                              stored_run_id)
 from . import Subcommands
 
 STEPS_LOG = "tune.log"

@@ -55,7 +55,7 @@ from pathlib import Path
 from ..spec import KFP_STEPS, STEP_MODULES
 from ...components.core.runtime.warm import SignalledByPid, fork_module
 from ...components.core.runtime.zygote import (ForkServer, Job, SINGLE_THREAD_ENV, become_worker, listen,
-                                                     single_threaded, warm_up)
+                                               single_threaded, warm_up)
 from ...components.core.runtime.zygote_client import ZYGOTE_ENV
 
 LIGHT_IMPORTS = (

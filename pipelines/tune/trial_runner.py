@@ -34,7 +34,7 @@ from ...components.core.tuning.study_folder import (COMPLETE, FAILED, METRICS_LO
                                                     read_trial, write_trial)
 from ...components.core.tuning.study import PruneVerdict, Study
 from ...components.core.tuning.trials import (StartedTrial, begin_trial, check_objective_metric, end_trial,
-                                                    interrupted_trial_run, objective, retryable_end)
+                                              interrupted_trial_run, objective, retryable_end)
 from ...components.core.store.ledger import completed
 from .study_console import TuneConsole
 

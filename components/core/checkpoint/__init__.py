@@ -24,8 +24,8 @@ Importing this package does not import torch; :class:`CheckpointManager` does, o
 from typing import Any
 
 from .layout import (FORMAT_VERSION, INFLIGHT, LATEST, LEASE, MANIFEST, PINS, PREFIX,
-                                               READABLE_VERSIONS, CheckpointInfo, checkpoint_steps,
-                                               parse_checkpoint_uri, step_key)
+                     READABLE_VERSIONS, CheckpointInfo, checkpoint_steps,
+                     parse_checkpoint_uri, step_key)
 
 __all__ = ["FORMAT_VERSION", "INFLIGHT", "LATEST", "LEASE", "MANIFEST", "PINS", "PREFIX", "READABLE_VERSIONS",
            "CheckpointInfo", "CheckpointManager", "checkpoint_steps", "parse_checkpoint_uri", "step_key"]

@@ -22,8 +22,8 @@ from . import load as reading
 from . import quarantine, save_process
 from .fingerprint import model_fingerprint
 from .layout import (FORMAT_VERSION, INFLIGHT, LATEST, MANIFEST, CheckpointInfo, info_of,
-                                               now, read_manifest_bytes, sealed_manifest_body, step_key, versions,
-                                               write_conditional)
+                     now, read_manifest_bytes, sealed_manifest_body, step_key, versions,
+                     write_conditional)
 from .leases import Leases
 from .locator import Locator
 from .ranks import Ranks

@@ -14,8 +14,8 @@ from typing import Any
 
 from . import quarantine
 from .layout import (INFLIGHT, LATEST, MANIFEST_DIGEST, METADATA, PINS, CheckpointInfo, pointed_steps,
-                                               at_once, checkpoint_steps, info_of, now, parse_manifest, parse_pin,
-                                               pin_key, read_json, read_manifest_bytes, step_key)
+                     at_once, checkpoint_steps, info_of, now, parse_manifest, parse_pin,
+                     pin_key, read_json, read_manifest_bytes, step_key)
 from .leases import Leases
 from .readers import deletion_in_progress
 from .verify import ChunkDigests, check_files, deep_verify

@@ -28,7 +28,7 @@ from pydantic.fields import FieldInfo
 from .errors import BadInput
 from .registry import launch_backend, launch_backend_names, parse_store_uri
 from .uris import (MODEL_URI, check_artifact_location, check_http_url,
-                                                    check_tracking_uri, expand_home)
+                   check_tracking_uri, expand_home)
 
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 FAILURE_SPEC = re.compile(r"^(?P<kind>kill-worker|preempt|storage-outage)@step=(?P<step>\d+)$")

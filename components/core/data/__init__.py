@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..contract.errors import BadInput
 from .shards import (DatasetSource, Manifest, arrays_source, commit_source,
-                                                  dataset_uri, read_manifest)
+                     dataset_uri, read_manifest)
 
 if TYPE_CHECKING:
     from .loader import SplitData

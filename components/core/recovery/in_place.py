@@ -39,7 +39,7 @@ from ..contract.classify import as_error
 from ..contract.errors import RelaunchError, TransientFailure, error_for
 from ..runtime import causes
 from ..runtime.generations import (GENERATION_ENV, GENERATION_KEY, NODE_ADDRESS_ENV, generation_key,
-                                                          recovering_key)
+                                   recovering_key)
 from ..trainer import setup
 from ..trainer.injection import Injection
 from ..trainer.state import rng_now, rng_state

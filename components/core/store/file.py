@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from . import (READ_BLOCK, PreconditionFailed, Segments, StreamWriter, check_key, join_uri,
-                                   register_backend)
+               register_backend)
 
 # A temp file of an atomic write untouched this long belongs to a writer that died
 # (``FileStore.abort_incomplete_uploads``); a live write touches its file within milliseconds.

@@ -191,7 +191,7 @@ def record_attempts(config, run_id: str) -> None:
     from ..store import ledger
     from .client import call, client as tracking_client, tracking_uri
     from .mlflow_tracker import (ATTEMPTS_ARTIFACT, CHECKPOINTS_ARTIFACT, attempt_summary_tags,
-                                                         attempts_table, checkpoint_history)
+                                 attempts_table, checkpoint_history)
 
     store = open_store(config.store.uri)
     attempts = ledger.load_attempts(store)

@@ -27,7 +27,7 @@ from typing import Any
 
 from .client import client as tracking_client
 from .client import (TAGS_PER_REQUEST, bound_requests, describe, import_mlflow, is_auth_error,
-                                             is_not_found, is_rejected, log_new_params, set_run_status)
+                     is_not_found, is_rejected, log_new_params, set_run_status)
 from .rest import GET_RUN, LOG_BATCH, UPDATE_RUN, RestSession
 
 _BATCH = 1000  # MLflow's log_batch limit on metrics (and tags) per request

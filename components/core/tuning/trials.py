@@ -29,12 +29,12 @@ from ..contract.exitcodes import ExitCode, is_retryable
 from ..store import open_store
 from ..data.shards import copy_dataset
 from ..store.records import (dotted, identity_changes, read_summary, refuse_resume_changes,
-                                                    remember_run, write_training_config)
+                             remember_run, write_training_config)
 from ..tracking.client import (PARENT_RUN_TAG, call, client as tracking_client, ensure_run,
-                                                      mark_run_finished, reopen_run, tracking_uri)
+                               mark_run_finished, reopen_run, tracking_uri)
 from ..tracking.lineage import record_attempts
 from .study_folder import (COMPLETE, FAILED, PRUNED, RUNNING, TrialRecord, read_trial,
-                                                    trial_uri, write_trial)
+                           trial_uri, write_trial)
 from .study import Study
 
 TUNE_IDENTITY: tuple[str, ...] = ("tune.space", "tune.objective", "tune.sampler", "tune.pruner")
