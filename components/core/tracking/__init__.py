@@ -1,1 +1,2 @@
-"""MLflow: the run life cycle, the async run logger, lineage, goodput and model packaging."""
+"""Tracking: the tracker protocol and its trackers (MLflow, TensorBoard, W&B), the MLflow client, the async
+run logger, lineage, the warm start's registry lookup and the goodput report."""
