@@ -29,7 +29,7 @@ from typing import Any, Callable, ClassVar, ContextManager, Iterable, TypeVar
 
 from ..contract.errors import BadInput, TransientFailure
 from . import (READ_BLOCK, WRITE_OPS, PreconditionFailed, Segments, StreamWriter, byte_view,
-                                   check_key, join_uri, refused_write)
+               check_key, join_uri, refused_write)
 
 T = TypeVar("T")
 
