@@ -343,3 +343,12 @@ def test_importing_the_packages_and_entry_points_leaves_the_registry_empty_until
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT / "tests", capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.splitlines() == ["False []", "True"]
+
+
+def test_the_tasks_a_user_copies_import_relaunch_by_its_absolute_name():
+    """Inside the packages imports are relative (a tool that maps imports to files by folder follows them),
+    but a task module is the user's template: a copy of it outside the project (tests/pipelines/
+    test_lineage_e2e.py runs digits.py as ``mytask.py``) has no parent package to be relative to."""
+    relative = [f"{p.relative_to(ROOT)}:{node.lineno}" for p in (ROOT / "components" / "tasks").glob("*.py")
+                for node in ast.walk(ast.parse(p.read_text())) if isinstance(node, ast.ImportFrom) and node.level]
+    assert relative == []

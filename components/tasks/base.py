@@ -31,14 +31,14 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 import numpy as np
 
-from ..core.contract.errors import BadInput
+from relaunch.components.core.contract.errors import BadInput
 
 if TYPE_CHECKING:
     import torch
     from torch.optim.lr_scheduler import LRScheduler
 
-    from ..core.contract.config import RelaunchConfig
-    from ..core.data.loader import SplitData
+    from relaunch.components.core.contract.config import RelaunchConfig
+    from relaunch.components.core.data.loader import SplitData
 
 Splits = dict[str, dict[str, np.ndarray]]
 """``{"train"|"val"|"test": {"x": array, "y": array}}``; every split has the same keys."""

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..core.contract.config import RelaunchConfig
-from ..core.contract.errors import BadInput
-from .base import Splits
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.errors import BadInput
+from relaunch.components.tasks.base import Splits
 
 if TYPE_CHECKING:
     import torch

@@ -46,11 +46,11 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator
 import numpy as np
 import xxhash
 
-from ..core.contract.config import RelaunchConfig
-from ..core.contract.errors import BadInput
+from relaunch.components.core.contract.config import RelaunchConfig
+from relaunch.components.core.contract.errors import BadInput
 
-from ..core.data import DatasetSource
-from ..core.data.shards import SHARD_BYTES
+from relaunch.components.core.data import DatasetSource
+from relaunch.components.core.data.shards import SHARD_BYTES
 
 if TYPE_CHECKING:
     import torch
@@ -415,7 +415,7 @@ def _store_corpus(uri: str, max_bytes: int) -> Corpus:
         BadInput: the URI is malformed, its bucket or container does not exist or refuses the
             credentials, or nothing under it is a file to read.
     """
-    from ..core.store import open_store
+    from relaunch.components.core.store import open_store
 
     where = f"train.task_options.corpus={uri!r}"
     try:
@@ -653,8 +653,8 @@ class LMTask:
             if version is None:
                 self._tokenizer = BYTES
             else:
-                from ..core.data.shards import read_manifest
-                from ..core.store import open_store
+                from relaunch.components.core.data.shards import read_manifest
+                from relaunch.components.core.store import open_store
 
                 meta = read_manifest(open_store(self.config.store.uri), version).meta
                 self._tokenizer = ByteTokenizer.of(meta.get("tokenizer"), f"data.version={version}")
