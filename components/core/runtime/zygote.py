@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import dis
 import gc
 import importlib
 import importlib.util
@@ -139,13 +140,14 @@ def named_modules(module: types.ModuleType) -> set[str]:
     found: set[str] = set()
 
     def code(c: types.CodeType) -> None:
-        imported = [n for n in c.co_names if n.startswith(OURS)]
-        found.update(imported)
+        loaded: list[object] = []  # the constants loaded since the last other instruction: an import's level, fromlist
+        for instruction in dis.get_instructions(c):
+            if instruction.opname == "IMPORT_NAME" and len(loaded) >= 2:
+                found.update(_imported(instruction.argval, loaded[-2], loaded[-1], module.__package__ or ""))
+            loaded = [*loaded, instruction.argval] if instruction.opname == "LOAD_CONST" else []
         for const in c.co_consts:
             if isinstance(const, types.CodeType):
                 code(const)
-            elif imported and isinstance(const, tuple) and all(isinstance(x, str) for x in const):
-                found.update(f"{package}.{item}" for package in imported for item in const if item.isidentifier())
 
     def value(v: object, depth: int = 0) -> None:
         if isinstance(v, str):
@@ -166,6 +168,21 @@ def named_modules(module: types.ModuleType) -> set[str]:
     for v in list(vars(module).values()):
         value(v)
     return {name for name in found if _is_module(name)}
+
+
+def _imported(name: str, level: object, fromlist: object, package: str) -> set[str]:
+    """The modules of ours an ``IMPORT_NAME name`` (after ``level`` and ``fromlist``) of code in ``package``
+    imports: the module, absolute or relative, and each name of its fromlist (the modules among them)."""
+    if not isinstance(level, int):
+        return set()
+    try:
+        base = importlib.util.resolve_name("." * level + name, package) if level else name
+    except (ImportError, ValueError):
+        return set()
+    if not base.startswith(OURS):
+        return set()
+    items = fromlist if isinstance(fromlist, tuple) else ()
+    return {base, *(f"{base}.{item}" for item in items if isinstance(item, str) and item.isidentifier())}
 
 
 def _is_module(name: str) -> bool:
