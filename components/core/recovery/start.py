@@ -37,7 +37,6 @@ from ..checkpoint.verify import checked_step
 from ..contract.errors import BadInput
 from ..runtime.distributed import agree, on_rank0
 from ..tracking.warm_start import warm_start_checkpoint
-from ..trainer.state import ModelWeights
 
 WarmStartLookup = Callable[[Any], str]
 """The checkpoint URI behind ``config.train.warm_start_model`` (raises BadInput when there is none)."""
@@ -166,6 +165,8 @@ def load_start(config, manager, parts, peers: Callable[[], Any]) -> Restored:
     """Decide the start point in the store and load it on every rank: the whole training state, or the
     model's weights alone for a warm start. The decision is :func:`start_point`'s, at this moment, so a
     group torchrun restarted resumes from the newest commit, whatever the locate step reported before."""
+    from ..trainer.state import ModelWeights  # torch: the locate step reports start_point without it
+
     with peers():
         point = start_point(config, manager)
     uri, committed = point.uri, None
