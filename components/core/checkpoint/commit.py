@@ -286,8 +286,6 @@ class Committer:
 
         self.ranks.agree(self.ranks.rank0(_own(lambda: self._preflight(job.step))))
         files_per_rank = max(1, -(-state_bytes(job.snapshot) // FILE_BYTES))
-        in_child = self.async_save and self.write_in_process and save_process.usable(self.store,
-                                                                                     self.ranks.distributed)
         key = step_key(job.step)
 
         def write() -> dict[str, dict[str, Any]]:
@@ -301,7 +299,8 @@ class Committer:
 
         # the CPU work of the write off this process's GIL where that is safe (save_process)
         # (the first save of the process starts the helper and writes on this thread meanwhile)
-        in_child = in_child and self._snapshots.arena is not None and save_process.helper().ready()
+        in_child = (self.async_save and self.write_in_process and self._snapshots.arena is not None
+                    and save_process.usable(self.store, self.ranks.distributed) and save_process.helper().ready())
         outcome = self.ranks.catch(write_in_helper if in_child else write)
         if self.ranks.distributed:
             gathered: list[Any] = [None] * self.ranks.world_size
