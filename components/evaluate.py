@@ -18,8 +18,8 @@ from pathlib import Path
 from .core.checkpoint import CheckpointManager
 from .core.contract.config import RelaunchConfig
 from .core.contract.errors import BadInput
-from .core.store import open_store
-from .core.tracking.client import call, client as tracking_client, tracking_uri
+from .core.tracking.client import call
+from .core.tracking.context import Context
 from .core.tracking.lineage import log_model_metrics, logged_model
 
 
@@ -48,6 +48,7 @@ def run(config: RelaunchConfig, training_completed: bool | str = True) -> Evalua
         print("evaluate: the training did not reach its end; not evaluated, nothing will be registered", file=sys.stderr)
         return EvaluateOutputs(metrics_json="{}", passed=False, checkpoint_uri="", step=-1)
     task = load_task(config.train.task, config)
+    context = Context(config)
     with CheckpointManager.from_config(config, async_save=False) as mgr:
         info = None
         if config.evaluate.checkpoint == "best":  # the newest when no checkpoint has the metric
@@ -56,25 +57,25 @@ def run(config: RelaunchConfig, training_completed: bool | str = True) -> Evalua
         if info is None:
             raise BadInput(f"evaluate: no committed checkpoint in {config.store.uri!r}; did launch run?")
         model = load_model(task, mgr, info.step)
-    split = _split(config, task)
+    split = _split(context, task)
     metrics = {name: float(value) for name, value in task.evaluate(model, split).items()}
     gate = config.evaluate.gate_metric
     if gate not in metrics:
         raise BadInput(f"evaluate.gate_metric: {gate!r} is not computed by the task (it gives {', '.join(metrics)})")
     if config.tracking.run_id:
         labels = _labels(task, model, split)
-        _log(config, metrics, info.step, labels, info.uri,
+        _log(context, metrics, info.step, labels, info.uri,
              write_model=lambda path: save_model(config, info.uri, path, task=task, model=model))
     return EvaluateOutputs(metrics_json=json.dumps(metrics, sort_keys=True), passed=metrics[gate] >= config.evaluate.gate_min,
                            checkpoint_uri=info.uri, step=info.step)
 
 
-def _split(config: RelaunchConfig, task):
+def _split(context: Context, task):
     """The held-out split, streamed from the committed dataset (committed here first when the pipeline
     did not prepare one: a step run by hand)."""
     from .core.data import commit_task_data, open_split, own_dataset
 
-    store = open_store(config.store.uri)
+    config, store = context.config, context.store
     version = config.data.version
     if version is None and not own_dataset(task):
         version = commit_task_data(task, store)[0].version
@@ -93,9 +94,10 @@ def _labels(task, model, split):
     return arrays["y"], task.predict(model, arrays["x"])
 
 
-def _log(config: RelaunchConfig, metrics: dict, step: int, labels, checkpoint_uri: str,
+def _log(context: Context, metrics: dict, step: int, labels, checkpoint_uri: str,
          write_model) -> None:
-    client, run_id = tracking_client(tracking_uri(config)), config.tracking.run_id
+    config = context.config
+    client, run_id = context.tracker, config.tracking.run_id
     model_id = logged_model(config, checkpoint_uri, step, write_model)
     log_model_metrics(config, model_id, metrics, step, prefix=f"eval_{config.evaluate.split}_")
     call("tag the run", client.set_tag, run_id, "relaunch.evaluated_checkpoint", checkpoint_uri)

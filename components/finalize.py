@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 from .core.contract.config import RelaunchConfig
 from .core.contract.errors import RelaunchError
-from .core.store import open_store
 from .core.store.records import PIPELINE_FINISHED_KEY, write_pipeline_finished
 from .core.tracking.client import find_pipeline_run, mark_run_finished
+from .core.tracking.context import Context
 from .core.tracking.lineage import describe_outcome, record_attempts
 from .core.tracking.mlflow_tracker import deliver_pending_metrics
 
@@ -38,29 +38,30 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", state: str = "SUCCEED
     if not run_id:
         return FinalizeOutputs(run_id="", status="none")
     status = "FINISHED" if state == "SUCCEEDED" else "FAILED"
-    _deliver_pending_metrics(config, run_id)
+    context = Context(config)  # the store opened on first use: it may be away
+    _deliver_pending_metrics(context, run_id)
     try:
-        record_attempts(config, run_id)
+        record_attempts(context, run_id)
     except (RelaunchError, OSError) as err:  # the store or the server is away: the run still gets its status
         print(f"finalize: attempt tags not written: {err}", file=sys.stderr)
-    describe_outcome(config, run_id, status)
+    describe_outcome(context, run_id, status)
     mark_run_finished(config, run_id, status, "" if status == "FINISHED" else f"pipeline {state}: {error}".strip())
     if status == "FINISHED":
         try:
-            write_pipeline_finished(open_store(config.store.uri), run_id, pipeline_run_id)
+            write_pipeline_finished(context.store, run_id, pipeline_run_id)
         except (RelaunchError, OSError) as err:  # costs only a repeated evaluate/register on --resume
             print(f"finalize: {PIPELINE_FINISHED_KEY} not written: {err}", file=sys.stderr)
     return FinalizeOutputs(run_id=run_id, status=status)
 
 
-def _deliver_pending_metrics(config: RelaunchConfig, run_id: str) -> None:
+def _deliver_pending_metrics(context: Context, run_id: str) -> None:
     """The metric points the training kept while the tracking server was away, sent now that it may be back."""
     try:
-        store = open_store(config.store.uri)
+        store = context.store
     except (RelaunchError, OSError) as err:  # the store is away: they stay for the next --resume
         print(f"finalize: pending metric points not sent: {err}", file=sys.stderr)
         return
-    deliver_pending_metrics(config, store, run_id, who="finalize")
+    deliver_pending_metrics(context.config, store, run_id, who="finalize")
 
 
 if __name__ == "__main__":

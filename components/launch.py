@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 from .core.contract.config import RelaunchConfig
 from .core.contract.errors import RelaunchError
-from .core.store import open_store
 from .core.store.records import read_summary as read
 from .core.store.ledger import completed, reached_its_end
+from .core.tracking.context import Context
 from .launchers import backend_module
 
 
@@ -53,14 +53,15 @@ def run(config: RelaunchConfig, resume_from: str = "", pipeline_run_id: str = ""
     Raises:
         LaunchFailed: the training's exit code (retryable ones make the pipeline retry this step).
     """
-    trained = finished_training(config)
+    context = Context(config)
+    trained = finished_training(context)
     if trained is not None:
         return trained
     backend = backend_module(config)  # local | pytorchjob | trainjob
     result = backend.launch(config, pipeline_run_id=pipeline_run_id, resume_from=resume_from or None)
     if result.exit_code != 0:
         raise LaunchFailed(result.exit_code, result.message or f"training failed with exit code {result.exit_code}")
-    summary = read_summary(config)
+    summary = read_summary(context)
     done = completed(summary)
     if not done:
         print(f"launch: the training ended without reaching its end (step {summary.get('last_step')} of "
@@ -73,14 +74,14 @@ def run(config: RelaunchConfig, resume_from: str = "", pipeline_run_id: str = ""
         job_name=result.job_name or "", completed=done)
 
 
-def finished_training(config: RelaunchConfig) -> LaunchOutputs | None:
+def finished_training(context: Context) -> LaunchOutputs | None:
     """The outputs of this MLflow run's training when it already reached its end, else None.
 
     That is a pipeline run again after its training ended (``relaunch run --resume`` after evaluate
     or register failed, or a launch retried after the training ended): nothing is launched, so no
     attempt is added and the run's restarts and goodput stay those of the real training.
     """
-    summary = read_summary(config)
+    config, summary = context.config, read_summary(context)
     if not config.tracking.run_id or summary.get("run_id") != config.tracking.run_id or not reached_its_end(summary):
         return None
     print(f"launch: the training of MLflow run {config.tracking.run_id} already reached its end (step "
@@ -93,9 +94,9 @@ def finished_training(config: RelaunchConfig) -> LaunchOutputs | None:
         job_name="", completed=completed(summary))
 
 
-def read_summary(config: RelaunchConfig) -> dict:
+def read_summary(context: Context) -> dict:
     """The trainer's ``runs/summary.json`` in the store ({} when it wrote none)."""
-    return read(open_store(config.store.uri)) or {}
+    return read(context.store) or {}
 
 
 if __name__ == "__main__":

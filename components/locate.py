@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from .core.checkpoint import CheckpointManager
 from .core.recovery.start import start_point
 from .core.contract.config import RelaunchConfig
-from .core.store import open_store
 from .core.store.training_folders import pick_training, resolve_trainings
+from .core.tracking.context import Context
 from .core.tracking.warm_start import warm_start_checkpoint
 
 
@@ -57,7 +57,7 @@ def run_by_hand(config: RelaunchConfig, training: str = "") -> LocateOutputs:
     Raises:
         BadInput: as :func:`run`; also an unknown ``training``.
     """
-    store = open_store(config.store.uri)
+    store = Context(config).store
     found = [(training, pick_training(store, training, "--input training="))] if training else resolve_trainings(store)
     name, uri = found[-1]
     if name is not None:

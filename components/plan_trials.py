@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from .core.contract.config import RelaunchConfig
 from .core.contract.errors import BadInput
-from .core.store import open_store
-from .core.tracking.client import call, client as tracking_client, tracking_uri
+from .core.tracking.client import call
+from .core.tracking.context import Context
 from .launchers.trial_job import study_storage
 
 
@@ -44,11 +44,12 @@ def run(config: RelaunchConfig, parent_run_id: str = "") -> PlanOutputs:
         raise BadInput("tune.space is empty: the tuning pipeline needs at least one field to search")
     storage = study_storage(config)
     study = Study(config, storage)
-    study_store = open_store(config.store.uri)
+    context = Context(config)
+    study_store = context.store
     if read_study(study_store) is None:
         write_study(study_store, StudyRecord(name=study.name, storage=storage_for_records(storage)))
     if parent_run_id:  # the study's MLflow run, the parent of its trials' runs, says which study it is
-        call("tag the study's run", tracking_client(tracking_uri(config)).set_tag, parent_run_id, STUDY_TAG, study.name)
+        call("tag the study's run", context.tracker.set_tag, parent_run_id, STUDY_TAG, study.name)
     trials = []
     for number in range(config.tune.trials):
         record = read_trial(study_store, number)

@@ -25,8 +25,9 @@ from .core.store import open_store, probe_writable
 from .core.store.conditional_probe import require_conditional_writes
 from .core.store.records import refuse_another_identity, remember_run, stored_run_id
 from .core.tracking import lineage
-from .core.tracking.client import (call, check_api, client as tracking_client, ensure_run,
+from .core.tracking.client import (call, check_api, ensure_run,
                                    log_new_params, reopen_run, tracking_uri)
+from .core.tracking.context import Context
 from .core.tracking.lineage import backend_params
 from .core.tracking.mlflow_tracker import deliver_pending_metrics
 
@@ -57,7 +58,8 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", **overrides: Any) -> 
 
     config = with_pipeline_parameters(config, overrides)
     task = load_task(config.train.task, config)
-    store = open_store(config.store.uri)
+    context = Context(config)
+    store = context.store
     probe_writable(store)  # the first write of a pipeline: a full or read-only store ends it here, exit 2
     _refuse_a_second_pipeline(store, pipeline_run_id)
     refuse_another_identity(store, json.loads(config.to_json()))
@@ -74,7 +76,7 @@ def run(config: RelaunchConfig, pipeline_run_id: str = "", **overrides: Any) -> 
     resolved = config.model_copy(deep=True)
     resolved.data.version = version or None
     resolved.tracking.run_id = run_id
-    _log_config(resolved)
+    _log_config(context.for_config(resolved))
     uri = dataset_uri(store, version) if version else ""
     if manifest is not None:
         lineage.log_dataset_input(resolved, run_id, manifest, uri)
@@ -119,7 +121,7 @@ def check_inputs(config: RelaunchConfig) -> None:
     _check_world_sizes(config)
     _check_tracking(config)  # first: a tracking URI that is wrong must leave the store untouched too
     try:
-        store = open_store(config.store.uri, retries=2, backoff=0.1)
+        store = open_store(config.store.uri, retries=2, backoff=0.1)  # a probe: fewer, shorter retries
         probe_writable(store)  # full or read-only (StoreUnwritable): one line, before anything is written
         require_conditional_writes(store)
     except TransientFailure as err:
@@ -179,9 +181,9 @@ def _check_tracking(config: RelaunchConfig) -> None:
             raise BadInput(f"tracking.uri: cannot connect to the tracking database ({first})") from None
 
 
-def _log_config(config: RelaunchConfig) -> None:
-    """The resolved configuration as MLflow params (flattened) and a JSON artifact-free tag."""
-    client = tracking_client(tracking_uri(config))
+def _log_config(context: Context) -> None:
+    """The resolved configuration (``context.config``) as MLflow params (flattened) and a JSON artifact-free tag."""
+    config, client = context.config, context.tracker
     flat = backend_params(_flatten(json.loads(config.to_json())), config.launch.backend)
     call("log params", log_new_params, client, config.tracking.run_id, flat)
     call("tag the run", client.set_tag, config.tracking.run_id, "relaunch.dataset_version", config.data.version)

@@ -28,7 +28,8 @@ from .core.tracking.lineage import git_commit, logged_model, version_description
 from .core.packaging.model import _load_pyfunc  # noqa: F401 - the loader_module of models saved before 0.2
 from .core.packaging.model import save_model
 from .core.store import open_store
-from .core.tracking.client import call, client as tracking_client, tracking_uri
+from .core.tracking.client import call, tracking_uri
+from .core.tracking.context import Context
 from .core.tracking.wandb_tracker import record_registered_version
 
 TAG = "relaunch."
@@ -55,7 +56,7 @@ def run(config: RelaunchConfig, checkpoint_uri: str, metrics_json: str) -> Regis
         raise BadInput(f"registry.champion_metric: {metric!r} is not among the metrics {sorted(metrics)}")
     if not config.tracking.run_id:
         raise BadInput("register: tracking.run_id is empty; run prepare first (it opens the MLflow run)")
-    client = tracking_client(tracking_uri(config))
+    client = Context(config).tracker  # the step's one client; the pin below opens the checkpoint's own store
     version = _existing_version(client, config, checkpoint_uri)
     if version is None:
         model_id = logged_model(config, checkpoint_uri, _step(checkpoint_uri),

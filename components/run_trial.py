@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 from .core.contract.config import RelaunchConfig
 from .core.contract.exitcodes import ExitCode
-from .core.store import open_store
 from .core.store.records import read_summary
 from .core.store.ledger import completed
+from .core.tracking.context import Context
 from .launchers import backend_module
 from .launchers.trial_job import study_storage
 
@@ -55,7 +55,7 @@ def run(config: RelaunchConfig, trial: int | str = 0, parent_run_id: str = "", p
     from .core.tuning.trials import begin_trial, end_trial, objective, retryable_end
 
     number, tune = int(trial), config.tune
-    study_store = open_store(config.store.uri)
+    study_store = Context(config).store  # the study's folder; the trial's own context comes with begin_trial
     record = read_trial(study_store, number)
     if record is not None and record.final:
         print(f"run-trial: trial {number} ended before ({record.state}); not run again", file=sys.stderr)
@@ -75,8 +75,8 @@ def run(config: RelaunchConfig, trial: int | str = 0, parent_run_id: str = "", p
         write_trial(study_store, record)
         print(f"run-trial: trial {number} ended with exit code {code}; launched again (retry {record.retries} of "
               f"{tune.trial_retries}), it resumes from its last checkpoint", file=sys.stderr)
-    summary = read_summary(open_store(started.config.store.uri)) or {}
-    found = objective(started.config, {}) if code == ExitCode.OK and completed(summary) else None
+    summary = read_summary(started.context.store) or {}
+    found = objective(started.context, {}) if code == ExitCode.OK and completed(summary) else None
     if found is not None:
         value, step = found
         record = end_trial(study, started, study_store, state=COMPLETE, value=value, step=step, exit_code=0)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from .core.contract.config import RelaunchConfig
 from .core.contract.errors import RelaunchError
 from .core.contract.exitcodes import ExitCode
-from .core.store import open_store
+from .core.tracking.context import Context
 from .launchers.trial_job import study_storage
 
 
@@ -51,7 +51,7 @@ def run(config: RelaunchConfig, parent_run_id: str = "") -> SelectOutputs:
     from .core.tuning.study import Study
     from .core.tuning.trials import best_trial, trial_config
 
-    study_store = open_store(config.store.uri)
+    study_store = Context(config).store
     records = trial_records(study_store, config.tune.trials)
     best = best_trial(records, config.tune.objective.direction)
     if parent_run_id:

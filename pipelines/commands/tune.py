@@ -42,10 +42,10 @@ from ...components.core.contract.config_loading import config_from_cli
 from ...components.core.contract.uris import expand_home
 from ...components.core.contract.errors import BadInput, RelaunchError
 from ...components.core.contract.exitcodes import ExitCode
-from ...components.core.store import open_store
 from ...components.core.store.pipeline_lock import PipelineLock, TrainingInUse, describe_holder
 from ...components.core.store.records import (PIPELINE_LOCK_KEY, read_json, read_summary, read_training_config,
                                               stored_run_id)
+from ...components.core.tracking.context import Context
 from . import Subcommands
 
 STEPS_LOG = "tune.log"
@@ -112,6 +112,8 @@ class TuneSession:
 
     def __init__(self, args: argparse.Namespace, config: RelaunchConfig):
         self.args, self.config = args, config
+        self.root = Context(config)  # the root of studies
+        self.study: Context | None = None  # the study folder's, once its lock is taken
         self.name = ""
         self.study_config: RelaunchConfig | None = None  # once prepared
         self.runner = None
@@ -126,8 +128,7 @@ class TuneSession:
 
         check_validation_metric(self.config)  # first: the checks that write nothing, then the store's probe
         state_dir = _state_dir(self.args.state_dir)
-        root = open_store(self.config.store.uri)
-        name, resuming = self._choose_study(root)
+        name, resuming = self._choose_study(self.root.store)
         check_inputs(self.config)
         with contextlib.ExitStack() as held:
             try:
@@ -146,7 +147,7 @@ class TuneSession:
         from ..tune.study_console import TuneConsole
 
         uri = study_uri(self.config.store.uri, self.name)
-        study_store = open_store(uri)
+        study_store = self.study.store
         view = TuneConsole(Console(file=sys.stdout))
         record = read_study(study_store)
         config = self.config
@@ -169,6 +170,7 @@ class TuneSession:
         if record is None:
             write_study(study_store, StudyRecord(name=self.name, storage=storage if not config.tune.storage else "tune.storage"))
         view.header(self.name, uri, config.tune, resuming)
+        self.study = self.study.for_config(config)  # the same folder: the same store
         self.study_config = config
         prepared = self._prepare(config, storage_for_records(storage) if config.tune.storage else None, view)
         self.study_config = prepared
@@ -208,21 +210,32 @@ class TuneSession:
         Raises:
             TrainingInUse: a live ``relaunch tune`` runs this study (one line, exit 2).
         """
-        from ...components.core.tuning.study_folder import study_names, study_uri
+        from ...components.core.tuning.study_folder import study_names
 
         if resuming or self.config.tune.study is not None:
-            held.enter_context(self._lock(open_store(study_uri(self.config.store.uri, name)), name))
+            self.study = self._study_context(name)
+            held.enter_context(self._lock(self.study.store, name))
             return name
         n, candidate = 1, name
         while True:
-            if candidate not in study_names(open_store(self.config.store.uri)):
+            if candidate not in study_names(self.root.store):
+                study = self._study_context(candidate)
                 try:
-                    held.enter_context(self._lock(open_store(study_uri(self.config.store.uri, candidate)), candidate))
+                    held.enter_context(self._lock(study.store, candidate))
+                    self.study = study
                     return candidate
                 except TrainingInUse:
                     pass  # another new study took this name a moment ago
             n += 1
             candidate = f"{name}-{n}"
+
+    def _study_context(self, name: str) -> Context:
+        """The context of the study ``name``'s folder: the configuration with its ``store.uri``."""
+        from ...components.core.tuning.study_folder import study_uri
+
+        at = self.config.model_copy(deep=True)
+        at.store.uri = study_uri(self.config.store.uri, name)
+        return Context(at)
 
     @staticmethod
     def _lock(study_store, name: str):
@@ -252,7 +265,7 @@ class TuneSession:
         """The prepare step on the study's folder: the dataset, the study's MLflow run (created, or the
         stored one reopened), the study's stored configuration (refused when another one is stored)."""
         from ...components import prepare
-        from ...components.core.tracking.client import call, client as tracking_client, tracking_uri
+        from ...components.core.tracking.client import call
         from ...components.core.tuning.trials import STUDY_TAG
 
         began = time.time()
@@ -262,7 +275,8 @@ class TuneSession:
             out = prepare.run(shown)
         prepared = RelaunchConfig.from_json(out.config_json)
         prepared.tune.storage = config.tune.storage
-        call("tag the study's run", tracking_client(tracking_uri(prepared)).set_tag, out.run_id, STUDY_TAG, self.name)
+        self.study = self.study.for_config(prepared)
+        call("tag the study's run", self.study.tracker.set_tag, out.run_id, STUDY_TAG, self.name)
         view.prepared(out.dataset_version, out.run_id, time.time() - began)
         self.experiment_id = out.experiment_id
         return prepared
@@ -361,10 +375,10 @@ class TuneSession:
             code = ExitCode.INTERRUPTED
         else:
             steps, all_committed = [], True
-            for record, config in stopped:
+            for record, context in stopped:
                 summary = {}
                 with contextlib.suppress(RelaunchError, OSError, ValueError):
-                    summary = read_summary(open_store(config.store.uri)) or {}
+                    summary = read_summary(context.store) or {}
                 committed = summary.get("last_committed_step", -1)
                 steps.append(f"trial {record.number} at step {committed}" if committed is not None and committed >= 0
                              else f"trial {record.number} before its first checkpoint")

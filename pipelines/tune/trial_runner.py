@@ -27,8 +27,8 @@ from ...components.core.contract import events
 from ...components.core.contract.config import RelaunchConfig
 from ...components.core.contract.events import Kind
 from ...components.core.contract.exitcodes import ExitCode, normalize
-from ...components.core.store import open_store
 from ...components.core.store.records import read_exit_record, read_summary
+from ...components.core.tracking.context import Context
 from ...components.core.trainer.metrics_file import METRICS_FILE_ENV, read_new
 from ...components.core.tuning.study_folder import (COMPLETE, FAILED, METRICS_LOG, PRUNED, TrialRecord, metrics_path,
                                                     read_trial, write_trial)
@@ -91,7 +91,7 @@ class StudyRunner:
         self.tune = config.tune
         self.running: list[TrialProcess] = []
         self.stopping = False
-        self.stopped: list[tuple[TrialRecord, RelaunchConfig]] = []
+        self.stopped: list[tuple[TrialRecord, Context]] = []
         """The trials :meth:`stop` stopped: their records (still ``running``) and configurations."""
 
     # ---- the loop
@@ -187,7 +187,7 @@ class StudyRunner:
     def _ended(self, trial: TrialProcess, code: int) -> None:
         self.running.remove(trial)
         self._sweep(trial)
-        store = open_store(trial.started.config.store.uri)
+        store = trial.started.context.store
         summary = read_summary(store) or {}
         record = trial.started.record
         seconds = time.time() - trial.began
@@ -199,7 +199,7 @@ class StudyRunner:
             self.view.ended_pruned(trial.number, trial.verdict.step, code)
             return
         if code == ExitCode.OK:
-            found = objective(trial.started.config, trial.reported) if completed(summary) else None
+            found = objective(trial.started.context, trial.reported) if completed(summary) else None
             if found is None:
                 why = (f"the training ended at step {summary.get('last_step')} of {summary.get('total_steps')} "
                        f"without reaching its end" if not completed(summary) else
@@ -279,6 +279,6 @@ class StudyRunner:
             with contextlib.suppress(Exception):
                 self.study.fail(trial.started.trial.number)
             with contextlib.suppress(Exception):
-                interrupted_trial_run(trial.started.config, trial.started.record)
+                interrupted_trial_run(trial.started.context, trial.started.record)
         self.running = []
-        self.stopped = [(t.started.record, t.started.config) for t in stopped]
+        self.stopped = [(t.started.record, t.started.context) for t in stopped]

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..contract.errors import BadInput
-from ..store import open_store
 from ..store.azure import wasbs_uri
 
 EXPERIMENT_KIND = "custom_model_development"  # MLflow 3's "Model training" experiment kind
@@ -168,47 +167,49 @@ def describe_run(config, run_id: str, dataset_version: str, dataset_uri: str) ->
     return experiment.experiment_id
 
 
-def describe_outcome(config, run_id: str, status: str) -> None:
-    """Append what the pipeline did to the run's description (finalize)."""
-    from .client import call, client as tracking_client, tracking_uri
+def describe_outcome(context, run_id: str, status: str) -> None:
+    """Append what the pipeline did to the run's description (finalize); ``context`` is the training's
+    :class:`~relaunch.components.core.tracking.context.Context`."""
+    from .client import call
 
-    client = tracking_client(tracking_uri(config))
+    client = context.tracker
     run = call("read the run", client.get_run, run_id)
     plan = run.data.tags.get(DESCRIPTION_TAG, "").partition(OUTCOME)[0].strip()
     versions = call("search model versions", client.search_model_versions, f"run_id = '{run_id}'")
     versions = [call("read the version", client.get_model_version, v.name, v.version) for v in versions]
-    text = outcome_description(config, run, status, _training_summary(config), versions)
+    text = outcome_description(context.config, run, status, _training_summary(context), versions)
     call("describe the run", client.set_tag, run_id, DESCRIPTION_TAG, f"{plan}\n\n{text}".strip())
 
 
-def record_attempts(config, run_id: str) -> None:
+def record_attempts(context, run_id: str) -> None:
     """The attempts' summary tags (count, restarts, last exit code), ``relaunch/attempts.json`` and
     ``relaunch/checkpoints.json``, from the store's attempt records. Each attempt's trainer writes them for the attempts before it, but one
     SIGKILLed with no attempt after it (its rank 0 killed, restarts and retries spent) leaves them to
-    the side that survives: finalize. Idempotent: an ended attempt's record no longer changes."""
+    the side that survives: finalize. ``context`` is the training's
+    :class:`~relaunch.components.core.tracking.context.Context`; its store is opened here when it was not."""
     from mlflow.entities import RunTag
 
     from ..store import ledger
-    from .client import call, client as tracking_client, tracking_uri
+    from .client import call
     from .mlflow_tracker import (ATTEMPTS_ARTIFACT, CHECKPOINTS_ARTIFACT, attempt_summary_tags,
                                  attempts_table, checkpoint_history)
 
-    store = open_store(config.store.uri)
+    store = context.store
     attempts = ledger.load_attempts(store)
     if not attempts:  # the pipeline stopped before training
         return
-    client = tracking_client(tracking_uri(config))
+    client = context.tracker
     tags = [RunTag(k, v) for k, v in attempt_summary_tags(attempts).items()]
     call("tag the attempts", client.log_batch, run_id, tags=tags)
     call("log the attempts", client.log_dict, run_id, attempts_table(attempts), ATTEMPTS_ARTIFACT)
     call("log the checkpoints", client.log_dict, run_id, checkpoint_history(store, attempts), CHECKPOINTS_ARTIFACT)
 
 
-def _training_summary(config) -> dict | None:
+def _training_summary(context) -> dict | None:
     from ..store.records import read_summary
 
     try:
-        return read_summary(open_store(config.store.uri))
+        return read_summary(context.store)
     except FileNotFoundError:  # the pipeline stopped before training
         return None
 

@@ -26,12 +26,11 @@ from ..contract.config import RelaunchConfig, TuneConfig
 from ..contract.suggestions import apply_suggestions
 from ..contract.errors import BadInput, RelaunchError
 from ..contract.exitcodes import ExitCode, is_retryable
-from ..store import open_store
 from ..data.shards import copy_dataset
 from ..store.records import (dotted, identity_changes, read_summary, refuse_resume_changes,
                              remember_run, write_training_config)
-from ..tracking.client import (PARENT_RUN_TAG, call, client as tracking_client, ensure_run,
-                               mark_run_finished, reopen_run, tracking_uri)
+from ..tracking.client import PARENT_RUN_TAG, call, ensure_run, mark_run_finished, reopen_run, tracking_uri
+from ..tracking.context import Context
 from ..tracking.lineage import record_attempts
 from .study_folder import (COMPLETE, FAILED, PRUNED, RUNNING, TrialRecord, read_trial,
                            trial_uri, write_trial)
@@ -138,6 +137,8 @@ class StartedTrial:
     record: TrialRecord
     trial: optuna.trial.Trial
     config: RelaunchConfig
+    context: Context
+    """The training's context: ``config``, its folder's store and its MLflow client, each opened once."""
     resumed: bool
     """The trial had run before in this folder (a study resumed after its process died, a retried step)."""
     stale: list[int] = dataclasses.field(default_factory=list)
@@ -173,14 +174,15 @@ def begin_trial(study: Study, study_config: RelaunchConfig, study_store, number:
         reopen_run(config, record.run_id)
     record.optuna_numbers.append(trial.number)
     record.state, record.ended = RUNNING, None
-    trial_store = open_store(config.store.uri)
+    context = Context(config)  # the trial's folder: another configuration, another store
+    trial_store = context.store
     write_training_config(trial_store, json.loads(config.to_json()))
     remember_run(trial_store, record.run_id, tracking_uri=tracking_uri(config), experiment=config.tracking.experiment)
     if config.data.version:
         give_dataset(study_store, trial_store, config.data.version)
     write_trial(study_store, record)
-    call("tag the trial's run", tracking_client(tracking_uri(config)).set_tag, record.run_id, STATE_TAG, RUNNING)
-    return StartedTrial(record=record, trial=trial, config=config, resumed=bool(stale) or len(record.optuna_numbers) > 1,
+    call("tag the trial's run", context.tracker.set_tag, record.run_id, STATE_TAG, RUNNING)
+    return StartedTrial(record=record, trial=trial, config=config, context=context, resumed=bool(stale) or len(record.optuna_numbers) > 1,
                         stale=stale)
 
 
@@ -200,12 +202,12 @@ def give_dataset(study_store, trial_store, version: str) -> None:
     copy_dataset(study_store, trial_store, version)
 
 
-def objective(config: RelaunchConfig, reported: dict[int, dict[str, float]]) -> tuple[float, int] | None:
-    """``(value, step)`` of the study's objective for the trial that trained with ``config``: the last
+def objective(context: Context, reported: dict[int, dict[str, float]]) -> tuple[float, int] | None:
+    """``(value, step)`` of the study's objective for the trial of ``context`` (its training's): the last
     reported value of ``tune.objective.metric`` (its final model's; the training summary's final metrics
     when they hold it, else the last validation line); None when there is none."""
-    metric = config.tune.objective.metric
-    summary = read_summary(open_store(config.store.uri)) or {}
+    metric = context.config.tune.objective.metric
+    summary = read_summary(context.store) or {}
     final = (summary.get("final_metrics") or {}).get(metric)
     if isinstance(final, (int, float)) and summary.get("last_step", -1) >= 0:
         return float(final), int(summary["last_step"])
@@ -228,15 +230,15 @@ def end_trial(study: Study, started: StartedTrial, study_store, *, state: str, v
     record.state, record.value, record.step = state, value, step
     record.exit_code, record.reason, record.ended = exit_code, reason, time.time()
     write_trial(study_store, record)
-    close_trial_run(started.config, record)
+    close_trial_run(started.context, record)
     return record
 
 
-def close_trial_run(config: RelaunchConfig, record: TrialRecord) -> None:
+def close_trial_run(context: Context, record: TrialRecord) -> None:
     """The trial's MLflow run as its end says: attempts' tags, state tag, objective, status."""
-    client = tracking_client(tracking_uri(config))
+    config, client = context.config, context.tracker
     try:
-        record_attempts(config, record.run_id)
+        record_attempts(context, record.run_id)
     except (RelaunchError, OSError):  # the store is away: the state and status still go out
         pass
     call("tag the trial's run", client.set_tag, record.run_id, STATE_TAG, record.state)
@@ -247,13 +249,13 @@ def close_trial_run(config: RelaunchConfig, record: TrialRecord) -> None:
     mark_run_finished(config, record.run_id, RUN_STATUS[record.state], why)
 
 
-def interrupted_trial_run(config: RelaunchConfig, record: TrialRecord) -> None:
+def interrupted_trial_run(context: Context, record: TrialRecord) -> None:
     """The MLflow run of a trial stopped with its study: state ``interrupted`` and status KILLED (nothing
     trains into it any more) until a resume reopens it (:func:`begin_trial`). The training's own KILLED
     is not enough: its logger gets a few seconds after the checkpoint and may not deliver it, and a
     trial killed after the grace says nothing."""
-    call("tag the trial's run", tracking_client(tracking_uri(config)).set_tag, record.run_id, STATE_TAG, INTERRUPTED)
-    mark_run_finished(config, record.run_id, "KILLED", "trial interrupted: its study was stopped; a resume runs it again")
+    call("tag the trial's run", context.tracker.set_tag, record.run_id, STATE_TAG, INTERRUPTED)
+    mark_run_finished(context.config, record.run_id, "KILLED", "trial interrupted: its study was stopped; a resume runs it again")
 
 
 def best_trial(records: list[TrialRecord | None], direction: str) -> TrialRecord | None:
