@@ -46,13 +46,13 @@ from ...components.core.contract.pipeline_parameters import with_pipeline_parame
 from ...components.core.contract.uris import expand_home
 from ...components.core.contract.errors import BadInput, RelaunchError
 from ...components.core.contract.exitcodes import ExitCode
-from ...components.core.store import open_store
 from ...components.core.store.pipeline_lock import PipelineLock, TrainingInUse
 from ...components.core.store.records import (identity_changes, pipeline_finished, read_exit_record, read_summary,
                                               read_training_config, refuse_resume_changes, replace_run,
                                               stored_run_id, write_training_config)
 from ...components.core.store.training_folders import training_names, training_uri
 from ...components.core.tracking.client import ensure_run, mark_run_finished, run_exists, tracking_uri
+from ...components.core.tracking.context import Context
 from ...components.core.store.ledger import reached_its_end
 from ...components.prepare import check_inputs
 from . import Subcommands
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     from ..local.interrupt import STOP_MARGIN_SECONDS, Interrupted, interruptible, stop_descendants
 
     config = config_from_cli(args.config, None, args.overrides)
-    training: list[RelaunchConfig] = []  # the training's configuration, once chosen
+    training: list[Context] = []  # the training's context, once chosen
     with interruptible():
         try:
             return _run(args, config, training)
@@ -96,20 +96,20 @@ def run(args: argparse.Namespace) -> int:
             return code
 
 
-def interrupted(config: RelaunchConfig | None, stop) -> tuple[int, str]:
+def interrupted(context: Context | None, stop) -> tuple[int, str]:
     """The exit code and the one line of a run stopped by signal, once every process of the run ended
     (so the training's records are final): 143 when the training committed a checkpoint at the step it
     stopped at after the signal (its preemption checkpoint), else 130. The training's MLflow run is
     marked KILLED with the line as its reason (``relaunch.end_reason``) until a resume reopens it."""
     name = "Ctrl-C (SIGINT)" if stop.signum == 2 else "SIGTERM"
-    if config is None:
+    if context is None:
         return ExitCode.INTERRUPTED, f"relaunch: stopped by {name} before a training started"
     resume = "`relaunch run --resume` continues it"
     ended: dict = {}
     summary: dict = {}
     store = None
     with contextlib.suppress(RelaunchError, OSError, ValueError):  # the store is away: the plain line
-        store = open_store(config.store.uri)
+        store = context.store
         ended, summary = read_exit_record(store) or {}, read_summary(store) or {}
     after = float(ended.get("time") or 0) >= stop.at
     if after and ended.get("exit_code") == ExitCode.PREEMPTED and summary.get("exit_code") == ExitCode.PREEMPTED \
@@ -121,7 +121,7 @@ def interrupted(config: RelaunchConfig | None, stop) -> tuple[int, str]:
         last = f" from its checkpoint at step {committed}" if committed is not None and committed >= 0 else ""
         code, line = ExitCode.INTERRUPTED, f"relaunch: stopped by {name}; every process of the run ended; {resume}{last}"
     if store is not None:
-        _mark_interrupted(config, store, summary, line.removeprefix("relaunch: "))
+        _mark_interrupted(context.config, store, summary, line.removeprefix("relaunch: "))
     return code, line
 
 
@@ -148,7 +148,7 @@ def _mark_interrupted(config: RelaunchConfig, store, summary: dict, reason: str)
         marking.join(MARK_SECONDS)
 
 
-def _run(args: argparse.Namespace, config: RelaunchConfig, training: list[RelaunchConfig]) -> int:
+def _run(args: argparse.Namespace, config: RelaunchConfig, training: list[Context]) -> int:
     from rich.console import Console
 
     from ..local.interrupt import Interrupted
@@ -176,30 +176,31 @@ def _run(args: argparse.Namespace, config: RelaunchConfig, training: list[Relaun
     return result.exit_code
 
 
-def _run_pipeline(args: argparse.Namespace, config: RelaunchConfig, training: list[RelaunchConfig],
+def _run_pipeline(args: argparse.Namespace, config: RelaunchConfig, training: list[Context],
                   held: contextlib.ExitStack, console, state_dir: str):
     """Choose the training (its pipeline lock into ``held``), say so, run its pipeline; its result, or
-    None when a resume had nothing to do."""
+    None when a resume had nothing to do. One context for the root of trainings, one for the training."""
+    root = Context(config)
     if args.resume:
-        config, done, resuming = resume_training(config, held)
+        context, done, resuming = _resume_training(root, held)
         if done:
             console.print(done, highlight=False, soft_wrap=True)
             return None
-        config = training_run(config, new_run=args.new_run)
+        context = training_run(context, new_run=args.new_run)
         console.print(resuming, highlight=False, soft_wrap=True)
         if args.inject_failure:  # a demo of the resumed training, not a change of what it is
-            config = with_pipeline_parameters(config, {"inject_failure": args.inject_failure})
+            context = context.for_config(with_pipeline_parameters(context.config, {"inject_failure": args.inject_failure}))
     else:
-        config = new_training(config, held)
-        remember_config(config)
-        console.print(f"relaunch: a new training in {config.store.uri} (`relaunch run --resume` continues it)",
+        context = _new_training(root, held)
+        _remember_config(context)
+        console.print(f"relaunch: a new training in {context.config.store.uri} (`relaunch run --resume` continues it)",
                       highlight=False, soft_wrap=True)
 
-    training.append(config)
+    training.append(context)
     from ..local.runner import render_summary, run_pipeline
 
-    result = run_pipeline(config, console=console, state_dir=state_dir, cold=args.cold)
-    render_summary(config, result, console)
+    result = run_pipeline(context.config, console=console, state_dir=state_dir, cold=args.cold, context=context)
+    render_summary(context.config, result, console, context=context)
     return result
 
 
@@ -219,7 +220,7 @@ def _namespaced(config: RelaunchConfig, training: str) -> RelaunchConfig:
 
 def trainings(config: RelaunchConfig) -> list[str]:
     """The trainings of ``config.store.uri``, oldest first (their names sort by start time)."""
-    return training_names(open_store(config.store.uri))
+    return training_names(Context(config).store)
 
 
 def new_training(config: RelaunchConfig, held: contextlib.ExitStack | None = None) -> RelaunchConfig:
@@ -227,12 +228,17 @@ def new_training(config: RelaunchConfig, held: contextlib.ExitStack | None = Non
     start time (a suffix when two start in the same second). With ``held``, its pipeline lock is taken
     into it: the first thing written (two runs started in the same second get two names); without,
     nothing is written until prepare runs."""
-    existing = set(trainings(config))
+    return _new_training(Context(config), held).config
+
+
+def _new_training(root: Context, held: contextlib.ExitStack | None = None) -> Context:
+    """:func:`new_training` from the context of the root of trainings; the new training's context."""
+    existing = set(training_names(root.store))
     name = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     candidate, n = name, 1
     while True:
         if candidate not in existing:
-            namespaced = _namespaced(config, candidate)
+            namespaced = Context(_namespaced(root.config, candidate))
             if held is None:
                 return namespaced
             try:
@@ -244,18 +250,22 @@ def new_training(config: RelaunchConfig, held: contextlib.ExitStack | None = Non
         candidate = f"{name}-{n}"
 
 
-def _pipeline_lock(config: RelaunchConfig, training: str):
-    """The pipeline lock of ``training`` (``config`` in its namespace), taken.
+def _pipeline_lock(context: Context, training: str):
+    """The pipeline lock of ``training`` (``context`` its namespace's), taken.
 
     Raises:
         TrainingInUse: a live ``relaunch run`` holds it (one line naming its pid and host, exit 2).
     """
-    return PipelineLock(open_store(config.store.uri), training).take()
+    return PipelineLock(context.store, training).take()
 
 
 def remember_config(config: RelaunchConfig) -> None:
     """Store ``config`` with its training (``runs/config.json``): what ``--resume`` continues with."""
-    write_training_config(open_store(config.store.uri), json.loads(config.to_json()))
+    _remember_config(Context(config))
+
+
+def _remember_config(context: Context) -> None:
+    write_training_config(context.store, json.loads(context.config.to_json()))
 
 
 ALWAYS_FROM_THE_COMMAND_LINE = ("store.uri", "tracking.run_id", "launch.inject_failure")
@@ -307,34 +317,43 @@ def resume_training(config: RelaunchConfig,
         BadInput: the store holds no training to resume, or the command line changes what it is.
         TrainingInUse: a live ``relaunch run`` runs a pipeline of it (the line names its pid and host).
     """
-    names = trainings(config)
+    context, done, line = _resume_training(Context(config), held)
+    return context.config, done, line
+
+
+def _resume_training(root: Context, held: contextlib.ExitStack | None = None) -> tuple[Context, str, str]:
+    """:func:`resume_training` from the context of the root of trainings; the resumed training's context."""
+    config = root.config
+    names = training_names(root.store)
     if not names:
         raise BadInput(f"--resume: {config.store.uri} holds no training to resume; `relaunch run` starts one")
-    store = open_store(_namespaced(config, names[-1]).store.uri)
+    newest = Context(_namespaced(config, names[-1]))
+    store = newest.store
     resumed = stored_configuration(config, names[-1], store)
+    context = newest.for_config(resumed)  # the same folder: the same store
     if held is not None:
-        held.enter_context(_pipeline_lock(resumed, names[-1]))
+        held.enter_context(_pipeline_lock(context, names[-1]))
     summary = read_summary(store)
     ended = reached_its_end(summary)
     if ended and pipeline_finished(store, summary.get("run_id")):
-        return resumed, (f"relaunch: the training in {resumed.store.uri} already reached its end (step "
+        return context, (f"relaunch: the training in {resumed.store.uri} already reached its end (step "
                          f"{summary['last_step']} of {summary['total_steps']}, MLflow run {summary.get('run_id')}); "
                          "nothing to do — `relaunch run` starts a new training"), ""
     if not resumed.tracking.run_id:  # none stored: it never reached prepare's run, which prepare opens
         resumed.tracking.run_id = stored_run_id(store)
     if ended:
-        return resumed, "", (f"relaunch: the training in {resumed.store.uri} reached its end (step "
+        return context, "", (f"relaunch: the training in {resumed.store.uri} reached its end (step "
                              f"{summary['last_step']} of {summary['total_steps']}) but its pipeline did not finish; "
                              f"finishing it: evaluate and register its last checkpoint in MLflow run "
                              f"{summary.get('run_id')}, without training")
 
     unknown = "" if read_training_config(store) is not None else \
         " (it stored no configuration, from before relaunch kept one: continuing with the command line's)"
-    return resumed, "", f"relaunch: resuming the training in {resumed.store.uri}{unknown}"
+    return context, "", f"relaunch: resuming the training in {resumed.store.uri}{unknown}"
 
 
-def training_run(config: RelaunchConfig, *, new_run: bool = False) -> RelaunchConfig:
-    """``config`` (a resumed training's) checked against its MLflow run: unchanged when the run exists
+def training_run(context: Context, *, new_run: bool = False) -> Context:
+    """``context`` (a resumed training's) checked against its MLflow run: unchanged when the run exists
     (or none was opened yet); with ``new_run``, in a new MLflow run when its own is gone
     (:func:`continue_in_a_new_run`).
 
@@ -343,25 +362,26 @@ def training_run(config: RelaunchConfig, *, new_run: bool = False) -> RelaunchCo
             continues the training: this one with ``--new-run``), or ``new_run`` when it does or when
             the training has none yet.
     """
+    config = context.config
     run_id, training = config.tracking.run_id, config.store.uri.rstrip("/").rsplit("/", 1)[-1]
     if not run_id:
         if new_run:
             raise BadInput("--new-run: the training has no MLflow run yet (its first pipeline opens one); "
                            "drop --new-run")
-        return config
+        return context
     if run_exists(config, run_id):
         if new_run:
             raise BadInput(f"--new-run: the training's MLflow run {run_id} exists at {tracking_uri(config)}; "
                            f"drop --new-run to continue in it")
-        return config
+        return context
     if not new_run:
         raise BadInput(f"--resume: the MLflow run {run_id} of the training {training} does not exist at "
                        f"{tracking_uri(config)} (its tracking database was lost or the run deleted); its "
                        f"checkpoints are intact: `{_new_run_command()}` continues it in a new MLflow run "
                        f"that records the old one")
     out = config.model_copy(deep=True)
-    out.tracking.run_id = continue_in_a_new_run(config, open_store(config.store.uri), training)
-    return out
+    out.tracking.run_id = continue_in_a_new_run(config, context.store, training)
+    return context.for_config(out)
 
 
 def _new_run_command() -> str:

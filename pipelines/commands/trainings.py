@@ -68,14 +68,16 @@ def trainings(args: argparse.Namespace) -> int:
     from ...components.core.contract.config_loading import config_from_cli
 
     root = args.store or config_from_cli(args.config, None, []).store.uri
-    found = resolve_trainings(open_store(root))
-    if found == [(None, root)] and not _holds_a_training(open_store(root)):
+    root_store = open_store(root)  # a URI, not a configuration: the root of trainings
+    found = resolve_trainings(root_store)
+    if found == [(None, root)] and not _holds_a_training(root_store):
         raise BadInput(f"{root} holds no training (trainings/<time>/ or runs/); `relaunch run` starts one")
-    states = [training_state(name or uri, uri) for name, uri in found]
+    stores = {uri: root_store if uri == root else open_store(uri) for _, uri in found}  # each folder once
+    states = [training_state(name or uri, uri, stores[uri]) for name, uri in found]
     if not args.no_registry:
         for state in states:
             if state.state == "finished":
-                state.registered_version = registered_version(open_store(state.uri), state.run_id)
+                state.registered_version = registered_version(stores[state.uri], state.run_id)
                 if state.registered_version:
                     state.detail = f"registered as {state.registered_version}"
     if args.json:
@@ -96,15 +98,14 @@ def _holds_a_training(store) -> bool:
         or stored_run_id(store) is not None
 
 
-def training_state(name: str, uri: str) -> TrainingState:
-    """Where the training at ``uri`` stands, from its records alone (reads only)."""
+def training_state(name: str, uri: str, store) -> TrainingState:
+    """Where the training at ``uri`` (``store``) stands, from its records alone (reads only)."""
     from ...components.core.store.pipeline_lock import holder_alive as lock_alive
     from ...components.core.store.records import (PIPELINE_LOCK_KEY, pipeline_finished, read_json, read_summary,
                                                   read_training_config, stored_run_id)
     from ...components.core.store.ledger import load_attempts
     from ...components.core.store.ledger import reached_its_end
 
-    store = open_store(uri)
     step = newest_committed_step(store)
     summary = read_summary(store) or {}
     config = read_training_config(store) or {}

@@ -19,7 +19,8 @@ from ..spec import EVALUATE, FINALIZE, LAUNCH, LOCATE, PREPARE, REGISTER, STEP_T
 from ...components.core.contract.config import RelaunchConfig, memory_tier_on
 from ...components.core.contract.events import Event, Kind, read_file
 from ...components.core.contract.exitcodes import MEANING, ExitCode, is_retryable, unrecorded_end
-from ...components.core.store import open_store, records
+from ...components.core.store import records
+from ...components.core.tracking.context import Context
 from ...components.core.tracking.lineage import run_url
 
 STEPS = tuple(STEP_TABLE)  # the five steps and the exit task
@@ -260,8 +261,9 @@ def _metrics(text: str | None) -> str:
     return ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in sorted(values.items()))
 
 
-def render_summary(config: RelaunchConfig, result, console) -> None:
-    """The closing summary: where to look, what came out, how the fault tolerance behaved."""
+def render_summary(config: RelaunchConfig, result, console, *, context: Context | None = None) -> None:
+    """The closing summary: where to look, what came out, how the fault tolerance behaved (``context``:
+    ``config``'s, when the caller has one)."""
     s = result.steps
     prep, ev, reg, lau = (s[k].outputs for k in (PREPARE.name, EVALUATE.name, REGISTER.name, LAUNCH.name))
     console.rule("summary")
@@ -296,7 +298,7 @@ def render_summary(config: RelaunchConfig, result, console) -> None:
         launch_retries = max(0, s[LAUNCH.name].attempts - 1)
         restarter = ("Ray round" if config.launch.backend == "ray" else
                      "in-place agent" if config.launch.backend == "local" and memory_tier_on(config) else "torchrun")
-        in_place = _in_place_recoveries(config)
+        in_place = _in_place_recoveries(context if context is not None else Context(config))
         replaced = f", {len(in_place)} worker(s) replaced in place" if in_place else ""
         rows.append(("fault tolerance", f"{lau.restarts} {restarter} restart(s){replaced}, {launch_retries} launch retr"
                                         f"{'y' if launch_retries == 1 else 'ies'}"
@@ -311,10 +313,10 @@ def render_summary(config: RelaunchConfig, result, console) -> None:
         console.print(f"  [bold]{key:<16}[/] {value}", highlight=False, soft_wrap=True)
 
 
-def _in_place_recoveries(config: RelaunchConfig) -> list[dict[str, Any]]:
+def _in_place_recoveries(context: Context) -> list[dict[str, Any]]:
     """The training's recoveries of a lost worker inside an attempt (``train.memory_tier``), from its summary."""
     try:
-        summary = records.read_summary(open_store(config.store.uri)) or {}
+        summary = records.read_summary(context.store) or {}
     except Exception:  # the summary must not fail a finished run
         return []
     return list((summary.get("goodput") or {}).get("in_place") or [])

@@ -19,8 +19,8 @@ from typing import Any
 from ..spec import FINALIZE
 from ...components.core.contract.config import RelaunchConfig
 from ...components.core.contract.exitcodes import ExitCode
-from ...components.core.store import open_store
 from ...components.core.store.records import attempt_key, read_json
+from ...components.core.tracking.context import Context
 from .interrupt import STOP_MARGIN_SECONDS, Interrupted, stop_descendants
 from .console import STEPS, RunView, StepRecord, render_summary
 from .kfp_fixes import install_local_fixes, use_warm_steps
@@ -49,7 +49,7 @@ class RunResult:
 
 
 def run_pipeline(config: RelaunchConfig, *, console=None, state_dir: str | Path = ".relaunch",
-                 cold: bool = False) -> RunResult:
+                 cold: bool = False, context: Context | None = None) -> RunResult:
     """Run the whole pipeline locally; returns when it ended (never raises for a failed step).
 
     Args:
@@ -58,25 +58,28 @@ def run_pipeline(config: RelaunchConfig, *, console=None, state_dir: str | Path 
         state_dir: where kfp.local's outputs and this run's logs go.
         cold: every step, agent and worker a fresh interpreter (as on a cluster) instead of forks of
             the warm servers (:mod:`relaunch.pipelines.local.warm_steps`; always cold where they are not supported).
+        context: ``config``'s context when the caller has one (``relaunch run``: its store opened for the lock).
     """
+    context = context if context is not None else Context(config)
     run_dir = Path(state_dir) / "runs" / time.strftime("%Y%m%d-%H%M%S") / str(os.getpid())
     run_dir.mkdir(parents=True, exist_ok=True)
     # started first: its imports overlap ours and kfp.local's set-up
     warm_steps = None if cold or not warm_steps_supported() else WarmSteps(log_path=run_dir / "pipeline.log",
                                              extra_imports=(config.train.task.split(":")[0],))
     try:
-        return _run_on_kfp_local(config, console, Path(state_dir), run_dir, warm_steps)
+        return _run_on_kfp_local(context, console, Path(state_dir), run_dir, warm_steps)
     finally:
         if warm_steps is not None:
             warm_steps.close()
 
 
-def _run_on_kfp_local(config: RelaunchConfig, console, state_dir: Path, run_dir: Path, warm_steps) -> RunResult:
+def _run_on_kfp_local(context: Context, console, state_dir: Path, run_dir: Path, warm_steps) -> RunResult:
     from kfp import local
     from rich.console import Console
 
     from ..kfp_pipeline import build_pipeline
 
+    config = context.config
     console = console or Console()
     console.file = console.file  # pin today's stdout: the pipeline's own output is redirected below
     events = run_dir / "events.jsonl"
@@ -84,7 +87,7 @@ def _run_on_kfp_local(config: RelaunchConfig, console, state_dir: Path, run_dir:
     install_local_fixes()
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(state_dir / "kfp-local"),
                raise_on_error=True)
-    view = RunView(console, events, run_dir / "pipeline.log", committed_steps=_committed_steps(config))
+    view = RunView(console, events, run_dir / "pipeline.log", committed_steps=_committed_steps(context))
     started = time.time()
     previous = os.environ.get("RELAUNCH_EVENTS")
     os.environ["RELAUNCH_EVENTS"] = str(events.resolve())
@@ -118,11 +121,11 @@ def _run_on_kfp_local(config: RelaunchConfig, console, state_dir: Path, run_dir:
                      resumed=view.resumed, failed_step=failed)
 
 
-def _committed_steps(config: RelaunchConfig):
+def _committed_steps(context: Context):
     """``attempt -> the steps it committed`` as the store's attempt record says (None when unreadable)."""
     def committed(attempt: int) -> set[int] | None:
         try:
-            record = read_json(open_store(config.store.uri), attempt_key(attempt))
+            record = read_json(context.store, attempt_key(attempt))
         except Exception:  # noqa: BLE001 - the store is away: the view falls back to the attempt's summary
             return None
         if not isinstance(record, dict):
