@@ -352,3 +352,53 @@ def test_the_tasks_a_user_copies_import_relaunch_by_its_absolute_name():
     relative = [f"{p.relative_to(ROOT)}:{node.lineno}" for p in (ROOT / "components" / "tasks").glob("*.py")
                 for node in ast.walk(ast.parse(p.read_text())) if isinstance(node, ast.ImportFrom) and node.level]
     assert relative == []
+
+
+STORE_OPENS = {
+    # path, enclosing function: how many open_store calls it may make, and why it opens by URI itself
+    ("components/prepare.py", "check_inputs"): 1,            # a probe with fewer, shorter retries (retries=2) before anything starts
+    ("components/register.py", "_pin"): 1,                   # the store its checkpoint URI names, which may be another one
+    ("components/train.py", "setup"): 1,                     # the worker process's one store, wrapped (injection, in-place tier)
+    ("components/tasks/lm.py", "_store_corpus"): 1,          # the user's task: a corpus named by URI
+    ("components/tasks/lm.py", "tokenizer"): 1,              # the user's task: its tokenizer's dataset manifest
+    ("components/launchers/torchrun.py", "exit_code"): 1,    # a torchrun's end, read once; also `--map-exit` (a Slurm script's process)
+    ("components/launchers/rayjob.py", "mapped"): 1,         # a failed RayJob's exit record, read once after it ended
+    ("components/core/packaging/model.py", "save_model"): 1,  # the model packaged from a checkpoint named by URI
+    ("components/core/data/loader.py", "_rows_of"): 1,       # the data loader's worker process: a store does not cross a fork
+    ("components/core/checkpoint/verify.py", "checked_step"): 1,  # a checkpoint named by URI, checked alone
+    ("components/core/checkpoint/manager.py", "__init__"): 1,  # the checkpoint manager given a URI
+    ("components/core/checkpoint/load.py", "source_of"): 1,  # a resume_from in another store than the training's
+    ("components/core/tracking/context.py", "store"): 1,     # the one place a process opens its configuration's store
+    ("pipelines/commands/trainings.py", "trainings"): 2,     # `relaunch trainings --store URI`: the root, then each training once
+    ("pipelines/commands/checkpoints.py", "_targets"): 1,     # `relaunch checkpoints --store URI`
+}
+"""Where a module opens a store from a URI itself; everywhere else a step, a command or a helper is handed
+the store or the :class:`~relaunch.components.core.tracking.context.Context` of its configuration."""
+
+
+def _store_opens() -> dict[tuple[str, str], int]:
+    """``(path, enclosing function) -> open_store calls`` outside the store package."""
+    found: dict[tuple[str, str], int] = {}
+
+    def visit(node: ast.AST, path: str, function: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
+            if isinstance(child, ast.Call) and _callee(child) == "open_store":
+                found[(path, function)] = found.get((path, function), 0) + 1
+            visit(child, path, inner)
+
+    store = ROOT / "components" / "core" / "store"
+    for path in _sources():
+        if store not in path.parents:
+            visit(ast.parse(path.read_text()), str(path.relative_to(ROOT)), "<module>")
+    return found
+
+
+def test_a_process_opens_its_store_once_through_its_context():
+    """A step's ``run(config)`` and the commands build one context per configuration and hand it down:
+    46 ``open_store`` calls outside the store package before (the same store up to six times a process)."""
+    found = _store_opens()
+    extra = sorted(f"{path} {function}: {n} open_store call(s), {STORE_OPENS.get((path, function), 0)} allowed"
+                   for (path, function), n in found.items() if n > STORE_OPENS.get((path, function), 0))
+    assert extra == [], "take the store or the Context from the caller (or add the site to STORE_OPENS, with why)"
+    assert sum(found.values()) <= sum(STORE_OPENS.values()) == 16
