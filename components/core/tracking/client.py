@@ -104,9 +104,10 @@ def client(uri: str):
     from mlflow.tracking import MlflowClient
 
     if uri.startswith("sqlite:"):
-        from .localdb import use_write_ahead_log
+        from .localdb import seed_new_database, use_write_ahead_log
 
         use_write_ahead_log()
+        seed_new_database(uri)
     return MlflowClient(tracking_uri=uri)
 
 
