@@ -36,6 +36,7 @@ from ..contract import classify as classifier
 from ..contract.errors import BadInput, TransientFailure
 from ..contract.events import Kind, write
 from ..contract.exitcodes import ExitCode
+from .localdb import database_path, seed_new_database, use_write_ahead_log
 
 PIPELINE_RUN_TAG = "relaunch.pipeline_run_id"
 PARENT_RUN_TAG = "mlflow.parentRunId"  # what makes a run nested, in MLflow's UI and API
@@ -104,8 +105,6 @@ def client(uri: str):
     from mlflow.tracking import MlflowClient
 
     if uri.startswith("sqlite:"):
-        from .localdb import seed_new_database, use_write_ahead_log
-
         use_write_ahead_log()
         seed_new_database(uri)
     return MlflowClient(tracking_uri=uri)
@@ -336,7 +335,8 @@ def run_exists(config, run_id: str) -> bool:
         TransientFailure: the tracking server cannot be reached.
     """
     uri = tracking_uri(config)
-    if uri.startswith("sqlite:///") and not os.path.exists(uri.removeprefix("sqlite:///")):
+    database = database_path(uri)
+    if database is not None and not database.exists():
         return False
     mlflow_client = client(uri)
     return call(f"read run {run_id}", unless_missing, mlflow_client.get_run, run_id) is not None
