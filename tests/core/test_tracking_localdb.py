@@ -46,19 +46,19 @@ def test_a_new_local_database_is_what_mlflow_makes_in_the_same_folder(tmp_path, 
     first, made, seeded = tmp_path / "first", tmp_path / "made", tmp_path / "seeded"
     for folder in (first, made, seeded):
         folder.mkdir()
-    monkeypatch.chdir(first)
-    assert seed_new_database("sqlite:///./mlflow.db")  # the empty one is made, in this folder, and kept
+    monkeypatch.chdir(first)  # absolute URIs: MLflow keeps a store per URI in a process, a relative one too
+    assert seed_new_database(f"sqlite:///{first}/mlflow.db")  # the empty one is made, in this folder, and kept
     assert list(cache_folder().glob("mlflow-*-empty.db"))
     monkeypatch.chdir(seeded)
-    assert seed_new_database("sqlite:///./mlflow.db")  # a copy of it, in another folder
+    assert seed_new_database(f"sqlite:///{seeded}/mlflow.db")  # a copy of it, in another folder
+    assert [p.name for p in seeded.iterdir() if p.name.startswith(".")] == []  # no partial copy left beside it
     monkeypatch.chdir(made)
-    MlflowClient(tracking_uri="sqlite:///./mlflow.db").search_experiments()  # MLflow makes this one itself
+    MlflowClient(tracking_uri=f"sqlite:///{made}/mlflow.db").search_experiments()  # MLflow makes this one itself
 
     ours, theirs = _content(seeded / "mlflow.db"), _content(made / "mlflow.db")
     assert ours["tables"] == theirs["tables"]
     assert {t: r for t, r in ours["rows"].items() if r != theirs["rows"][t]} == {}
     assert (seeded / "mlflow.db").stat().st_mode == (made / "mlflow.db").stat().st_mode
-    assert [p.name for p in seeded.iterdir()] == ["mlflow.db"]  # no partial copy left beside it
 
     mlflow_client = client(f"sqlite:///{seeded}/mlflow.db")  # and MLflow works in it as in its own
     (default,) = mlflow_client.search_experiments()

@@ -75,6 +75,10 @@ def test_in_a_container_the_supervisor_makes_the_torchrun_agents_lines_json_too(
     config["logging"] = {"format": "json"}
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_TRACKING_URI", "RELAUNCH_"))}
     env.update({"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "LOGLEVEL": "INFO"})  # torchrun's agent talks
+    # and rank 0's MLflow, making the new database itself (no cached empty one to copy: tracking/localdb.py),
+    # logs its migrations: the worker lines this test reads
+    env["XDG_CACHE_HOME"] = str(tmp_path / "no-cache")
+    (tmp_path / "no-cache").write_text("")
     done = subprocess.run(
         [sys.executable, "-m", "relaunch.components.launchers.supervise", str(BIN / "torchrun"), "--nnodes=1",
          "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=logs",
