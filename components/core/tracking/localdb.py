@@ -55,6 +55,11 @@ SIDE_FILES = ("-wal", "-shm", "-journal")
 """What SQLite keeps beside a database: left by one that was deleted, they are not ours to remove."""
 
 
+def default_experiment_folder() -> str:
+    """The Default experiment's folder MLflow writes into a database it makes in this working directory."""
+    return os.path.join(os.path.abspath(DEFAULT_ARTIFACTS), "0")
+
+
 def database_path(uri: str) -> Path | None:
     """The file of a ``sqlite:///`` tracking URI (relative to the working directory as SQLAlchemy reads
     it); None for an in-memory database or another scheme."""
@@ -76,7 +81,7 @@ def seed_new_database(uri: str) -> bool:
     empty = _empty_database()
     if empty is None:
         return False
-    artifacts = os.path.join(os.path.abspath(DEFAULT_ARTIFACTS), "0")
+    artifacts = default_experiment_folder()
     partial = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     try:
         os.close(os.open(partial, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # the mode MLflow's file gets
@@ -120,7 +125,7 @@ def _empty_database() -> Path | None:
             _made_by_mlflow(made)
             with contextlib.closing(sqlite3.connect(made)) as db:
                 rows = db.execute("SELECT experiment_id, artifact_location FROM experiments").fetchall()
-            if rows != [(0, os.path.join(os.path.abspath(DEFAULT_ARTIFACTS), "0"))]:
+            if rows != [(0, default_experiment_folder())]:
                 return None
             _copy(made, Path(work, "empty.db"), "")
             with contextlib.suppress(FileExistsError):  # another process made it first: the same content
