@@ -85,7 +85,7 @@ class AzuriteServer:
         log = (self.workdir / "azurite.log").open("w")
         self.proc = subprocess.Popen(
             [str(binary), "--blobHost", "127.0.0.1", "--blobPort", str(self.port), "--inMemoryPersistence",
-             "--skipApiVersionCheck", "--loose", "--silent"],
+             "--skipApiVersionCheck", "--loose", "--silent", "--disableTelemetry"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         wait_until(lambda: self.proc.poll() is not None or _listening(self.port), 60, "azurite-blob")
         if self.proc.poll() is not None:

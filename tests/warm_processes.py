@@ -104,13 +104,19 @@ def warm_command(cmd: list[str]) -> list[str] | None:
     return [*client, "-m", "torch.distributed.run", *args[:entry], "--no-python", *client, *args[entry:]]
 
 
-def start(cmd: list[str], *, env: dict[str, str], cwd: Path | str, stdout, stderr,
-          new_session: bool = False) -> subprocess.Popen:
-    """Like ``subprocess.Popen(cmd, ...)`` with ``stdout``/``stderr`` open files: warm when it can be."""
+def popen(cmd: list[str], *, env: dict[str, str], **kwargs) -> subprocess.Popen:
+    """``subprocess.Popen(cmd, env=env, **kwargs)``: warm when it can be (the fork gets the client's
+    descriptors, pipes included)."""
     warm = None if cold() else warm_command(list(cmd))
     if warm is not None:
         cmd, env = warm, {**env, **_session_zygote().env}
-    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=stdout, stderr=stderr, start_new_session=new_session)
+    return subprocess.Popen(cmd, env=env, **kwargs)
+
+
+def start(cmd: list[str], *, env: dict[str, str], cwd: Path | str, stdout, stderr,
+          new_session: bool = False) -> subprocess.Popen:
+    """Like ``subprocess.Popen(cmd, ...)`` with ``stdout``/``stderr`` open files: warm when it can be."""
+    return popen(cmd, env=env, cwd=cwd, stdout=stdout, stderr=stderr, start_new_session=new_session)
 
 
 def run(cmd: list[str], *, env: dict[str, str], cwd: Path | str, timeout: float) -> subprocess.CompletedProcess:

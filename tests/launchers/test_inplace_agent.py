@@ -4,7 +4,10 @@ that generation's rendezvous, which still waits for it; else in a new one); any 
 code; a SIGTERM of the agent reaches the workers and ends it with their code, restarting nothing. Across
 agents of two nodes sharing node 0's store: a worker killed on one node is replaced by its agent while
 every other rank, on both nodes, keeps its process; one node's bad input ends both with its code; a node
-lost whole and started again rejoins with all of its ranks; node 0 lost ends the other with 138."""
+lost whole and started again rejoins with all of its ranks; node 0 lost ends the other with 138.
+
+The agents start warm, as ``relaunch run`` starts them (forks of the session's zygote, their workers and
+replacements forks too); .ci/run's cold lane runs this file again with every process a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -16,17 +19,25 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from relaunch.components.core.runtime.net import free_port
 from relaunch.components.launchers.inplace import _dying
+from tests import warm_processes
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # agents and their workers: .ci/run's cold lane selects these by it
 
 
 def start(mode: str, nproc: int = 3, max_restarts: int = 1) -> subprocess.Popen:
+    """The agent as relaunch run starts it: warm (a fork of the session's zygote, its workers forks too)
+    unless the tests run cold."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "relaunch.components.launchers.inplace", f"--nproc-per-node={nproc}",
-                             f"--max-restarts={max_restarts}", "-m", "tests.launchers.inplace_worker", mode],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    warm = [] if warm_processes.cold() else ["--warm"]
+    return warm_processes.popen([sys.executable, "-m", "relaunch.components.launchers.inplace", *warm,
+                                 f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", "-m",
+                                 "tests.launchers.inplace_worker", mode],
+                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def test_a_killed_worker_is_replaced_and_the_others_keep_their_processes():
@@ -99,11 +110,13 @@ def test_a_worker_killed_but_not_yet_reaped_counts_as_dying_and_a_running_one_do
 def start_node(node: int, port: int, *worker: str, nproc: int = 2) -> subprocess.Popen:
     """Node ``node`` of two, its own session (what a pod is): node 0's agent hosts the store on ``port``."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "relaunch.components.launchers.inplace", f"--nproc-per-node={nproc}",
-                             "--max-restarts=1", "--nnodes=2", f"--node-rank={node}", "--master-addr=127.0.0.1",
-                             f"--master-port={port}", "--node-address=127.0.0.1", "-m", "tests.launchers.inplace_worker",
-                             *worker], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    warm = [] if warm_processes.cold() else ["--warm"]  # killing its client (the pod) kills the fork's group
+    return warm_processes.popen([sys.executable, "-m", "relaunch.components.launchers.inplace", *warm,
+                                 f"--nproc-per-node={nproc}", "--max-restarts=1", "--nnodes=2", f"--node-rank={node}",
+                                 "--master-addr=127.0.0.1", f"--master-port={port}", "--node-address=127.0.0.1", "-m",
+                                 "tests.launchers.inplace_worker", *worker],
+                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
 
 
 def ended(*agents: subprocess.Popen, timeout: float = 120) -> tuple[list[int], str]:

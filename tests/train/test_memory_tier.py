@@ -4,7 +4,11 @@ replica, nothing is read from the store, and the training ends bitwise equal to 
 when a rank and the holder of its replica die together, every rank reads the store, still bitwise. Across
 two nodes (an agent each, node 0's hosting the store): a rank killed on one node is replaced there while
 every other rank keeps its process; a node lost whole and started again gets its ranks' state from the
-replicas on the other node; both with nothing read from the store and bitwise equal."""
+replicas on the other node; both with nothing read from the store and bitwise equal.
+
+The agents start warm, as ``relaunch run`` starts them: forks of the session's zygote, every worker and
+replacement a fork too (a worker's own pid is the one it prints when it restores); the test of a
+replacement killed while it starts runs cold, where a replacement takes as long as a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import torch
 
 from relaunch.components.core.contract import events
 from relaunch.components.core.runtime.net import free_port
+from tests import warm_processes
 from tests.train.conftest import ROOT, final_params, run_torchrun, train_config
 
 pytestmark = pytest.mark.slow
@@ -48,18 +53,23 @@ class Agent:
     """A running in-place agent with its workers' combined output in a file; ``node``: ``(rank, nnodes,
     port)`` of one node of several (node 0's agent hosts the store on ``port``)."""
 
-    def __init__(self, cfg: dict, tmp_path: Path, nproc: int, node: tuple[int, int, int] | None = None):
+    def __init__(self, cfg: dict, tmp_path: Path, nproc: int, node: tuple[int, int, int] | None = None,
+                 cold: bool = False):
         self.log = tmp_path / f"agent-{uuid.uuid4().hex[:6]}.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_TRACKING_URI", "RELAUNCH_"))}
         env.update({"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"})
         (tmp_path / Path(cfg["store"]["uri"]).parent.name).mkdir(parents=True, exist_ok=True)
         nodes = [f"--nnodes={node[1]}", f"--node-rank={node[0]}", "--master-addr=127.0.0.1", f"--master-port={node[2]}",
                  "--node-address=127.0.0.1"] if node else []
+        # warm as relaunch run starts it (the agent and every worker, a replacement too, forks of the session's
+        # zygote), unless the test needs a worker that starts as slowly as a fresh interpreter
+        warm = [] if cold or warm_processes.cold() else ["--warm"]
+        start = subprocess.Popen if not warm else warm_processes.start
         with self.log.open("w") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "relaunch.components.launchers.inplace", f"--nproc-per-node={nproc}",
+            self.proc = start(
+                [sys.executable, "-m", "relaunch.components.launchers.inplace", *warm, f"--nproc-per-node={nproc}",
                  "--max-restarts=2", *nodes, "-m", "relaunch.components.train", "--config-json", json.dumps(cfg)],
-                cwd=ROOT, env=env, stdout=out, stderr=out, start_new_session=True)
+                cwd=ROOT, env=env, stdout=out, stderr=out, **({"new_session": True} if warm else {"start_new_session": True}))
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
@@ -80,10 +90,19 @@ class Agent:
         found = (events.read(line) for line in self.output().splitlines())
         return [e.fields for e in found if e is not None and e.kind == events.Kind.RESUMED and e.get("in_place")]
 
-    def worker_pids(self) -> dict[int, int]:
-        """The pid of each rank of generation 0, from the agent's first line."""
+    def started_pids(self) -> dict[int, int]:
+        """The pid of each process of generation 0 that the agent started, from its first line (warm: the
+        zygote's clients; killing one kills its fork at once, as the loss of a cold worker)."""
         line = re.search(r"generation 0 workers: (.*)", self.output())
         return {int(r): int(p) for r, p in re.findall(r"rank(\d+)=(\d+)", line[1])} if line else {}
+
+    def worker_pids(self) -> dict[int, int]:
+        """The pid of each rank of generation 0, as the worker itself printed it when it started (warm, the
+        agent's own line names the zygote's client it started, not the fork that trains)."""
+        pids: dict[int, int] = {}
+        for restore in self.restores():
+            pids.setdefault(restore["rank"], restore["pid"])
+        return pids
 
     def wait_for_step(self, step: int, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
@@ -173,7 +192,7 @@ def test_a_replacement_killed_while_it_starts_is_replaced_in_the_same_round_whic
         tmp_path, tmp_path_factory):
     cfg = config(tmp_path, "twice", "ddp", inject_failure="kill-worker@step=25")
     cfg["train"]["memory_snapshot_every_steps"] = 1
-    agent = Agent(cfg, tmp_path, 2)  # cold: a replacement imports torch for a second before it rendezvouses
+    agent = Agent(cfg, tmp_path, 2, cold=True)  # a replacement imports torch for a second before it rendezvouses
     deadline = time.monotonic() + 120
     while not (started := re.search(r"replacement pid (\d+)", agent.output())) and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -195,7 +214,7 @@ def test_two_ranks_holding_each_others_replicas_killed_together_fall_back_to_the
     cfg = config(tmp_path, "both", "ddp")
     agent = Agent(cfg, tmp_path, 2)
     agent.wait_for_step(24)
-    for pid in agent.worker_pids().values():
+    for pid in agent.started_pids().values():
         os.kill(pid, signal.SIGKILL)
     assert agent.wait() == 0, agent.output()[-4000:]
     recovery = [r for r in agent.restores() if r["step"] >= 0]
@@ -211,9 +230,9 @@ def test_a_rank_lost_with_the_holder_of_its_replica_makes_every_rank_read_the_st
     cfg = config(tmp_path, "pair", "ddp")
     agent = Agent(cfg, tmp_path, 4)
     agent.wait_for_step(24)
-    first = agent.worker_pids()
+    started, first = agent.started_pids(), agent.worker_pids()
     for rank in (1, 2):  # rank 2 holds rank 1's replica
-        os.kill(first[rank], signal.SIGKILL)
+        os.kill(started[rank], signal.SIGKILL)
     assert agent.wait() == 0, agent.output()[-4000:]
     recovery = [r for r in agent.restores() if r["step"] >= 0]
     assert sorted(r["rank"] for r in recovery) == [0, 1, 2, 3], agent.output()[-4000:]
