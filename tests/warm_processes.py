@@ -97,9 +97,10 @@ def warm_command(cmd: list[str]) -> list[str] | None:
         return [*client, *rest]
     else:
         return None
-    # torchrun's options come first; its training entry (-m MODULE) then runs through the client too
-    entry = next((i for i, arg in enumerate(args) if not arg.startswith("--")), None)
-    if entry is None or args[entry] != "-m" or "--no-python" in args[:entry]:
+    # torchrun's options come first (some with their value as the next word: --nproc-per-node 2); its
+    # training entry (-m MODULE) then runs through the client too
+    entry = args.index("-m") if "-m" in args else None
+    if entry is None or "--no-python" in args[:entry]:
         return [*client, "-m", "torch.distributed.run", *args]
     return [*client, "-m", "torch.distributed.run", *args[:entry], "--no-python", *client, *args[entry:]]
 

@@ -17,6 +17,7 @@ import torch
 from relaunch.components.core.checkpoint import FORMAT_VERSION, CheckpointManager, step_key
 from relaunch.components.core.store import open_store
 from relaunch.pipelines.cli import main
+from tests import warm_processes
 from tests.core.helpers import assert_bitwise_equal, make_state, train_steps
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,8 +122,8 @@ def test_stock_torch_reads_a_checkpoint_sharded_over_2_fsdp_ranks(tmp_path):
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "2",
            "-m", "tests.core.fsdp_worker", "--root", store, "--out", str(tmp_path / "w"), "--steps", "2",
            "--save-at", "2", "--width", "96"]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=300)
+    proc = warm_processes.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                              timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     files = {k for k in open_store(store).list(step_key(2) + "/") if k.endswith(".distcp")}
     assert {k.rsplit("/", 1)[1].split("_")[2] for k in files} == {"0", "1"}  # both ranks wrote shards

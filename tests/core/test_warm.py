@@ -263,3 +263,14 @@ def test_the_supervisors_zygote_serves_the_client_it_copied_and_ends_with_the_bl
     assert not (tmp_path / "socket").exists()
     with for_command(["torchrun", "-m", "relaunch.components.train"], (), str(tmp_path / "unused")) as env:
         assert "RELAUNCH_ZYGOTE" not in env or env["RELAUNCH_ZYGOTE"] == os.environ.get("RELAUNCH_ZYGOTE")
+
+
+@pytest.mark.parametrize("options", [["--nproc-per-node=2"], ["--standalone", "--nproc-per-node", "2"]])
+def test_the_tests_start_a_torchruns_workers_through_the_zygote_client_whatever_the_form_of_its_options(options):
+    from tests.warm_processes import warm_command
+
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    command = warm_command([torchrun, *options, "-m", "tests.core.fsdp_worker", "--steps", "2"])
+    client = client_command()
+    assert command == [*client, "-m", "torch.distributed.run", *options, "--no-python", *client, "-m",
+                       "tests.core.fsdp_worker", "--steps", "2"]
