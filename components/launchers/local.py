@@ -92,7 +92,8 @@ def launch(config: RelaunchConfig, *, pipeline_run_id: str, resume_from: str | N
     config.train.memory_tier = in_place = memory_tier_on(config)  # the workers get the setting resolved
     job_id = re.sub(r"[^a-zA-Z0-9-]", "-", f"{config.name}-{pipeline_run_id or 'manual'}")[:60]
     spec = job_spec(config)
-    warm = runtime_warm.forked and not os.environ.get(COLD_ENV)
+    # warm: a step forked from a warm server, or one given a zygote (a study's, for its trials' workers)
+    warm = (runtime_warm.forked or bool(os.environ.get(ZYGOTE_ENV))) and not os.environ.get(COLD_ENV)
     commands = build_commands(spec, job_id=job_id, port=config.launch.rdzv_port or free_port(), warm=warm,
                               in_place=in_place)
     started = time.time()

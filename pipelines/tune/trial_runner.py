@@ -10,6 +10,11 @@ training commits its checkpoint and exits 143) and ends PRUNED, never retried. A
 retryable code of the contract (137, 138, 143, 130: a kill, a transient failure, a preemption) is
 started again in the same folder, up to ``tune.trial_retries`` times, and resumes from its own last
 checkpoint; a permanent code (a user error, 2) fails the trial, not the study.
+
+The study starts one zygote (:mod:`relaunch.components.core.runtime.zygote`) that imports torch and the
+task once: every trial's workers, and each one torchrun restarts, are forks of it, as the workers of a
+``relaunch run`` are forks of its warm server's. ``RELAUNCH_COLD`` set: no zygote, every worker a fresh
+interpreter.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +33,7 @@ from ...components.core.contract import events
 from ...components.core.contract.config import RelaunchConfig
 from ...components.core.contract.events import Kind
 from ...components.core.contract.exitcodes import ExitCode, normalize
+from ...components.core.runtime.zygote import Zygote
 from ...components.core.store.records import read_exit_record, read_summary
 from ...components.core.tracking.context import Context
 from ...components.core.trainer.metrics_file import METRICS_FILE_ENV, read_new
@@ -36,6 +43,8 @@ from ...components.core.tuning.study import PruneVerdict, Study
 from ...components.core.tuning.trials import (StartedTrial, begin_trial, check_objective_metric, end_trial,
                                               interrupted_trial_run, objective, retryable_end)
 from ...components.core.store.ledger import completed
+from ...components.launchers.jobs import TRAIN_MODULE
+from ...components.launchers.local import COLD_ENV
 from .study_console import TuneConsole
 
 POLL_SECONDS = 0.1
@@ -93,6 +102,7 @@ class StudyRunner:
         self.stopping = False
         self.stopped: list[tuple[TrialRecord, Context]] = []
         """The trials :meth:`stop` stopped: their records (still ``running``) and configurations."""
+        self.zygote_env: dict[str, str] = {}
 
     # ---- the loop
 
@@ -110,17 +120,35 @@ class StudyRunner:
                 self.view.skipped(number, record.state, record.value, self.tune.objective.metric)
             else:
                 queue.append(number)
-        try:
-            while queue or self.running:
-                while queue and len(self.running) < self.tune.parallel:
-                    self._start(queue.pop(0))
-                for trial in list(self.running):
-                    self._poll(trial)
-                time.sleep(POLL_SECONDS)
-        except BaseException:
-            self.stop()
-            raise
+        with self._zygote(queue):
+            try:
+                while queue or self.running:
+                    while queue and len(self.running) < self.tune.parallel:
+                        self._start(queue.pop(0))
+                    for trial in list(self.running):
+                        self._poll(trial)
+                    time.sleep(POLL_SECONDS)
+            except BaseException:
+                self.stop()
+                raise
         return [read_trial(self.study_store, n) for n in range(self.tune.trials)]
+
+    @contextlib.contextmanager
+    def _zygote(self, queue: list[int]):
+        """The study's zygote while its trials run (its log in the study's folder); none cold or with none to run."""
+        if os.environ.get(COLD_ENV) or not queue:
+            yield
+            return
+        with open(self.local_dir / "zygote.log", "a") as log, \
+                tempfile.TemporaryDirectory(prefix="relaunch-study-") as directory:  # a unix socket's path is short
+            zygote = Zygote(os.path.join(directory, "zygote.sock"),
+                            (TRAIN_MODULE, self.config.train.task.split(":")[0]), log=log)
+            self.zygote_env = zygote.env
+            try:
+                yield
+            finally:
+                self.zygote_env = {}
+                zygote.close()
 
     def _start(self, number: int) -> None:
         started = begin_trial(self.study, self.config, self.study_store, number, parent_run_id=self.parent_run_id)
@@ -137,7 +165,7 @@ class StudyRunner:
         cmd = [sys.executable, "-m", "relaunch.components.launch", "--config-json", trial.started.config.to_json(),
                "--input", f"pipeline_run_id={self.study.name}-trial-{trial.number}"]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", METRICS_FILE_ENV: str(trial.metrics_file),
-               events.EVENTS_ENV: str(trial.folder / EVENTS_FILE)}
+               events.EVENTS_ENV: str(trial.folder / EVENTS_FILE), **self.zygote_env}
         with open(trial.folder / LAUNCH_LOG, "a") as log:
             log.write(f"--- relaunch tune: trial {trial.number} launched at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n")
             log.flush()

@@ -48,6 +48,7 @@ def faulted(cwd, reference):
     wait_for("trial 1's first checkpoint", lambda: committed_step(cwd, "faults", 1) >= CHECKPOINT_EVERY, proc)
     worker = wait_for("trial 1's worker", lambda: worker_of(cwd, "faults", 1), proc)
     seen["worker_killed_after_step"] = committed_step(cwd, "faults", 1)
+    seen["worker_command"] = worker.cmdline()
     worker.send_signal(signal.SIGKILL)
 
     # relaunch tune itself, once trial 0 completed and while a later trial runs past its first checkpoint
@@ -112,6 +113,14 @@ def test_a_killed_tune_resumes_the_running_trials_from_their_checkpoints_and_rer
         first_after_resume = attempts(cwd, "faults", n)[faulted["attempts_at_kill"][n]]
         assert first_after_resume["resumed_from_step"] >= faulted["committed_at_kill"][n]
     assert "resumed in its folder" in faulted["resume"].stdout
+
+
+def test_every_trials_worker_is_a_fork_of_the_studys_zygote_through_its_client(cwd, faulted):
+    from relaunch.components.core.runtime.zygote import CLIENT_SOURCE
+
+    assert str(CLIENT_SOURCE) in faulted["worker_command"], faulted["worker_command"]
+    logs = {str(path): path.read_text(errors="replace") for path in cwd.rglob("launch.log")}
+    assert len(logs) >= 8 and not [path for path, text in logs.items() if "starting the worker cold" in text], logs
 
 
 def test_sigkill_of_relaunch_tune_leaves_no_process_of_its_trials(faulted):
