@@ -135,8 +135,9 @@ class StudyRunner:
 
     @contextlib.contextmanager
     def _zygote(self, queue: list[int]):
-        """The study's zygote while its trials run (its log in the study's folder); none cold or with none to run."""
-        if os.environ.get(COLD_ENV) or not queue:
+        """The study's zygote while its trials run (its log in the study's folder); none cold, with no trial
+        to run, or for a backend other than the local agents (Ray starts its own workers)."""
+        if os.environ.get(COLD_ENV) or not queue or self.config.launch.backend != "local":
             yield
             return
         with open(self.local_dir / "zygote.log", "a") as log, \
