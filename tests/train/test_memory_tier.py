@@ -64,12 +64,12 @@ class Agent:
         # warm as relaunch run starts it (the agent and every worker, a replacement too, forks of the session's
         # zygote), unless the test needs a worker that starts as slowly as a fresh interpreter
         warm = [] if cold or warm_processes.cold() else ["--warm"]
-        start = subprocess.Popen if not warm else warm_processes.start
+        popen = warm_processes.popen if warm else subprocess.Popen
         with self.log.open("w") as out:
-            self.proc = start(
+            self.proc = popen(
                 [sys.executable, "-m", "relaunch.components.launchers.inplace", *warm, f"--nproc-per-node={nproc}",
                  "--max-restarts=2", *nodes, "-m", "relaunch.components.train", "--config-json", json.dumps(cfg)],
-                cwd=ROOT, env=env, stdout=out, stderr=out, **({"new_session": True} if warm else {"start_new_session": True}))
+                cwd=ROOT, env=env, stdout=out, stderr=out, start_new_session=True)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
