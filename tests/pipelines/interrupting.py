@@ -45,13 +45,28 @@ def alive(processes: list[psutil.Process]) -> list[str]:
     return left
 
 
-def interrupt(cwd: Path, send, at_step: int = 1) -> tuple[int, str, str, list[psutil.Process], list[str]]:
-    """A training of ``SHORT`` in ``cwd`` stopped, once it trained ``at_step`` steps, by ``send(pid)`` (a
-    signal to the CLI or its group); its exit code and output, the processes the run had started, and
-    those still alive (every one of them is killed before this returns)."""
+def wait_for_save(proc: subprocess.Popen, cwd: Path, step: int) -> None:
+    """Until the run's events say the checkpoint of ``step`` is being written (a hang or an early end fails
+    the test); polled often: the moment it starts is the one a test aims at."""
+    deadline = time.monotonic() + RUN_TIMEOUT  # a bound for a hang, not a timed assertion
+    while not saving(cwd, step):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"the training never saved step {step}"
+        time.sleep(0.02)
+
+
+def interrupt(cwd: Path, send, at_step: int = 1, at_save: int | None = None
+              ) -> tuple[int, str, str, list[psutil.Process], list[str]]:
+    """A training of ``SHORT`` in ``cwd`` stopped by ``send(pid)`` (a signal to the CLI or its
+    group) once it trained ``at_step`` steps or, given ``at_save``, as the checkpoint of that step starts
+    being written; its exit code and output, the processes the run had started, and those still alive
+    (every one of them is killed before this returns)."""
     proc = start(cwd, *SHORT)
     try:
-        wait_for_step(proc, cwd, at_step)
+        if at_save is None:
+            wait_for_step(proc, cwd, at_step)
+        else:
+            wait_for_save(proc, cwd, at_save)
         run_processes = psutil.Process(proc.pid).children(recursive=True)
         send(proc.pid)
         out, err = proc.communicate(timeout=RUN_TIMEOUT)

@@ -1,33 +1,34 @@
 """Ctrl-C (SIGINT to the ``relaunch run`` process alone) at the hardest moment, as an asynchronous save
-starts: the preemption checkpoint waits for it, then commits the step the training stopped at, and
-relaunch exits 143 (the same stop at an ordinary step: tests/pipelines/test_interrupt.py)."""
+starts, on the cold path (every step a fresh interpreter under kfp.local's ``sh``): the preemption
+checkpoint waits for it, then commits the step the training stopped at, and relaunch exits 143. The warm
+path, the one ``relaunch run`` takes, is stopped the same way in tests/pipelines/test_interrupt.py's
+``interrupted`` run, which make test runs."""
 
 from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 
 from relaunch.components.core.contract.exitcodes import ExitCode
-from tests.pipelines.interrupting import RUN_TIMEOUT, SHORT, finish, saving, start
+from tests.cli import kill_agents
+from tests.pipelines.interrupting import RUN_TIMEOUT, SHORT, finish, start, wait_for_save
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * RUN_TIMEOUT)]
 
 
-@pytest.mark.parametrize("mode", ["warm", pytest.param("cold", marks=pytest.mark.ci_lane)])  # cold: the warm case in make test
-def test_ctrl_c_while_a_save_is_in_flight_still_commits_the_step_it_stopped_at_and_exits_143(tmp_path, mode):
-    """The hardest moment: SIGINT as the asynchronous save of step 20 starts; the preemption checkpoint
-    waits for it, then commits the step the training stopped at. Cold too (every step a fresh interpreter
-    under kfp.local's ``sh``), where relaunch used to wait for the step to finish training before it
-    stopped anything."""
-    proc = start(tmp_path, *SHORT, *(["--cold"] if mode == "cold" else []))
-    deadline = time.monotonic() + RUN_TIMEOUT  # a bound for a hang, not a timed assertion
-    while not saving(tmp_path, 20):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            pytest.fail(f"the training never saved step 20: {finish(proc, tmp_path)}")
-        time.sleep(0.02)
+@pytest.mark.ci_lane  # the warm case: test_interrupt.py's interrupted run (make test)
+def test_ctrl_c_while_a_save_is_in_flight_on_the_cold_path_still_commits_the_step_it_stopped_at_and_exits_143(
+        tmp_path):
+    """Cold, relaunch used to wait for the step to finish training before it stopped anything."""
+    proc = start(tmp_path, *SHORT, "--cold")
+    try:
+        wait_for_save(proc, tmp_path, 20)
+    except AssertionError:
+        os.killpg(proc.pid, signal.SIGKILL)
+        kill_agents(tmp_path)
+        raise
     os.kill(proc.pid, signal.SIGINT)
     code, out, err = finish(proc, tmp_path)
     from relaunch.components.core.store import open_store

@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 # Restarts must be fast: poll workers every 0.2 s, close the rendezvous 1 s after the last join.
 RDZV_CONF = "join_timeout=30,last_call_timeout=1,close_timeout=2"
+SUPERVISE = [sys.executable, "-m", "relaunch.components.launchers.supervise"]
+"""The container's supervisor, as a prefix of :func:`start_torchrun`'s command."""
 
 
 def train_config(tmp_path: Path, tracking_uri: str, **train) -> dict:

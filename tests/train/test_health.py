@@ -9,6 +9,7 @@ import pytest
 from relaunch.components.core.store import records
 from relaunch.components.core.checkpoint import CheckpointManager
 from relaunch.components.core.contract.classify import torchrun_exit
+from relaunch.components.core.contract.exitcodes import ExitCode
 from relaunch.components.core.store import open_store
 from tests.services import MlflowServer
 from tests.train.conftest import metric_steps, mlflow_runs, run_torchrun, start_torchrun, train_config
@@ -21,6 +22,7 @@ def test_a_nan_loss_exits_3_keeps_the_last_good_checkpoint_untouched_and_fails_t
     run = run_torchrun(config, tmp_path, max_restarts=1, env={"NAN_AT_STEP": "25"})
 
     store = open_store(config["store"]["uri"])
+    assert run.proc.returncode == ExitCode.BUG, run.output()[-3000:]  # torchrun's blanket 1 (test_supervise: 3)
     assert torchrun_exit(run.proc.returncode, records.read_exit_record(store), run.started_at) == 3, run.output()[-3000:]
     assert "non-finite loss at step 25" in run.output()
     assert "not restarting after a permanent failure" in run.output(), "torchrun's restart ends at once"

@@ -69,7 +69,7 @@ def test_a_step_process_writes_json_lines_on_stderr(tmp_path):
 
 def test_in_a_container_the_supervisor_makes_the_torchrun_agents_lines_json_too(tmp_path):
     from tests.services import free_port
-    from tests.train.conftest import BIN, RDZV_CONF
+    from tests.train.conftest import BIN, RDZV_CONF, SUPERVISE
 
     config = train_config(tmp_path, f"sqlite:///{tmp_path / 'mlflow.db'}", max_steps=6)
     config["logging"] = {"format": "json"}
@@ -80,7 +80,7 @@ def test_in_a_container_the_supervisor_makes_the_torchrun_agents_lines_json_too(
     env["XDG_CACHE_HOME"] = str(tmp_path / "no-cache")
     (tmp_path / "no-cache").write_text("")
     done = subprocess.run(
-        [sys.executable, "-m", "relaunch.components.launchers.supervise", str(BIN / "torchrun"), "--nnodes=1",
+        [*SUPERVISE, str(BIN / "torchrun"), "--nnodes=1",
          "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=logs",
          f"--rdzv-conf={RDZV_CONF}", "-m", "relaunch.components.train", "--config-json", json.dumps(config)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)

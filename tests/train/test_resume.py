@@ -1,5 +1,6 @@
 """Kills, preemptions and world-size changes of a real 2-process torchrun training (gloo, CPU),
-tracked by the session's real MLflow server on Postgres."""
+tracked by the session's real MLflow server on Postgres; the SIGTERM during a save reaches it through the
+container's supervisor (components/launchers/supervise.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import torch
 
 from relaunch.components.core.store import records
 from relaunch.components.core.contract.classify import torchrun_exit
+from relaunch.components.core.contract.exitcodes import ExitCode
 from relaunch.components.core.store import open_store
-from tests.train.conftest import (final_params, metric_steps, mlflow_runs, run_torchrun, start_torchrun,
-                                  train_config)
+from tests.train.conftest import (SUPERVISE, final_params, metric_steps, mlflow_runs, run_torchrun,
+                                  start_torchrun, train_config)
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +48,10 @@ def test_a_sigkilled_worker_is_restarted_and_ends_bitwise_equal_to_an_uninterrup
 def test_sigterm_commits_a_checkpoint_exits_143_and_the_rerun_loses_no_committed_step(tmp_path, tracking, moment):
     config = train_config(tmp_path, tracking, max_steps=100, step_sleep_seconds=0.03, checkpoint_every_steps=30,
                           checkpoint_at_epoch_end=False, hidden_size=2048 if moment == "save" else 32)
-    first = start_torchrun(config, tmp_path, name="first")
+    # during a save: through the container's supervisor, which passes the SIGTERM on to torchrun and its
+    # workers and exits with the contract's code itself
+    supervised = moment == "save"
+    first = start_torchrun(config, tmp_path, name="first", prefix=SUPERVISE if supervised else None)
     if moment == "save":
         first.wait_for("SAVING", lambda r: r["step"] == 30)
     else:
@@ -56,6 +61,8 @@ def test_sigterm_commits_a_checkpoint_exits_143_and_the_rerun_loses_no_committed
 
     store = open_store(config["store"]["uri"])
     assert torchrun_exit(rc, records.read_exit_record(store), first.started_at) == 143, first.output()[-3000:]
+    if supervised:
+        assert rc == ExitCode.PREEMPTED and "relaunch supervise: torchrun exit" in first.output(), first.output()[-3000:]
     summary = first.records("SUMMARY")[-1]
     assert summary["exit_code"] == 143 and summary["last_committed_step"] == summary["last_step"] >= 30
     run_id = summary["run_id"]

@@ -4,9 +4,10 @@ On a real tmpfs (tests/core/store_tmpfs.py) left with less room than a tensor of
 writer loses the ENOSPC of the payload's write inside its own ``RuntimeError: unexpected pos``; the save
 still fails as a full store, on every rank alike, the way a save whose first write fails does: one line
 naming the full disk, exit 2, nothing retried, the last commit intact and resumable, with recovery from
-memory on (the in-place agent) and off (torchrun). A rank that ends for a cause of its own (a task's bug on
-one rank) ends its peers, whose collective it broke, with that cause at once: not 137, not a wait for a
-replacement that no launcher starts.
+memory on (the in-place agent) and off (torchrun); the console says "not saved" once, and following the
+advice (free space, then ``relaunch run --resume``) finishes the training. A rank that ends for a cause of
+its own (a task's bug on one rank) ends its peers, whose collective it broke, with that cause at once: not
+137, not a wait for a replacement that no launcher starts.
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ def test_a_store_that_fills_in_the_middle_of_a_tensor_ends_the_run_in_one_line_w
         assert "No space left on device" in last and "cannot be written" in last and "relaunch run --resume" in last
         assert "unexpected pos" not in console and "peer worker" not in console and "recovering in place" not in console
         assert "↻" not in console and "exit 137" not in console, console[-4000:]
+        assert out.count("not saved") == 1, out[-4000:]  # the first failed save, said once on the console
         assert _pipeline_log(tmp_path).count('"kind": "exit"') == 1  # one attempt: nothing retried
         committed = int(re.search(r"step (\d+), the last committed checkpoint, is intact", last).group(1))
         training = next(fs.path.glob("store/trainings/*"))

@@ -2,7 +2,8 @@
 (tests/core/store_tmpfs.py): the training goes on past a failed save and says so once; a store that
 stays full stops it with exit 2 on every rank (never 137, never a restart loop), its last committed
 checkpoint intact and loadable; space that comes back lets the next save commit; a read-only store is
-refused before anything is written."""
+refused before anything is written. ``relaunch run`` into a store that fills, and its advice followed:
+tests/train/test_store_fills_midwrite.py."""
 
 from __future__ import annotations
 
@@ -127,32 +128,6 @@ def _ended(proc: subprocess.Popen, cwd, timeout: float = RUN_TIMEOUT) -> tuple[s
         kill_agents(cwd)
         out, err = proc.communicate()
         pytest.fail(f"relaunch run did not end in {timeout} s:\n{out[-3000:]}\n{err[-3000:]}")
-
-
-@pytest.mark.slow
-def test_relaunch_run_into_a_store_that_fills_ends_with_exit_2_retries_nothing_and_its_advice_resumes_it(tmp_path):
-    with mounted_tmpfs("16m") as fs:
-        args = ("--set", "train.checkpoint_every_steps=5", "--set", "train.max_steps=60",
-                "--set", "train.step_sleep_seconds=0.1")
-        proc = _relaunch_run(fs, tmp_path, *args)
-        deadline = time.monotonic() + RUN_TIMEOUT
-        while not list(fs.path.glob("store/trainings/*/checkpoints/latest.json")) and proc.poll() is None \
-                and time.monotonic() < deadline:
-            time.sleep(0.05)
-        fs.fill()
-        out, err = _ended(proc, tmp_path)
-        assert proc.returncode == 2, out[-3000:] + err[-3000:]
-        console, last = out + err, err.strip().splitlines()[-1]
-        assert "No space left on device" in last and "cannot be written" in last and "relaunch run --resume" in last
-        assert "↻" not in console and "exit 137" not in console and "peer worker" not in console, console[-3000:]
-        assert out.count("not saved") == 1, out[-3000:]  # the first failed save, said once on the console
-        log = "".join(p.read_text() for p in tmp_path.glob(".relaunch/runs/*/*/pipeline.log"))
-        assert log.count('"kind": "exit"') == 1, log[-3000:]  # torchrun's restarts of a permanent exit are not let run
-        committed = int(re.search(r"step (\d+), the last committed checkpoint, is intact", last).group(1))
-        fs.unfill()  # the advice: free space, then `relaunch run --resume`
-        proc = _relaunch_run(fs, tmp_path, *args, "--resume")
-        out, err = _ended(proc, tmp_path)
-    assert proc.returncode == 0 and f"resumed from step {committed}" in out, out[-3000:] + err[-3000:]
 
 
 def test_relaunch_run_into_a_read_only_store_is_refused_in_one_line_with_exit_2_and_writes_nothing(tmp_path):
