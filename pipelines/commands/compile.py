@@ -14,8 +14,10 @@ pipeline (a study: the trials fanned out, the best one evaluated and registered;
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
+from typing import NoReturn
 
 from ...components.core.contract.config_loading import config_from_cli
 from ...components.core.store import parse_store_uri
@@ -60,6 +62,7 @@ def render(target: str, config, cron: str = "0 3 * * *") -> str:
 
 def compile_command(args: argparse.Namespace) -> int:
     config = config_from_cli(args.config, None, args.overrides)
+    check_output(args.output)
     write_output(render(args.target, config, args.cron), args.output, args.target)
     warn_local_services(config, f"the {args.target} document")
     return 0
@@ -92,17 +95,31 @@ def warn_local_services(config, what: str) -> None:
               file=sys.stderr)
 
 
+def check_output(output: str) -> None:
+    """Refuse an ``-o`` whose folder does not exist, or that is a folder, before anything is rendered (a
+    render imports the compilers: seconds a mistyped path should not cost)."""
+    if output == "-":
+        return
+    folder = os.path.dirname(output) or "."
+    if not os.path.isdir(folder):
+        raise BadInput(f"-o {output}: the folder {folder!r} does not exist; create it (mkdir -p) or write elsewhere")
+    if os.path.isdir(output):
+        _cannot_write(output, os.strerror(errno.EISDIR))
+
+
 def write_output(text: str, output: str, what: str) -> None:
     """Write ``text`` to the file ``output`` (``-``: stdout) and say so on stderr."""
     if output == "-":
         sys.stdout.write(text)
         return
+    check_output(output)
     try:
         with open(output, "w") as fh:
             fh.write(text)
-    except FileNotFoundError if not os.path.isdir(os.path.dirname(output) or ".") else ():
-        raise BadInput(f"-o {output}: the folder {os.path.dirname(output) or '.'!r} does not exist; "
-                       "create it (mkdir -p) or write elsewhere") from None
     except OSError as err:
-        raise BadInput(f"-o {output}: cannot write it ({err.strerror}); write elsewhere or - for stdout") from None
+        _cannot_write(output, err.strerror)
     print(f"wrote {output} ({what})", file=sys.stderr)
+
+
+def _cannot_write(output: str, reason: str) -> NoReturn:
+    raise BadInput(f"-o {output}: cannot write it ({reason}); write elsewhere or - for stdout") from None

@@ -15,7 +15,7 @@ from ...components.core.contract.config import RelaunchConfig
 from ...components.core.contract.config_loading import config_from_cli
 from ...components.launchers import LAUNCH_BACKENDS, renderers
 from . import Subcommands
-from .compile import add_config_args, warn_local_services, write_output
+from .compile import add_config_args, check_output, warn_local_services, write_output
 
 
 def add_parser(sub: Subcommands, help_text: str) -> None:
@@ -29,6 +29,7 @@ def add_parser(sub: Subcommands, help_text: str) -> None:
 
 def render(args: argparse.Namespace) -> int:
     config = config_from_cli(args.config, None, args.overrides)
+    check_output(args.output)
     write_output(render_kind(args.kind, config, args.run_id), args.output, args.kind)
     if args.kind in cluster_kinds():
         warn_local_services(config, f"the {args.kind} document")

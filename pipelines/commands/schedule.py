@@ -48,6 +48,6 @@ def schedule_command(args: argparse.Namespace) -> int:
         return kfp_cluster.schedule(kfp_cluster.client(kfp_endpoint(args), namespace=args.namespace), package, config,
                                     cron=cron, version=version, arguments=params)
 
-    code = send(args, config, render("argo-cron", config, cron), schedule_on_kfp)
+    code = send(args, config, lambda: render("argo-cron", config, cron), schedule_on_kfp)
     warn_local_services(config, "the schedule")
     return code

@@ -65,8 +65,9 @@ def with_parameters(doc: dict, params: dict[str, str]) -> dict:
     return doc
 
 
-def create_argo_object(doc: dict, namespace: str) -> str:
-    """Create an Argo object through the Argo server (ARGO_SERVER, ARGO_TOKEN) or the Kubernetes API."""
+def create_argo_object(doc: dict, namespace: str, api_client=None) -> str:
+    """Create an Argo object through the Argo server (ARGO_SERVER, ARGO_TOKEN) or the Kubernetes API
+    (``api_client``, else one from :func:`kube_api_client`)."""
     if os.environ.get("ARGO_SERVER"):
         import requests
 
@@ -81,7 +82,7 @@ def create_argo_object(doc: dict, namespace: str) -> str:
         return resp.json()["metadata"]["name"]
     from kubernetes import client
 
-    api = client.CustomObjectsApi(kube_api_client())
+    api = client.CustomObjectsApi(api_client or kube_api_client())
     try:
         created = api.create_namespaced_custom_object(*ARGO, namespace, PLURALS[doc["kind"]], doc)
     except client.ApiException as err:
@@ -105,27 +106,30 @@ def submit_command(args: argparse.Namespace) -> int:
         return kfp_cluster.submit(kfp_cluster.client(kfp_endpoint(args), namespace=args.namespace), package, config,
                                   run_name=args.run_name, arguments=params).run_id
 
-    code = send(args, config, render("argo", config), submit_to_kfp, customize=name_the_run)
+    code = send(args, config, lambda: render("argo", config), submit_to_kfp, customize=name_the_run)
     warn_local_services(config, "the submitted run" if not args.dry_run else "this run")
     return code
 
 
-def send(args: argparse.Namespace, config, argo_yaml: str,
+def send(args: argparse.Namespace, config, argo_yaml: Callable[[], str],
          kfp_action: Callable[[object, Path, dict[str, str]], str],
          customize: Callable[[dict], None] | None = None) -> int:
-    """What submit and schedule share: the Argo document straight to the cluster, or the compiled KFP
-    package handed to ``kfp_action(kfp_cluster, package, params)``; ``--dry-run`` prints instead."""
+    """What submit and schedule share: the Argo document (rendered by ``argo_yaml()``, for that target
+    only) straight to the cluster, or the compiled KFP package handed to ``kfp_action(kfp_cluster,
+    package, params)``; ``--dry-run`` prints instead."""
     namespace = args.namespace or config.launch.kubernetes.namespace
     params = parse_params(args.param)
     if args.target == "argo":
-        doc = with_parameters(yaml.safe_load(argo_yaml), params)
+        # the credentials refused before anything is rendered
+        api_client = None if args.dry_run or os.environ.get("ARGO_SERVER") else kube_api_client()
+        doc = with_parameters(yaml.safe_load(argo_yaml()), params)
         doc["metadata"]["namespace"] = namespace
         if customize:
             customize(doc)
         if args.dry_run:
             sys.stdout.write(yaml.safe_dump(doc, sort_keys=True, width=1000))
             return 0
-        print(create_argo_object(doc, namespace))
+        print(create_argo_object(doc, namespace, api_client))
         return 0
     from .. import kfp_cluster
 
