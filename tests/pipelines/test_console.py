@@ -109,3 +109,17 @@ def test_each_attempts_end_is_shown_with_its_exit_code_and_its_reason_in_words(t
                 "attempt 4 finished at step 76 -> exit 0"]
     found = [next((i for i, line in enumerate(lines) if want in line), -1) for want in expected]
     assert -1 not in found and found == sorted(found), out.getvalue()
+
+
+def test_reading_every_steps_outputs_imports_no_torch_into_the_cli():
+    """The console builds each step's outputs dataclass from its module: importing those modules must not
+    import torch (about a CPU second in every ``relaunch run``, for a line of text)."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; from relaunch.pipelines.spec import STEP_TABLE; "
+             "[step.outputs_class() for step in STEP_TABLE.values()]; "
+             "print(sorted(m for m in ('torch', 'mlflow', 'matplotlib') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", done.stdout

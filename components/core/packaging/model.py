@@ -21,12 +21,13 @@ from ..contract.config import RelaunchConfig
 from ..contract.errors import BadInput
 from ..store import open_store
 from ..runtime.wiring import wire
-from ..trainer.state import TrainingState
 from ...tasks.base import load_task
 
 
 def load_model(task, mgr, step: int):
     """The task's model with the weights of committed checkpoint ``step`` (nothing unpickled)."""
+    from ..trainer.state import TrainingState  # torch: not for the CLI, which imports this for the step's outputs
+
     model = task.build_model()
     mgr.load(TrainingState(model), step=step)
     return model.eval()
