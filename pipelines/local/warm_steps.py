@@ -416,8 +416,12 @@ def serve(control: socket.socket, imports: tuple[str, ...], zygote_socket: str |
     for name in imports:
         with contextlib.suppress(Exception):
             importlib.import_module(name)
-    if zygote_socket:
+    if zygote_socket:  # the full server: the steps that train, evaluate and register
         warm_up()  # what the workers' first optimiser would import
+        with contextlib.suppress(Exception):
+            from ...components.core.packaging.model import prepare_requirement_checks
+
+            prepare_requirement_checks()  # what each fork's first saved model would compute
     gc.enable()
     gc.freeze()  # the forks never scan (and so never copy) what was imported
     closing_since: float | None = None
