@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from relaunch.components.core.runtime.zygote import AFTER_FIRST_STEP, Zygote, client_command
+from relaunch.components.core.runtime.zygote import Zygote, client_command
 
 ROOT = Path(__file__).resolve().parents[1]
 COLD_ENV = "RELAUNCH_TEST_COLD"
@@ -45,7 +45,7 @@ def _session_zygote() -> Zygote:
     if _zygote is None:
         _dir = tempfile.TemporaryDirectory(prefix="relaunch-test-zygote-")
         log = open(Path(_dir.name, "zygote.log"), "w")  # noqa: SIM115 - lives as long as the zygote
-        _zygote = Zygote(str(Path(_dir.name, "socket")), (*_WORKERS, *AFTER_FIRST_STEP), log=log,
+        _zygote = Zygote(str(Path(_dir.name, "socket")), _WORKERS, log=log,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=str(ROOT))
     return _zygote
 

@@ -33,7 +33,7 @@ from ...components.core.contract import events
 from ...components.core.contract.config import RelaunchConfig
 from ...components.core.contract.events import Kind
 from ...components.core.contract.exitcodes import ExitCode, normalize
-from ...components.core.runtime.zygote import AFTER_FIRST_STEP, Zygote
+from ...components.core.runtime.zygote import Zygote
 from ...components.core.store.records import read_exit_record, read_summary
 from ...components.core.tracking.context import Context
 from ...components.core.trainer.metrics_file import METRICS_FILE_ENV, read_new
@@ -143,7 +143,7 @@ class StudyRunner:
         with open(self.local_dir / "zygote.log", "a") as log, \
                 tempfile.TemporaryDirectory(prefix="relaunch-study-") as directory:  # a unix socket's path is short
             zygote = Zygote(os.path.join(directory, "zygote.sock"),
-                            (TRAIN_MODULE, self.config.train.task.split(":")[0], *AFTER_FIRST_STEP), log=log)
+                            (TRAIN_MODULE, self.config.train.task.split(":")[0]), log=log)
             self.zygote_env = zygote.env
             try:
                 yield

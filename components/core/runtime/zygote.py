@@ -62,13 +62,6 @@ PRELOAD = ("torch", "torch.distributed", "torch.distributed.run", "torch.distrib
 forked worker at its ``first-step`` event), MLflow excepted, which loads after it. Our modules are not named
 here: the starter names the worker's module and its task (``--preload``), and :func:`preload_modules` adds
 the modules of ours that those import inside functions or name in a table (:func:`named_modules`)."""
-AFTER_FIRST_STEP = ("mlflow.tracking", "mlflow.utils.rest_utils", "mlflow.utils.credentials",
-                    "mlflow.store.tracking.sqlalchemy_store", "mlflow.store.tracking.rest_store", "psutil",
-                    "matplotlib.pyplot")
-"""What a worker imports once it trains, off its training thread (the tracking client, system metrics, the
-goodput plot at its end: ~1.6 CPU s). A zygote that outlives many workers on one machine (a study's; the
-tests' session zygote, as the local step server's zygote holds them for its steps) preloads these too, so
-that each fork has them; a pod's zygote does not, so that its first generation's first step comes sooner."""
 OURS = __name__.split(".")[0] + "."
 """The prefix of our modules' names (``relaunch.``)."""
 ZYGOTE_DIR = "/tmp/relaunch-zygote"
@@ -116,8 +109,6 @@ def preload_modules(names: tuple[str, ...] | list[str]) -> None:
     is skipped: the worker then imports, or fails on, it itself, as cold), then :func:`warm_up`, then freeze
     what was imported out of the garbage collector's reach, so that the forks never scan, and so never copy,
     those pages."""
-    if any(name.startswith("matplotlib") for name in names):
-        os.environ.setdefault("MPLBACKEND", "Agg")  # as the local step server does: the forks draw no window
     gc.disable()  # imports allocate millions of objects that live as long as the process: ~20% faster
     try:
         todo, seen = list(names), set()
