@@ -22,6 +22,7 @@ import time
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -95,6 +96,19 @@ class Agent:
         zygote's clients; killing one kills its fork at once, as the loss of a cold worker)."""
         line = re.search(r"generation 0 workers: (.*)", self.output())
         return {int(r): int(p) for r, p in re.findall(r"rank(\d+)=(\d+)", line[1])} if line else {}
+
+    def kill_together(self, ranks) -> None:
+        """SIGKILL the processes the agent started for ``ranks`` at one instant, as a lost node's die: the
+        agent is stopped (SIGSTOP) while they die, so that it finds them all dead at once. Two kills in a
+        row would leave it a window, milliseconds on a busy machine, in which it sees one death alone."""
+        started = self.started_pids()
+        agent = psutil.Process(started[ranks[0]]).ppid()  # warm, the agent is a fork: not self.proc
+        os.kill(agent, signal.SIGSTOP)
+        try:
+            for rank in ranks:
+                os.kill(started[rank], signal.SIGKILL)
+        finally:
+            os.kill(agent, signal.SIGCONT)
 
     def worker_pids(self) -> dict[int, int]:
         """The pid of each rank of generation 0, as the worker itself printed it when it started (warm, the
@@ -214,8 +228,7 @@ def test_two_ranks_holding_each_others_replicas_killed_together_fall_back_to_the
     cfg = config(tmp_path, "both", "ddp")
     agent = Agent(cfg, tmp_path, 2)
     agent.wait_for_step(24)
-    for pid in agent.started_pids().values():
-        os.kill(pid, signal.SIGKILL)
+    agent.kill_together([0, 1])
     assert agent.wait() == 0, agent.output()[-4000:]
     recovery = [r for r in agent.restores() if r["step"] >= 0]
     assert sorted(r["rank"] for r in recovery) == [0, 1] and all(r["source"] == "store" and r["bytes"] > 0
@@ -230,9 +243,8 @@ def test_a_rank_lost_with_the_holder_of_its_replica_makes_every_rank_read_the_st
     cfg = config(tmp_path, "pair", "ddp")
     agent = Agent(cfg, tmp_path, 4)
     agent.wait_for_step(24)
-    started, first = agent.started_pids(), agent.worker_pids()
-    for rank in (1, 2):  # rank 2 holds rank 1's replica
-        os.kill(started[rank], signal.SIGKILL)
+    first = agent.worker_pids()
+    agent.kill_together([1, 2])  # rank 2 holds rank 1's replica
     assert agent.wait() == 0, agent.output()[-4000:]
     recovery = [r for r in agent.restores() if r["step"] >= 0]
     assert sorted(r["rank"] for r in recovery) == [0, 1, 2, 3], agent.output()[-4000:]
