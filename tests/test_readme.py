@@ -76,7 +76,7 @@ def test_every_heading_of_a_page_is_a_heading_not_a_pasted_line(page):
 
 
 def test_the_readme_states_make_tests_time_and_its_goal():
-    assert "about 28 minutes on 2 cores (goal ~12)" in _text()
+    assert "about 18 minutes on 2 cores (goal ~12)" in _text()
 
 
 def test_the_readmes_summary_line_is_the_one_the_console_prints():
