@@ -27,11 +27,21 @@ def start(cwd: Path, *args: str) -> subprocess.Popen:
 
 def wait_for_step(proc: subprocess.Popen, cwd: Path, step: int) -> None:
     """Until the run's progress events reach ``step`` (a hang or an early end fails the test)."""
+    _wait(proc, lambda: steps_trained(cwd) >= step, f"the training never reached step {step}", poll=0.1)
+
+
+def wait_for_save(proc: subprocess.Popen, cwd: Path, step: int) -> None:
+    """Until the run's events say the checkpoint of ``step`` is being written (a hang or an early end fails
+    the test); polled often: the moment it starts is the one a test aims at."""
+    _wait(proc, lambda: saving(cwd, step), f"the training never saved step {step}", poll=0.02)
+
+
+def _wait(proc: subprocess.Popen, reached, never: str, poll: float) -> None:
     deadline = time.monotonic() + RUN_TIMEOUT  # a bound for a hang, not a timed assertion
-    while steps_trained(cwd) < step:
+    while not reached():
         assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, f"the training never reached step {step}"
-        time.sleep(0.1)
+        assert time.monotonic() < deadline, never
+        time.sleep(poll)
 
 
 def alive(processes: list[psutil.Process]) -> list[str]:
@@ -43,16 +53,6 @@ def alive(processes: list[psutil.Process]) -> list[str]:
         except psutil.NoSuchProcess:
             pass
     return left
-
-
-def wait_for_save(proc: subprocess.Popen, cwd: Path, step: int) -> None:
-    """Until the run's events say the checkpoint of ``step`` is being written (a hang or an early end fails
-    the test); polled often: the moment it starts is the one a test aims at."""
-    deadline = time.monotonic() + RUN_TIMEOUT  # a bound for a hang, not a timed assertion
-    while not saving(cwd, step):
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, f"the training never saved step {step}"
-        time.sleep(0.02)
 
 
 def interrupt(cwd: Path, send, at_step: int = 1, at_save: int | None = None
