@@ -107,10 +107,15 @@ def finish(proc: subprocess.Popen, cwd: Path) -> tuple[int, str, str]:
     try:
         out, err = proc.communicate(timeout=RUN_TIMEOUT)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            kill_agents(cwd)
+        kill_run(proc, cwd)
     return proc.returncode, out, err
+
+
+def kill_run(proc: subprocess.Popen, cwd: Path) -> None:
+    """If the run still runs: SIGKILL it, its group and its torchrun agents (their own sessions)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        kill_agents(cwd)
 
 
 def trainings(cwd: Path) -> dict:

@@ -1,10 +1,10 @@
 """Stopping ``relaunch run`` cleanly with Ctrl-C (SIGINT to the ``relaunch run`` process alone, or a
-terminal's to its whole foreground group) while the training trains, even as an asynchronous save starts: the training commits a
-checkpoint of the step it stopped at, relaunch says so in one line and exits 143, every time (before, the warm
-servers died of the SIGTERM meant for the steps, their workers with them, and the code was 130 or 143
-by timing), and no process of the run is left; the console names only committed checkpoints; the
-MLflow run is KILLED with the reason until ``--resume`` continues it at once and ends it FINISHED with
-the training's own configuration; ``relaunch trainings`` follows each state. Real processes
+terminal's to its whole foreground group) while the training trains, even as an asynchronous save
+starts: the training commits a checkpoint of the step it stopped at, relaunch says so in one line and
+exits 143, every time (before, the warm servers died of the SIGTERM meant for the steps, their workers
+with them, and the code was 130 or 143 by timing), and no process of the run is left; the console
+names only committed checkpoints; the MLflow run is KILLED with the reason until ``--resume`` continues
+it at once and ends it FINISHED with the training's own configuration; ``relaunch trainings`` follows each state. Real processes
 throughout: the CLI, kfp.local's steps, torchrun agents in their own sessions, workers."""
 
 from __future__ import annotations

@@ -12,8 +12,7 @@ import signal
 import pytest
 
 from relaunch.components.core.contract.exitcodes import ExitCode
-from tests.cli import kill_agents
-from tests.pipelines.interrupting import RUN_TIMEOUT, SHORT, finish, start, wait_for_save
+from tests.pipelines.interrupting import RUN_TIMEOUT, SHORT, finish, kill_run, start, wait_for_save
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * RUN_TIMEOUT)]
 
@@ -26,8 +25,7 @@ def test_ctrl_c_while_a_save_is_in_flight_on_the_cold_path_still_commits_the_ste
     try:
         wait_for_save(proc, tmp_path, 20)
     except AssertionError:
-        os.killpg(proc.pid, signal.SIGKILL)
-        kill_agents(tmp_path)
+        kill_run(proc, tmp_path)
         raise
     os.kill(proc.pid, signal.SIGINT)
     code, out, err = finish(proc, tmp_path)
